@@ -1,0 +1,201 @@
+use super::{Arg, Attr, Error, Result, Ret};
+use crate::invalid;
+use std::cell::Cell;
+use std::ffi::CString;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use xla_ffi_sys as sys;
+
+/// Properties a handler promises XLA (reported in its metadata).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Traits(sys::XLA_FFI_Handler_Traits);
+
+impl Traits {
+    pub const NONE: Self = Self(0);
+    /// Launches the same device work on every call: safe to capture in a CUDA graph.
+    pub const COMMAND_BUFFER_COMPATIBLE: Self = Self(sys::XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
+}
+
+/// One call of a handler at the execute stage: its arguments, results and attributes.
+pub struct Call<'a> {
+    frame: &'a sys::XLA_FFI_CallFrame,
+    rets_taken: Cell<u64>,
+}
+
+impl<'a> Call<'a> {
+    /// The number of arguments passed.
+    pub fn num_args(&self) -> usize {
+        self.frame.args.size.max(0) as usize
+    }
+
+    /// Checks the argument count is within `min..=max`.
+    pub fn expect_num_args(&self, min: usize, max: usize) -> Result<()> {
+        let n = self.num_args();
+        if n < min || n > max {
+            let want = if min == max { min.to_string() } else { format!("{min} to {max}") };
+            invalid!("got {n} arguments, expected {want}")
+        }
+        Ok(())
+    }
+
+    /// Argument `index`, called `name` in error messages.
+    pub fn arg(&self, index: usize, name: &'static str) -> Result<Arg<'a>> {
+        self.optional_arg(index, name)?
+            .ok_or_else(|| Error::invalid_argument(format!("argument {index} ({name}) is missing")))
+    }
+
+    /// Argument `index` if it was passed.
+    pub fn optional_arg(&self, index: usize, name: &'static str) -> Result<Option<Arg<'a>>> {
+        let args = &self.frame.args;
+        if index >= self.num_args() {
+            return Ok(None);
+        }
+        // SAFETY: XLA passes `size` argument types and pointers.
+        let (kind, ptr) = unsafe { (*args.types.add(index), *args.args.add(index)) };
+        if kind != sys::XLA_FFI_ArgType_BUFFER {
+            invalid!("argument {index} ({name}) is not a buffer")
+        }
+        // SAFETY: a BUFFER argument points at an `XLA_FFI_Buffer`.
+        Ok(Some(Arg::new(unsafe { &*ptr.cast::<sys::XLA_FFI_Buffer>() }, name)))
+    }
+
+    /// Result `index`, called `name` in error messages; each result is handed out once.
+    pub fn ret(&self, index: usize, name: &'static str) -> Result<Ret<'a>> {
+        let rets = &self.frame.rets;
+        if index >= rets.size.max(0) as usize {
+            invalid!("result {index} ({name}) is missing: the call has {} results", rets.size)
+        }
+        let bit = 1u64 << index.min(63);
+        if self.rets_taken.get() & bit != 0 {
+            return Err(Error::internal(format!("result {index} ({name}) taken twice")));
+        }
+        self.rets_taken.set(self.rets_taken.get() | bit);
+        // SAFETY: XLA passes `size` result types and pointers.
+        let (kind, ptr) = unsafe { (*rets.types.add(index), *rets.rets.add(index)) };
+        if kind != sys::XLA_FFI_RetType_BUFFER {
+            invalid!("result {index} ({name}) is not a buffer")
+        }
+        // SAFETY: a BUFFER result points at an `XLA_FFI_Buffer`.
+        Ok(Ret::new(unsafe { &*ptr.cast::<sys::XLA_FFI_Buffer>() }, name))
+    }
+
+    /// The attribute `name`, decoded as `T`.
+    pub fn attr<T: Attr<'a>>(&self, name: &str) -> Result<T> {
+        let attrs = &self.frame.attrs;
+        for i in 0..attrs.size.max(0) as usize {
+            // SAFETY: XLA passes `size` attribute names, types and values.
+            let (span, kind, value) = unsafe { (&**attrs.names.add(i), *attrs.types.add(i), *attrs.attrs.add(i)) };
+            // SAFETY: a byte span of `len` bytes.
+            let key = unsafe { std::slice::from_raw_parts(span.ptr.cast::<u8>(), span.len) };
+            if key == name.as_bytes() {
+                // SAFETY: `value` is the attribute that `kind` describes.
+                return unsafe { T::decode(name, kind, value.cast_const()) };
+            }
+        }
+        invalid!("attribute `{name}` ({}) is missing", T::EXPECTED)
+    }
+}
+
+/// Runs `body` as the handler `target` for the call frame XLA passed.
+///
+/// Answers XLA's metadata query, refuses any stage but execute, and turns an
+/// error or a panic into an `XLA_FFI_Error` whose message starts with `target`.
+///
+/// # Safety
+/// `frame` must be null or a call frame handed over by the XLA runtime.
+pub unsafe fn run_handler(
+    target: &'static str,
+    traits: Traits,
+    frame: *mut sys::XLA_FFI_CallFrame,
+    body: fn(&Call) -> Result<()>,
+) -> *mut sys::XLA_FFI_Error {
+    let Some(frame) = frame.as_mut() else {
+        return std::ptr::null_mut();
+    };
+    let api = frame.api;
+    let outcome = catch_unwind(AssertUnwindSafe(|| dispatch(frame, traits, body)));
+    let error = match outcome {
+        Ok(Ok(())) => return std::ptr::null_mut(),
+        Ok(Err(error)) => error,
+        Err(panic) => Error::internal(format!("internal error (panic): {}", panic_message(&*panic))),
+    };
+    create_error(api, target, &error)
+}
+
+fn dispatch(frame: &mut sys::XLA_FFI_CallFrame, traits: Traits, body: fn(&Call) -> Result<()>) -> Result<()> {
+    if frame.struct_size < sys::XLA_FFI_CallFrame_STRUCT_SIZE as usize {
+        return Err(Error::internal(format!(
+            "XLA passed a call frame of {} bytes, expected at least {}: the XLA FFI API in use is older than oxmoe's (0.{})",
+            frame.struct_size,
+            sys::XLA_FFI_CallFrame_STRUCT_SIZE,
+            sys::XLA_FFI_API_MINOR
+        )));
+    }
+    // SAFETY: XLA's extension chain is a linked list of valid extensions.
+    if let Some(metadata) = unsafe { find_metadata(frame.extension_start) } {
+        return fill_metadata(metadata, traits);
+    }
+    if frame.stage != sys::XLA_FFI_ExecutionStage_EXECUTE {
+        invalid!("called at execution stage {}, but oxmoe handlers run at the execute stage (3) only", frame.stage)
+    }
+    body(&Call { frame, rets_taken: Cell::new(0) })
+}
+
+unsafe fn find_metadata(mut extension: *mut sys::XLA_FFI_Extension_Base) -> Option<&'static mut sys::XLA_FFI_Metadata_Extension> {
+    while let Some(ext) = extension.as_mut() {
+        if ext.type_ == sys::XLA_FFI_Extension_Metadata {
+            return Some(&mut *extension.cast::<sys::XLA_FFI_Metadata_Extension>());
+        }
+        extension = ext.next;
+    }
+    None
+}
+
+/// Tells XLA which FFI API version the handler was built against, and its traits.
+fn fill_metadata(extension: &mut sys::XLA_FFI_Metadata_Extension, traits: Traits) -> Result<()> {
+    if extension.extension_base.struct_size < sys::XLA_FFI_Metadata_Extension_STRUCT_SIZE as usize {
+        return Err(Error::internal("XLA passed a metadata extension smaller than XLA FFI API 0.3 defines"));
+    }
+    // SAFETY: the extension carries a valid metadata pointer.
+    let Some(metadata) = (unsafe { extension.metadata.as_mut() }) else {
+        return Err(Error::internal("XLA passed a metadata extension without metadata"));
+    };
+    if metadata.struct_size < sys::XLA_FFI_Metadata_STRUCT_SIZE as usize {
+        return Err(Error::internal("XLA passed metadata smaller than XLA FFI API 0.3 defines"));
+    }
+    metadata.api_version = sys::XLA_FFI_Api_Version {
+        struct_size: sys::XLA_FFI_Api_Version_STRUCT_SIZE as usize,
+        extension_start: std::ptr::null_mut(),
+        major_version: sys::XLA_FFI_API_MAJOR as i32,
+        minor_version: sys::XLA_FFI_API_MINOR as i32,
+    };
+    metadata.traits = traits.0;
+    Ok(())
+}
+
+fn create_error(api: *const sys::XLA_FFI_Api, target: &str, error: &Error) -> *mut sys::XLA_FFI_Error {
+    // SAFETY: XLA passes a valid API table with every call frame.
+    let Some(create) = (unsafe { api.as_ref() }).and_then(|api| api.XLA_FFI_Error_Create) else {
+        return std::ptr::null_mut();
+    };
+    let text = format!("{target}: {}", error.message()).replace('\0', " ");
+    let message = CString::new(text).expect("NUL bytes were replaced");
+    let mut args = sys::XLA_FFI_Error_Create_Args {
+        struct_size: sys::XLA_FFI_Error_Create_Args_STRUCT_SIZE as usize,
+        extension_start: std::ptr::null_mut(),
+        message: message.as_ptr(),
+        errc: error.code(),
+    };
+    // SAFETY: XLA copies the message; `args` lives across the call.
+    unsafe { create(&mut args) }
+}
+
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(text) = panic.downcast_ref::<&str>() {
+        (*text).to_owned()
+    } else if let Some(text) = panic.downcast_ref::<String>() {
+        text.clone()
+    } else {
+        "unknown panic".to_owned()
+    }
+}
+

@@ -1,0 +1,19 @@
+//! oxmoe: Mixture-of-Experts primitives for JAX, exported as XLA FFI handlers.
+//!
+//! Layers, each only calling down: [`ffi`] (a safe view of XLA's call frame),
+//! the primitive families ([`router`]) with their CPU implementations as the
+//! executable specification, and the `extern "C"` handlers registered by the
+//! Python package `oxmoe`.
+
+pub mod ffi;
+pub mod real;
+pub mod router;
+
+use std::ffi::c_char;
+
+/// The library's version and the commit it was built from, e.g. `0.1.0+1a2b3c4`,
+/// so the Python package can tell a stale library from the one it expects.
+#[no_mangle]
+pub extern "C" fn oxmoe_build_id() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "+", env!("OXMOE_GIT_COMMIT"), "\0").as_ptr().cast()
+}
