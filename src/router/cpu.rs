@@ -229,7 +229,8 @@ pub fn topk_backward<T: Real>(config: &TopkConfig, grad_probs: &[T], logits: &[T
                             (1.0, 0.0)
                         };
                         for i in 0..e {
-                            let value = if selected(i) { (g(i) - dot) / sum * s[i] * (1.0 - s[i]) } else { 0.0 };
+                            // sigmoid' = s * (1 - s), with 1 - s as sigmoid(-x): no cancellation near s = 1.
+                            let value = if selected(i) { (g(i) - dot) / sum * s[i] * sigmoid(-x[i]) } else { 0.0 };
                             out[i] = T::from_f32(value);
                         }
                     }
@@ -299,8 +300,8 @@ pub fn scores_backward<T: Real>(score_function: ScoreFunction, num_experts: usiz
                     let value = match score_function {
                         // u = exp(x): u_i' / sum(u) = q_i.
                         ScoreFunction::Softmax => q[i] * (g[i] - dot),
-                        // u = sigmoid(x): u_i' / sum(u) = q_i * (1 - sigmoid(x_i)).
-                        ScoreFunction::Sigmoid => q[i] * (1.0 - sigmoid(x[i])) * (g[i] - dot),
+                        // u = sigmoid(x): u_i' / sum(u) = q_i * (1 - sigmoid(x_i)) = q_i * sigmoid(-x_i).
+                        ScoreFunction::Sigmoid => q[i] * sigmoid(-x[i]) * (g[i] - dot),
                     };
                     out[i] = T::from_f32(value);
                 }
