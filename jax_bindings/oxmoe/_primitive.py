@@ -1,0 +1,197 @@
+"""oxmoe FFI targets as JAX primitives that work under jit, vmap and sharding.
+
+The router primitives (and the token-wise primitives to come) work on rows that
+are independent of each other: one row per token. That one fact gives every
+transformation rule:
+
+- batching: a vmapped axis folds into the token axis, so the FFI call sees one
+  larger ``[tokens, ...]`` matrix (other batchings run the call per batch element);
+- sharding: operands split along tokens run shard by shard with no
+  communication; a result that sums over tokens is summed across the token
+  shards with ``psum``.
+
+Each primitive is an outer JAX primitive (abstract evaluation and the batching
+rule) lowered through a ``custom_partitioning`` function around
+``jax.ffi.ffi_call``. The outer primitive exists because ``custom_partitioning``
+has no batching rule of its own.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax._src import dispatch  # apply_primitive and the registry of lowering-needs-devices primitives
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.extend.core import Primitive
+from jax.interpreters import batching, mlir
+from jax.sharding import NamedSharding, PartitionSpec
+
+from oxmoe import _library
+
+ResultSpecs = Callable[..., Sequence[jax.ShapeDtypeStruct]]
+
+
+class Layout(enum.Enum):
+    """How an operand or result of a primitive relates to the token rows."""
+
+    ROWS = "rows"
+    """``[tokens, experts]``: one row per token; split along tokens."""
+    WHOLE = "whole"
+    """Not per token (``[experts]`` or a scalar): the same on every token shard."""
+    SUM_OVER_ROWS = "sum_over_rows"
+    """A result that sums over all tokens: summed across token shards."""
+
+
+class FfiPrimitive:
+    """The FFI target ``target`` as a JAX primitive.
+
+    Args:
+      target: the handler's exported name, also the FFI target name.
+      operands: the layout of each operand (``ROWS`` or ``WHOLE``); trailing
+        ``WHOLE`` operands may be omitted by a call (optional arguments).
+      results: the layout of each result.
+      result_specs: ``(*operand avals, **params) -> [ShapeDtypeStruct]``, the
+        global shapes and dtypes of the results.
+      shape_params: the names of params that only shape the results; every
+        other param is passed to the handler as an FFI attribute.
+    """
+
+    def __init__(self, target: str, *, operands: Sequence[Layout], results: Sequence[Layout],
+                 result_specs: ResultSpecs, shape_params: Sequence[str] = ()):
+        self.target = _library.register(target)
+        self.operands = tuple(operands)
+        self.results = tuple(results)
+        self.result_specs = result_specs
+        self.shape_params = frozenset(shape_params)
+
+        self._primitive = Primitive(target)
+        self._primitive.multiple_results = True
+        self._primitive.def_impl(functools.partial(dispatch.apply_primitive, self._primitive))
+        self._primitive.def_abstract_eval(self._abstract_eval)
+        batching.primitive_batchers[self._primitive] = self._batch
+        self._partitioned = self._make_partitioned()
+        mlir.register_lowering(
+            self._primitive, mlir.lower_fun(self._lower, multiple_results=True))
+        dispatch.prim_requires_devices_during_lowering.add(self._primitive)
+
+    def __call__(self, *operands: jax.Array, **params: Any) -> list[jax.Array]:
+        """Binds the primitive; ``params`` are hashable (numpy scalars, str)."""
+        return self._primitive.bind(*operands, **params)
+
+    # -- abstract evaluation and lowering --------------------------------------
+
+    def _abstract_eval(self, *avals, **params):
+        return [jax.core.ShapedArray(s.shape, s.dtype) for s in self.result_specs(*avals, **params)]
+
+    def _lower(self, *operands, **params):
+        return self._partitioned(tuple(sorted(params.items())), *operands)
+
+    def _call_ffi(self, params: dict[str, Any], result_specs, *operands):
+        attrs = {k: v for k, v in params.items() if k not in self.shape_params}
+        return jax.ffi.ffi_call(self.target, list(result_specs))(*operands, **attrs)
+
+    # -- sharding ---------------------------------------------------------------
+
+    def _make_partitioned(self):
+        def unpartitioned(params, *operands):
+            specs = self.result_specs(*(jax.typeof(x) for x in operands), **dict(params))
+            return tuple(self._call_ffi(dict(params), specs, *operands))
+
+        partitioned = custom_partitioning(unpartitioned, static_argnums=(0,))
+        partitioned.def_partition(
+            partition=self._partition,
+            infer_sharding_from_operands=self._infer_result_shardings,
+            sharding_rule=self._sharding_rule,
+        )
+        return partitioned
+
+    def _token_axes(self, mesh, arg_shapes, result_shapes) -> tuple[str, ...]:
+        """The mesh axes the token rows are split over (empty: not split)."""
+        rows = [a for a, layout in zip(arg_shapes, self.operands) if layout is Layout.ROWS]
+        if not rows:  # e.g. a backward whose only per-token value is its result
+            rows = [r for r, layout in zip(result_shapes, self.results) if layout is Layout.ROWS]
+        sharding = rows[0].sharding if rows else None
+        if not isinstance(sharding, NamedSharding) or not sharding.spec:
+            return ()
+        axes = sharding.spec[0]
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        num_shards = math.prod(mesh.shape[a] for a in axes)
+        return axes if rows[0].shape[0] % num_shards == 0 else ()
+
+    @staticmethod
+    def _sharding(mesh, layout: Layout, token_axes, ndim: int) -> NamedSharding:
+        if layout is Layout.ROWS and token_axes:
+            return NamedSharding(mesh, PartitionSpec(token_axes, *([None] * (ndim - 1))))
+        return NamedSharding(mesh, PartitionSpec())
+
+    def _result_shardings(self, mesh, token_axes, result_shapes):
+        return tuple(self._sharding(mesh, layout, token_axes, len(r.shape))
+                     for layout, r in zip(self.results, result_shapes))
+
+    def _infer_result_shardings(self, params, mesh, arg_shapes, result_shapes):
+        del params
+        token_axes = self._token_axes(mesh, arg_shapes, result_shapes)
+        return self._result_shardings(mesh, token_axes, result_shapes)
+
+    def _partition(self, params, mesh, arg_shapes, result_shapes):
+        token_axes = self._token_axes(mesh, arg_shapes, result_shapes)
+        arg_shardings = tuple(self._sharding(mesh, layout, token_axes, len(a.shape))
+                              for layout, a in zip(self.operands, arg_shapes))
+        result_shardings = self._result_shardings(mesh, token_axes, result_shapes)
+        local_specs = [jax.ShapeDtypeStruct(s.shard_shape(r.shape), r.dtype)
+                       for s, r in zip(result_shardings, result_shapes)]
+
+        def per_shard(*operands):
+            outs = self._call_ffi(dict(params), local_specs, *operands)
+            return tuple(jax.lax.psum(out, token_axes) if layout is Layout.SUM_OVER_ROWS and token_axes
+                         else out for out, layout in zip(outs, self.results))
+
+        return mesh, per_shard, result_shardings, arg_shardings
+
+    def _sharding_rule(self, params, mesh, operand_types, result_types):
+        """Shardy's view: ``t`` (tokens) may be split, ``e`` (experts) may not."""
+        del params, mesh
+
+        def factors(layout, ir_type):
+            if layout is Layout.ROWS:
+                return "t e"
+            return "e" if len(ir_type.shape) == 1 else ""
+
+        operands = [factors(l, t) for l, t in zip(self.operands, operand_types)]
+        results = [factors(l, t) for l, t in zip(self.results, result_types)]
+        reductions = ("t",) if Layout.SUM_OVER_ROWS in self.results else ()
+        rule = f"{', '.join(operands)} -> {', '.join(results)}"
+        return rule, {"need_replication_factors": ("e",), "reduction_factors": reductions}
+
+    # -- batching ---------------------------------------------------------------
+
+    def _batch(self, args, dims, **params):
+        mapped = [d is not None for d in dims]
+        folds_into_rows = (
+            all(r is Layout.ROWS for r in self.results)
+            and all(l is Layout.ROWS for l, m in zip(self.operands, mapped) if m))
+        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+        if folds_into_rows:
+            folded = []
+            for x, d, layout in zip(args, dims, self.operands):
+                if layout is Layout.ROWS:
+                    x = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
+                    x = x.reshape(-1, *x.shape[2:])
+                folded.append(x)
+            outs = self(*folded, **params)
+            return [o.reshape(size, -1, *o.shape[1:]) for o in outs], [0] * len(outs)
+
+        moved = [jnp.moveaxis(x, d, 0) for x, d in zip(args, dims) if d is not None]
+
+        def one_element(slices):
+            it = iter(slices)
+            return tuple(self(*(next(it) if m else x for x, m in zip(args, mapped)), **params))
+
+        outs = jax.lax.map(one_element, tuple(moved))
+        return list(outs), [0] * len(outs)

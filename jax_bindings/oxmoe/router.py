@@ -1,0 +1,316 @@
+"""Router primitives: top-k expert selection and the load-balancing loss.
+
+Every function takes ``[..., E]`` arrays (any leading dims count as tokens),
+computes in float32 whatever the input dtype, is differentiable, and works
+under ``jit``, ``vmap`` and with inputs sharded along the tokens (each shard
+routes its own tokens; the loss is summed across shards).
+
+Ties between equal scores go to the lower expert index; NaN ranks lowest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oxmoe._primitive import FfiPrimitive, Layout
+
+__all__ = ["topk", "aux_loss_scores", "aux_loss"]
+
+SCORE_FUNCTIONS = ("softmax", "sigmoid")
+_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+ROWS, WHOLE, SUM_OVER_ROWS = Layout.ROWS, Layout.WHOLE, Layout.SUM_OVER_ROWS
+
+
+def _like(x, dtype=None):
+    return jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)
+
+
+_topk_fwd = FfiPrimitive(
+    "oxmoe_topk_fwd", operands=(ROWS, WHOLE), results=(ROWS, ROWS),
+    result_specs=lambda logits, *bias, **_: [_like(logits), _like(logits, jnp.bool_)])
+_topk_bwd = FfiPrimitive(
+    "oxmoe_topk_bwd", operands=(ROWS, ROWS, ROWS), results=(ROWS,),
+    result_specs=lambda grad, logits, routing_map, **_: [_like(logits)])
+_scores_fwd = FfiPrimitive(
+    "oxmoe_aux_loss_scores_fwd", operands=(ROWS,), results=(ROWS, ROWS),
+    result_specs=lambda logits, **_: [_like(logits, jnp.bool_), _like(logits, jnp.float32)])
+_scores_bwd = FfiPrimitive(
+    "oxmoe_aux_loss_scores_bwd", operands=(ROWS, ROWS), results=(ROWS,),
+    result_specs=lambda grad, logits, **_: [_like(logits)])
+_aux_loss_fwd = FfiPrimitive(
+    "oxmoe_aux_loss_fwd", operands=(ROWS, WHOLE), results=(SUM_OVER_ROWS,),
+    result_specs=lambda probs, counts, **_: [jax.ShapeDtypeStruct((), jnp.float32)])
+_aux_loss_bwd = FfiPrimitive(
+    "oxmoe_aux_loss_bwd", operands=(WHOLE, WHOLE), results=(ROWS,),
+    result_specs=lambda grad, counts, *, num_tokens, dtype, **_: [
+        jax.ShapeDtypeStruct((num_tokens, counts.shape[0]), dtype)],
+    shape_params=("num_tokens", "dtype"))
+
+
+# -- argument checks ----------------------------------------------------------
+
+def _check_matrix(name: str, x) -> int:
+    """Checks ``x`` is a float ``[..., tokens, experts]`` array; returns the expert count."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
+    if x.ndim < 2:
+        raise ValueError(f"{name} must have rank >= 2 ([..., tokens, num_experts]), "
+                         f"got shape {tuple(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    return x.shape[-1]
+
+
+def _check_count(name: str, value, low: int, high: int | None = None, why: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bounds = f"{low} <= {name}" + (f" <= {high}" if high is not None else "")
+        raise ValueError(f"{name} must satisfy {bounds}{why}, got {value}")
+    return value
+
+
+def _check_score_function(score_function) -> str:
+    if score_function not in SCORE_FUNCTIONS:
+        raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
+    return score_function
+
+
+def _check_real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+    return float(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class TopkConfig:
+    """A validated top-k routing configuration (see :func:`topk`)."""
+
+    num_experts: int
+    topk: int
+    score_function: str
+    use_pre_softmax: bool
+    num_groups: int
+    group_topk: int
+    scaling_factor: float
+
+    def fwd_attrs(self) -> dict:
+        return dict(self.bwd_attrs(), num_groups=np.int64(self.num_groups),
+                    group_topk=np.int64(self.group_topk))
+
+    def bwd_attrs(self) -> dict:
+        return dict(topk=np.int64(self.topk), score_function=self.score_function,
+                    use_pre_softmax=np.bool_(self.use_pre_softmax),
+                    scaling_factor=np.float32(self.scaling_factor))
+
+
+def _topk_config(num_experts, topk, score_function, use_pre_softmax, num_groups, group_topk,
+                 scaling_factor, has_bias) -> TopkConfig:
+    e = num_experts
+    topk = _check_count("topk", topk, 1, e, f" (the number of experts is {e})")
+    score_function = _check_score_function(score_function)
+    if not isinstance(use_pre_softmax, (bool, np.bool_)):
+        raise ValueError(f"use_pre_softmax must be a bool, got {use_pre_softmax!r}")
+    if use_pre_softmax and score_function != "softmax":
+        raise ValueError("use_pre_softmax=True applies to score_function='softmax' only, "
+                         f"got score_function={score_function!r}")
+    if has_bias and score_function != "sigmoid":
+        raise ValueError("expert_bias applies to score_function='sigmoid' only, "
+                         f"got score_function={score_function!r}")
+    if (num_groups is None) != (group_topk is None):
+        raise ValueError("num_groups and group_topk go together: give both or neither, got "
+                         f"num_groups={num_groups!r}, group_topk={group_topk!r}")
+    if num_groups is None:
+        num_groups = group_topk = 1
+    else:
+        num_groups = _check_count("num_groups", num_groups, 1, e)
+        if e % num_groups:
+            raise ValueError(f"num_groups must divide the number of experts ({e}), got {num_groups}")
+        group_topk = _check_count("group_topk", group_topk, 1, min(num_groups, topk),
+                                  f" (num_groups is {num_groups}, topk is {topk}: each selected "
+                                  "group's score sums its best topk // group_topk experts)")
+        selectable = group_topk * (e // num_groups)
+        if topk > selectable:
+            raise ValueError(f"topk must be <= group_topk * num_experts / num_groups = {selectable} "
+                             f"(the experts in the best groups), got {topk}")
+    scaling = 1.0 if scaling_factor is None else _check_real("scaling_factor", scaling_factor)
+    return TopkConfig(e, topk, score_function, bool(use_pre_softmax), num_groups, group_topk, scaling)
+
+
+# -- topk ---------------------------------------------------------------------
+
+def topk(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_groups=None,
+         group_topk=None, scaling_factor=None, expert_bias=None):
+    """Selects ``topk`` experts per token and their routing weights.
+
+    Args:
+      logits: ``[..., E]`` float32, bfloat16 or float16 router logits.
+      topk: experts per token, ``1 <= topk <= E``.
+      score_function: ``"softmax"`` or ``"sigmoid"``.
+      use_pre_softmax: softmax only. ``True``: select the top-k of
+        ``softmax(logits)`` and weight by those scores; ``False`` (default):
+        select the top-k logits and weight by a softmax over those k.
+      num_groups, group_topk: group-limited routing (DeepSeek-V3): the experts
+        form ``num_groups`` consecutive groups, a group ranks by the sum of its
+        best ``topk // group_topk`` selection scores, and only experts of the
+        best ``group_topk`` groups can be selected. Give both or neither.
+      scaling_factor: multiplies the weights (default 1).
+      expert_bias: ``[E]`` float32, sigmoid only: added to ``sigmoid(logits)``
+        to choose the experts (aux-loss-free balancing) but not to the weights,
+        which are the sigmoid scores of the selection normalised to sum 1
+        (when ``topk > 1``). Receives a zero gradient.
+
+    Returns:
+      ``(probs, routing_map)``: ``probs [..., E]`` in the logits' dtype, zero
+      off the selected experts; ``routing_map [..., E]`` bool.
+    """
+    e = _check_matrix("logits", logits)
+    if expert_bias is not None:
+        if getattr(expert_bias, "shape", None) != (e,):
+            raise ValueError(f"expert_bias must have shape ({e},), got {getattr(expert_bias, 'shape', expert_bias)}")
+        if expert_bias.dtype != jnp.float32:
+            raise TypeError(f"expert_bias must be float32, got {expert_bias.dtype}")
+    config = _topk_config(e, topk, score_function, use_pre_softmax, num_groups, group_topk,
+                          scaling_factor, expert_bias is not None)
+    probs, routing_map = _topk(logits.reshape(-1, e), expert_bias, config)
+    return probs.reshape(logits.shape), routing_map.reshape(logits.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _topk(logits, expert_bias, config):
+    bias = () if expert_bias is None else (expert_bias,)
+    return tuple(_topk_fwd(logits, *bias, **config.fwd_attrs()))
+
+
+def _topk_vjp_fwd(logits, expert_bias, config):
+    probs, routing_map = _topk(logits, expert_bias, config)
+    return (probs, routing_map), (logits, routing_map, expert_bias)
+
+
+def _topk_vjp_bwd(config, residuals, cotangents):
+    logits, routing_map, expert_bias = residuals
+    grad_probs = cotangents[0].astype(logits.dtype)
+    (grad_logits,) = _topk_bwd(grad_probs, logits, routing_map, **config.bwd_attrs())
+    return grad_logits, None if expert_bias is None else jnp.zeros_like(expert_bias)
+
+
+_topk.defvjp(_topk_vjp_fwd, _topk_vjp_bwd)
+
+
+# -- aux_loss_scores ----------------------------------------------------------
+
+def aux_loss_scores(logits, topk, *, score_function="softmax"):
+    """Dense per-token scores and routing of the load-balancing loss.
+
+    Args:
+      logits: ``[..., E]`` float32, bfloat16 or float16 router logits.
+      topk: experts per token, ``1 <= topk <= E``.
+      score_function: ``"softmax"`` (scores = softmax(logits)) or
+        ``"sigmoid"`` (scores = sigmoid(logits) normalised to sum 1 per token).
+
+    Returns:
+      ``(routing_map, scores)``: ``routing_map [..., E]`` bool, the plain
+      top-k of the scores (no groups, no bias); ``scores [..., E]`` float32,
+      differentiable.
+    """
+    e = _check_matrix("logits", logits)
+    topk = _check_count("topk", topk, 1, e, f" (the number of experts is {e})")
+    score_function = _check_score_function(score_function)
+    routing_map, scores = _scores(logits.reshape(-1, e), topk, score_function)
+    return routing_map.reshape(logits.shape), scores.reshape(logits.shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _scores(logits, topk, score_function):
+    return tuple(_scores_fwd(logits, topk=np.int64(topk), score_function=score_function))
+
+
+def _scores_vjp_fwd(logits, topk, score_function):
+    outs = _scores(logits, topk, score_function)
+    return outs, logits
+
+
+def _scores_vjp_bwd(topk, score_function, logits, cotangents):
+    grad_scores = cotangents[1].astype(jnp.float32)
+    (grad_logits,) = _scores_bwd(grad_scores, logits, score_function=score_function)
+    return (grad_logits,)
+
+
+_scores.defvjp(_scores_vjp_fwd, _scores_vjp_bwd)
+
+
+# -- aux_loss -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class AuxLossConfig:
+    """A validated load-balancing loss configuration (see :func:`aux_loss`)."""
+
+    total_num_tokens: int
+    topk: int
+    coeff: float
+
+    def attrs(self) -> dict:
+        return dict(total_num_tokens=np.int64(self.total_num_tokens), topk=np.int64(self.topk),
+                    coeff=np.float32(self.coeff))
+
+
+def aux_loss(probs, tokens_per_expert, *, total_num_tokens, topk, coeff):
+    """The switch load-balancing loss.
+
+    ``coeff * E / (topk * total_num_tokens**2) * sum_e P_e * tokens_per_expert[e]``
+    where ``P_e = sum_t probs[t, e]`` over every token (all leading dims).
+
+    Args:
+      probs: ``[..., E]`` float32, bfloat16 or float16 routing probabilities
+        (e.g. the scores of :func:`aux_loss_scores`).
+      tokens_per_expert: ``[E]`` int32 or float token counts; a constant (it
+        receives no gradient).
+      total_num_tokens: the number of tokens the counts were taken over
+        (across all data-parallel shards), ``>= 1``.
+      topk: experts per token, ``1 <= topk <= E``.
+      coeff: the loss coefficient.
+
+    Returns:
+      The loss, a float32 scalar, differentiable in ``probs``.
+    """
+    e = _check_matrix("probs", probs)
+    if getattr(tokens_per_expert, "shape", None) != (e,):
+        raise ValueError(f"tokens_per_expert must have shape ({e},), "
+                         f"got {getattr(tokens_per_expert, 'shape', tokens_per_expert)}")
+    if tokens_per_expert.dtype not in (jnp.int32, *_FLOAT_DTYPES):
+        raise TypeError("tokens_per_expert must be int32, float32, bfloat16 or float16, "
+                        f"got {tokens_per_expert.dtype}")
+    config = AuxLossConfig(
+        total_num_tokens=_check_count("total_num_tokens", total_num_tokens, 1),
+        topk=_check_count("topk", topk, 1, e, f" (the number of experts is {e})"),
+        coeff=_check_real("coeff", coeff))
+    probs = probs.reshape(-1, e)
+    return _aux_loss(probs, jax.lax.stop_gradient(tokens_per_expert), config,
+                     probs.shape[0], np.dtype(probs.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _aux_loss(probs, tokens_per_expert, config, num_tokens, dtype):
+    (loss,) = _aux_loss_fwd(probs, tokens_per_expert, **config.attrs())
+    return loss
+
+
+def _aux_loss_vjp_fwd(probs, tokens_per_expert, config, num_tokens, dtype):
+    return _aux_loss(probs, tokens_per_expert, config, num_tokens, dtype), tokens_per_expert
+
+
+def _aux_loss_vjp_bwd(config, num_tokens, dtype, tokens_per_expert, grad_loss):
+    (grad_probs,) = _aux_loss_bwd(grad_loss.astype(jnp.float32), tokens_per_expert,
+                                  num_tokens=num_tokens, dtype=dtype, **config.attrs())
+    return grad_probs, None
+
+
+_aux_loss.defvjp(_aux_loss_vjp_fwd, _aux_loss_vjp_bwd)
