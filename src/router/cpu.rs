@@ -17,19 +17,33 @@ const ROWS_PER_TASK: usize = 64;
 pub fn top_k_indices(keys: &[f32], k: usize, allowed: impl Fn(usize) -> bool, out: &mut Vec<usize>) {
     let rank = |x: f32| if x.is_nan() { f32::NEG_INFINITY } else { x };
     out.clear();
+    if k == 0 {
+        return;
+    }
+    // The key to beat once `out` is full; indices arrive in increasing order,
+    // so an equal key never moves ahead.
+    let mut threshold = f32::NEG_INFINITY;
     for (i, &key) in keys.iter().enumerate() {
-        if !allowed(i) {
+        let loses = out.len() == k && key.partial_cmp(&threshold) != Some(std::cmp::Ordering::Greater);
+        if loses || !allowed(i) {
             continue;
         }
         let key = rank(key);
-        // Indices arrive in increasing order, so an equal key never moves ahead.
-        let position = out.iter().position(|&j| key > rank(keys[j])).unwrap_or(out.len());
-        if position < k {
-            if out.len() == k {
-                out.pop();
-            }
-            out.insert(position, i);
+        if out.len() == k {
+            out.pop();
         }
+        let position = out.iter().position(|&j| key > rank(keys[j])).unwrap_or(out.len());
+        out.insert(position, i);
+        if out.len() == k {
+            threshold = rank(keys[out[k - 1]]);
+        }
+    }
+}
+
+/// Copies `row` into `out` as f32.
+fn widen<T: Real>(row: &[T], out: &mut [f32]) {
+    for (o, &x) in out.iter_mut().zip(row) {
+        *o = x.to_f32();
     }
 }
 
@@ -77,18 +91,18 @@ impl Scratch {
     }
 
     fn load<T: Real>(&mut self, row: &[T]) {
-        for (l, &x) in self.logits.iter_mut().zip(row) {
-            *l = x.to_f32();
-        }
+        widen(row, &mut self.logits);
     }
 
-    /// Scores (softmax or sigmoid of the logits) and selection keys of the loaded row.
+    /// Scores (pre-softmax or sigmoid) and selection keys of the loaded row.
     fn score(&mut self, config: &TopkConfig, bias: Option<&[f32]>) {
         match config.score_function {
+            // Post-softmax needs no scores: it selects on the logits and weights
+            // by a softmax over the selected ones.
+            ScoreFunction::Softmax if !config.use_pre_softmax => self.keys.copy_from_slice(&self.logits),
             ScoreFunction::Softmax => {
                 softmax_into(&self.logits, &mut self.scores);
-                let source = if config.use_pre_softmax { &self.scores } else { &self.logits };
-                self.keys.copy_from_slice(source);
+                self.keys.copy_from_slice(&self.scores);
             }
             ScoreFunction::Sigmoid => {
                 for ((s, k), (i, &l)) in self.scores.iter_mut().zip(&mut self.keys).zip(self.logits.iter().enumerate()) {
@@ -190,9 +204,7 @@ pub fn topk_backward<T: Real>(config: &TopkConfig, grad_probs: &[T], logits: &[T
             |(x, s), (((g_row, l_row), map_row), out)| {
                 let g = |i: usize| scale * g_row[i].to_f32();
                 let selected = |i: usize| map_row[i] != 0;
-                for (xi, &l) in x.iter_mut().zip(l_row) {
-                    *xi = l.to_f32();
-                }
+                widen(l_row, x);
                 match config.score_function {
                     ScoreFunction::Softmax if config.use_pre_softmax => {
                         // probs_i = scale * s_i on the selection, s = softmax(x).
@@ -252,9 +264,7 @@ pub fn scores_forward<T: Real>(score_function: ScoreFunction, topk: usize, num_e
         .for_each_init(
             || (vec![0.0f32; e], Vec::with_capacity(topk)),
             |(x, chosen), ((row, scores_row), map_row)| {
-                for (xi, &l) in x.iter_mut().zip(row) {
-                    *xi = l.to_f32();
-                }
+                widen(row, x);
                 normalised_scores(score_function, x, scores_row);
                 top_k_indices(scores_row, topk, |_| true, chosen);
                 map_row.fill(0);
@@ -290,9 +300,7 @@ pub fn scores_backward<T: Real>(score_function: ScoreFunction, num_experts: usiz
         .for_each_init(
             || (vec![0.0f32; e], vec![0.0f32; e]),
             |(x, q), ((g, row), out)| {
-                for (xi, &l) in x.iter_mut().zip(row) {
-                    *xi = l.to_f32();
-                }
+                widen(row, x);
                 normalised_scores(score_function, x, q);
                 // Both are q = u / sum(u); d u_i = (g_i - <g, q>) / sum(u) * u_i'.
                 let dot: f32 = g.iter().zip(q.iter()).map(|(gi, qi)| gi * qi).sum();

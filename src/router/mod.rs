@@ -52,7 +52,7 @@ impl TopkConfig {
         if self.use_pre_softmax && self.score_function != ScoreFunction::Softmax {
             invalid!("use_pre_softmax applies to score_function \"softmax\" only")
         }
-        if self.num_groups < 1 || e % self.num_groups != 0 {
+        if self.num_groups < 1 || !e.is_multiple_of(self.num_groups) {
             invalid!("num_groups is {}, expected a divisor of num_experts ({e})", self.num_groups)
         }
         if self.group_topk < 1 || self.group_topk > self.num_groups || self.group_topk > self.topk {
