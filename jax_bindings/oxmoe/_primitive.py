@@ -57,7 +57,8 @@ class FfiPrimitive:
         ``WHOLE`` operands may be omitted by a call (optional arguments).
       results: the layout of each result.
       result_specs: ``(*operand avals, **params) -> [ShapeDtypeStruct]``, the
-        global shapes and dtypes of the results.
+        global shapes and dtypes of the results; a spec's sharding, if given, is
+        the result's type sharding (otherwise derived from the operands').
       shape_params: the names of params that only shape the results; every
         other param is passed to the handler as an FFI attribute.
     """
@@ -87,7 +88,20 @@ class FfiPrimitive:
     # -- abstract evaluation and lowering --------------------------------------
 
     def _abstract_eval(self, *avals, **params):
-        return [jax.core.ShapedArray(s.shape, s.dtype) for s in self.result_specs(*avals, **params)]
+        specs = self.result_specs(*avals, **params)
+        rows = [a.sharding for a, layout in zip(avals, self.operands) if layout is Layout.ROWS]
+        return [jax.core.ShapedArray(s.shape, s.dtype, sharding=s.sharding or self._type_sharding(
+                    layout, rows[0] if rows else None, len(s.shape)))
+                for s, layout in zip(specs, self.results)]
+
+    @staticmethod
+    def _type_sharding(layout: Layout, rows_sharding, ndim: int):
+        """The sharding in a result's type (what explicit-sharding meshes use):
+        per-token results split like the per-token operands, the rest replicated."""
+        if rows_sharding is None:
+            return None
+        token_axes = rows_sharding.spec[0] if layout is Layout.ROWS and rows_sharding.spec else None
+        return NamedSharding(rows_sharding.mesh, PartitionSpec(token_axes, *([None] * (ndim - 1))))
 
     def _lower(self, *operands, **params):
         return self._partitioned(tuple(sorted(params.items())), *operands)

@@ -49,9 +49,8 @@ _aux_loss_fwd = FfiPrimitive(
     result_specs=lambda probs, counts, **_: [jax.ShapeDtypeStruct((), jnp.float32)])
 _aux_loss_bwd = FfiPrimitive(
     "oxmoe_aux_loss_bwd", operands=(WHOLE, WHOLE), results=(ROWS,),
-    result_specs=lambda grad, counts, *, num_tokens, dtype, **_: [
-        jax.ShapeDtypeStruct((num_tokens, counts.shape[0]), dtype)],
-    shape_params=("num_tokens", "dtype"))
+    result_specs=lambda grad, counts, *, probs_type, **_: [probs_type],
+    shape_params=("probs_type",))
 
 
 # -- argument checks ----------------------------------------------------------
@@ -294,22 +293,24 @@ def aux_loss(probs, tokens_per_expert, *, total_num_tokens, topk, coeff):
         coeff=_check_real("coeff", coeff))
     probs = probs.reshape(-1, e)
     return _aux_loss(probs, jax.lax.stop_gradient(tokens_per_expert), config,
-                     probs.shape[0], np.dtype(probs.dtype))
+                     jax.ShapeDtypeStruct(probs.shape, probs.dtype, sharding=jax.typeof(probs).sharding))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _aux_loss(probs, tokens_per_expert, config, num_tokens, dtype):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _aux_loss(probs, tokens_per_expert, config, probs_type):
     (loss,) = _aux_loss_fwd(probs, tokens_per_expert, **config.attrs())
     return loss
 
 
-def _aux_loss_vjp_fwd(probs, tokens_per_expert, config, num_tokens, dtype):
-    return _aux_loss(probs, tokens_per_expert, config, num_tokens, dtype), tokens_per_expert
+def _aux_loss_vjp_fwd(probs, tokens_per_expert, config, probs_type):
+    return _aux_loss(probs, tokens_per_expert, config, probs_type), tokens_per_expert
 
 
-def _aux_loss_vjp_bwd(config, num_tokens, dtype, tokens_per_expert, grad_loss):
+def _aux_loss_vjp_bwd(config, probs_type, tokens_per_expert, grad_loss):
+    # The gradient has no per-token operand to take its sharding from: it takes
+    # the primal's (in its type, for explicit-sharding meshes).
     (grad_probs,) = _aux_loss_bwd(grad_loss.astype(jnp.float32), tokens_per_expert,
-                                  num_tokens=num_tokens, dtype=dtype, **config.attrs())
+                                  probs_type=probs_type, **config.attrs())
     return grad_probs, None
 
 
