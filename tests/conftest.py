@@ -1,0 +1,52 @@
+"""Test setup: eight host devices for the sharding tests, and fresh, reproducible random data.
+
+The XLA flag must be in the environment before jax is imported anywhere, so it is
+set at the very top of this file, which pytest imports before any test module.
+"""
+
+import os
+import re
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = " ".join(
+    [re.sub(r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")).strip(), _DEVICE_COUNT_FLAG]
+).strip()
+
+import hypothesis  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+# No example database: it would be written outside tests/; failures print their example anyway.
+hypothesis.settings.register_profile(
+    "oxmoe",
+    deadline=None,
+    database=None,
+    print_blob=True,
+    suppress_health_check=[hypothesis.HealthCheck.too_slow, hypothesis.HealthCheck.data_too_large],
+)
+hypothesis.settings.load_profile("oxmoe")
+
+SEED_ENV = "OXMOE_TEST_SEED"
+
+
+@pytest.fixture
+def seed(request) -> int:
+    """A fresh seed per test (os.urandom), or OXMOE_TEST_SEED to replay a failure."""
+    value = int(os.environ[SEED_ENV]) if os.environ.get(SEED_ENV) else int.from_bytes(os.urandom(4), "little")
+    request.node.user_properties.append(("seed", value))
+    return value
+
+
+@pytest.fixture
+def rng(seed) -> np.random.Generator:
+    return np.random.default_rng(seed)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        for name, value in item.user_properties:
+            if name == "seed":
+                report.sections.append(("random seed", f"replay with {SEED_ENV}={value} pytest '{item.nodeid}'"))
+    return report

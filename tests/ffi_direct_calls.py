@@ -1,0 +1,160 @@
+"""Calls the oxmoe FFI handlers directly with wrong buffers and attributes, bypassing the
+Python checks. Run as a script (in its own process, so that a handler that crashes cannot
+take the test session with it); prints one JSON line per case, then one valid call's result.
+
+Used by test_router_ffi_errors.py; `python tests/ffi_direct_calls.py` shows the messages.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+T, E = 4, 8
+
+
+def _attrs(**changes):
+    attrs = dict(
+        topk=np.int64(2),
+        score_function="softmax",
+        use_pre_softmax=np.bool_(False),
+        num_groups=np.int64(1),
+        group_topk=np.int64(1),
+        scaling_factor=np.float32(1.0),
+    )
+    attrs.update(changes)
+    return {k: v for k, v in attrs.items() if v is not None}
+
+
+def _spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def topk_fwd(logits, *bias, probs_shape=None, **changes):
+    shape = probs_shape or logits.shape
+    rets = (_spec(shape, logits.dtype), _spec(shape, jnp.bool_))
+    return jax.ffi.ffi_call("oxmoe_topk_fwd", rets)(logits, *bias, **_attrs(**changes))
+
+
+def topk_bwd(grad_probs, logits, routing_map, **changes):
+    attrs = {k: v for k, v in _attrs(**changes).items() if k not in ("num_groups", "group_topk")}
+    rets = _spec(logits.shape, logits.dtype)
+    return jax.ffi.ffi_call("oxmoe_topk_bwd", rets)(grad_probs, logits, routing_map, **attrs)
+
+
+def scores_fwd(logits, **attrs):
+    rets = (_spec(logits.shape, jnp.bool_), _spec(logits.shape, jnp.float32))
+    return jax.ffi.ffi_call("oxmoe_aux_loss_scores_fwd", rets)(logits, **attrs)
+
+
+def scores_bwd(grad_scores, logits, **attrs):
+    return jax.ffi.ffi_call("oxmoe_aux_loss_scores_bwd", _spec(logits.shape, logits.dtype))(grad_scores, logits, **attrs)
+
+
+def _aux_attrs(**changes):
+    attrs = dict(total_num_tokens=np.int64(T), topk=np.int64(2), coeff=np.float32(0.1))
+    attrs.update(changes)
+    return {k: v for k, v in attrs.items() if v is not None}
+
+
+def aux_fwd(probs, counts, **changes):
+    return jax.ffi.ffi_call("oxmoe_aux_loss_fwd", _spec((), jnp.float32))(probs, counts, **_aux_attrs(**changes))
+
+
+def aux_bwd(grad_loss, counts, probs_shape=(T, E), **changes):
+    rets = _spec(probs_shape, jnp.float32)
+    return jax.ffi.ffi_call("oxmoe_aux_loss_bwd", rets)(grad_loss, counts, **_aux_attrs(**changes))
+
+
+LOGITS = jnp.asarray(np.arange(T * E, dtype=np.float32).reshape(T, E) % 5)
+MAP = LOGITS > 2
+COUNTS = jnp.ones((E,), jnp.int32)
+SCALAR = jnp.asarray(1.0, jnp.float32)
+
+# name: (call, target, regular expressions the error message must all match, case-insensitive)
+CASES = {
+    "topk_fwd_int32_logits": (
+        lambda: topk_fwd(LOGITS.astype(jnp.int32)), "oxmoe_topk_fwd", [r"s32|int32|i32"]),
+    "topk_fwd_rank3_logits": (
+        lambda: topk_fwd(LOGITS.reshape(2, 2, E)), "oxmoe_topk_fwd",
+        [r"rank\D{0,30}3|3\D{0,10}dim|\[2, ?2, ?8\]|\(2, ?2, ?8\)|2x2x8"]),
+    "topk_fwd_expert_bias_length": (
+        lambda: topk_fwd(LOGITS, jnp.zeros((E - 1,), jnp.float32), score_function="sigmoid"),
+        "oxmoe_topk_fwd", [r"\b7\b"]),
+    "topk_fwd_expert_bias_dtype": (
+        lambda: topk_fwd(LOGITS, jnp.zeros((E,), jnp.float16), score_function="sigmoid"),
+        "oxmoe_topk_fwd", [r"f16|float16"]),
+    "topk_fwd_missing_topk": (lambda: topk_fwd(LOGITS, topk=None), "oxmoe_topk_fwd", [r"topk"]),
+    "topk_fwd_missing_score_function": (
+        lambda: topk_fwd(LOGITS, score_function=None), "oxmoe_topk_fwd", [r"score_function"]),
+    "topk_fwd_unknown_score_function": (
+        lambda: topk_fwd(LOGITS, score_function="relu"), "oxmoe_topk_fwd", [r"relu"]),
+    "topk_fwd_topk_above_experts": (
+        lambda: topk_fwd(LOGITS, topk=np.int64(E + 1)), "oxmoe_topk_fwd", [r"topk", r"\b9\b"]),
+    "topk_fwd_float64_scaling_factor": (
+        # 1.5, not 1.0: jax caches executables by attribute equality, and np.float64(1.0) == np.float32(1.0).
+        lambda: topk_fwd(LOGITS, scaling_factor=np.float64(1.5)), "oxmoe_topk_fwd", [r"scaling_factor"]),
+    "topk_fwd_groups_not_dividing_experts": (
+        lambda: topk_fwd(LOGITS, num_groups=np.int64(3)), "oxmoe_topk_fwd", [r"num_groups", r"\b3\b"]),
+    "topk_fwd_result_shape_mismatch": (
+        lambda: topk_fwd(LOGITS, probs_shape=(T, E + 1)), "oxmoe_topk_fwd", [r"\b9\b"]),
+    "topk_bwd_float_routing_map": (
+        lambda: topk_bwd(LOGITS, LOGITS, MAP.astype(jnp.float32)), "oxmoe_topk_bwd", [r"f32|float32"]),
+    "topk_bwd_grad_shape_mismatch": (
+        lambda: topk_bwd(jnp.zeros((T, E + 1), jnp.float32), LOGITS, MAP), "oxmoe_topk_bwd", [r"\b9\b"]),
+    "aux_loss_scores_fwd_int32_logits": (
+        lambda: scores_fwd(LOGITS.astype(jnp.int32), topk=np.int64(2), score_function="softmax"),
+        "oxmoe_aux_loss_scores_fwd", [r"s32|int32|i32"]),
+    "aux_loss_scores_fwd_unknown_score_function": (
+        lambda: scores_fwd(LOGITS, topk=np.int64(2), score_function="tanh"),
+        "oxmoe_aux_loss_scores_fwd", [r"tanh"]),
+    "aux_loss_scores_bwd_f16_grad_scores": (
+        lambda: scores_bwd(LOGITS.astype(jnp.float16), LOGITS, score_function="softmax"),
+        "oxmoe_aux_loss_scores_bwd", [r"f16|float16"]),
+    "aux_loss_fwd_counts_length": (
+        lambda: aux_fwd(LOGITS, COUNTS[:-1]), "oxmoe_aux_loss_fwd", [r"\b7\b"]),
+    "aux_loss_fwd_missing_coeff": (
+        lambda: aux_fwd(LOGITS, COUNTS, coeff=None), "oxmoe_aux_loss_fwd", [r"coeff"]),
+    "aux_loss_fwd_zero_total_tokens": (
+        lambda: aux_fwd(LOGITS, COUNTS, total_num_tokens=np.int64(0)), "oxmoe_aux_loss_fwd", [r"total_num_tokens"]),
+    "aux_loss_bwd_counts_length": (
+        lambda: aux_bwd(SCALAR, COUNTS[:-1]), "oxmoe_aux_loss_bwd", [r"\b7\b"]),
+    "aux_loss_bwd_rank1_grad_loss": (
+        lambda: aux_bwd(jnp.ones((2,), jnp.float32), COUNTS), "oxmoe_aux_loss_bwd",
+        [r"rank|scalar|dim|\[2\]|\(2,?\)"]),
+}
+
+# After all the errors, the same process still computes a valid call correctly.
+VALID_CALL = "valid_topk_fwd_after_the_errors"
+
+
+def main() -> None:
+    import oxmoe  # noqa: F401  (registers the FFI targets)
+
+    for name, (call, _, _) in CASES.items():
+        print(json.dumps({"case": name, "started": True}), flush=True)
+        try:
+            jax.block_until_ready(call())
+            result = {"case": name, "raised": None}
+        except Exception as e:  # noqa: BLE001  (the type is part of the report)
+            result = {
+                "case": name,
+                "raised": type(e).__name__,
+                "jax_runtime_error": isinstance(e, jax.errors.JaxRuntimeError),
+                "message": str(e),
+            }
+        print(json.dumps(result), flush=True)
+    probs, routing_map = topk_fwd(LOGITS)
+    print(json.dumps({
+        "case": VALID_CALL,
+        "probs": np.asarray(probs).tolist(),
+        "routing_map": np.asarray(routing_map).tolist(),
+    }), flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
