@@ -1,10 +1,12 @@
 //! oxmoe: Mixture-of-Experts primitives for JAX, exported as XLA FFI handlers.
 //!
 //! Layers, each only calling down: [`ffi`] (a safe view of XLA's call frame),
-//! the primitive families ([`router`]) with their CPU implementations as the
-//! executable specification, and the `extern "C"` handlers registered by the
-//! Python package `oxmoe`.
+//! [`cuda`] (NVRTC compilation, module cache, launches), and the primitive
+//! families ([`router`]): CPU implementations as the executable
+//! specification, CUDA ones checked against them, and the `extern "C"`
+//! handlers registered by the Python package `oxmoe`.
 
+pub mod cuda;
 pub mod ffi;
 pub mod real;
 pub mod router;

@@ -148,6 +148,20 @@ macro_rules! shared_accessors {
 shared_accessors!(Arg);
 shared_accessors!(Ret);
 
+macro_rules! device_address {
+    ($ty:ident) => {
+        impl $ty<'_> {
+            /// The address of the data, for a device kernel (a host handler reads
+            /// through `slice`/`mask` instead).
+            pub fn device_ptr(&self) -> u64 {
+                self.0.raw.data as u64
+            }
+        }
+    };
+}
+device_address!(Arg);
+device_address!(Ret);
+
 impl<'a> Arg<'a> {
     /// The elements, if the buffer holds `T`.
     pub fn slice<T: Element>(&self) -> Result<&'a [T]> {

@@ -1,7 +1,7 @@
 use super::{Arg, Attr, Error, Result, Ret};
 use crate::invalid;
 use std::cell::Cell;
-use std::ffi::CString;
+use std::ffi::{c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use xla_ffi_sys as sys;
 
@@ -78,6 +78,48 @@ impl<'a> Call<'a> {
         Ok(Ret::new(unsafe { &*ptr.cast::<sys::XLA_FFI_Buffer>() }, name))
     }
 
+    /// The platform stream (a `CUstream` on CUDA) the handler must launch on.
+    pub fn stream(&self) -> Result<*mut c_void> {
+        let api = self.api()?;
+        let get = api.XLA_FFI_Stream_Get.ok_or_else(|| Error::internal("XLA API has no XLA_FFI_Stream_Get"))?;
+        let mut args = sys::XLA_FFI_Stream_Get_Args {
+            struct_size: sys::XLA_FFI_Stream_Get_Args_STRUCT_SIZE as usize,
+            extension_start: std::ptr::null_mut(),
+            ctx: self.frame.ctx,
+            stream: std::ptr::null_mut(),
+        };
+        // SAFETY: a valid argument struct for the call's execution context.
+        check_api(api, "XLA_FFI_Stream_Get", unsafe { get(&mut args) })?;
+        Ok(args.stream)
+    }
+
+    /// `bytes` of device memory from XLA's allocator, freed when the returned
+    /// handle drops. XLA orders reuse of freed memory after the work already
+    /// launched on the call's stream, so the memory may be freed right after
+    /// the kernels that use it are launched.
+    pub fn scratch(&self, bytes: usize) -> Result<Scratch<'a>> {
+        let api = self.api()?;
+        let allocate = api
+            .XLA_FFI_DeviceMemory_Allocate
+            .ok_or_else(|| Error::internal("XLA API has no XLA_FFI_DeviceMemory_Allocate"))?;
+        let mut args = sys::XLA_FFI_DeviceMemory_Allocate_Args {
+            struct_size: sys::XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE as usize,
+            extension_start: std::ptr::null_mut(),
+            ctx: self.frame.ctx,
+            size: bytes,
+            alignment: 16,
+            data: std::ptr::null_mut(),
+        };
+        // SAFETY: a valid argument struct for the call's execution context.
+        check_api(api, "XLA_FFI_DeviceMemory_Allocate", unsafe { allocate(&mut args) })?;
+        Ok(Scratch { api, ctx: self.frame.ctx, data: args.data, bytes })
+    }
+
+    fn api(&self) -> Result<&'a sys::XLA_FFI_Api> {
+        // SAFETY: XLA passes a valid API table with every call frame.
+        unsafe { self.frame.api.as_ref() }.ok_or_else(|| Error::internal("call frame without an XLA API"))
+    }
+
     /// The attribute `name`, decoded as `T`.
     pub fn attr<T: Attr<'a>>(&self, name: &str) -> Result<T> {
         let attrs = &self.frame.attrs;
@@ -93,6 +135,72 @@ impl<'a> Call<'a> {
         }
         invalid!("attribute `{name}` ({}) is missing", T::EXPECTED)
     }
+}
+
+/// Device memory borrowed from XLA for the duration of a handler call.
+pub struct Scratch<'a> {
+    api: &'a sys::XLA_FFI_Api,
+    ctx: *mut sys::XLA_FFI_ExecutionContext,
+    data: *mut c_void,
+    bytes: usize,
+}
+
+impl Scratch<'_> {
+    /// The device address.
+    pub fn ptr(&self) -> *mut c_void {
+        self.data
+    }
+}
+
+impl Drop for Scratch<'_> {
+    fn drop(&mut self) {
+        let Some(free) = self.api.XLA_FFI_DeviceMemory_Free else { return };
+        let mut args = sys::XLA_FFI_DeviceMemory_Free_Args {
+            struct_size: sys::XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE as usize,
+            extension_start: std::ptr::null_mut(),
+            ctx: self.ctx,
+            size: self.bytes,
+            data: self.data,
+        };
+        // SAFETY: frees what `Call::scratch` allocated in the same context. A
+        // failure to free cannot be reported from a destructor; XLA reclaims the
+        // memory with the execution context.
+        let error = unsafe { free(&mut args) };
+        let _ = check_api(self.api, "XLA_FFI_DeviceMemory_Free", error);
+    }
+}
+
+/// Turns an error returned by an XLA API function into ours (taking its message
+/// and destroying it).
+fn check_api(api: &sys::XLA_FFI_Api, function: &str, error: *mut sys::XLA_FFI_Error) -> Result<()> {
+    if error.is_null() {
+        return Ok(());
+    }
+    let mut message = format!("{function} failed");
+    if let Some(get_message) = api.XLA_FFI_Error_GetMessage {
+        let mut args = sys::XLA_FFI_Error_GetMessage_Args {
+            struct_size: sys::XLA_FFI_Error_GetMessage_Args_STRUCT_SIZE as usize,
+            extension_start: std::ptr::null_mut(),
+            error,
+            message: std::ptr::null(),
+        };
+        // SAFETY: `error` came from the API; the message lives until it is destroyed.
+        unsafe { get_message(&mut args) };
+        if !args.message.is_null() {
+            // SAFETY: a NUL-terminated string owned by `error`.
+            message = format!("{function} failed: {}", unsafe { std::ffi::CStr::from_ptr(args.message) }.to_string_lossy());
+        }
+    }
+    if let Some(destroy) = api.XLA_FFI_Error_Destroy {
+        let mut args = sys::XLA_FFI_Error_Destroy_Args {
+            struct_size: sys::XLA_FFI_Error_Destroy_Args_STRUCT_SIZE as usize,
+            extension_start: std::ptr::null_mut(),
+            error,
+        };
+        // SAFETY: the error is ours to destroy, once.
+        unsafe { destroy(&mut args) };
+    }
+    Err(Error::internal(message))
 }
 
 /// Runs `body` as the handler `target` for the call frame XLA passed.

@@ -17,18 +17,18 @@ mod tests;
 
 pub use attrs::Attr;
 pub use buffer::{Arg, Element, Ret};
-pub use call::{run_handler, Call, Traits};
+pub use call::{run_handler, Call, Scratch, Traits};
 pub use dtype::DataType;
 pub use error::{Error, Result};
 
-/// Exports `$body: fn(&Call) -> Result<()>` as the C symbol `$symbol`, an XLA
-/// FFI handler for the execute stage.
+/// Exports `$body` (a `fn(&Call) -> Result<()>` or a closure that captures
+/// nothing) as the C symbol `$symbol`, an XLA FFI handler for the execute stage.
 #[macro_export]
 macro_rules! export_handler {
-    ($symbol:ident, $body:path) => {
+    ($symbol:ident, $body:expr) => {
         $crate::export_handler!($symbol, $body, $crate::ffi::Traits::NONE);
     };
-    ($symbol:ident, $body:path, $traits:expr) => {
+    ($symbol:ident, $body:expr, $traits:expr) => {
         /// XLA FFI handler; register it with `jax.ffi.register_ffi_target`.
         ///
         /// # Safety

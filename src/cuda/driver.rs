@@ -1,0 +1,158 @@
+//! Loading kernels into the CUDA context of XLA's stream and launching them.
+
+use super::nvrtc::{cubin, Architecture};
+use super::{driver_error, Source};
+use crate::ffi::{Error, Result};
+use cudarc::driver::sys::{self, CUcontext, CUdevice_attribute, CUfunction, CUmodule, CUstream};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex, OnceLock};
+
+fn check(call: &str, result: sys::CUresult) -> Result<()> {
+    result.result().map_err(|e| driver_error(call, e))
+}
+
+/// Loads the driver and initialises it, once.
+fn init_driver() -> Result<()> {
+    static INIT: OnceLock<std::result::Result<(), Error>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: only tries to open the library.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::internal("the CUDA driver (libcuda.so.1) could not be loaded"));
+        }
+        // SAFETY: cuInit may be called any number of times.
+        check("cuInit", unsafe { sys::cuInit(0) })
+    })
+    .clone()
+}
+
+/// Makes `ctx` current on this thread for the life of the guard.
+struct ContextGuard;
+
+impl ContextGuard {
+    fn push(ctx: CUcontext) -> Result<Self> {
+        // SAFETY: `ctx` is the live context of XLA's stream.
+        check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(ctx) })?;
+        Ok(Self)
+    }
+}
+
+impl Drop for ContextGuard {
+    fn drop(&mut self) {
+        let mut popped = std::ptr::null_mut();
+        // SAFETY: pops what `push` pushed on this thread.
+        unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+    }
+}
+
+/// A CUDA stream that XLA handed a handler (valid for the handler's call).
+#[derive(Clone, Copy)]
+pub struct Stream(CUstream);
+
+impl Stream {
+    /// # Safety
+    /// `raw` must be a live `CUstream`, e.g. from `Call::stream` on the CUDA platform.
+    pub unsafe fn from_raw(raw: *mut c_void) -> Self {
+        Self(raw.cast())
+    }
+}
+
+/// A kernel loaded into one CUDA context, ready to launch on its streams.
+#[derive(Clone, Copy)]
+pub struct Kernel {
+    context: CUcontext,
+    function: CUfunction,
+}
+
+// SAFETY: CUDA handles may be used from any thread.
+unsafe impl Send for Kernel {}
+unsafe impl Sync for Kernel {}
+
+/// Grid, block and dynamic shared memory of a launch.
+#[derive(Copy, Clone, Debug)]
+pub struct LaunchConfig {
+    pub grid: u32,
+    pub block: u32,
+    pub shared_bytes: u32,
+}
+
+type KernelCache = Mutex<HashMap<(usize, &'static str, String), Arc<OnceLock<std::result::Result<Kernel, Error>>>>>;
+
+impl Kernel {
+    /// The kernel `instance` (a template instantiation in `source`) for the
+    /// context of `stream`: compiled for that device's architecture at first
+    /// use (concurrent first callers wait for one load) and kept.
+    pub fn get(stream: Stream, source: &'static Source, instance: &str) -> Result<Self> {
+        static CACHE: OnceLock<KernelCache> = OnceLock::new();
+        init_driver()?;
+        let mut context = std::ptr::null_mut();
+        // SAFETY: `stream` is XLA's live stream.
+        check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(stream.0, &mut context) })?;
+        let slot = {
+            let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+            cache.entry((context as usize, source.name, instance.to_owned())).or_default().clone()
+        };
+        slot.get_or_init(|| Self::load(context, source, instance)).clone()
+    }
+
+    fn load(context: CUcontext, source: &'static Source, instance: &str) -> Result<Self> {
+        let _current = ContextGuard::push(context)?;
+        let arch = current_architecture()?;
+        let cubin = cubin(source, instance, &arch)?;
+        let mut module: CUmodule = std::ptr::null_mut();
+        // SAFETY: a complete cubin image for this device's architecture.
+        check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, cubin.image.as_ptr().cast()) })?;
+        let mut function = std::ptr::null_mut();
+        // SAFETY: the lowered name NVRTC gave for this instance. The module
+        // stays loaded for the life of the process, like the kernel cache.
+        check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut function, module, cubin.lowered_name.as_ptr()) })?;
+        Ok(Self { context, function })
+    }
+}
+
+/// The architecture of the current context's device.
+fn current_architecture() -> Result<Architecture> {
+    let mut device = 0;
+    // SAFETY: a context is current.
+    check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut device) })?;
+    let attribute = |which| {
+        let mut value = 0;
+        // SAFETY: a valid device and attribute.
+        check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut value, which, device) }).map(|_| value)
+    };
+    Ok(Architecture::of_compute_capability(
+        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+    ))
+}
+
+/// Launches `kernel` on `stream` with `args` (pointers to each argument's
+/// value, in the kernel's order). Asynchronous: nothing waits for it.
+pub fn launch(stream: Stream, kernel: Kernel, config: LaunchConfig, args: &mut [*mut c_void]) -> Result<()> {
+    if config.grid == 0 {
+        return Ok(());
+    }
+    let _current = ContextGuard::push(kernel.context)?;
+    // SAFETY: the argument pointers match the kernel's parameters (the caller's
+    // contract) and stay valid for the call; the launch copies the values.
+    check("cuLaunchKernel", unsafe {
+        sys::cuLaunchKernel(
+            kernel.function,
+            config.grid,
+            1,
+            1,
+            config.block,
+            1,
+            1,
+            config.shared_bytes,
+            stream.0,
+            args.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    })
+}
+
+/// A pointer to a kernel argument's value, for [`launch`].
+pub fn arg<T>(value: &T) -> *mut c_void {
+    (value as *const T).cast_mut().cast()
+}

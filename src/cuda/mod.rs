@@ -1,0 +1,38 @@
+//! The CUDA runtime: kernels from `kernels/*.cu`, compiled by NVRTC for the
+//! exact architecture of the device in front of us with their static shape
+//! parameters as template arguments, cached in memory and on disk, and
+//! launched on the stream XLA hands a handler. Nothing here synchronises or
+//! copies to the host.
+//!
+//! The driver (`libcuda.so.1`) and NVRTC (`libnvrtc.so.13`) are loaded at
+//! first use, so the crate builds and its CPU handlers run without CUDA.
+//! The Python package finds NVRTC (pip wheel or toolkit) and loads it
+//! globally before any CUDA handler runs.
+
+mod driver;
+mod nvrtc;
+
+pub use driver::{arg, launch, Kernel, LaunchConfig, Stream};
+pub use nvrtc::{compile_check, Architecture};
+
+use crate::ffi::Error;
+
+/// A CUDA source file of `kernels/`, embedded in the library.
+pub struct Source {
+    pub name: &'static str,
+    pub text: &'static str,
+}
+
+/// Headers every kernel source may include, by these names.
+const HEADERS: [Source; 1] = [Source { name: "common.cuh", text: include_str!("../../kernels/common.cuh") }];
+
+/// The router kernels.
+pub const ROUTER: Source = Source { name: "router.cu", text: include_str!("../../kernels/router.cu") };
+
+/// A device address for a kernel argument (never dereferenced on the host).
+pub type DevicePtr = u64;
+
+fn driver_error(call: &str, error: cudarc::driver::DriverError) -> Error {
+    let name = error.error_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", error.0));
+    Error::internal(format!("{call} failed: {name}"))
+}
