@@ -56,7 +56,9 @@ def build_id() -> str:
 
 @functools.cache
 def register(target: str) -> str:
-    """Registers the handler exported as ``target`` for XLA:CPU; returns ``target``."""
-    handler = getattr(library(), target)
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
+    """Registers the handlers of ``target``: the symbol ``target`` for XLA:CPU and
+    ``<target>_cuda`` for CUDA, under the one target name; returns ``target``."""
+    lib = library()
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, f"{target}_cuda")), platform="CUDA")
     return target

@@ -32,9 +32,20 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 from jax.sharding import NamedSharding, PartitionSpec
 
-from oxmoe import _library
+from oxmoe import _cuda, _library
 
 ResultSpecs = Callable[..., Sequence[jax.ShapeDtypeStruct]]
+
+
+def _needs_nvrtc(lowering):
+    """A CUDA lowering: NVRTC must be loadable (the kernels compile at first run),
+    else a Python error that says where it was looked for."""
+
+    def lower_for_cuda(ctx, *args, **params):
+        _cuda.load_nvrtc()
+        return lowering(ctx, *args, **params)
+
+    return lower_for_cuda
 
 
 class Layout(enum.Enum):
@@ -77,8 +88,9 @@ class FfiPrimitive:
         self._primitive.def_abstract_eval(self._abstract_eval)
         batching.primitive_batchers[self._primitive] = self._batch
         self._partitioned = self._make_partitioned()
-        mlir.register_lowering(
-            self._primitive, mlir.lower_fun(self._lower, multiple_results=True))
+        lowering = mlir.lower_fun(self._lower, multiple_results=True)
+        mlir.register_lowering(self._primitive, lowering)
+        mlir.register_lowering(self._primitive, _needs_nvrtc(lowering), platform="cuda")
         dispatch.prim_requires_devices_during_lowering.add(self._primitive)
 
     def __call__(self, *operands: jax.Array, **params: Any) -> list[jax.Array]:
@@ -100,8 +112,9 @@ class FfiPrimitive:
         per-token results split like the per-token operands, the rest replicated."""
         if rows_sharding is None:
             return None
-        token_axes = rows_sharding.spec[0] if layout is Layout.ROWS and rows_sharding.spec else None
-        return NamedSharding(rows_sharding.mesh, PartitionSpec(token_axes, *([None] * (ndim - 1))))
+        if layout is not Layout.ROWS or not rows_sharding.spec:
+            return NamedSharding(rows_sharding.mesh, PartitionSpec(*([None] * ndim)))
+        return NamedSharding(rows_sharding.mesh, PartitionSpec(rows_sharding.spec[0], *([None] * (ndim - 1))))
 
     def _lower(self, *operands, **params):
         return self._partitioned(tuple(sorted(params.items())), *operands)

@@ -1,16 +1,26 @@
-//! XLA FFI handlers of the router primitives (CPU platform).
+//! XLA FFI handlers of the router primitives. Each call is decoded (and
+//! checked) once into a typed struct; the CPU handler then runs `cpu`, the
+//! CUDA handler (`<name>_cuda`, registered for the CUDA platform under the
+//! same target name) launches the kernels of `kernels/router.cu`.
 
-use super::{cpu, AuxLossConfig, ScoreFunction, TopkConfig};
-use crate::ffi::{Arg, Call, DataType, Result};
-use crate::real::FLOAT_TYPES;
+use super::{cpu, cuda, AuxLossConfig, ScoreFunction, TopkConfig};
+use crate::ffi::{Arg, Call, DataType, Result, Ret};
+use crate::real::{Real, FLOAT_TYPES};
 use crate::{export_handler, invalid, with_real_type};
 
-export_handler!(oxmoe_topk_fwd, topk_fwd);
-export_handler!(oxmoe_topk_bwd, topk_bwd);
-export_handler!(oxmoe_aux_loss_scores_fwd, aux_loss_scores_fwd);
-export_handler!(oxmoe_aux_loss_scores_bwd, aux_loss_scores_bwd);
-export_handler!(oxmoe_aux_loss_fwd, aux_loss_fwd);
-export_handler!(oxmoe_aux_loss_bwd, aux_loss_bwd);
+export_handler!(oxmoe_topk_fwd, |call| TopkFwd::decode(call)?.run_cpu());
+export_handler!(oxmoe_topk_bwd, |call| TopkBwd::decode(call)?.run_cpu());
+export_handler!(oxmoe_aux_loss_scores_fwd, |call| ScoresFwd::decode(call)?.run_cpu());
+export_handler!(oxmoe_aux_loss_scores_bwd, |call| ScoresBwd::decode(call)?.run_cpu());
+export_handler!(oxmoe_aux_loss_fwd, |call| AuxLossFwd::decode(call)?.run_cpu());
+export_handler!(oxmoe_aux_loss_bwd, |call| AuxLossBwd::decode(call)?.run_cpu());
+
+export_handler!(oxmoe_topk_fwd_cuda, |call| cuda::topk_fwd(call, &TopkFwd::decode(call)?));
+export_handler!(oxmoe_topk_bwd_cuda, |call| cuda::topk_bwd(call, &TopkBwd::decode(call)?));
+export_handler!(oxmoe_aux_loss_scores_fwd_cuda, |call| cuda::scores_fwd(call, &ScoresFwd::decode(call)?));
+export_handler!(oxmoe_aux_loss_scores_bwd_cuda, |call| cuda::scores_bwd(call, &ScoresBwd::decode(call)?));
+export_handler!(oxmoe_aux_loss_fwd_cuda, |call| cuda::aux_loss_fwd(call, &AuxLossFwd::decode(call)?));
+export_handler!(oxmoe_aux_loss_bwd_cuda, |call| cuda::aux_loss_bwd(call, &AuxLossBwd::decode(call)?));
 
 /// A non-negative integer attribute.
 fn count_attr(call: &Call, name: &str) -> Result<usize> {
@@ -37,87 +47,164 @@ fn topk_config(call: &Call, num_experts: usize, grouped: bool) -> Result<TopkCon
     Ok(config)
 }
 
-/// `[T, E]` of the logits, which must be a float matrix.
-fn logits_shape(logits: &Arg) -> Result<(usize, usize)> {
-    logits.expect_dtype(&FLOAT_TYPES)?;
-    logits.matrix()
+/// `[T, E]` of a float matrix argument.
+fn float_matrix(arg: &Arg) -> Result<(usize, usize)> {
+    arg.expect_dtype(&FLOAT_TYPES)?;
+    arg.matrix()
 }
 
-fn topk_fwd(call: &Call) -> Result<()> {
-    call.expect_num_args(1, 2)?;
-    let logits = call.arg(0, "logits")?;
-    let (tokens, experts) = logits_shape(&logits)?;
-    let config = topk_config(call, experts, true)?;
-    let bias = match call.optional_arg(1, "expert_bias")? {
-        Some(bias) => {
+/// `oxmoe_topk_fwd`: logits [T, E], optional expert_bias [E] f32 ->
+/// probs [T, E] (logits' dtype), routing_map [T, E] bool.
+pub struct TopkFwd<'a> {
+    pub config: TopkConfig,
+    pub tokens: usize,
+    pub logits: Arg<'a>,
+    pub bias: Option<Arg<'a>>,
+    pub probs: Ret<'a>,
+    pub routing_map: Ret<'a>,
+}
+
+impl<'a> TopkFwd<'a> {
+    fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(1, 2)?;
+        let logits = call.arg(0, "logits")?;
+        let (tokens, experts) = float_matrix(&logits)?;
+        let config = topk_config(call, experts, true)?;
+        let bias = call.optional_arg(1, "expert_bias")?;
+        if let Some(bias) = &bias {
             if config.score_function != ScoreFunction::Sigmoid {
                 invalid!("expert_bias applies to score_function \"sigmoid\" only")
             }
+            bias.expect_dtype(&[DataType::F32])?;
             bias.expect_shape(&[experts])?;
-            Some(bias.slice::<f32>()?)
         }
-        None => None,
-    };
-    let probs = call.ret(0, "probs")?;
-    probs.expect_shape(&[tokens, experts])?;
-    let routing_map = call.ret(1, "routing_map")?;
-    routing_map.expect_shape(&[tokens, experts])?;
-    let routing_map = routing_map.mask_mut()?;
-    with_real_type!(logits.dtype(), T => {
-        cpu::topk_forward::<T>(&config, logits.slice()?, bias, probs.slice_mut()?, routing_map);
-    });
-    Ok(())
-}
-
-fn topk_bwd(call: &Call) -> Result<()> {
-    call.expect_num_args(3, 3)?;
-    let grad_probs = call.arg(0, "grad_probs")?;
-    let logits = call.arg(1, "logits")?;
-    let routing_map = call.arg(2, "routing_map")?;
-    let (tokens, experts) = logits_shape(&logits)?;
-    let config = topk_config(call, experts, false)?;
-    grad_probs.expect_shape(&[tokens, experts])?;
-    routing_map.expect_shape(&[tokens, experts])?;
-    let grad_logits = call.ret(0, "grad_logits")?;
-    grad_logits.expect_shape(&[tokens, experts])?;
-    with_real_type!(logits.dtype(), T => {
-        cpu::topk_backward::<T>(&config, grad_probs.slice()?, logits.slice()?, routing_map.mask()?, grad_logits.slice_mut()?);
-    });
-    Ok(())
-}
-
-fn aux_loss_scores_fwd(call: &Call) -> Result<()> {
-    call.expect_num_args(1, 1)?;
-    let logits = call.arg(0, "logits")?;
-    let (tokens, experts) = logits_shape(&logits)?;
-    let topk = count_attr(call, "topk")?;
-    if topk < 1 || topk > experts {
-        invalid!("topk is {topk}, expected 1 <= topk <= num_experts ({experts})")
+        let probs = call.ret(0, "probs")?;
+        probs.expect_dtype(&[logits.dtype()])?;
+        probs.expect_shape(&[tokens, experts])?;
+        let routing_map = call.ret(1, "routing_map")?;
+        routing_map.expect_dtype(&[DataType::PRED])?;
+        routing_map.expect_shape(&[tokens, experts])?;
+        Ok(Self { config, tokens, logits, bias, probs, routing_map })
     }
-    let score_function = ScoreFunction::parse(call.attr("score_function")?)?;
-    let routing_map = call.ret(0, "routing_map")?;
-    routing_map.expect_shape(&[tokens, experts])?;
-    let scores = call.ret(1, "scores")?;
-    scores.expect_shape(&[tokens, experts])?;
-    with_real_type!(logits.dtype(), T => {
-        cpu::scores_forward::<T>(score_function, topk, experts, logits.slice()?, routing_map.mask_mut()?, scores.slice_mut()?);
-    });
-    Ok(())
+
+    fn run_cpu(self) -> Result<()> {
+        let bias = self.bias.map(|b| b.slice::<f32>()).transpose()?;
+        let routing_map = self.routing_map.mask_mut()?;
+        with_real_type!(self.logits.dtype(), T => {
+            cpu::topk_forward::<T>(&self.config, self.logits.slice()?, bias, self.probs.slice_mut()?, routing_map);
+        });
+        Ok(())
+    }
 }
 
-fn aux_loss_scores_bwd(call: &Call) -> Result<()> {
-    call.expect_num_args(2, 2)?;
-    let grad_scores = call.arg(0, "grad_scores")?;
-    let logits = call.arg(1, "logits")?;
-    let (tokens, experts) = logits_shape(&logits)?;
-    grad_scores.expect_shape(&[tokens, experts])?;
-    let score_function = ScoreFunction::parse(call.attr("score_function")?)?;
-    let grad_logits = call.ret(0, "grad_logits")?;
-    grad_logits.expect_shape(&[tokens, experts])?;
-    with_real_type!(logits.dtype(), T => {
-        cpu::scores_backward::<T>(score_function, experts, grad_scores.slice()?, logits.slice()?, grad_logits.slice_mut()?);
-    });
-    Ok(())
+/// `oxmoe_topk_bwd`: grad_probs, logits [T, E] (same float dtype),
+/// routing_map [T, E] bool -> grad_logits [T, E].
+pub struct TopkBwd<'a> {
+    pub config: TopkConfig,
+    pub tokens: usize,
+    pub grad_probs: Arg<'a>,
+    pub logits: Arg<'a>,
+    pub routing_map: Arg<'a>,
+    pub grad_logits: Ret<'a>,
+}
+
+impl<'a> TopkBwd<'a> {
+    fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(3, 3)?;
+        let grad_probs = call.arg(0, "grad_probs")?;
+        let logits = call.arg(1, "logits")?;
+        let routing_map = call.arg(2, "routing_map")?;
+        let (tokens, experts) = float_matrix(&logits)?;
+        let config = topk_config(call, experts, false)?;
+        grad_probs.expect_dtype(&[logits.dtype()])?;
+        grad_probs.expect_shape(&[tokens, experts])?;
+        routing_map.expect_dtype(&[DataType::PRED])?;
+        routing_map.expect_shape(&[tokens, experts])?;
+        let grad_logits = call.ret(0, "grad_logits")?;
+        grad_logits.expect_dtype(&[logits.dtype()])?;
+        grad_logits.expect_shape(&[tokens, experts])?;
+        Ok(Self { config, tokens, grad_probs, logits, routing_map, grad_logits })
+    }
+
+    fn run_cpu(self) -> Result<()> {
+        let routing_map = self.routing_map.mask()?;
+        with_real_type!(self.logits.dtype(), T => {
+            cpu::topk_backward::<T>(&self.config, self.grad_probs.slice()?, self.logits.slice()?, routing_map, self.grad_logits.slice_mut()?);
+        });
+        Ok(())
+    }
+}
+
+/// `oxmoe_aux_loss_scores_fwd`: logits [T, E] -> routing_map [T, E] bool, scores [T, E] f32.
+pub struct ScoresFwd<'a> {
+    pub score_function: ScoreFunction,
+    pub topk: usize,
+    pub tokens: usize,
+    pub experts: usize,
+    pub logits: Arg<'a>,
+    pub routing_map: Ret<'a>,
+    pub scores: Ret<'a>,
+}
+
+impl<'a> ScoresFwd<'a> {
+    fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(1, 1)?;
+        let logits = call.arg(0, "logits")?;
+        let (tokens, experts) = float_matrix(&logits)?;
+        let topk = count_attr(call, "topk")?;
+        if topk < 1 || topk > experts {
+            invalid!("topk is {topk}, expected 1 <= topk <= num_experts ({experts})")
+        }
+        let score_function = ScoreFunction::parse(call.attr("score_function")?)?;
+        let routing_map = call.ret(0, "routing_map")?;
+        routing_map.expect_dtype(&[DataType::PRED])?;
+        routing_map.expect_shape(&[tokens, experts])?;
+        let scores = call.ret(1, "scores")?;
+        scores.expect_dtype(&[DataType::F32])?;
+        scores.expect_shape(&[tokens, experts])?;
+        Ok(Self { score_function, topk, tokens, experts, logits, routing_map, scores })
+    }
+
+    fn run_cpu(self) -> Result<()> {
+        let (map, scores) = (self.routing_map.mask_mut()?, self.scores.slice_mut()?);
+        with_real_type!(self.logits.dtype(), T => {
+            cpu::scores_forward::<T>(self.score_function, self.topk, self.experts, self.logits.slice()?, map, scores);
+        });
+        Ok(())
+    }
+}
+
+/// `oxmoe_aux_loss_scores_bwd`: grad_scores [T, E] f32, logits [T, E] -> grad_logits [T, E].
+pub struct ScoresBwd<'a> {
+    pub score_function: ScoreFunction,
+    pub tokens: usize,
+    pub experts: usize,
+    pub grad_scores: Arg<'a>,
+    pub logits: Arg<'a>,
+    pub grad_logits: Ret<'a>,
+}
+
+impl<'a> ScoresBwd<'a> {
+    fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(2, 2)?;
+        let grad_scores = call.arg(0, "grad_scores")?;
+        let logits = call.arg(1, "logits")?;
+        let (tokens, experts) = float_matrix(&logits)?;
+        grad_scores.expect_dtype(&[DataType::F32])?;
+        grad_scores.expect_shape(&[tokens, experts])?;
+        let score_function = ScoreFunction::parse(call.attr("score_function")?)?;
+        let grad_logits = call.ret(0, "grad_logits")?;
+        grad_logits.expect_dtype(&[logits.dtype()])?;
+        grad_logits.expect_shape(&[tokens, experts])?;
+        Ok(Self { score_function, tokens, experts, grad_scores, logits, grad_logits })
+    }
+
+    fn run_cpu(self) -> Result<()> {
+        with_real_type!(self.logits.dtype(), T => {
+            cpu::scores_backward::<T>(self.score_function, self.experts, self.grad_scores.slice()?, self.logits.slice()?, self.grad_logits.slice_mut()?);
+        });
+        Ok(())
+    }
 }
 
 fn aux_loss_config(call: &Call, num_experts: usize) -> Result<AuxLossConfig> {
@@ -131,41 +218,82 @@ fn aux_loss_config(call: &Call, num_experts: usize) -> Result<AuxLossConfig> {
     Ok(config)
 }
 
-/// `tokens_per_expert [E]` (int32 or float) as f32 counts.
-fn tokens_per_expert(call: &Call, index: usize, num_experts: usize) -> Result<Vec<f32>> {
+/// The element types `tokens_per_expert` may have.
+pub const COUNT_TYPES: [DataType; 4] = [DataType::S32, DataType::F32, DataType::BF16, DataType::F16];
+
+/// `tokens_per_expert [E]`, int32 or float.
+fn tokens_per_expert<'a>(call: &Call<'a>, index: usize, num_experts: usize) -> Result<Arg<'a>> {
     let counts = call.arg(index, "tokens_per_expert")?;
+    counts.expect_dtype(&COUNT_TYPES)?;
     counts.expect_shape(&[num_experts])?;
-    let dtype = counts.expect_dtype(&[DataType::S32, DataType::F32, DataType::BF16, DataType::F16])?;
-    if dtype == DataType::S32 {
+    Ok(counts)
+}
+
+/// The counts as f32.
+fn counts_f32(counts: &Arg) -> Result<Vec<f32>> {
+    if counts.dtype() == DataType::S32 {
         return Ok(counts.slice::<i32>()?.iter().map(|&n| n as f32).collect());
     }
-    with_real_type!(dtype, T => Ok(counts.slice::<T>()?.iter().map(|&n| crate::real::Real::to_f32(n)).collect()))
+    with_real_type!(counts.dtype(), T => Ok(counts.slice::<T>()?.iter().map(|&n| n.to_f32()).collect()))
 }
 
-fn aux_loss_fwd(call: &Call) -> Result<()> {
-    call.expect_num_args(2, 2)?;
-    let probs = call.arg(0, "probs")?;
-    probs.expect_dtype(&FLOAT_TYPES)?;
-    let (_, experts) = probs.matrix()?;
-    let config = aux_loss_config(call, experts)?;
-    let counts = tokens_per_expert(call, 1, experts)?;
-    let loss = call.ret(0, "loss")?;
-    loss.expect_shape(&[])?;
-    let value = with_real_type!(probs.dtype(), T => cpu::aux_loss_forward::<T>(&config, probs.slice()?, &counts));
-    loss.slice_mut::<f32>()?[0] = value;
-    Ok(())
+/// `oxmoe_aux_loss_fwd`: probs [T, E], tokens_per_expert [E] -> loss [] f32.
+pub struct AuxLossFwd<'a> {
+    pub config: AuxLossConfig,
+    pub tokens: usize,
+    pub probs: Arg<'a>,
+    pub counts: Arg<'a>,
+    pub loss: Ret<'a>,
 }
 
-fn aux_loss_bwd(call: &Call) -> Result<()> {
-    call.expect_num_args(2, 2)?;
-    let grad_loss = call.arg(0, "grad_loss")?;
-    grad_loss.expect_shape(&[])?;
-    let grad_loss = grad_loss.slice::<f32>()?[0];
-    let grad_probs = call.ret(0, "grad_probs")?;
-    grad_probs.expect_dtype(&FLOAT_TYPES)?;
-    let (_, experts) = grad_probs.matrix()?;
-    let config = aux_loss_config(call, experts)?;
-    let counts = tokens_per_expert(call, 1, experts)?;
-    with_real_type!(grad_probs.dtype(), T => cpu::aux_loss_backward::<T>(&config, grad_loss, &counts, grad_probs.slice_mut()?));
-    Ok(())
+impl<'a> AuxLossFwd<'a> {
+    fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(2, 2)?;
+        let probs = call.arg(0, "probs")?;
+        let (tokens, experts) = float_matrix(&probs)?;
+        let config = aux_loss_config(call, experts)?;
+        let counts = tokens_per_expert(call, 1, experts)?;
+        let loss = call.ret(0, "loss")?;
+        loss.expect_dtype(&[DataType::F32])?;
+        loss.expect_shape(&[])?;
+        Ok(Self { config, tokens, probs, counts, loss })
+    }
+
+    fn run_cpu(self) -> Result<()> {
+        let counts = counts_f32(&self.counts)?;
+        let value = with_real_type!(self.probs.dtype(), T => cpu::aux_loss_forward::<T>(&self.config, self.probs.slice()?, &counts));
+        self.loss.slice_mut::<f32>()?[0] = value;
+        Ok(())
+    }
+}
+
+/// `oxmoe_aux_loss_bwd`: grad_loss [] f32, tokens_per_expert [E] -> grad_probs [T, E].
+pub struct AuxLossBwd<'a> {
+    pub config: AuxLossConfig,
+    pub tokens: usize,
+    pub grad_loss: Arg<'a>,
+    pub counts: Arg<'a>,
+    pub grad_probs: Ret<'a>,
+}
+
+impl<'a> AuxLossBwd<'a> {
+    fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(2, 2)?;
+        let grad_loss = call.arg(0, "grad_loss")?;
+        grad_loss.expect_dtype(&[DataType::F32])?;
+        grad_loss.expect_shape(&[])?;
+        let grad_probs = call.ret(0, "grad_probs")?;
+        grad_probs.expect_dtype(&FLOAT_TYPES)?;
+        let (tokens, experts) = grad_probs.matrix()?;
+        let config = aux_loss_config(call, experts)?;
+        let counts = tokens_per_expert(call, 1, experts)?;
+        Ok(Self { config, tokens, grad_loss, counts, grad_probs })
+    }
+
+    fn run_cpu(self) -> Result<()> {
+        let counts = counts_f32(&self.counts)?;
+        let grad_loss = self.grad_loss.slice::<f32>()?[0];
+        with_real_type!(self.grad_probs.dtype(), T => cpu::aux_loss_backward::<T>(&self.config, grad_loss, &counts, self.grad_probs.slice_mut()?));
+        Ok(())
+    }
 }

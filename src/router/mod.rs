@@ -2,9 +2,11 @@
 //! scores of the load-balancing loss, and the loss itself.
 //!
 //! [`cpu`] is the executable specification (the semantics are documented on
-//! each function there); [`handlers`] decodes XLA calls into it.
+//! each function there), [`cuda`] runs `kernels/router.cu` with the same
+//! semantics, and [`handlers`] decodes XLA calls for both.
 
 pub mod cpu;
+pub mod cuda;
 pub mod handlers;
 
 use crate::ffi::Result;

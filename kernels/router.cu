@@ -1,0 +1,501 @@
+// Router kernels: top-k routing (forward, backward), the dense scores of the
+// load-balancing loss (forward, backward) and the loss itself (forward,
+// backward). Semantics are those of src/router/cpu.rs, tie-breaking included;
+// arithmetic is f32 whatever the element type.
+//
+// Layout: one token row of E experts is handled by a team of LANES
+// consecutive threads of a warp (a power of two, LANES * 8 <= E where
+// possible); lane l holds experts [l * VPT, (l + 1) * VPT) in registers, read
+// with 16-byte loads when the row allows. Top-k is k rounds of a team-wide
+// argmax over 64-bit words (order-preserving key bits, then the inverted
+// expert index), so equal keys go to the lower index and NaN ranks lowest.
+#include "common.cuh"
+
+constexpr int ROUTER_BLOCK = 128;
+
+__host__ __device__ constexpr int team_lanes(int experts) {
+  int lanes = 1;
+  while (lanes < 32 && lanes * 2 * 8 <= experts) lanes *= 2;
+  return lanes;
+}
+
+template <int E>
+struct Team {
+  static constexpr int LANES = team_lanes(E);
+  static constexpr int VPT = (E + LANES - 1) / LANES;  // experts per lane
+  static constexpr int ROWS = ROUTER_BLOCK / LANES;    // rows per block
+  static_assert(VPT <= 64, "a lane holds at most 64 experts (E <= 2048)");
+
+  int lane;       // index within the team
+  unsigned mask;  // the team's threads within the warp
+
+  __device__ Team() {
+    const int warp_lane = threadIdx.x & 31;
+    lane = warp_lane & (LANES - 1);
+    mask = (LANES == 32 ? 0xffffffffu : (1u << LANES) - 1u) << (warp_lane - lane);
+  }
+  __device__ int row() const { return blockIdx.x * ROWS + threadIdx.x / LANES; }
+  __device__ int slot() const { return threadIdx.x / LANES; }  // the team within the block
+  __device__ int first() const { return lane * VPT; }          // the lane's first expert
+  __device__ int count() const { return ::max(0, ::min(VPT, E - lane * VPT)); }
+  __device__ unsigned long long valid() const {
+    const int n = count();
+    return n == 64 ? ~0ull : (1ull << n) - 1ull;
+  }
+  __device__ float sum(float v) const {
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off /= 2) v += __shfl_xor_sync(mask, v, off);
+    return v;
+  }
+  __device__ float max(float v) const {
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(mask, v, off));
+    return v;
+  }
+  __device__ unsigned long long max(unsigned long long v) const {
+#pragma unroll
+    for (int off = LANES / 2; off > 0; off /= 2) {
+      const unsigned long long other = __shfl_xor_sync(mask, v, off);
+      v = other > v ? other : v;
+    }
+    return v;
+  }
+  __device__ float broadcast(float v, int from_lane) const { return __shfl_sync(mask, v, from_lane, LANES); }
+};
+
+// Whether a row of E elements of T can be moved with 16-byte vectors.
+template <typename T, int E>
+constexpr bool vector_rows() {
+  return Team<E>::LANES * Team<E>::VPT == E && (Team<E>::VPT * sizeof(T)) % 16 == 0;
+}
+template <int E>
+constexpr bool vector_masks() {
+  return Team<E>::LANES * Team<E>::VPT == E && Team<E>::VPT % 8 == 0;
+}
+
+template <typename T, int E>
+__device__ __forceinline__ void load_row(const T* __restrict__ base, int row, const Team<E>& t, float (&out)[Team<E>::VPT]) {
+  load_floats<T, Team<E>::VPT, vector_rows<T, E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count(), out);
+}
+template <typename T, int E>
+__device__ __forceinline__ void store_row(T* __restrict__ base, int row, const Team<E>& t, const float (&in)[Team<E>::VPT]) {
+  store_floats<T, Team<E>::VPT, vector_rows<T, E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count(), in);
+}
+template <int E>
+__device__ __forceinline__ unsigned long long load_row_mask(const unsigned char* __restrict__ base, int row, const Team<E>& t) {
+  return load_mask<Team<E>::VPT, vector_masks<E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count());
+}
+template <int E>
+__device__ __forceinline__ void store_row_mask(unsigned char* __restrict__ base, int row, const Team<E>& t, unsigned long long bits) {
+  store_mask<Team<E>::VPT, vector_masks<E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count(), bits);
+}
+
+// How a value ranks: NaN lowest, -0 equal to +0.
+__device__ __forceinline__ float rank_of(float x) { return x != x ? negative_infinity() : (x == 0.f ? 0.f : x); }
+
+// A candidate for a team argmax: larger word = larger rank, then lower index.
+__device__ __forceinline__ unsigned long long candidate(float rank, int index) {
+  unsigned bits = __float_as_uint(rank);
+  bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return (static_cast<unsigned long long>(bits) << 32) | (0xffffffffu - static_cast<unsigned>(index));
+}
+__device__ __forceinline__ int candidate_index(unsigned long long word) {
+  return static_cast<int>(0xffffffffu - static_cast<unsigned>(word));
+}
+
+// The best of the team's eligible values, each lane holding N of them (lane l
+// holds indices l * N .. l * N + N - 1).
+template <int N, int E>
+__device__ __forceinline__ int team_argmax(const Team<E>& t, const float (&rank)[N], unsigned long long eligible) {
+  unsigned long long best = 0;
+#pragma unroll
+  for (int j = 0; j < N; ++j) {
+    const unsigned long long c = candidate(rank[j], t.lane * N + j);
+    if (((eligible >> j) & 1ull) && c > best) best = c;
+  }
+  return candidate_index(t.max(best));
+}
+
+// Selects K of the team's eligible values in rank order. Marks them in
+// `chosen` (bits of the owning lanes) and returns, in selection order, the
+// `payload` of each.
+template <int K, int N, int E>
+__device__ __forceinline__ void select_top(const Team<E>& t, const float (&rank)[N], const float (&payload)[N],
+                                           unsigned long long eligible, unsigned long long& chosen, float (&picked)[K]) {
+#pragma unroll
+  for (int r = 0; r < K; ++r) {
+    const int index = team_argmax<N>(t, rank, eligible & ~chosen);
+    const int owner = index / N;
+    float value = 0.f;
+    if (owner == t.lane) {
+      const int j = index - owner * N;
+      chosen |= 1ull << j;
+#pragma unroll
+      for (int i = 0; i < N; ++i)
+        if (i == j) value = payload[i];
+    }
+    picked[r] = t.broadcast(value, owner);
+  }
+}
+
+__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+
+enum Score { SOFTMAX_POST = 0, SOFTMAX_PRE = 1, SIGMOID = 2 };
+
+// Experts of the groups not among the best GK are removed from `eligible`. A
+// group ranks by the sum of its best K / GK keys, summed best first.
+template <int E, int K, int G, int GK>
+__device__ __forceinline__ void limit_to_best_groups(const Team<E>& t, const float (&key)[Team<E>::VPT],
+                                                     unsigned long long& eligible) {
+  constexpr int LANES = Team<E>::LANES, VPT = Team<E>::VPT;
+  constexpr int GROUP = E / G, PER_GROUP = K / GK, GPL = (G + LANES - 1) / LANES;
+  __shared__ float keys[Team<E>::ROWS][E];
+  __shared__ unsigned char allowed[Team<E>::ROWS][G];
+  float* row_keys = keys[t.slot()];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j)
+    if (j < t.count()) row_keys[t.first() + j] = key[j];
+  __syncwarp(t.mask);
+
+  float group_rank[GPL];
+  unsigned long long group_valid = 0;
+#pragma unroll
+  for (int i = 0; i < GPL; ++i) {
+    const int g = t.lane * GPL + i;
+    group_rank[i] = 0.f;
+    if (g >= G) continue;
+    group_valid |= 1ull << i;
+    float best_rank[PER_GROUP], best_key[PER_GROUP];
+    int filled = 0;
+    for (int e = g * GROUP; e < (g + 1) * GROUP; ++e) {
+      float carry_rank = rank_of(row_keys[e]), carry_key = row_keys[e];
+      bool carrying = true;
+#pragma unroll
+      for (int p = 0; p < PER_GROUP; ++p) {
+        if (!carrying) continue;
+        if (p >= filled) {
+          best_rank[p] = carry_rank;
+          best_key[p] = carry_key;
+          carrying = false;
+        } else if (carry_rank > best_rank[p]) {  // strictly: the earlier expert keeps a tie
+          const float r = best_rank[p], k = best_key[p];
+          best_rank[p] = carry_rank;
+          best_key[p] = carry_key;
+          carry_rank = r;
+          carry_key = k;
+        }
+      }
+      filled += filled < PER_GROUP;
+    }
+    float score = 0.f;
+#pragma unroll
+    for (int p = 0; p < PER_GROUP; ++p) score += best_key[p];
+    group_rank[i] = rank_of(score);
+  }
+
+  unsigned long long chosen_groups = 0;
+  float unused[GK];
+  select_top<GK, GPL>(t, group_rank, group_rank, group_valid, chosen_groups, unused);
+#pragma unroll
+  for (int i = 0; i < GPL; ++i) {
+    const int g = t.lane * GPL + i;
+    if (g < G) allowed[t.slot()][g] = (chosen_groups >> i) & 1ull;
+  }
+  __syncwarp(t.mask);
+#pragma unroll
+  for (int j = 0; j < VPT; ++j)
+    if (!allowed[t.slot()][min(G - 1, (t.first() + j) / GROUP)]) eligible &= ~(1ull << j);
+}
+
+// Top-k routing, forward: probs [T, E] (zero off the selection) and the
+// routing map [T, E] from logits [T, E] and, for sigmoid, a bias [E].
+template <typename T, int E, int K, int G, int GK, int SCORE, bool BIAS>
+__global__ void __launch_bounds__(ROUTER_BLOCK)
+    topk_fwd(const T* __restrict__ logits, const float* __restrict__ bias, T* __restrict__ probs,
+             unsigned char* __restrict__ routing_map, int tokens, float scaling) {
+  using TeamE = Team<E>;
+  constexpr int VPT = TeamE::VPT;
+  const TeamE t;
+  const int row = t.row();
+  if (row >= tokens) return;
+  const unsigned long long valid = t.valid();
+
+  float x[VPT], s[VPT], key[VPT];
+  load_row<T, E>(logits, row, t, x);
+  if constexpr (SCORE == SOFTMAX_PRE) {
+    float top = negative_infinity();
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+      if ((valid >> j) & 1ull) top = fmaxf(top, x[j]);
+    top = t.max(top);
+    float total = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      s[j] = ((valid >> j) & 1ull) ? expf(x[j] - top) : 0.f;
+      total += s[j];
+    }
+    total = t.sum(total);
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) key[j] = s[j] = s[j] / total;
+  } else if constexpr (SCORE == SIGMOID) {
+    float b[VPT];
+    if constexpr (BIAS) {
+      load_floats<float, VPT, vector_rows<float, E>()>(bias + t.first(), t.count(), b);
+    }
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      s[j] = sigmoid(x[j]);
+      key[j] = BIAS ? s[j] + b[j] : s[j];
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) key[j] = s[j] = x[j];
+  }
+
+  unsigned long long eligible = valid;
+  if constexpr (G > 1) limit_to_best_groups<E, K, G, GK>(t, key, eligible);
+
+  float rank[VPT];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) rank[j] = rank_of(key[j]);
+  unsigned long long chosen = 0;
+  float picked[K];  // the selection's logits (post-softmax) or scores, best first
+  select_top<K>(t, rank, s, eligible, chosen, picked);
+
+  // Weights, with the CPU's order of operations.
+  float top = 0.f, norm = 1.f;
+  if constexpr (SCORE == SOFTMAX_POST) {
+    top = negative_infinity();
+#pragma unroll
+    for (int r = 0; r < K; ++r) top = fmaxf(top, picked[r]);
+    norm = 0.f;
+#pragma unroll
+    for (int r = 0; r < K; ++r) norm += expf(picked[r] - top);
+  } else if constexpr (SCORE == SIGMOID && K > 1) {
+    norm = 0.f;
+#pragma unroll
+    for (int r = 0; r < K; ++r) norm += picked[r];
+  }
+  float out[VPT];
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    float w = SCORE == SOFTMAX_POST ? expf(x[j] - top) / norm : (SCORE == SIGMOID && K > 1 ? s[j] / norm : s[j]);
+    out[j] = ((chosen >> j) & 1ull) ? w * scaling : 0.f;
+  }
+  store_row<T, E>(probs, row, t, out);
+  store_row_mask<E>(routing_map, row, t, chosen);
+}
+
+// Top-k routing, backward: d logits from d probs, the selection held fixed.
+template <typename T, int E, int K, int SCORE>
+__global__ void __launch_bounds__(ROUTER_BLOCK)
+    topk_bwd(const T* __restrict__ grad_probs, const T* __restrict__ logits, const unsigned char* __restrict__ routing_map,
+             T* __restrict__ grad_logits, int tokens, float scaling) {
+  using TeamE = Team<E>;
+  constexpr int VPT = TeamE::VPT;
+  const TeamE t;
+  const int row = t.row();
+  if (row >= tokens) return;
+  const unsigned long long valid = t.valid();
+  float g[VPT], x[VPT], out[VPT];
+  load_row<T, E>(grad_probs, row, t, g);
+  load_row<T, E>(logits, row, t, x);
+  const unsigned long long selected = load_row_mask<E>(routing_map, row, t) & valid;
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) g[j] = ((selected >> j) & 1ull) ? scaling * g[j] : 0.f;
+
+  if constexpr (SCORE == SOFTMAX_PRE) {  // probs = scale * s on the selection, s = softmax(x)
+    float top = negative_infinity();
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+      if ((valid >> j) & 1ull) top = fmaxf(top, x[j]);
+    top = t.max(top);
+    float s[VPT], total = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      s[j] = ((valid >> j) & 1ull) ? expf(x[j] - top) : 0.f;
+      total += s[j];
+    }
+    total = t.sum(total);
+    float dot = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      s[j] /= total;
+      dot += g[j] * s[j];
+    }
+    dot = t.sum(dot);
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) out[j] = s[j] * (g[j] - dot);
+  } else if constexpr (SCORE == SOFTMAX_POST) {  // probs = scale * softmax over the selected logits
+    float top = negative_infinity();
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+      if ((selected >> j) & 1ull) top = fmaxf(top, x[j]);
+    top = t.max(top);
+    float p[VPT], total = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      p[j] = ((selected >> j) & 1ull) ? expf(x[j] - top) : 0.f;
+      total += p[j];
+    }
+    total = t.sum(total);
+    float dot = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      p[j] /= total;
+      dot += g[j] * p[j];
+    }
+    dot = t.sum(dot);
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) out[j] = ((selected >> j) & 1ull) ? p[j] * (g[j] - dot) : 0.f;
+  } else {  // sigmoid: probs = scale * s / S on the selection (S = their sum) when K > 1
+    float s[VPT], total = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) {
+      s[j] = sigmoid(x[j]);
+      if ((selected >> j) & 1ull) total += s[j];
+    }
+    total = K > 1 ? t.sum(total) : 1.f;
+    float dot = 0.f;
+    if constexpr (K > 1) {
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) dot += g[j] * s[j] / total;
+      dot = t.sum(dot);
+    }
+    // sigmoid' = s * (1 - s), with 1 - s as sigmoid(-x): no cancellation near s = 1.
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+      out[j] = ((selected >> j) & 1ull) ? (g[j] - dot) / total * s[j] * sigmoid(-x[j]) : 0.f;
+  }
+  store_row<T, E>(grad_logits, row, t, out);
+}
+
+// softmax(x), or sigmoid(x) normalised to sum 1 over the row.
+template <int E, int SCORE>
+__device__ __forceinline__ void normalised_scores(const Team<E>& t, const float (&x)[Team<E>::VPT], float (&q)[Team<E>::VPT]) {
+  constexpr int VPT = Team<E>::VPT;
+  const unsigned long long valid = t.valid();
+  float top = 0.f;
+  if constexpr (SCORE != SIGMOID) {
+    top = negative_infinity();
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+      if ((valid >> j) & 1ull) top = fmaxf(top, x[j]);
+    top = t.max(top);
+  }
+  float total = 0.f;
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    q[j] = ((valid >> j) & 1ull) ? (SCORE == SIGMOID ? sigmoid(x[j]) : expf(x[j] - top)) : 0.f;
+    total += q[j];
+  }
+  total = t.sum(total);
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) q[j] /= total;
+}
+
+// Scores of the load-balancing loss, forward: scores [T, E] f32 and the plain
+// top-K routing map of the scores.
+template <typename T, int E, int K, int SCORE>
+__global__ void __launch_bounds__(ROUTER_BLOCK)
+    scores_fwd(const T* __restrict__ logits, unsigned char* __restrict__ routing_map, float* __restrict__ scores, int tokens) {
+  using TeamE = Team<E>;
+  constexpr int VPT = TeamE::VPT;
+  const TeamE t;
+  const int row = t.row();
+  if (row >= tokens) return;
+  float x[VPT], q[VPT], rank[VPT];
+  load_row<T, E>(logits, row, t, x);
+  normalised_scores<E, SCORE>(t, x, q);
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) rank[j] = rank_of(q[j]);
+  unsigned long long chosen = 0;
+  float unused[K];
+  select_top<K>(t, rank, rank, t.valid(), chosen, unused);
+  store_row<float, E>(scores, row, t, q);
+  store_row_mask<E>(routing_map, row, t, chosen);
+}
+
+// Scores of the load-balancing loss, backward: d logits from d scores.
+template <typename T, int E, int SCORE>
+__global__ void __launch_bounds__(ROUTER_BLOCK)
+    scores_bwd(const float* __restrict__ grad_scores, const T* __restrict__ logits, T* __restrict__ grad_logits, int tokens) {
+  using TeamE = Team<E>;
+  constexpr int VPT = TeamE::VPT;
+  const TeamE t;
+  const int row = t.row();
+  if (row >= tokens) return;
+  float g[VPT], x[VPT], q[VPT], out[VPT];
+  load_row<float, E>(grad_scores, row, t, g);
+  load_row<T, E>(logits, row, t, x);
+  normalised_scores<E, SCORE>(t, x, q);
+  float dot = 0.f;
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) dot += g[j] * q[j];
+  dot = t.sum(dot);
+  // q = u / sum(u): softmax u = exp(x), u' / sum = q; sigmoid u' / sum = q * sigmoid(-x).
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) out[j] = (SCORE == SIGMOID ? q[j] * sigmoid(-x[j]) : q[j]) * (g[j] - dot);
+  store_row<T, E>(grad_logits, row, t, out);
+}
+
+// The load-balancing loss is scale * sum_{t,e} probs[t, e] * counts[e]. It is
+// reduced deterministically, with no float atomics: block b of AUX_PARTIALS
+// sums a fixed slice of rows into partials[b], then one block adds the
+// partials in order.
+constexpr int AUX_PARTIALS = 1024;
+constexpr int AUX_BLOCK = 256;
+
+template <typename T, int E>
+constexpr int aux_vector() {
+  return E % Pack16<T>::N == 0 ? Pack16<T>::N : 1;
+}
+
+template <typename T, typename C, int E>
+__global__ void __launch_bounds__(AUX_BLOCK)
+    aux_loss_partials(const T* __restrict__ probs, const C* __restrict__ counts, float* __restrict__ partials, int tokens) {
+  __shared__ float weight[E];
+  for (int e = threadIdx.x; e < E; e += AUX_BLOCK) weight[e] = to_float(counts[e]);
+  __syncthreads();
+  constexpr int V = aux_vector<T, E>();
+  const long long rows_per_block = (tokens + AUX_PARTIALS - 1) / AUX_PARTIALS;
+  const long long first_row = blockIdx.x * rows_per_block;
+  const long long last_row = min(static_cast<long long>(tokens), first_row + rows_per_block);
+  float acc = 0.f;
+  for (long long v = first_row * E / V + threadIdx.x; v < last_row * E / V; v += AUX_BLOCK) {
+    float p[V];
+    load_floats<T, V, V != 1>(probs + v * V, V, p);
+    const int column = static_cast<int>((v * V) % E);
+#pragma unroll
+    for (int i = 0; i < V; ++i) acc += p[i] * weight[column + i];
+  }
+  const float total = block_sum<AUX_BLOCK>(acc);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+__global__ void __launch_bounds__(AUX_PARTIALS)
+    aux_loss_total(const float* __restrict__ partials, float* __restrict__ loss, float scale) {
+  const float total = block_sum<AUX_PARTIALS>(partials[threadIdx.x]);
+  if (threadIdx.x == 0) loss[0] = scale * total;
+}
+
+// The loss, backward: grad_probs[t, e] = scale * counts[e] * grad_loss.
+template <typename T, typename C, int E>
+__global__ void __launch_bounds__(AUX_BLOCK)
+    aux_loss_bwd(const float* __restrict__ grad_loss, const C* __restrict__ counts, T* __restrict__ grad_probs,
+                 int tokens, float scale) {
+  __shared__ float weight[E];
+  const float g = grad_loss[0];
+  for (int e = threadIdx.x; e < E; e += AUX_BLOCK) weight[e] = scale * to_float(counts[e]) * g;
+  __syncthreads();
+  constexpr int V = aux_vector<T, E>();
+  const long long vectors = static_cast<long long>(tokens) * E / V;
+  for (long long v = static_cast<long long>(blockIdx.x) * AUX_BLOCK + threadIdx.x; v < vectors;
+       v += static_cast<long long>(gridDim.x) * AUX_BLOCK) {
+    const int column = static_cast<int>((v * V) % E);
+    float out[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i) out[i] = weight[column + i];
+    store_floats<T, V, V != 1>(grad_probs + v * V, V, out);
+  }
+}

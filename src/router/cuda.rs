@@ -1,0 +1,250 @@
+//! CUDA implementations of the router primitives: which specialisation of
+//! each kernel of `kernels/router.cu` a call needs (element type, experts,
+//! top-k, groups and score function as template arguments) and its launch.
+
+use super::handlers::{AuxLossBwd, AuxLossFwd, ScoresBwd, ScoresFwd, TopkBwd, TopkFwd};
+use super::{ScoreFunction, TopkConfig};
+use crate::cuda::{arg, launch, Kernel, LaunchConfig, Stream, ROUTER};
+use crate::ffi::{Call, DataType, Error, Result};
+use crate::invalid;
+
+/// Threads per block of the per-token kernels (`ROUTER_BLOCK`).
+const ROUTER_BLOCK: u32 = 128;
+/// Blocks of partial sums and threads per block of the loss (`AUX_PARTIALS`, `AUX_BLOCK`).
+const AUX_PARTIALS: u32 = 1024;
+const AUX_BLOCK: u32 = 256;
+/// A lane holds at most 64 experts of a row, so rows of up to 32 * 64.
+pub const MAX_EXPERTS: usize = 2048;
+
+/// Threads per token row (`team_lanes` in the kernels).
+fn team_lanes(experts: usize) -> usize {
+    let mut lanes = 1;
+    while lanes < 32 && lanes * 2 * 8 <= experts {
+        lanes *= 2;
+    }
+    lanes
+}
+
+/// The kernel's name for an element type.
+fn type_name(dtype: DataType) -> Result<&'static str> {
+    Ok(match dtype {
+        DataType::F32 => "float",
+        DataType::BF16 => "bf16",
+        DataType::F16 => "f16",
+        DataType::S32 => "int",
+        other => invalid!("no CUDA kernel for dtype {other}"),
+    })
+}
+
+/// `Score` in the kernels: 0 softmax (post), 1 softmax (pre), 2 sigmoid.
+fn score_code(score_function: ScoreFunction, use_pre_softmax: bool) -> u8 {
+    match (score_function, use_pre_softmax) {
+        (ScoreFunction::Softmax, false) => 0,
+        (ScoreFunction::Softmax, true) => 1,
+        (ScoreFunction::Sigmoid, _) => 2,
+    }
+}
+
+fn check_experts(experts: usize) -> Result<()> {
+    if experts > MAX_EXPERTS {
+        invalid!("{experts} experts: the CUDA router kernels hold a token's row in registers and take at most {MAX_EXPERTS}")
+    }
+    Ok(())
+}
+
+/// The `topk_fwd` instance a configuration needs.
+pub fn topk_fwd_instance(config: &TopkConfig, dtype: DataType, has_bias: bool) -> Result<String> {
+    check_experts(config.num_experts)?;
+    Ok(format!(
+        "topk_fwd<{}, {}, {}, {}, {}, {}, {}>",
+        type_name(dtype)?,
+        config.num_experts,
+        config.topk,
+        config.num_groups,
+        config.group_topk,
+        score_code(config.score_function, config.use_pre_softmax),
+        has_bias
+    ))
+}
+
+/// The `topk_bwd` instance a configuration needs.
+pub fn topk_bwd_instance(config: &TopkConfig, dtype: DataType) -> Result<String> {
+    check_experts(config.num_experts)?;
+    Ok(format!(
+        "topk_bwd<{}, {}, {}, {}>",
+        type_name(dtype)?,
+        config.num_experts,
+        config.topk,
+        score_code(config.score_function, config.use_pre_softmax)
+    ))
+}
+
+/// The `scores_fwd` instance.
+pub fn scores_fwd_instance(score_function: ScoreFunction, topk: usize, experts: usize, dtype: DataType) -> Result<String> {
+    check_experts(experts)?;
+    Ok(format!("scores_fwd<{}, {experts}, {topk}, {}>", type_name(dtype)?, score_code(score_function, false)))
+}
+
+/// The `scores_bwd` instance.
+pub fn scores_bwd_instance(score_function: ScoreFunction, experts: usize, dtype: DataType) -> Result<String> {
+    check_experts(experts)?;
+    Ok(format!("scores_bwd<{}, {experts}, {}>", type_name(dtype)?, score_code(score_function, false)))
+}
+
+/// The instances of the loss (forward partial sums and backward); the final
+/// sum `aux_loss_total` has none.
+pub fn aux_loss_instances(experts: usize, probs: DataType, counts: DataType) -> Result<[String; 2]> {
+    check_experts(experts)?;
+    let (p, c) = (type_name(probs)?, type_name(counts)?);
+    Ok([format!("aux_loss_partials<{p}, {c}, {experts}>"), format!("aux_loss_bwd<{p}, {c}, {experts}>")])
+}
+
+/// One block per `128 / team_lanes` token rows.
+fn per_token(tokens: usize, experts: usize) -> Result<LaunchConfig> {
+    let rows = ROUTER_BLOCK as usize / team_lanes(experts);
+    let grid = u32::try_from(tokens.div_ceil(rows)).map_err(|_| Error::invalid_argument(format!("{tokens} tokens are too many")))?;
+    Ok(LaunchConfig { grid, block: ROUTER_BLOCK, shared_bytes: 0 })
+}
+
+fn token_count(tokens: usize) -> Result<i32> {
+    i32::try_from(tokens).map_err(|_| Error::invalid_argument(format!("{tokens} tokens: at most 2^31 - 1")))
+}
+
+fn stream(call: &Call) -> Result<Stream> {
+    // SAFETY: the CUDA handlers run on the CUDA platform, where XLA's stream is a CUstream.
+    Ok(unsafe { Stream::from_raw(call.stream()?) })
+}
+
+pub fn topk_fwd(call: &Call, a: &TopkFwd) -> Result<()> {
+    let stream = stream(call)?;
+    let kernel = Kernel::get(stream, &ROUTER, &topk_fwd_instance(&a.config, a.logits.dtype(), a.bias.is_some())?)?;
+    let (logits, probs, map) = (a.logits.device_ptr(), a.probs.device_ptr(), a.routing_map.device_ptr());
+    let bias = a.bias.as_ref().map_or(0, |b| b.device_ptr());
+    let (tokens, scaling) = (token_count(a.tokens)?, a.config.scaling_factor);
+    let config = per_token(a.tokens, a.config.num_experts)?;
+    launch(stream, kernel, config, &mut [arg(&logits), arg(&bias), arg(&probs), arg(&map), arg(&tokens), arg(&scaling)])
+}
+
+pub fn topk_bwd(call: &Call, a: &TopkBwd) -> Result<()> {
+    let stream = stream(call)?;
+    let kernel = Kernel::get(stream, &ROUTER, &topk_bwd_instance(&a.config, a.logits.dtype())?)?;
+    let (grad, logits, map, out) =
+        (a.grad_probs.device_ptr(), a.logits.device_ptr(), a.routing_map.device_ptr(), a.grad_logits.device_ptr());
+    let (tokens, scaling) = (token_count(a.tokens)?, a.config.scaling_factor);
+    let config = per_token(a.tokens, a.config.num_experts)?;
+    launch(stream, kernel, config, &mut [arg(&grad), arg(&logits), arg(&map), arg(&out), arg(&tokens), arg(&scaling)])
+}
+
+pub fn scores_fwd(call: &Call, a: &ScoresFwd) -> Result<()> {
+    let stream = stream(call)?;
+    let instance = scores_fwd_instance(a.score_function, a.topk, a.experts, a.logits.dtype())?;
+    let kernel = Kernel::get(stream, &ROUTER, &instance)?;
+    let (logits, map, scores) = (a.logits.device_ptr(), a.routing_map.device_ptr(), a.scores.device_ptr());
+    let tokens = token_count(a.tokens)?;
+    launch(stream, kernel, per_token(a.tokens, a.experts)?, &mut [arg(&logits), arg(&map), arg(&scores), arg(&tokens)])
+}
+
+pub fn scores_bwd(call: &Call, a: &ScoresBwd) -> Result<()> {
+    let stream = stream(call)?;
+    let kernel = Kernel::get(stream, &ROUTER, &scores_bwd_instance(a.score_function, a.experts, a.logits.dtype())?)?;
+    let (grad, logits, out) = (a.grad_scores.device_ptr(), a.logits.device_ptr(), a.grad_logits.device_ptr());
+    let tokens = token_count(a.tokens)?;
+    launch(stream, kernel, per_token(a.tokens, a.experts)?, &mut [arg(&grad), arg(&logits), arg(&out), arg(&tokens)])
+}
+
+pub fn aux_loss_fwd(call: &Call, a: &AuxLossFwd) -> Result<()> {
+    let stream = stream(call)?;
+    let [partials_instance, _] = aux_loss_instances(a.config.num_experts, a.probs.dtype(), a.counts.dtype())?;
+    let partials_kernel = Kernel::get(stream, &ROUTER, &partials_instance)?;
+    let total_kernel = Kernel::get(stream, &ROUTER, "aux_loss_total")?;
+    let scratch = call.scratch(AUX_PARTIALS as usize * std::mem::size_of::<f32>())?;
+    let (probs, counts, partials, loss) = (a.probs.device_ptr(), a.counts.device_ptr(), scratch.ptr() as u64, a.loss.device_ptr());
+    let (tokens, scale) = (token_count(a.tokens)?, a.config.scale());
+    let blocks = LaunchConfig { grid: AUX_PARTIALS, block: AUX_BLOCK, shared_bytes: 0 };
+    launch(stream, partials_kernel, blocks, &mut [arg(&probs), arg(&counts), arg(&partials), arg(&tokens)])?;
+    let one_block = LaunchConfig { grid: 1, block: AUX_PARTIALS, shared_bytes: 0 };
+    launch(stream, total_kernel, one_block, &mut [arg(&partials), arg(&loss), arg(&scale)])
+}
+
+pub fn aux_loss_bwd(call: &Call, a: &AuxLossBwd) -> Result<()> {
+    let stream = stream(call)?;
+    let [_, instance] = aux_loss_instances(a.config.num_experts, a.grad_probs.dtype(), a.counts.dtype())?;
+    let kernel = Kernel::get(stream, &ROUTER, &instance)?;
+    let (grad, counts, out) = (a.grad_loss.device_ptr(), a.counts.device_ptr(), a.grad_probs.device_ptr());
+    let (tokens, scale) = (token_count(a.tokens)?, a.config.scale());
+    // Enough blocks to fill any GPU; each thread loops over 16-byte vectors.
+    let vectors = a.tokens * a.config.num_experts / 8 + 1;
+    let grid = u32::try_from(vectors.div_ceil(AUX_BLOCK as usize).min(1 << 16)).expect("at most 2^16");
+    launch(stream, kernel, LaunchConfig { grid, block: AUX_BLOCK, shared_bytes: 0 }, &mut [arg(&grad), arg(&counts), arg(&out), arg(&tokens), arg(&scale)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::{compile_check, Architecture};
+
+    fn config(num_experts: usize, topk: usize, score_function: ScoreFunction, use_pre_softmax: bool, groups: (usize, usize)) -> TopkConfig {
+        TopkConfig { num_experts, topk, score_function, use_pre_softmax, num_groups: groups.0, group_topk: groups.1, scaling_factor: 1.0 }
+    }
+
+    /// Every router kernel instance of the real-model shapes (and of shapes
+    /// that take the kernels' other paths: rows that are not a multiple of 8,
+    /// large expert counts), in every element type.
+    fn instances() -> Vec<String> {
+        use ScoreFunction::{Sigmoid, Softmax};
+        let configs = [
+            config(8, 2, Softmax, false, (1, 1)),     // Mixtral
+            config(128, 8, Softmax, false, (1, 1)),   // Qwen3-MoE
+            config(128, 8, Softmax, true, (1, 1)),    // Qwen3-MoE, pre-softmax
+            config(256, 8, Sigmoid, false, (8, 4)),   // DeepSeek-V3
+            config(128, 1, Sigmoid, false, (1, 1)),   // Llama-4
+            config(60, 4, Softmax, true, (4, 2)),     // scalar loads, groups of 15
+            config(2048, 8, Sigmoid, false, (16, 4)), // the largest row
+        ];
+        let mut out = Vec::new();
+        for dtype in [DataType::F32, DataType::BF16, DataType::F16] {
+            for c in &configs {
+                for has_bias in [false, true] {
+                    if has_bias && c.score_function != Sigmoid {
+                        continue;
+                    }
+                    out.push(topk_fwd_instance(c, dtype, has_bias).unwrap());
+                }
+                out.push(topk_bwd_instance(c, dtype).unwrap());
+                out.push(scores_fwd_instance(c.score_function, c.topk, c.num_experts, dtype).unwrap());
+                out.push(scores_bwd_instance(c.score_function, c.num_experts, dtype).unwrap());
+            }
+            for experts in [8, 60, 128, 256, 1024, 2048] {
+                for counts in [DataType::S32, DataType::F32] {
+                    out.extend(aux_loss_instances(experts, dtype, counts).unwrap());
+                }
+            }
+        }
+        out.sort();
+        out.dedup();
+        out
+    }
+
+    /// CI has no GPU but has NVRTC (the pip wheel, on LD_LIBRARY_PATH): a
+    /// kernel that does not compile for any supported architecture fails here.
+    #[test]
+    fn router_kernels_compile_for_ampere_hopper_and_blackwell() {
+        let instances = instances();
+        let instances: Vec<&str> = instances.iter().map(String::as_str).chain(["aux_loss_total"]).collect();
+        let failures: Vec<String> = std::thread::scope(|scope| {
+            let checks: Vec<_> = ["sm_80", "sm_90a", "sm_100"]
+                .map(|arch| scope.spawn(|| compile_check(&ROUTER, &instances, &Architecture(arch.into()))))
+                .into_iter()
+                .collect();
+            checks.into_iter().filter_map(|c| c.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
+        });
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn too_many_experts_for_the_kernels_is_an_error() {
+        let c = config(4096, 8, ScoreFunction::Softmax, false, (1, 1));
+        let error = topk_fwd_instance(&c, DataType::F32, false).unwrap_err();
+        assert!(error.message().contains("at most 2048"), "{}", error.message());
+    }
+}
