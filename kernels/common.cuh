@@ -30,25 +30,37 @@ template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
 
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
 
-// 16 bytes seen as elements, for vector loads and stores.
-template <typename T>
-union Pack16 {
-  static constexpr int N = 16 / sizeof(T);
-  uint4 raw;
+// W bytes (16, 8 or 4) moved as one vector, seen as elements of T.
+template <int W> struct VectorOf;
+template <> struct VectorOf<16> { using type = uint4; };
+template <> struct VectorOf<8> { using type = uint2; };
+template <> struct VectorOf<4> { using type = unsigned; };
+
+template <typename T, int W>
+union Pack {
+  static constexpr int N = W / sizeof(T);
+  typename VectorOf<W>::type raw;
   T elems[N];
 };
 
-// Loads n = N consecutive elements at src as floats. VEC: src is 16-byte
-// aligned and N * sizeof(T) is a multiple of 16 (vector loads); otherwise
-// only the first `count` are loaded and the rest are 0.
-template <typename T, int N, bool VEC>
+// The widest vector (16, 8 or 4 bytes; 0 for none) that moves a lane's
+// `lane_bytes` when rows are `row_bytes` long (so every lane's slice is aligned).
+__host__ __device__ constexpr int vector_bytes(int lane_bytes, int row_bytes, int element_bytes) {
+  for (int w = 16; w >= 4 && w >= element_bytes; w /= 2)
+    if (lane_bytes % w == 0 && row_bytes % w == 0) return w;
+  return 0;
+}
+
+// Loads N consecutive elements at src as floats, W bytes at a time (W = 0:
+// one element at a time, only the first `count`, the rest 0).
+template <typename T, int N, int W>
 __device__ __forceinline__ void load_floats(const T* __restrict__ src, int count, float (&out)[N]) {
-  if constexpr (VEC) {
-    constexpr int PER = Pack16<T>::N;
+  if constexpr (W > 0) {
+    constexpr int PER = Pack<T, W>::N;
 #pragma unroll
     for (int w = 0; w < N / PER; ++w) {
-      Pack16<T> pack;
-      pack.raw = reinterpret_cast<const uint4*>(src)[w];
+      Pack<T, W> pack;
+      pack.raw = reinterpret_cast<const typename VectorOf<W>::type*>(src)[w];
 #pragma unroll
       for (int i = 0; i < PER; ++i) out[w * PER + i] = to_float(pack.elems[i]);
     }
@@ -58,17 +70,17 @@ __device__ __forceinline__ void load_floats(const T* __restrict__ src, int count
   }
 }
 
-// Stores the first `count` of N floats at dst as T (see load_floats for VEC).
-template <typename T, int N, bool VEC>
+// Stores the first `count` of N floats at dst as T (see load_floats for W).
+template <typename T, int N, int W>
 __device__ __forceinline__ void store_floats(T* __restrict__ dst, int count, const float (&in)[N]) {
-  if constexpr (VEC) {
-    constexpr int PER = Pack16<T>::N;
+  if constexpr (W > 0) {
+    constexpr int PER = Pack<T, W>::N;
 #pragma unroll
     for (int w = 0; w < N / PER; ++w) {
-      Pack16<T> pack;
+      Pack<T, W> pack;
 #pragma unroll
       for (int i = 0; i < PER; ++i) pack.elems[i] = from_float<T>(in[w * PER + i]);
-      reinterpret_cast<uint4*>(dst)[w] = pack.raw;
+      reinterpret_cast<typename VectorOf<W>::type*>(dst)[w] = pack.raw;
     }
   } else {
 #pragma unroll
@@ -77,18 +89,18 @@ __device__ __forceinline__ void store_floats(T* __restrict__ dst, int count, con
   }
 }
 
-// Loads / stores N bools (one byte each) as bits of a mask (bit j = element j).
-template <int N, bool VEC>
+// Loads / stores N bools (one byte each) as the bits of a mask (bit j = element j).
+template <int N, int W>
 __device__ __forceinline__ unsigned long long load_mask(const unsigned char* __restrict__ src, int count) {
   unsigned long long bits = 0;
-  if constexpr (VEC) {
+  if constexpr (W > 0) {
 #pragma unroll
-    for (int w = 0; w < N / 8; ++w) {
-      const uint2 raw = reinterpret_cast<const uint2*>(src)[w];
-      const unsigned long long word = (static_cast<unsigned long long>(raw.y) << 32) | raw.x;
+    for (int w = 0; w < N / W; ++w) {
+      Pack<unsigned char, W> pack;
+      pack.raw = reinterpret_cast<const typename VectorOf<W>::type*>(src)[w];
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        if ((word >> (8 * i)) & 0xff) bits |= 1ull << (w * 8 + i);
+      for (int i = 0; i < W; ++i)
+        if (pack.elems[i]) bits |= 1ull << (w * W + i);
     }
   } else {
 #pragma unroll
@@ -98,15 +110,15 @@ __device__ __forceinline__ unsigned long long load_mask(const unsigned char* __r
   return bits;
 }
 
-template <int N, bool VEC>
+template <int N, int W>
 __device__ __forceinline__ void store_mask(unsigned char* __restrict__ dst, int count, unsigned long long bits) {
-  if constexpr (VEC) {
+  if constexpr (W > 0) {
 #pragma unroll
-    for (int w = 0; w < N / 8; ++w) {
-      unsigned long long word = 0;
+    for (int w = 0; w < N / W; ++w) {
+      Pack<unsigned char, W> pack;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) word |= ((bits >> (w * 8 + i)) & 1ull) << (8 * i);
-      reinterpret_cast<uint2*>(dst)[w] = make_uint2(static_cast<unsigned>(word), static_cast<unsigned>(word >> 32));
+      for (int i = 0; i < W; ++i) pack.elems[i] = (bits >> (w * W + i)) & 1ull;
+      reinterpret_cast<typename VectorOf<W>::type*>(dst)[w] = pack.raw;
     }
   } else {
 #pragma unroll

@@ -3,37 +3,28 @@
 // backward). Semantics are those of src/router/cpu.rs, tie-breaking included;
 // arithmetic is f32 whatever the element type.
 //
-// Layout: one token row of E experts is handled by a team of LANES
-// consecutive threads of a warp (a power of two, LANES * 8 <= E where
-// possible); lane l holds experts [l * VPT, (l + 1) * VPT) in registers, read
-// with 16-byte loads when the row allows. Top-k is k rounds of a team-wide
-// argmax over 64-bit words (order-preserving key bits, then the inverted
-// expert index), so equal keys go to the lower index and NaN ranks lowest.
+// Layout: one token row of E experts is handled by a whole warp when E >= 32
+// (lane l holds experts [l * VPT, (l + 1) * VPT) in registers), or by one
+// thread when E < 32; rows move with the widest vector loads their size
+// allows. Top-k is k rounds in which every lane offers its best remaining
+// expert as a 32-bit order-preserving key: one `redux.sync` finds the best
+// key, a ballot the lowest lane holding it (lanes hold increasing experts, so
+// equal keys go to the lower index; NaN ranks lowest), and only that lane
+// looks for its next best.
 #include "common.cuh"
 
 constexpr int ROUTER_BLOCK = 128;
 
-__host__ __device__ constexpr int team_lanes(int experts) {
-  int lanes = 1;
-  while (lanes < 32 && lanes * 2 * 8 <= experts) lanes *= 2;
-  return lanes;
-}
-
 template <int E>
 struct Team {
-  static constexpr int LANES = team_lanes(E);
+  static constexpr int LANES = E >= 32 ? 32 : 1;
   static constexpr int VPT = (E + LANES - 1) / LANES;  // experts per lane
   static constexpr int ROWS = ROUTER_BLOCK / LANES;    // rows per block
   static_assert(VPT <= 64, "a lane holds at most 64 experts (E <= 2048)");
 
-  int lane;       // index within the team
-  unsigned mask;  // the team's threads within the warp
+  int lane;  // index within the team
 
-  __device__ Team() {
-    const int warp_lane = threadIdx.x & 31;
-    lane = warp_lane & (LANES - 1);
-    mask = (LANES == 32 ? 0xffffffffu : (1u << LANES) - 1u) << (warp_lane - lane);
-  }
+  __device__ Team() : lane(LANES == 32 ? (threadIdx.x & 31) : 0) {}
   __device__ int row() const { return blockIdx.x * ROWS + threadIdx.x / LANES; }
   __device__ int slot() const { return threadIdx.x / LANES; }  // the team within the block
   __device__ int first() const { return lane * VPT; }          // the lane's first expert
@@ -43,96 +34,107 @@ struct Team {
     return n == 64 ? ~0ull : (1ull << n) - 1ull;
   }
   __device__ float sum(float v) const {
+    if constexpr (LANES == 32) {
 #pragma unroll
-    for (int off = LANES / 2; off > 0; off /= 2) v += __shfl_xor_sync(mask, v, off);
-    return v;
-  }
-  __device__ float max(float v) const {
-#pragma unroll
-    for (int off = LANES / 2; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(mask, v, off));
-    return v;
-  }
-  __device__ unsigned long long max(unsigned long long v) const {
-#pragma unroll
-    for (int off = LANES / 2; off > 0; off /= 2) {
-      const unsigned long long other = __shfl_xor_sync(mask, v, off);
-      v = other > v ? other : v;
+      for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
     }
     return v;
   }
-  __device__ float broadcast(float v, int from_lane) const { return __shfl_sync(mask, v, from_lane, LANES); }
+  __device__ float max(float v) const {
+    if constexpr (LANES == 32) {
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+    }
+    return v;
+  }
+  __device__ unsigned max_key(unsigned v) const {
+    if constexpr (LANES == 32) return __reduce_max_sync(0xffffffffu, v);
+    return v;
+  }
+  // The lowest lane for which `holds` is true (some lane must hold).
+  __device__ int first_lane(bool holds) const {
+    if constexpr (LANES == 32) return __ffs(__ballot_sync(0xffffffffu, holds)) - 1;
+    return 0;
+  }
+  __device__ float broadcast(float v, int from_lane) const {
+    if constexpr (LANES == 32) return __shfl_sync(0xffffffffu, v, from_lane);
+    return v;
+  }
+  __device__ void sync() const {
+    if constexpr (LANES == 32) __syncwarp();
+  }
 };
 
-// Whether a row of E elements of T can be moved with 16-byte vectors.
+// Vector widths for a lane's slice of a row of T, and of a bool row.
 template <typename T, int E>
-constexpr bool vector_rows() {
-  return Team<E>::LANES * Team<E>::VPT == E && (Team<E>::VPT * sizeof(T)) % 16 == 0;
+constexpr int row_vector() {
+  return Team<E>::LANES * Team<E>::VPT == E
+             ? vector_bytes(Team<E>::VPT * sizeof(T), E * sizeof(T), sizeof(T)) : 0;
 }
 template <int E>
-constexpr bool vector_masks() {
-  return Team<E>::LANES * Team<E>::VPT == E && Team<E>::VPT % 8 == 0;
+constexpr int mask_vector() {
+  return Team<E>::LANES * Team<E>::VPT == E ? vector_bytes(Team<E>::VPT, E, 1) : 0;
 }
 
 template <typename T, int E>
 __device__ __forceinline__ void load_row(const T* __restrict__ base, int row, const Team<E>& t, float (&out)[Team<E>::VPT]) {
-  load_floats<T, Team<E>::VPT, vector_rows<T, E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count(), out);
+  load_floats<T, Team<E>::VPT, row_vector<T, E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count(), out);
 }
 template <typename T, int E>
 __device__ __forceinline__ void store_row(T* __restrict__ base, int row, const Team<E>& t, const float (&in)[Team<E>::VPT]) {
-  store_floats<T, Team<E>::VPT, vector_rows<T, E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count(), in);
+  store_floats<T, Team<E>::VPT, row_vector<T, E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count(), in);
 }
 template <int E>
 __device__ __forceinline__ unsigned long long load_row_mask(const unsigned char* __restrict__ base, int row, const Team<E>& t) {
-  return load_mask<Team<E>::VPT, vector_masks<E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count());
+  return load_mask<Team<E>::VPT, mask_vector<E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count());
 }
 template <int E>
 __device__ __forceinline__ void store_row_mask(unsigned char* __restrict__ base, int row, const Team<E>& t, unsigned long long bits) {
-  store_mask<Team<E>::VPT, vector_masks<E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count(), bits);
+  store_mask<Team<E>::VPT, mask_vector<E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count(), bits);
 }
 
-// How a value ranks: NaN lowest, -0 equal to +0.
-__device__ __forceinline__ float rank_of(float x) { return x != x ? negative_infinity() : (x == 0.f ? 0.f : x); }
-
-// A candidate for a team argmax: larger word = larger rank, then lower index.
-__device__ __forceinline__ unsigned long long candidate(float rank, int index) {
-  unsigned bits = __float_as_uint(rank);
-  bits = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
-  return (static_cast<unsigned long long>(bits) << 32) | (0xffffffffu - static_cast<unsigned>(index));
-}
-__device__ __forceinline__ int candidate_index(unsigned long long word) {
-  return static_cast<int>(0xffffffffu - static_cast<unsigned>(word));
+// The rank of a value as a 32-bit key: larger key, larger value; NaN ranks
+// lowest (with -inf), -0 equals +0. Every key is > 0, which means "none".
+__device__ __forceinline__ unsigned rank_key(float x) {
+  const float r = x != x ? negative_infinity() : (x == 0.f ? 0.f : x);
+  const unsigned bits = __float_as_uint(r);
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// The best of the team's eligible values, each lane holding N of them (lane l
-// holds indices l * N .. l * N + N - 1).
-template <int N, int E>
-__device__ __forceinline__ int team_argmax(const Team<E>& t, const float (&rank)[N], unsigned long long eligible) {
-  unsigned long long best = 0;
+// The lane's best eligible key (lowest position on ties; 0 if none) and its position.
+template <int N>
+__device__ __forceinline__ void lane_best(const unsigned (&key)[N], unsigned long long eligible, unsigned& best, int& at) {
+  best = 0;
+  at = 0;
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    const unsigned long long c = candidate(rank[j], t.lane * N + j);
-    if (((eligible >> j) & 1ull) && c > best) best = c;
-  }
-  return candidate_index(t.max(best));
+  for (int j = 0; j < N; ++j)
+    if (((eligible >> j) & 1ull) && key[j] > best) {
+      best = key[j];
+      at = j;
+    }
 }
 
-// Selects K of the team's eligible values in rank order. Marks them in
+// Selects K of the team's eligible values in rank order (lane l holding
+// positions l * N .. l * N + N - 1, in increasing order). Marks them in
 // `chosen` (bits of the owning lanes) and returns, in selection order, the
 // `payload` of each.
 template <int K, int N, int E>
-__device__ __forceinline__ void select_top(const Team<E>& t, const float (&rank)[N], const float (&payload)[N],
+__device__ __forceinline__ void select_top(const Team<E>& t, const unsigned (&key)[N], const float (&payload)[N],
                                            unsigned long long eligible, unsigned long long& chosen, float (&picked)[K]) {
+  unsigned best;
+  int at;
+  lane_best(key, eligible & ~chosen, best, at);
 #pragma unroll
   for (int r = 0; r < K; ++r) {
-    const int index = team_argmax<N>(t, rank, eligible & ~chosen);
-    const int owner = index / N;
+    const unsigned top = t.max_key(best);
+    const int owner = t.first_lane(best == top);
     float value = 0.f;
-    if (owner == t.lane) {
-      const int j = index - owner * N;
-      chosen |= 1ull << j;
+    if (t.lane == owner) {
 #pragma unroll
-      for (int i = 0; i < N; ++i)
-        if (i == j) value = payload[i];
+      for (int j = 0; j < N; ++j)
+        if (j == at) value = payload[j];
+      chosen |= 1ull << at;
+      lane_best(key, eligible & ~chosen, best, at);
     }
     picked[r] = t.broadcast(value, owner);
   }
@@ -142,69 +144,112 @@ __device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)
 
 enum Score { SOFTMAX_POST = 0, SOFTMAX_PRE = 1, SIGMOID = 2 };
 
+// A group's candidates: its best M keys as 64-bit words (rank key, then the
+// inverted expert index: larger word = better, lower index on ties), best
+// first, with the raw keys they came from (0 = none).
+template <int M>
+struct Best {
+  unsigned long long word[M];
+  float key[M];
+
+  __device__ Best() {
+#pragma unroll
+    for (int p = 0; p < M; ++p) word[p] = 0, key[p] = 0.f;
+  }
+  __device__ void offer(unsigned long long w, float k) {
+#pragma unroll
+    for (int p = 0; p < M; ++p)
+      if (w > word[p]) {  // strictly: an earlier expert keeps a tie
+        const unsigned long long w0 = word[p];
+        const float k0 = key[p];
+        word[p] = w, key[p] = k;
+        w = w0, k = k0;
+      }
+  }
+  // The sum of the keys, best first (the CPU's order).
+  __device__ float sum() const {
+    float total = 0.f;
+#pragma unroll
+    for (int p = 0; p < M; ++p) total += key[p];
+    return total;
+  }
+};
+
+__device__ __forceinline__ unsigned long long expert_word(float key, int expert) {
+  return (static_cast<unsigned long long>(rank_key(key)) << 32) | (0xffffffffu - static_cast<unsigned>(expert));
+}
+
 // Experts of the groups not among the best GK are removed from `eligible`. A
 // group ranks by the sum of its best K / GK keys, summed best first.
 template <int E, int K, int G, int GK>
 __device__ __forceinline__ void limit_to_best_groups(const Team<E>& t, const float (&key)[Team<E>::VPT],
                                                      unsigned long long& eligible) {
   constexpr int LANES = Team<E>::LANES, VPT = Team<E>::VPT;
-  constexpr int GROUP = E / G, PER_GROUP = K / GK, GPL = (G + LANES - 1) / LANES;
-  __shared__ float keys[Team<E>::ROWS][E];
-  __shared__ unsigned char allowed[Team<E>::ROWS][G];
-  float* row_keys = keys[t.slot()];
+  constexpr int GROUP = E / G, M = K / GK;
+  constexpr int LANES_PER_GROUP = GROUP / VPT;
+  if constexpr (LANES == 32 && GROUP % VPT == 0 && (LANES_PER_GROUP & (LANES_PER_GROUP - 1)) == 0) {
+    // Each group is LANES_PER_GROUP whole lanes: lane-local candidates,
+    // merged across the group's lanes with shuffles.
+    Best<M> best;
 #pragma unroll
-  for (int j = 0; j < VPT; ++j)
-    if (j < t.count()) row_keys[t.first() + j] = key[j];
-  __syncwarp(t.mask);
-
-  float group_rank[GPL];
-  unsigned long long group_valid = 0;
+    for (int j = 0; j < VPT; ++j) best.offer(expert_word(key[j], t.first() + j), key[j]);
 #pragma unroll
-  for (int i = 0; i < GPL; ++i) {
-    const int g = t.lane * GPL + i;
-    group_rank[i] = 0.f;
-    if (g >= G) continue;
-    group_valid |= 1ull << i;
-    float best_rank[PER_GROUP], best_key[PER_GROUP];
-    int filled = 0;
-    for (int e = g * GROUP; e < (g + 1) * GROUP; ++e) {
-      float carry_rank = rank_of(row_keys[e]), carry_key = row_keys[e];
-      bool carrying = true;
+    for (int off = 1; off < LANES_PER_GROUP; off *= 2) {
+      Best<M> theirs;
 #pragma unroll
-      for (int p = 0; p < PER_GROUP; ++p) {
-        if (!carrying) continue;
-        if (p >= filled) {
-          best_rank[p] = carry_rank;
-          best_key[p] = carry_key;
-          carrying = false;
-        } else if (carry_rank > best_rank[p]) {  // strictly: the earlier expert keeps a tie
-          const float r = best_rank[p], k = best_key[p];
-          best_rank[p] = carry_rank;
-          best_key[p] = carry_key;
-          carry_rank = r;
-          carry_key = k;
-        }
+      for (int p = 0; p < M; ++p) {
+        theirs.word[p] = __shfl_xor_sync(0xffffffffu, best.word[p], off);
+        theirs.key[p] = __shfl_xor_sync(0xffffffffu, best.key[p], off);
       }
-      filled += filled < PER_GROUP;
+#pragma unroll
+      for (int p = 0; p < M; ++p) best.offer(theirs.word[p], theirs.key[p]);
     }
-    float score = 0.f;
+    const bool leader = t.lane % LANES_PER_GROUP == 0;
+    const unsigned group_key[1] = {rank_key(best.sum())};
+    const float unused_payload[1] = {0.f};
+    unsigned long long chosen_group = 0;
+    float unused[GK];
+    select_top<GK>(t, group_key, unused_payload, leader ? 1ull : 0ull, chosen_group, unused);
+    const int leader_lane = t.lane - t.lane % LANES_PER_GROUP;
+    if (!__shfl_sync(0xffffffffu, static_cast<unsigned>(chosen_group), leader_lane)) eligible = 0;
+  } else {
+    // Any other layout: the row's keys through shared memory, a lane scanning
+    // whole groups.
+    constexpr int GPL = (G + LANES - 1) / LANES;  // groups per lane
+    __shared__ float keys[Team<E>::ROWS][E];
+    __shared__ unsigned char allowed[Team<E>::ROWS][G];
+    float* row_keys = keys[t.slot()];
 #pragma unroll
-    for (int p = 0; p < PER_GROUP; ++p) score += best_key[p];
-    group_rank[i] = rank_of(score);
+    for (int j = 0; j < VPT; ++j)
+      if (j < t.count()) row_keys[t.first() + j] = key[j];
+    t.sync();
+    unsigned group_key[GPL];
+    unsigned long long group_valid = 0;
+#pragma unroll
+    for (int i = 0; i < GPL; ++i) {
+      const int g = t.lane * GPL + i;
+      group_key[i] = 0;
+      if (g >= G) continue;
+      group_valid |= 1ull << i;
+      Best<M> best;
+      for (int e = g * GROUP; e < (g + 1) * GROUP; ++e) best.offer(expert_word(row_keys[e], e), row_keys[e]);
+      group_key[i] = rank_key(best.sum());
+    }
+    float unused_payload[GPL], unused[GK];
+#pragma unroll
+    for (int i = 0; i < GPL; ++i) unused_payload[i] = 0.f;
+    unsigned long long chosen_groups = 0;
+    select_top<GK>(t, group_key, unused_payload, group_valid, chosen_groups, unused);
+#pragma unroll
+    for (int i = 0; i < GPL; ++i) {
+      const int g = t.lane * GPL + i;
+      if (g < G) allowed[t.slot()][g] = (chosen_groups >> i) & 1ull;
+    }
+    t.sync();
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+      if (!allowed[t.slot()][::min(G - 1, (t.first() + j) / GROUP)]) eligible &= ~(1ull << j);
   }
-
-  unsigned long long chosen_groups = 0;
-  float unused[GK];
-  select_top<GK, GPL>(t, group_rank, group_rank, group_valid, chosen_groups, unused);
-#pragma unroll
-  for (int i = 0; i < GPL; ++i) {
-    const int g = t.lane * GPL + i;
-    if (g < G) allowed[t.slot()][g] = (chosen_groups >> i) & 1ull;
-  }
-  __syncwarp(t.mask);
-#pragma unroll
-  for (int j = 0; j < VPT; ++j)
-    if (!allowed[t.slot()][min(G - 1, (t.first() + j) / GROUP)]) eligible &= ~(1ull << j);
 }
 
 // Top-k routing, forward: probs [T, E] (zero off the selection) and the
@@ -240,7 +285,7 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
   } else if constexpr (SCORE == SIGMOID) {
     float b[VPT];
     if constexpr (BIAS) {
-      load_floats<float, VPT, vector_rows<float, E>()>(bias + t.first(), t.count(), b);
+      load_floats<float, VPT, row_vector<float, E>()>(bias + t.first(), t.count(), b);
     }
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
@@ -255,9 +300,9 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
   unsigned long long eligible = valid;
   if constexpr (G > 1) limit_to_best_groups<E, K, G, GK>(t, key, eligible);
 
-  float rank[VPT];
+  unsigned rank[VPT];
 #pragma unroll
-  for (int j = 0; j < VPT; ++j) rank[j] = rank_of(key[j]);
+  for (int j = 0; j < VPT; ++j) rank[j] = rank_key(key[j]);
   unsigned long long chosen = 0;
   float picked[K];  // the selection's logits (post-softmax) or scores, best first
   select_top<K>(t, rank, s, eligible, chosen, picked);
@@ -404,14 +449,15 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
   const TeamE t;
   const int row = t.row();
   if (row >= tokens) return;
-  float x[VPT], q[VPT], rank[VPT];
+  float x[VPT], q[VPT];
+  unsigned rank[VPT];
   load_row<T, E>(logits, row, t, x);
   normalised_scores<E, SCORE>(t, x, q);
 #pragma unroll
-  for (int j = 0; j < VPT; ++j) rank[j] = rank_of(q[j]);
+  for (int j = 0; j < VPT; ++j) rank[j] = rank_key(q[j]);
   unsigned long long chosen = 0;
   float unused[K];
-  select_top<K>(t, rank, rank, t.valid(), chosen, unused);
+  select_top<K>(t, rank, q, t.valid(), chosen, unused);
   store_row<float, E>(scores, row, t, q);
   store_row_mask<E>(routing_map, row, t, chosen);
 }
@@ -446,9 +492,10 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
 constexpr int AUX_PARTIALS = 1024;
 constexpr int AUX_BLOCK = 256;
 
+// Elements per vector of the loss kernels: 16 bytes when rows allow, else 1.
 template <typename T, int E>
 constexpr int aux_vector() {
-  return E % Pack16<T>::N == 0 ? Pack16<T>::N : 1;
+  return (E * sizeof(T)) % 16 == 0 ? 16 / sizeof(T) : 1;
 }
 
 template <typename T, typename C, int E>
@@ -464,7 +511,7 @@ __global__ void __launch_bounds__(AUX_BLOCK)
   float acc = 0.f;
   for (long long v = first_row * E / V + threadIdx.x; v < last_row * E / V; v += AUX_BLOCK) {
     float p[V];
-    load_floats<T, V, V != 1>(probs + v * V, V, p);
+    load_floats<T, V, V == 1 ? 0 : 16>(probs + v * V, V, p);
     const int column = static_cast<int>((v * V) % E);
 #pragma unroll
     for (int i = 0; i < V; ++i) acc += p[i] * weight[column + i];
@@ -496,6 +543,6 @@ __global__ void __launch_bounds__(AUX_BLOCK)
     float out[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) out[i] = weight[column + i];
-    store_floats<T, V, V != 1>(grad_probs + v * V, V, out);
+    store_floats<T, V, V == 1 ? 0 : 16>(grad_probs + v * V, V, out);
   }
 }

@@ -16,13 +16,14 @@ const AUX_BLOCK: u32 = 256;
 /// A lane holds at most 64 experts of a row, so rows of up to 32 * 64.
 pub const MAX_EXPERTS: usize = 2048;
 
-/// Threads per token row (`team_lanes` in the kernels).
+/// Threads per token row (`Team::LANES` in the kernels): a warp, or one
+/// thread for rows of fewer than 32 experts.
 fn team_lanes(experts: usize) -> usize {
-    let mut lanes = 1;
-    while lanes < 32 && lanes * 2 * 8 <= experts {
-        lanes *= 2;
+    if experts >= 32 {
+        32
+    } else {
+        1
     }
-    lanes
 }
 
 /// The kernel's name for an element type.
@@ -99,7 +100,7 @@ pub fn aux_loss_instances(experts: usize, probs: DataType, counts: DataType) -> 
     Ok([format!("aux_loss_partials<{p}, {c}, {experts}>"), format!("aux_loss_bwd<{p}, {c}, {experts}>")])
 }
 
-/// One block per `128 / team_lanes` token rows.
+/// One block per `ROUTER_BLOCK / team_lanes` token rows.
 fn per_token(tokens: usize, experts: usize) -> Result<LaunchConfig> {
     let rows = ROUTER_BLOCK as usize / team_lanes(experts);
     let grid = u32::try_from(tokens.div_ceil(rows)).map_err(|_| Error::invalid_argument(format!("{tokens} tokens are too many")))?;
