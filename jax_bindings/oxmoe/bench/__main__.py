@@ -1,0 +1,182 @@
+"""Runs the router benchmark on the default JAX device and prints a table.
+
+    python -m oxmoe.bench [--smoke] [--json PATH] [--only NAME ...] [--list]
+
+Measures, in one run on one device: the copy bandwidth (the ceiling), then per
+case oxmoe's time and plain JAX's. Progress goes to stderr; the results table
+is the last thing on stdout. The exit status is 1 if any case failed (an error,
+or oxmoe disagreeing with plain JAX); a missed goal is a result, not a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import pathlib
+import sys
+
+import jax
+import jaxlib
+
+import oxmoe
+from oxmoe.bench import router, timing
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def _us(seconds: float) -> str:
+    us = seconds * 1e6
+    return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 10_000 else f"{us:,.0f}"
+
+
+def _mb(num_bytes: int) -> str:
+    mb = num_bytes / 1e6
+    return f"{mb:.3f}" if mb < 1 else f"{mb:.2f}" if mb < 100 else f"{mb:.0f}"
+
+
+def _gbps(bytes_per_s: float) -> str:
+    gb = bytes_per_s / 1e9
+    return f"{gb:.2f}" if gb < 10 else f"{gb:.0f}"
+
+
+def _mark(met: bool | None) -> str:
+    return "-" if met is None else "ok" if met else "MISS"
+
+
+class Summary:
+    """The derived numbers of one case: bandwidth, floor, speedup, goals."""
+
+    def __init__(self, result: router.CaseResult, copy: timing.CopyCeiling):
+        case = result.case
+        self.result = result
+        self.floor_s = case.bytes / copy.bytes_per_s
+        ox, plain = result.oxmoe, result.plain
+        self.bytes_per_s = case.bytes / ox.median_s if ox else None
+        self.fraction_of_copy = self.bytes_per_s / copy.bytes_per_s if ox else None
+        self.x_floor = ox.median_s / self.floor_s if ox else None
+        self.speedup = plain.median_s / ox.median_s if ox and plain else None
+        self.floor_met = self.x_floor <= router.MAX_X_FLOOR if ox else None
+        self.speedup_met = (self.speedup >= router.MIN_SPEEDUP
+                            if ox and plain and case.speedup_goal else None)
+
+    def row(self) -> list[str]:
+        r, case = self.result, self.result.case
+        if r.failure:
+            return [case.name, "FAILED", _mb(case.bytes)] + [""] * 7
+        return [case.name, _us(r.oxmoe.median_s), _mb(case.bytes), _gbps(self.bytes_per_s),
+                f"{100 * self.fraction_of_copy:.0f}%", f"{self.x_floor:.2f}x", _us(r.plain.median_s),
+                f"{self.speedup:.1f}x", _mark(self.floor_met), _mark(self.speedup_met)]
+
+    def to_json(self) -> dict:
+        r, case = self.result, self.result.case
+        return dict(
+            name=case.name, **case.info, bytes=case.bytes, floor_us=self.floor_s * 1e6,
+            oxmoe=r.oxmoe.to_json() if r.oxmoe else None,
+            plain_jax=r.plain.to_json() if r.plain else None,
+            gb_per_s=self.bytes_per_s / 1e9 if self.bytes_per_s else None,
+            fraction_of_copy=self.fraction_of_copy, x_floor=self.x_floor, speedup=self.speedup,
+            goals=dict(floor=self.floor_met, speedup=self.speedup_met),
+            check=dict(passed=r.failure is None, errors=r.errors, limits=case.limits,
+                       primitive=case.primitive, primitive_calls=r.primitive_calls,
+                       excluded_primitives=list(case.excluded)),
+            failure=r.failure)
+
+
+HEADER = ["case", "oxmoe us", "MB", "GB/s", "% copy", "x floor", "plain us", "speedup",
+          f"<={router.MAX_X_FLOOR:g}x floor", f">={router.MIN_SPEEDUP:g}x jax"]
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _describe_device(device) -> str:
+    return f"{device.device_kind} ({device.platform})"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m oxmoe.bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"tiny sizes (T={router.SMOKE_TOKENS}) and few repetitions: checks that it runs")
+    parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write every number to PATH")
+    parser.add_argument("--only", action="append", metavar="NAME", default=[],
+                        help="run the cases whose name contains NAME (repeatable), e.g. 'deepseek', 'topk bwd'")
+    parser.add_argument("--list", action="store_true", help="list the case names and exit")
+    args = parser.parse_args(argv)
+
+    settings = timing.SMOKE if args.smoke else timing.FULL
+    tokens = router.SMOKE_TOKENS if args.smoke else router.TOKENS
+    cases = router.cases(tokens)
+    if args.only:
+        cases = [c for c in cases if any(name in c.name for name in args.only)]
+        if not cases:
+            parser.error(f"no case name contains any of {args.only}; see --list")
+    if args.list:
+        print("\n".join(c.name for c in cases))
+        return 0
+
+    device = jax.devices()[0]
+    started = datetime.datetime.now(datetime.timezone.utc)
+    environment = (f"oxmoe {oxmoe.build_id()} on {_describe_device(device)}, jax {jax.__version__}, "
+                   f"T={tokens}{' (smoke)' if args.smoke else ''}, {started:%Y-%m-%d %H:%M} UTC")
+    _log(f"router benchmark: {environment}")
+
+    _log(f"[copy] {settings.copy_bytes >> 20} MiB float32 x * 2 ...")
+    copy = timing.copy_ceiling(settings)
+    copy_line = (f"copy ceiling: {_mb(copy.bytes)} MB read + written in {_us(copy.timing.median_s)} us = "
+                 f"{_gbps(copy.bytes_per_s)} GB/s (median of {len(copy.timing.samples_s)}, "
+                 f"{_gbps(copy.bytes / copy.timing.max_s)}..{_gbps(copy.bytes / copy.timing.min_s)})")
+    _log("    " + copy_line)
+
+    summaries = []
+    for n, case in enumerate(cases, 1):
+        _log(f"[{n}/{len(cases)}] {case.name} ...")
+        result = router.run_case(case, settings)
+        summary = Summary(result, copy)
+        summaries.append(summary)
+        if result.failure:
+            _log(f"    FAILED: {result.failure}")
+        else:
+            _log(f"    oxmoe {_us(result.oxmoe.median_s)} us ({summary.x_floor:.2f}x floor), "
+                 f"plain JAX {_us(result.plain.median_s)} us, R={result.oxmoe.num_sets}, "
+                 f"{result.oxmoe.calls_per_sample} call(s) x {len(result.oxmoe.samples_s)} samples")
+
+    failed = [s.result for s in summaries if s.result.failure]
+    if args.json:
+        report = dict(
+            benchmark="router", device=device.device_kind, platform=device.platform,
+            jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
+            oxmoe_build_id=oxmoe.build_id(), date=started.isoformat(), smoke=args.smoke,
+            tokens=tokens, settings=dataclasses.asdict(settings),
+            goals=dict(max_x_floor=router.MAX_X_FLOOR, min_speedup=router.MIN_SPEEDUP),
+            copy=copy.to_json(), cases=[s.to_json() for s in summaries])
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(report, indent=1) + "\n")
+        _log(f"wrote {args.json}")
+
+    met = lambda attr: [getattr(s, attr) for s in summaries if getattr(s, attr) is not None]  # noqa: E731
+    floor, speedup = met("floor_met"), met("speedup_met")
+    print(f"router benchmark: {environment}")
+    print(copy_line)
+    for r in failed:
+        print(f"FAILED {r.case.name}: {r.failure[:400]}")
+    print(f"goals met: time <= {router.MAX_X_FLOOR:g}x byte floor (bytes / copy bandwidth) "
+          f"{sum(floor)}/{len(floor)}; >= {router.MIN_SPEEDUP:g}x faster than plain JAX (routing cases) "
+          f"{sum(speedup)}/{len(speedup)}; failed cases {len(failed)}")
+    print(_table([HEADER] + [s.row() for s in summaries]))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

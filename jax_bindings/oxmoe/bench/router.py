@@ -1,0 +1,497 @@
+"""The router benchmark: oxmoe's router primitives against plain JAX and the copy ceiling.
+
+Cases (T tokens, bf16 logits unless named f32):
+
+- ``<model> <dtype> topk fwd|bwd``: :func:`oxmoe.router.topk` (probs and
+  routing map; the backward takes d probs to d logits);
+- ``<model> <dtype> scores fwd|bwd``: :func:`oxmoe.router.aux_loss_scores`;
+- ``aux_loss E=<E> <dtype> fwd|bwd``: :func:`oxmoe.router.aux_loss` on
+  ``[T, E]`` probs and int32 token counts (the backward gives d probs).
+
+Each case also runs :func:`plain_topk`, :func:`plain_aux_loss_scores` or
+:func:`plain_aux_loss`: the same semantics in plain JAX (float32 arithmetic,
+``lax.top_k``, scatter), written independently of oxmoe; a backward is
+``jax.vjp`` of that forward. Before anything is timed the two are compared on
+every input set of the case, and a case whose outputs disagree is reported as
+failed, not timed. A timed backward contains the backward only: its jit takes
+the ``jax.vjp`` function (the forward's residuals) and the cotangent, and its
+jaxpr is checked to hold no forward primitive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import traceback
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from oxmoe import router
+from oxmoe.bench import timing
+
+#: Tokens per case in the full run, and in the smoke run.
+TOKENS, SMOKE_TOKENS = 65536, 512
+#: Experts of the load-balancing loss cases, its top-k and coefficient.
+AUX_LOSS_EXPERTS, AUX_LOSS_TOPK, AUX_LOSS_COEFF = (256, 1024, 2048), 8, 1e-2
+
+#: Goals of the issue: time within this factor of the byte floor ...
+MAX_X_FLOOR = 2.0
+#: ... and at least this much faster than plain JAX (routing cases).
+MIN_SPEEDUP = 15.0
+
+#: Largest fraction of tokens whose routing may differ from plain JAX's (near-ties
+#: of float32 scores computed in a different order).
+MAX_ROUTING_MISMATCH = 1e-3
+#: Largest ||oxmoe - plain|| / ||plain|| of a value, by the dtype it is stored in.
+MAX_REL_ERR = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float32): 1e-4}
+#: The scalar loss sums T * E products in float32, in whatever order.
+MAX_LOSS_REL_ERR = 1e-3
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """A model's routing (the arguments of :func:`oxmoe.router.topk`)."""
+
+    name: str
+    num_experts: int
+    topk: int
+    score_function: str = "softmax"
+    use_pre_softmax: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float | None = None
+    use_expert_bias: bool = False
+
+    def topk_kwargs(self) -> dict:
+        return dict(score_function=self.score_function, use_pre_softmax=self.use_pre_softmax,
+                    num_groups=self.num_groups, group_topk=self.group_topk,
+                    scaling_factor=self.scaling_factor)
+
+
+DEEPSEEK_V3 = RouterConfig("deepseek_v3", num_experts=256, topk=8, score_function="sigmoid",
+                           num_groups=8, group_topk=4, scaling_factor=2.5, use_expert_bias=True)
+QWEN3_MOE = RouterConfig("qwen3_moe", num_experts=128, topk=8)
+MIXTRAL = RouterConfig("mixtral", num_experts=8, topk=2)
+MODELS = (DEEPSEEK_V3, QWEN3_MOE, MIXTRAL)
+
+
+# -- plain JAX ----------------------------------------------------------------
+
+def _scatter_rows(shape, indices, values, dtype):
+    """A ``shape`` array of zeros with ``values [T, k]`` at ``indices [T, k]`` of each row."""
+    rows = jnp.arange(shape[0])[:, None]
+    return jnp.zeros(shape, dtype).at[rows, indices].set(values.astype(dtype))
+
+
+def _best_groups_only(selection, num_groups: int, group_topk: int, topk: int):
+    """``selection [T, E]`` with -inf outside each token's ``group_topk`` best groups;
+    a group's score is the sum of its best ``topk // group_topk`` selection scores."""
+    t, e = selection.shape
+    grouped = selection.reshape(t, num_groups, e // num_groups)
+    group_scores = jax.lax.top_k(grouped, topk // group_topk)[0].sum(-1)
+    _, best = jax.lax.top_k(group_scores, group_topk)  # ties: the lower group
+    keep = _scatter_rows((t, num_groups), best, jnp.ones_like(best), jnp.bool_)
+    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
+
+
+def plain_topk(logits, expert_bias, config: RouterConfig):
+    """:func:`oxmoe.router.topk` in plain JAX: ``(probs [T, E] logits' dtype, routing_map bool)``."""
+    x = logits.astype(jnp.float32)
+    if config.score_function == "sigmoid":
+        scores = jax.nn.sigmoid(x)
+        selection = scores if expert_bias is None else scores + expert_bias
+    elif config.use_pre_softmax:
+        scores = selection = jax.nn.softmax(x, axis=-1)
+    else:
+        scores, selection = None, x
+    if config.num_groups is not None:
+        selection = _best_groups_only(selection, config.num_groups, config.group_topk, config.topk)
+    _, chosen = jax.lax.top_k(selection, config.topk)  # ties: the lower expert
+    if config.score_function == "sigmoid":
+        weights = jnp.take_along_axis(scores, chosen, axis=-1)
+        if config.topk > 1:
+            weights = weights / weights.sum(-1, keepdims=True)
+    elif config.use_pre_softmax:
+        weights = jnp.take_along_axis(scores, chosen, axis=-1)
+    else:
+        weights = jax.nn.softmax(jnp.take_along_axis(x, chosen, axis=-1), axis=-1)
+    if config.scaling_factor is not None:
+        weights = weights * config.scaling_factor
+    probs = _scatter_rows(x.shape, chosen, weights, logits.dtype)
+    routing_map = _scatter_rows(x.shape, chosen, jnp.ones_like(chosen), jnp.bool_)
+    return probs, routing_map
+
+
+def plain_aux_loss_scores(logits, topk: int, score_function: str):
+    """:func:`oxmoe.router.aux_loss_scores` in plain JAX: ``(routing_map bool, scores f32)``."""
+    x = logits.astype(jnp.float32)
+    if score_function == "softmax":
+        scores = jax.nn.softmax(x, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(x)
+        scores = scores / scores.sum(-1, keepdims=True)
+    _, chosen = jax.lax.top_k(scores, topk)
+    return _scatter_rows(x.shape, chosen, jnp.ones_like(chosen), jnp.bool_), scores
+
+
+def plain_aux_loss(probs, tokens_per_expert, *, total_num_tokens: int, topk: int, coeff: float):
+    """:func:`oxmoe.router.aux_loss` in plain JAX: a float32 scalar."""
+    scale = coeff * probs.shape[-1] / (topk * float(total_num_tokens) ** 2)
+    per_expert = probs.astype(jnp.float32).sum(0)
+    return scale * jnp.sum(per_expert * tokens_per_expert.astype(jnp.float32))
+
+
+# -- comparisons (on the device, one input set at a time) -----------------------
+
+def _rows_agree(a, b):
+    return jnp.all(a == b, axis=-1)
+
+
+def _routing_mismatch(a, b):
+    """The fraction of tokens (rows) whose routing maps differ."""
+    return 1.0 - jnp.mean(_rows_agree(a, b).astype(jnp.float32))
+
+
+def _rel_err(actual, expected, rows=None):
+    """``||actual - expected|| / ||expected||`` over all rows, or the rows where ``rows``."""
+    actual, expected = actual.astype(jnp.float32), expected.astype(jnp.float32)
+    if rows is not None:
+        actual = jnp.where(rows[:, None], actual, 0.0)
+        expected = jnp.where(rows[:, None], expected, 0.0)
+    return jnp.linalg.norm(actual - expected) / jnp.maximum(jnp.linalg.norm(expected), 1e-30)
+
+
+@jax.jit
+def _compare_topk_fwd(ox, plain, context):
+    del context
+    agree = _rows_agree(ox[1], plain[1])
+    return dict(routing_mismatch=_routing_mismatch(ox[1], plain[1]),
+                probs_rel_err=_rel_err(ox[0], plain[0], agree))
+
+
+@jax.jit
+def _compare_topk_bwd(ox, plain, maps):
+    """``maps``: the routing maps of oxmoe's and plain JAX's forwards."""
+    return dict(routing_mismatch=_routing_mismatch(*maps),
+                grad_rel_err=_rel_err(ox, plain, _rows_agree(*maps)))
+
+
+@jax.jit
+def _compare_scores_fwd(ox, plain, context):
+    del context
+    return dict(routing_mismatch=_routing_mismatch(ox[0], plain[0]),
+                scores_rel_err=_rel_err(ox[1], plain[1]))
+
+
+@jax.jit
+def _compare_grads(ox, plain, context):
+    del context
+    return dict(grad_rel_err=_rel_err(ox, plain))
+
+
+@jax.jit
+def _compare_losses(ox, plain, context):
+    del context
+    return dict(loss_rel_err=jnp.abs(ox - plain) / jnp.maximum(jnp.abs(plain), 1e-30))
+
+
+# -- cases ----------------------------------------------------------------------
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("oxmoe", "plain", "context"),
+                   meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """One input set of a case: the arguments of each implementation."""
+
+    oxmoe: tuple
+    plain: tuple
+    context: Any = None
+    """What the comparison needs besides the outputs (e.g. the forward's routing maps)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One timed op: oxmoe's and plain JAX's versions, their inputs, their check."""
+
+    name: str
+    bytes: int
+    """The fewest bytes the op moves: each input read once, each output written once."""
+    draw: Callable[[timing.RandomArrays], tuple]
+    """One input set's arrays, fresh random data."""
+    prepare: Callable[..., Inputs] | None
+    """The arrays of :attr:`draw` -> each implementation's arguments (a backward's
+    ``jax.vjp`` functions: its forward runs here, untimed); None: both take the arrays."""
+    oxmoe: Callable
+    plain: Callable
+    compare: Callable[[Any, Any, Any], dict]
+    """(oxmoe outputs, plain outputs, context) of one set -> named errors."""
+    limits: dict[str, float]
+    """The largest acceptable value of each error."""
+    primitive: str
+    """The oxmoe primitive the timed oxmoe function calls, once per input set."""
+    excluded: tuple[str, ...] = ()
+    """Primitives neither timed function may contain (a backward's forward)."""
+    speedup_goal: bool = True
+    """Whether the >= MIN_SPEEDUP goal over plain JAX applies."""
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+def _apply_vjp(vjp, cotangent):
+    return vjp(cotangent)[0]
+
+
+def _expert_bias(random: timing.RandomArrays, config: RouterConfig):
+    return random.normal((config.num_experts,), jnp.float32, scale=0.1) if config.use_expert_bias else None
+
+
+def _oxmoe_topk(config: RouterConfig):
+    return lambda logits, bias: router.topk(logits, config.topk, expert_bias=bias, **config.topk_kwargs())
+
+
+def _plain_topk(config: RouterConfig):
+    return lambda logits, bias: plain_topk(logits, bias, config)
+
+
+def _value_limit(what: str, dtype) -> dict[str, float]:
+    return {f"{what}_rel_err": MAX_REL_ERR[jnp.dtype(dtype)]}
+
+
+def _info(op: str, direction: str, dtype, tokens: int, num_experts: int, topk: int, model: str) -> dict:
+    return dict(op=op, direction=direction, dtype=jnp.dtype(dtype).name, tokens=tokens,
+                num_experts=num_experts, topk=topk, model=model)
+
+
+_DTYPE_NAMES = {jnp.dtype(jnp.bfloat16): "bf16", jnp.dtype(jnp.float32): "f32"}
+
+
+def _name(model: str, dtype, op: str, direction: str) -> str:
+    return f"{model} {_DTYPE_NAMES[jnp.dtype(dtype)]} {op} {direction}"
+
+
+def topk_fwd_case(config: RouterConfig, tokens: int, dtype) -> Case:
+    t, e, d = tokens, config.num_experts, jnp.dtype(dtype).itemsize
+    bias_bytes = 4 * e if config.use_expert_bias else 0
+
+    def draw(random):
+        return random.normal((t, e), dtype), _expert_bias(random, config)
+
+    return Case(
+        name=_name(config.name, dtype, "topk", "fwd"),
+        bytes=t * e * d + bias_bytes + t * e * (d + 1),  # logits, bias -> probs, routing map
+        draw=draw, prepare=None, oxmoe=_oxmoe_topk(config), plain=_plain_topk(config),
+        compare=_compare_topk_fwd,
+        limits=dict(routing_mismatch=MAX_ROUTING_MISMATCH, **_value_limit("probs", dtype)),
+        primitive="oxmoe_topk_fwd",
+        info=_info("topk", "fwd", dtype, t, e, config.topk, config.name))
+
+
+def topk_bwd_case(config: RouterConfig, tokens: int, dtype) -> Case:
+    t, e, d = tokens, config.num_experts, jnp.dtype(dtype).itemsize
+
+    def draw(random):
+        return random.normal((t, e), dtype), _expert_bias(random, config), random.normal((t, e), dtype)
+
+    def prepare(logits, bias, grad_probs):
+        _, ox_vjp, ox_map = jax.vjp(lambda x: _oxmoe_topk(config)(x, bias), logits, has_aux=True)
+        _, plain_vjp, plain_map = jax.vjp(lambda x: _plain_topk(config)(x, bias), logits, has_aux=True)
+        return Inputs((ox_vjp, grad_probs), (plain_vjp, grad_probs), context=(ox_map, plain_map))
+
+    return Case(
+        name=_name(config.name, dtype, "topk", "bwd"),
+        bytes=t * e * (d + d + 1) + t * e * d,  # d probs, logits, routing map -> d logits
+        draw=draw, prepare=prepare, oxmoe=_apply_vjp, plain=_apply_vjp,
+        compare=_compare_topk_bwd,
+        limits=dict(routing_mismatch=MAX_ROUTING_MISMATCH, **_value_limit("grad", dtype)),
+        primitive="oxmoe_topk_bwd", excluded=("oxmoe_topk_fwd", "top_k", "exp", "logistic"),
+        info=_info("topk", "bwd", dtype, t, e, config.topk, config.name))
+
+
+def scores_fwd_case(config: RouterConfig, tokens: int, dtype) -> Case:
+    t, e, d = tokens, config.num_experts, jnp.dtype(dtype).itemsize
+
+    def draw(random):
+        return (random.normal((t, e), dtype),)
+
+    return Case(
+        name=_name(config.name, dtype, "scores", "fwd"),
+        bytes=t * e * d + t * e * (1 + 4),  # logits -> routing map, f32 scores
+        draw=draw, prepare=None,
+        oxmoe=lambda x: router.aux_loss_scores(x, config.topk, score_function=config.score_function),
+        plain=lambda x: plain_aux_loss_scores(x, config.topk, config.score_function),
+        compare=_compare_scores_fwd,
+        limits=dict(routing_mismatch=MAX_ROUTING_MISMATCH, **_value_limit("scores", jnp.float32)),
+        primitive="oxmoe_aux_loss_scores_fwd",
+        info=_info("scores", "fwd", dtype, t, e, config.topk, config.name))
+
+
+def scores_bwd_case(config: RouterConfig, tokens: int, dtype) -> Case:
+    t, e, d = tokens, config.num_experts, jnp.dtype(dtype).itemsize
+
+    def draw(random):
+        return random.normal((t, e), dtype), random.normal((t, e), jnp.float32)
+
+    def prepare(logits, grad_scores):
+        _, ox_vjp = jax.vjp(
+            lambda x: router.aux_loss_scores(x, config.topk, score_function=config.score_function)[1], logits)
+        _, plain_vjp = jax.vjp(
+            lambda x: plain_aux_loss_scores(x, config.topk, config.score_function)[1], logits)
+        return Inputs((ox_vjp, grad_scores), (plain_vjp, grad_scores))
+
+    return Case(
+        name=_name(config.name, dtype, "scores", "bwd"),
+        bytes=t * e * (4 + d) + t * e * d,  # f32 d scores, logits -> d logits
+        draw=draw, prepare=prepare, oxmoe=_apply_vjp, plain=_apply_vjp,
+        compare=_compare_grads, limits=_value_limit("grad", dtype),
+        primitive="oxmoe_aux_loss_scores_bwd",
+        excluded=("oxmoe_aux_loss_scores_fwd", "top_k", "exp", "logistic"),
+        info=_info("scores", "bwd", dtype, t, e, config.topk, config.name))
+
+
+def _aux_loss_inputs(random: timing.RandomArrays, tokens: int, num_experts: int, dtype):
+    """Softmax probs ``[T, E]`` and int32 token counts of a plausible top-k routing."""
+    mean_count = tokens * AUX_LOSS_TOPK // num_experts
+    return (random.probabilities((tokens, num_experts), dtype),
+            random.integers(0, 2 * mean_count + 1, (num_experts,), jnp.int32))
+
+
+def _aux_loss_fns(tokens: int):
+    kwargs = dict(total_num_tokens=tokens, topk=AUX_LOSS_TOPK, coeff=AUX_LOSS_COEFF)
+    return (lambda p, counts: router.aux_loss(p, counts, **kwargs),
+            lambda p, counts: plain_aux_loss(p, counts, **kwargs))
+
+
+def aux_loss_fwd_case(num_experts: int, tokens: int, dtype) -> Case:
+    t, e, d = tokens, num_experts, jnp.dtype(dtype).itemsize
+    oxmoe_fn, plain_fn = _aux_loss_fns(t)
+
+    return Case(
+        name=f"aux_loss E={e} {_DTYPE_NAMES[jnp.dtype(dtype)]} fwd",
+        bytes=t * e * d + 4 * e + 4,  # probs, counts -> loss
+        draw=lambda random: _aux_loss_inputs(random, t, e, dtype), prepare=None, oxmoe=oxmoe_fn, plain=plain_fn,
+        compare=_compare_losses, limits=dict(loss_rel_err=MAX_LOSS_REL_ERR),
+        primitive="oxmoe_aux_loss_fwd", speedup_goal=False,
+        info=_info("aux_loss", "fwd", dtype, t, e, AUX_LOSS_TOPK, "aux_loss"))
+
+
+def aux_loss_bwd_case(num_experts: int, tokens: int, dtype) -> Case:
+    t, e, d = tokens, num_experts, jnp.dtype(dtype).itemsize
+    oxmoe_fn, plain_fn = _aux_loss_fns(t)
+
+    def draw(random):
+        return *_aux_loss_inputs(random, t, e, dtype), random.normal((), jnp.float32)
+
+    def prepare(probs, counts, grad_loss):
+        _, ox_vjp = jax.vjp(lambda p: oxmoe_fn(p, counts), probs)
+        _, plain_vjp = jax.vjp(lambda p: plain_fn(p, counts), probs)
+        return Inputs((ox_vjp, grad_loss), (plain_vjp, grad_loss))
+
+    return Case(
+        name=f"aux_loss E={e} {_DTYPE_NAMES[jnp.dtype(dtype)]} bwd",
+        bytes=4 + 4 * e + t * e * d,  # d loss, counts -> d probs
+        draw=draw, prepare=prepare, oxmoe=_apply_vjp, plain=_apply_vjp,
+        compare=_compare_grads, limits=_value_limit("grad", dtype),
+        primitive="oxmoe_aux_loss_bwd", excluded=("oxmoe_aux_loss_fwd", "reduce_sum"),
+        speedup_goal=False,
+        info=_info("aux_loss", "bwd", dtype, t, e, AUX_LOSS_TOPK, "aux_loss"))
+
+
+def cases(tokens: int) -> list[Case]:
+    """Every router case at ``tokens`` tokens, in the order they run."""
+    out = []
+    for config in MODELS:
+        dtypes = (jnp.bfloat16, jnp.float32) if config is DEEPSEEK_V3 else (jnp.bfloat16,)
+        for dtype in dtypes:
+            out += [topk_fwd_case(config, tokens, dtype), topk_bwd_case(config, tokens, dtype)]
+        out += [scores_fwd_case(config, tokens, jnp.bfloat16), scores_bwd_case(config, tokens, jnp.bfloat16)]
+    for num_experts in AUX_LOSS_EXPERTS:
+        for dtype in (jnp.bfloat16, jnp.float32):
+            out += [aux_loss_fwd_case(num_experts, tokens, dtype), aux_loss_bwd_case(num_experts, tokens, dtype)]
+    return out
+
+
+# -- running a case --------------------------------------------------------------
+
+class CheckFailed(Exception):
+    """oxmoe and plain JAX disagree, or a timed function is not what it claims to be."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    case: Case
+    oxmoe: timing.Timing | None = None
+    plain: timing.Timing | None = None
+    errors: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The largest value of each comparison error over the input sets."""
+    primitive_calls: int | None = None
+    """How often the timed oxmoe jit calls ``case.primitive`` (checked: R)."""
+    failure: str | None = None
+
+
+def _check_timed_function(label: str, run, arg_sets, case: Case, calls_expected: int | None) -> int:
+    """Checks the jaxpr of a timed jit: the op R times, no excluded primitive; returns the
+    op's primitive count."""
+    counts = timing.primitive_counts(run, arg_sets)
+    if calls_expected is not None and counts[case.primitive] != calls_expected:
+        raise CheckFailed(f"the timed {label} function calls {case.primitive} {counts[case.primitive]} "
+                          f"times, expected {calls_expected} (one per input set)")
+    found = sorted(p for p in case.excluded if counts[p])
+    if found:
+        raise CheckFailed(f"the timed {label} function contains {', '.join(found)}: "
+                          "it would time more than the op")
+    return counts[case.primitive]
+
+
+def _worst_errors(case: Case, ox_outs, plain_outs, contexts) -> dict[str, float]:
+    """The worst value of each comparison error over the input sets."""
+    worst: dict[str, float] = {}
+    for ox, plain, context in zip(ox_outs, plain_outs, contexts):
+        for name, value in case.compare(ox, plain, context).items():
+            value = float(value)
+            if name not in worst or math.isnan(value) or value > worst[name]:  # NaN is the worst
+                worst[name] = value
+    return worst
+
+
+def _check_limits(case: Case, errors: dict[str, float]) -> None:
+    bad = [f"{name} = {value:.3g} (limit {case.limits[name]:.3g})"
+           for name, value in errors.items() if not value <= case.limits[name]]
+    if bad:
+        raise CheckFailed("oxmoe and plain JAX disagree: " + "; ".join(bad))
+
+
+def run_case(case: Case, settings: timing.Settings, seed: int = 0) -> CaseResult:
+    """Checks oxmoe against plain JAX on the case's input sets, then times both.
+
+    A failure (an exception, a disagreement) is returned in the result, not raised.
+    """
+    errors: dict[str, float] = {}
+    primitive_calls = None
+    try:
+        num_sets = settings.num_sets(case.bytes)
+        # The drawn arrays exist at their dtype before anything uses them: drawn in the
+        # same jit, XLA could skip the rounding to bf16 for the plain-JAX consumer (and
+        # not for oxmoe's custom call), and the two would route different logits.
+        prepare = jax.jit(case.prepare) if case.prepare else lambda *arrays: Inputs(arrays, arrays)
+        inputs = [prepare(*case.draw(timing.RandomArrays(seed, zlib.crc32(case.name.encode()), n)))
+                  for n in range(num_sets)]
+        ox_sets, plain_sets = [i.oxmoe for i in inputs], [i.plain for i in inputs]
+        ox_run, plain_run = timing.rotated(case.oxmoe), timing.rotated(case.plain)
+        primitive_calls = _check_timed_function("oxmoe", ox_run, ox_sets, case, num_sets)
+        _check_timed_function("plain JAX", plain_run, plain_sets, case, None)
+        errors = _worst_errors(case, ox_run(ox_sets), plain_run(plain_sets), [i.context for i in inputs])
+        _check_limits(case, errors)
+        del inputs
+        ox_timing = timing.measure(ox_run, ox_sets, settings)
+        plain_timing = timing.measure(plain_run, plain_sets, settings)
+        return CaseResult(case, ox_timing, plain_timing, errors, primitive_calls)
+    except CheckFailed as e:
+        return CaseResult(case, errors=errors, primitive_calls=primitive_calls, failure=f"check failed: {e}")
+    except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
+        lines = traceback.format_exception_only(type(e), e)
+        return CaseResult(case, errors=errors, primitive_calls=primitive_calls,
+                          failure=" ".join(line.strip() for line in lines)[:2000])

@@ -1,0 +1,243 @@
+"""Timing device work from JAX: many calls of one op per jit, the copy ceiling.
+
+The router's kernels take 10-100 us while a jitted call costs 20-50 us of
+Python dispatch and synchronisation, so timing one op per call measures the
+host. Instead:
+
+- :func:`rotated` builds one jit that applies the op to ``R`` different input
+  sets in sequence (fenced by optimization barriers, so XLA neither fuses nor
+  overlaps the ``R`` calls) and returns every output (nothing is dead code).
+  ``R`` sets that together exceed the L2 cache (:meth:`Settings.num_sets`)
+  make each call read its inputs from device memory, as it would in a model.
+- :func:`measure` times that jit: a sample dispatches it back to back until at
+  least ``min_sample_s`` has passed and blocks once at the end, so dispatch
+  overlaps the device work of the previous call; the reported time per op is
+  the median sample over ``R``.
+- :func:`copy_ceiling` measures the device-to-device copy bandwidth in the same
+  process: the ceiling that byte counts are compared against.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How hard to time: sample counts, the size of a sample, the input sets."""
+
+    repeats: int
+    """Timed samples per op; the median is reported."""
+    warmup: int
+    """Untimed calls after the first (compilation) call."""
+    min_sample_s: float
+    """A sample repeats the call until it has lasted at least this long."""
+    working_set_bytes: int
+    """The input sets of one jit together move at least this many bytes (several
+    times the L2 cache), within ``min_sets``..``max_sets``."""
+    min_sets: int
+    max_sets: int
+    copy_bytes: int
+    """Size of the array the copy ceiling copies (read once, written once)."""
+
+    def num_sets(self, bytes_per_call: int) -> int:
+        """How many input sets one timed jit rotates through."""
+        wanted = math.ceil(self.working_set_bytes / max(bytes_per_call, 1))
+        return max(self.min_sets, min(self.max_sets, wanted))
+
+
+#: For a GPU: an H200 has a 60 MB L2, so the R sets of a jit move >= 512 MB (R = 4..64).
+FULL = Settings(repeats=30, warmup=3, min_sample_s=10e-3, working_set_bytes=512 << 20,
+                min_sets=4, max_sets=64, copy_bytes=1 << 30)
+#: For CI on a small CPU: runs every code path once or twice, in seconds.
+SMOKE = Settings(repeats=3, warmup=1, min_sample_s=0.0, working_set_bytes=0,
+                 min_sets=2, max_sets=2, copy_bytes=8 << 20)
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """Seconds per op call: the median sample, and the spread of the samples."""
+
+    median_s: float
+    min_s: float
+    max_s: float
+    num_sets: int
+    """R, the op calls in one jit call."""
+    calls_per_sample: int
+    """Jit calls dispatched back to back in one sample."""
+    samples_s: tuple[float, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(median_us=self.median_s * 1e6, min_us=self.min_s * 1e6, max_us=self.max_s * 1e6,
+                    num_sets=self.num_sets, calls_per_sample=self.calls_per_sample,
+                    samples_us=[s * 1e6 for s in self.samples_s])
+
+
+def nbytes(*trees) -> int:
+    """Bytes of every array (or ShapeDtypeStruct) in ``trees`` at its dtype (bool = 1 byte)."""
+    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(trees))
+
+
+#: Arrays of up to this many elements are drawn on the host (nothing to compile:
+#: what a small CPU run wants), larger ones on the device (fast: what a GPU run wants).
+HOST_DRAW_MAX_ELEMENTS = 1 << 22
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _device_normal(key, shape, dtype):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+@functools.partial(jax.jit, static_argnums=(1,))
+def _softmax_rows(x, dtype):
+    return jax.nn.softmax(x, axis=-1).astype(dtype)
+
+
+class RandomArrays:
+    """Fresh random arrays on the default device, reproducible from a seed.
+
+    Each call draws from its own stream (the seed and the call's number), so
+    the arrays of one input set are independent of each other.
+    """
+
+    def __init__(self, *seed: int):
+        self._seed = tuple(seed)
+        self._calls = 0
+
+    def _stream(self) -> tuple[int, ...]:
+        self._calls += 1
+        return (*self._seed, self._calls)
+
+    def normal(self, shape, dtype, scale: float = 1.0) -> jax.Array:
+        """Standard normal values times ``scale``, drawn in float32 and rounded to ``dtype``."""
+        shape, stream = tuple(shape), self._stream()
+        if math.prod(shape) <= HOST_DRAW_MAX_ELEMENTS:
+            x = np.random.default_rng(stream).standard_normal(shape, np.float32)
+            return jnp.asarray((x * np.float32(scale)).astype(dtype))
+        key = jax.random.key(stream[0])
+        for part in stream[1:]:
+            key = jax.random.fold_in(key, part)
+        x = _device_normal(key, shape, jnp.dtype(dtype))
+        return x if scale == 1.0 else (x * scale).astype(dtype)
+
+    def probabilities(self, shape, dtype) -> jax.Array:
+        """Rows that sum to 1: the softmax of normal logits, rounded to ``dtype``."""
+        x = self.normal(shape, jnp.float32)
+        if x.size <= HOST_DRAW_MAX_ELEMENTS:
+            x = np.asarray(x)
+            p = np.exp(x - x.max(-1, keepdims=True))
+            return jnp.asarray((p / p.sum(-1, keepdims=True)).astype(dtype))
+        return _softmax_rows(x, jnp.dtype(dtype))
+
+    def integers(self, low: int, high: int, shape, dtype=jnp.int32) -> jax.Array:
+        """Uniform integers in ``[low, high)`` (drawn on the host)."""
+        rng = np.random.default_rng(self._stream())
+        return jnp.asarray(rng.integers(low, high, shape).astype(dtype))
+
+
+def rotated(fn: Callable) -> Callable:
+    """``jit(arg_sets -> [fn(*args) for args in arg_sets])``, the calls strictly in sequence.
+
+    ``arg_sets`` is a sequence of argument tuples (pytrees of arrays, e.g. a
+    ``jax.vjp`` function and its cotangent). Each call's arguments pass through
+    an optimization barrier together with the previous call's outputs, so call
+    ``i + 1`` cannot start before call ``i`` has finished and no fusion spans two
+    calls: the jit's time is the sum of ``R`` standalone op times.
+    """
+
+    def run(arg_sets):
+        outs = []
+        for args in arg_sets:
+            if outs:
+                outs[-1], args = jax.lax.optimization_barrier((outs[-1], tuple(args)))
+            outs.append(fn(*args))
+        return outs
+
+    return jax.jit(run)
+
+
+def measure(run: Callable, arg_sets: Sequence, settings: Settings) -> Timing:
+    """Times ``run(arg_sets)`` (a :func:`rotated` jit); returns seconds per op call.
+
+    The first call (compilation, and oxmoe's kernel compilation at first use)
+    and ``settings.warmup`` more are not timed.
+    """
+    num_sets = len(arg_sets)
+    for _ in range(1 + settings.warmup):
+        jax.block_until_ready(run(arg_sets))
+    start = time.perf_counter()
+    jax.block_until_ready(run(arg_sets))
+    per_call = time.perf_counter() - start
+    calls = max(1, min(1000, math.ceil(settings.min_sample_s / max(per_call, 1e-9))))
+
+    samples = []
+    for _ in range(settings.repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = run(arg_sets)
+        jax.block_until_ready(out)
+        samples.append((time.perf_counter() - start) / (calls * num_sets))
+        del out
+    return Timing(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples),
+                  num_sets=num_sets, calls_per_sample=calls, samples_s=tuple(samples))
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyCeiling:
+    """The device-to-device copy: ``bytes`` read plus written per call."""
+
+    bytes: int
+    timing: Timing
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bytes / self.timing.median_s
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(bytes=self.bytes, gb_per_s=self.bytes_per_s / 1e9, **self.timing.to_json())
+
+
+def copy_ceiling(settings: Settings) -> CopyCeiling:
+    """Measures the copy bandwidth with a jitted ``x * 2`` over ``settings.copy_bytes`` of float32.
+
+    The result is a new array that is returned, so XLA must read every input
+    element and write every output element once: ``2 * copy_bytes`` per call.
+    """
+    x = RandomArrays(0).normal((settings.copy_bytes // 4,), jnp.float32)
+    timing = measure(rotated(lambda x: x * 2), [(x,)], settings)
+    return CopyCeiling(bytes=2 * nbytes(x), timing=timing)
+
+
+def primitive_counts(fn: Callable, *args) -> collections.Counter:
+    """How often each primitive occurs in ``fn``'s jaxpr, nested jaxprs included.
+
+    Used to show that a timed function contains what it claims to time (e.g. a
+    backward without its forward).
+    """
+    counts: collections.Counter = collections.Counter()
+
+    def visit(jaxpr):
+        for eqn in jaxpr.eqns:
+            counts[eqn.primitive.name] += 1
+            for param in eqn.params.values():
+                for sub in param if isinstance(param, (list, tuple)) else (param,):
+                    if isinstance(sub, jex_core.ClosedJaxpr):
+                        visit(sub.jaxpr)
+                    elif isinstance(sub, jex_core.Jaxpr):
+                        visit(sub)
+
+    visit(jax.make_jaxpr(fn)(*args).jaxpr)
+    return counts
