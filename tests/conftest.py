@@ -1,7 +1,10 @@
-"""Test setup: eight host devices for the sharding tests, and fresh, reproducible random data.
+"""Test setup: eight host devices for the sharding tests, the `gpu` marker, and fresh,
+reproducible random data.
 
 The XLA flag must be in the environment before jax is imported anywhere, so it is
-set at the very top of this file, which pytest imports before any test module.
+set at the very top of this file, which pytest imports before any test module. It
+only concerns the host (CPU) platform: on a GPU machine (JAX_PLATFORMS=cuda,cpu) the
+default device is the GPU and the eight CPU devices exist beside it (see devices.py).
 """
 
 import os
@@ -27,6 +30,24 @@ hypothesis.settings.register_profile(
 hypothesis.settings.load_profile("oxmoe")
 
 SEED_ENV = "OXMOE_TEST_SEED"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "gpu: needs a GPU backend (checks oxmoe's CUDA kernels); skipped when jax has no GPU device"
+    )
+
+
+def pytest_report_header(config):
+    import jax
+
+    import devices
+
+    gpus = devices.gpu_devices()
+    return [
+        f"jax {jax.__version__}: default backend {jax.default_backend()} ({jax.device_count()} devices), "
+        f"{len(devices.cpu_devices())} cpu devices, gpu: {gpus[0].device_kind if gpus else 'none (gpu tests skip)'}"
+    ]
 
 
 @pytest.fixture

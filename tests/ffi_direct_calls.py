@@ -1,18 +1,31 @@
 """Calls the oxmoe FFI handlers directly with wrong buffers and attributes, bypassing the
-Python checks. Run as a script (in its own process, so that a handler that crashes cannot
-take the test session with it); prints one JSON line per case, then one valid call's result.
+Python checks. Run as a script (in its own process, so that a handler that crashes, or a
+CUDA error that poisons the process's GPU context, cannot take the test session with it);
+prints one JSON line per case, then one valid call's result and the platform it ran on.
 
-Used by test_router_ffi_errors.py; `python tests/ffi_direct_calls.py` shows the messages.
+`--platform cpu` (or gpu) runs every call on that platform's first device, otherwise on
+the default device. Used by test_router_ffi_errors.py (cpu) and test_router_gpu.py (gpu);
+`python tests/ffi_direct_calls.py --platform cpu` shows the messages.
+
+Importing this module touches no device: the inputs are NumPy arrays, placed on the
+chosen device when a call runs.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+import router_reference as ref
 
 T, E = 4, 8
 
@@ -34,25 +47,29 @@ def _spec(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _call(target, rets, *args, **attrs):
+    return jax.ffi.ffi_call(target, rets)(*(jnp.asarray(a) for a in args), **attrs)
+
+
 def topk_fwd(logits, *bias, probs_shape=None, **changes):
     shape = probs_shape or logits.shape
     rets = (_spec(shape, logits.dtype), _spec(shape, jnp.bool_))
-    return jax.ffi.ffi_call("oxmoe_topk_fwd", rets)(logits, *bias, **_attrs(**changes))
+    return _call("oxmoe_topk_fwd", rets, logits, *bias, **_attrs(**changes))
 
 
 def topk_bwd(grad_probs, logits, routing_map, **changes):
     attrs = {k: v for k, v in _attrs(**changes).items() if k not in ("num_groups", "group_topk")}
     rets = _spec(logits.shape, logits.dtype)
-    return jax.ffi.ffi_call("oxmoe_topk_bwd", rets)(grad_probs, logits, routing_map, **attrs)
+    return _call("oxmoe_topk_bwd", rets, grad_probs, logits, routing_map, **attrs)
 
 
 def scores_fwd(logits, **attrs):
     rets = (_spec(logits.shape, jnp.bool_), _spec(logits.shape, jnp.float32))
-    return jax.ffi.ffi_call("oxmoe_aux_loss_scores_fwd", rets)(logits, **attrs)
+    return _call("oxmoe_aux_loss_scores_fwd", rets, logits, **attrs)
 
 
 def scores_bwd(grad_scores, logits, **attrs):
-    return jax.ffi.ffi_call("oxmoe_aux_loss_scores_bwd", _spec(logits.shape, logits.dtype))(grad_scores, logits, **attrs)
+    return _call("oxmoe_aux_loss_scores_bwd", _spec(logits.shape, logits.dtype), grad_scores, logits, **attrs)
 
 
 def _aux_attrs(**changes):
@@ -62,18 +79,18 @@ def _aux_attrs(**changes):
 
 
 def aux_fwd(probs, counts, **changes):
-    return jax.ffi.ffi_call("oxmoe_aux_loss_fwd", _spec((), jnp.float32))(probs, counts, **_aux_attrs(**changes))
+    return _call("oxmoe_aux_loss_fwd", _spec((), jnp.float32), probs, counts, **_aux_attrs(**changes))
 
 
 def aux_bwd(grad_loss, counts, probs_shape=(T, E), **changes):
     rets = _spec(probs_shape, jnp.float32)
-    return jax.ffi.ffi_call("oxmoe_aux_loss_bwd", rets)(grad_loss, counts, **_aux_attrs(**changes))
+    return _call("oxmoe_aux_loss_bwd", rets, grad_loss, counts, **_aux_attrs(**changes))
 
 
-LOGITS = jnp.asarray(np.arange(T * E, dtype=np.float32).reshape(T, E) % 5)
+LOGITS = np.arange(T * E, dtype=np.float32).reshape(T, E) % 5
 MAP = LOGITS > 2
-COUNTS = jnp.ones((E,), jnp.int32)
-SCALAR = jnp.asarray(1.0, jnp.float32)
+COUNTS = np.ones((E,), np.int32)
+SCALAR = np.asarray(1.0, np.float32)
 
 # name: (call, target, regular expressions the error message must all match, case-insensitive)
 CASES = {
@@ -83,10 +100,10 @@ CASES = {
         lambda: topk_fwd(LOGITS.reshape(2, 2, E)), "oxmoe_topk_fwd",
         [r"rank\D{0,30}3|3\D{0,10}dim|\[2, ?2, ?8\]|\(2, ?2, ?8\)|2x2x8"]),
     "topk_fwd_expert_bias_length": (
-        lambda: topk_fwd(LOGITS, jnp.zeros((E - 1,), jnp.float32), score_function="sigmoid"),
+        lambda: topk_fwd(LOGITS, np.zeros((E - 1,), np.float32), score_function="sigmoid"),
         "oxmoe_topk_fwd", [r"\b7\b"]),
     "topk_fwd_expert_bias_dtype": (
-        lambda: topk_fwd(LOGITS, jnp.zeros((E,), jnp.float16), score_function="sigmoid"),
+        lambda: topk_fwd(LOGITS, np.zeros((E,), np.float16), score_function="sigmoid"),
         "oxmoe_topk_fwd", [r"f16|float16"]),
     "topk_fwd_missing_topk": (lambda: topk_fwd(LOGITS, topk=None), "oxmoe_topk_fwd", [r"topk"]),
     "topk_fwd_missing_score_function": (
@@ -105,7 +122,7 @@ CASES = {
     "topk_bwd_float_routing_map": (
         lambda: topk_bwd(LOGITS, LOGITS, MAP.astype(jnp.float32)), "oxmoe_topk_bwd", [r"f32|float32"]),
     "topk_bwd_grad_shape_mismatch": (
-        lambda: topk_bwd(jnp.zeros((T, E + 1), jnp.float32), LOGITS, MAP), "oxmoe_topk_bwd", [r"\b9\b"]),
+        lambda: topk_bwd(np.zeros((T, E + 1), np.float32), LOGITS, MAP), "oxmoe_topk_bwd", [r"\b9\b"]),
     "aux_loss_scores_fwd_int32_logits": (
         lambda: scores_fwd(LOGITS.astype(jnp.int32), topk=np.int64(2), score_function="softmax"),
         "oxmoe_aux_loss_scores_fwd", [r"s32|int32|i32"]),
@@ -124,7 +141,7 @@ CASES = {
     "aux_loss_bwd_counts_length": (
         lambda: aux_bwd(SCALAR, COUNTS[:-1]), "oxmoe_aux_loss_bwd", [r"\b7\b"]),
     "aux_loss_bwd_rank1_grad_loss": (
-        lambda: aux_bwd(jnp.ones((2,), jnp.float32), COUNTS), "oxmoe_aux_loss_bwd",
+        lambda: aux_bwd(np.ones((2,), np.float32), COUNTS), "oxmoe_aux_loss_bwd",
         [r"rank|scalar|dim|\[2\]|\(2,?\)"]),
 }
 
@@ -132,7 +149,13 @@ CASES = {
 VALID_CALL = "valid_topk_fwd_after_the_errors"
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--platform", help="run every call on this platform's first device (cpu, gpu)")
+    args = parser.parse_args(argv)
+    if args.platform:
+        jax.config.update("jax_default_device", jax.devices(args.platform)[0])
+
     import oxmoe  # noqa: F401  (registers the FFI targets)
 
     for name, (call, _, _) in CASES.items():
@@ -151,9 +174,74 @@ def main() -> None:
     probs, routing_map = topk_fwd(LOGITS)
     print(json.dumps({
         "case": VALID_CALL,
+        "platform": next(iter(probs.devices())).platform,
         "probs": np.asarray(probs).tolist(),
         "routing_map": np.asarray(routing_map).tolist(),
     }), flush=True)
+
+
+# -- running it from a test --------------------------------------------------------
+
+
+def run(platform: str, timeout: float = 600):
+    """Runs every case in a child process on `platform`.
+
+    The child gets this process's environment (JAX_PLATFORMS, OXMOE_LIBRARY, PYTHONPATH,
+    XLA_FLAGS, ...) and working directory, except that it does not preallocate GPU memory:
+    the test session may already hold most of it.
+
+    Returns (results by case, the cases started in order, a description of the process's end).
+    """
+    env = dict(os.environ)
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    script = Path(__file__).resolve()
+    proc = subprocess.run(
+        [sys.executable, str(script), "--platform", platform], capture_output=True, text=True, timeout=timeout,
+        env=env,
+    )
+    results, started = {}, []
+    for line in proc.stdout.splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("started"):
+            started.append(record["case"])
+        else:
+            results[record["case"]] = record
+    process = f"{platform} process: exit status {proc.returncode}; stderr tail:\n{proc.stderr[-3000:]}"
+    return results, started, process
+
+
+def check_case(case: str, results: dict, started: list, process: str) -> None:
+    """The handler rejected the bad call with a JaxRuntimeError whose message names the
+    target and (besides the target's name) the offending value; the process lived on."""
+    _, target, patterns = CASES[case]
+    if case not in results:
+        crashed_in = started[-1] if started else "(before the first case)"
+        raise AssertionError(f"no result for {case}: the process died during {crashed_in}; {process}")
+    result = results[case]
+    assert result["raised"] is not None, f"{target} accepted the bad call {case} without an error"
+    assert result["jax_runtime_error"], f"{case}: raised {result['raised']}, expected JaxRuntimeError: {result['message']}"
+    message = result["message"]
+    assert target in message, f"{case}: the message does not name {target}: {message!r}"
+    # The offending value, not the target's name (which contains e.g. "topk").
+    rest = message.replace(target, "")
+    for pattern in patterns:
+        assert re.search(pattern, rest, re.IGNORECASE), (
+            f"{case}: the message does not name the offending value (/{pattern}/): {message!r}"
+        )
+
+
+def check_valid_call(results: dict, process: str, platform: str) -> None:
+    """After all the errors, a valid call in the same process ran on `platform` and is right."""
+    assert VALID_CALL in results, f"the valid call after the errors did not finish; {process}"
+    result = results[VALID_CALL]
+    family = lambda p: "gpu" if p in ("gpu", "cuda", "rocm") else p  # noqa: E731
+    assert family(result["platform"]) == family(platform), f"the calls ran on {result['platform']}, not {platform}"
+    expected = ref.topk(LOGITS, 2)
+    np.testing.assert_array_equal(np.asarray(result["routing_map"]), expected.routing_map)
+    np.testing.assert_allclose(np.asarray(result["probs"]), expected.probs, rtol=1e-6, atol=1e-7)
 
 
 if __name__ == "__main__":

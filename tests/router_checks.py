@@ -174,11 +174,15 @@ def check_aux_loss_scores_grad(grad_logits, grad_scores, logits, score_function:
     assert_close(grad_logits, expected, logits.dtype, what="d logits", context=context, terms=terms)
 
 
-def check_aux_loss_scores(routing_map, scores, logits, topk: int, score_function: str, *, context: str) -> None:
+def check_aux_loss_scores(
+    routing_map, scores, logits, topk: int, score_function: str, *, context: str
+) -> ref.AuxLossScoresResult:
+    """oxmoe.router.aux_loss_scores' outputs against the reference; returns the reference result."""
     expected = ref.aux_loss_scores(logits, topk, score_function=score_function)
     assert scores.dtype == F32, f"scores dtype {scores.dtype}, expected float32 ({context})"
     assert_close(scores, expected.scores, F32, what="scores", context=context)
     assert_routing_matches(routing_map, expected.routing_map, expected.margin, topk, what="routing_map", context=context)
+    return expected
 
 
 def check_aux_loss(loss, probs, tokens_per_expert, *, total_num_tokens, topk, coeff, context: str) -> None:

@@ -149,4 +149,9 @@ def test_aux_loss_forward_and_backward_agree_with_the_reference(problem):
     (grad_probs,) = vjp(jnp.asarray(grad_loss))
     assert grad_probs.dtype == probs.dtype, context
     expected = ref.aux_loss_backward(grad_loss, shape, counts, **kwargs)
-    rc.assert_close(grad_probs, expected, probs.dtype, what="d probs", context=context)
+    # A gradient that rounds past the largest finite value of its dtype must be
+    # inf (e.g. float16 above 65519), on every backend.
+    overflow = np.isinf(np.asarray(expected).astype(probs.dtype))
+    np.testing.assert_array_equal(np.isinf(np.asarray(grad_probs, np.float64)), overflow, err_msg=context)
+    rc.assert_close(np.where(overflow, 0.0, grad_probs), np.where(overflow, 0.0, expected), probs.dtype,
+                    what="d probs", context=context)

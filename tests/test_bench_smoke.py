@@ -1,0 +1,81 @@
+"""`python -m oxmoe.bench --smoke` runs every router case, finds oxmoe in agreement with
+plain JAX on each, times both, and writes every number to its JSON report.
+
+The benchmark runs in a subprocess, as CI and a user run it: from this checkout's
+`jax_bindings` (the benchmark is not part of an installed package), with the native
+library this test process loaded, on the default device (on a CPU machine one host
+device, not the eight that conftest.py sets up for the sharding tests; on a GPU
+machine the GPU).
+"""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+
+import oxmoe
+from oxmoe import _library
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+MODELS = ("deepseek_v3", "qwen3_moe", "mixtral")
+EXPECTED_CASES = (
+    [f"{model} bf16 {op} {direction}" for model in MODELS for op in ("topk", "scores") for direction in ("fwd", "bwd")]
+    + ["deepseek_v3 f32 topk fwd", "deepseek_v3 f32 topk bwd"]
+    + [f"aux_loss E={e} {dtype} {direction}" for e in (256, 1024, 2048) for dtype in ("bf16", "f32")
+       for direction in ("fwd", "bwd")]
+)
+
+
+def run_smoke(json_path: pathlib.Path) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "jax_bindings"), env.get("PYTHONPATH")) if p)
+    env["OXMOE_LIBRARY"] = str(_library.library_path().resolve())
+    env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).strip()
+    # On a GPU machine this test process may hold most of the GPU's memory already.
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    return subprocess.run([sys.executable, "-m", "oxmoe.bench", "--smoke", "--json", str(json_path)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_smoke_run_checks_and_times_every_router_case(tmp_path):
+    json_path = tmp_path / "bench.json"
+    result = run_smoke(json_path)
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
+
+    report = json.loads(json_path.read_text())
+    assert report["smoke"] is True
+    assert report["oxmoe_build_id"] == oxmoe.build_id()
+    assert report["jax_version"] == jax.__version__
+    assert report["device"] and report["date"]
+    assert report["copy"]["gb_per_s"] > 0 and report["copy"]["bytes"] > 0
+
+    names = [case["name"] for case in report["cases"]]
+    assert sorted(names) == sorted(EXPECTED_CASES)
+
+    for case in report["cases"]:
+        name = case["name"]
+        assert case["failure"] is None, f"{name}: {case['failure']}"
+        check = case["check"]
+        assert check["passed"], name
+        assert set(check["errors"]) == set(check["limits"]), name
+        for error, value in check["errors"].items():
+            assert 0 <= value <= check["limits"][error], f"{name}: {error} = {value}"
+        num_sets = case["oxmoe"]["num_sets"]
+        assert check["primitive_calls"] == num_sets, name
+        for impl in ("oxmoe", "plain_jax"):
+            timing = case[impl]
+            assert 0 < timing["min_us"] <= timing["median_us"] <= timing["max_us"], f"{name} {impl}: {timing}"
+            assert timing["num_sets"] == num_sets >= 1
+        assert case["bytes"] > 0 and case["floor_us"] > 0 and case["gb_per_s"] > 0, name
+        assert case["x_floor"] > 0 and case["speedup"] > 0, name
+
+    # The results table is the last thing on stdout, one row per case.
+    lines = result.stdout.rstrip().splitlines()
+    assert lines[-len(EXPECTED_CASES) - 2].split()[:3] == ["case", "oxmoe", "us"]
+    assert [line.split("  ")[0].strip() for line in lines[-len(EXPECTED_CASES):]] == names
