@@ -101,14 +101,14 @@ __device__ __forceinline__ unsigned rank_key(float x) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// The lane's best eligible key (lowest position on ties; 0 if none) and its position.
+// The lane's best key (lowest position on ties; 0 if all are 0) and its position.
 template <int N>
-__device__ __forceinline__ void lane_best(const unsigned (&key)[N], unsigned long long eligible, unsigned& best, int& at) {
+__device__ __forceinline__ void lane_best(const unsigned (&key)[N], unsigned& best, int& at) {
   best = 0;
   at = 0;
 #pragma unroll
   for (int j = 0; j < N; ++j)
-    if (((eligible >> j) & 1ull) && key[j] > best) {
+    if (key[j] > best) {
       best = key[j];
       at = j;
     }
@@ -117,13 +117,17 @@ __device__ __forceinline__ void lane_best(const unsigned (&key)[N], unsigned lon
 // Selects K of the team's eligible values in rank order (lane l holding
 // positions l * N .. l * N + N - 1, in increasing order). Marks them in
 // `chosen` (bits of the owning lanes) and returns, in selection order, the
-// `payload` of each.
+// `payload` of each. Keys of positions out of the running are set to 0, so a
+// lane's rescan is a plain max over its registers.
 template <int K, int N, int E>
-__device__ __forceinline__ void select_top(const Team<E>& t, const unsigned (&key)[N], const float (&payload)[N],
+__device__ __forceinline__ void select_top(const Team<E>& t, const unsigned (&rank)[N], const float (&payload)[N],
                                            unsigned long long eligible, unsigned long long& chosen, float (&picked)[K]) {
+  unsigned key[N];
+#pragma unroll
+  for (int j = 0; j < N; ++j) key[j] = ((eligible >> j) & 1ull) ? rank[j] : 0u;
   unsigned best;
   int at;
-  lane_best(key, eligible & ~chosen, best, at);
+  lane_best(key, best, at);
 #pragma unroll
   for (int r = 0; r < K; ++r) {
     const unsigned top = t.max_key(best);
@@ -132,15 +136,27 @@ __device__ __forceinline__ void select_top(const Team<E>& t, const unsigned (&ke
     if (t.lane == owner) {
 #pragma unroll
       for (int j = 0; j < N; ++j)
-        if (j == at) value = payload[j];
+        if (j == at) {
+          value = payload[j];
+          key[j] = 0u;
+        }
       chosen |= 1ull << at;
-      lane_best(key, eligible & ~chosen, best, at);
+      lane_best(key, best, at);
     }
     picked[r] = t.broadcast(value, owner);
   }
 }
 
-__device__ __forceinline__ float sigmoid(float x) { return 1.f / (1.f + expf(-x)); }
+// 1 / (1 + e^-x); __frcp_rn is the correctly rounded reciprocal, the same value as 1.f / y.
+__device__ __forceinline__ float sigmoid(float x) { return __frcp_rn(1.f + expf(-x)); }
+
+// sigmoid(x) and sigmoid'(x) = s * (1 - s), with 1 - s = e^-x * s: one exponential,
+// and no cancellation near s = 1.
+__device__ __forceinline__ void sigmoid_and_slope(float x, float& s, float& slope) {
+  const float e = expf(-x);
+  s = __frcp_rn(1.f + e);
+  slope = s * (e * s);
+}
 
 enum Score { SOFTMAX_POST = 0, SOFTMAX_PRE = 1, SIGMOID = 2 };
 
@@ -279,9 +295,9 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
       s[j] = ((valid >> j) & 1ull) ? expf(x[j] - top) : 0.f;
       total += s[j];
     }
-    total = t.sum(total);
+    const float inv_total = __frcp_rn(t.sum(total));
 #pragma unroll
-    for (int j = 0; j < VPT; ++j) key[j] = s[j] = s[j] / total;
+    for (int j = 0; j < VPT; ++j) key[j] = s[j] = s[j] * inv_total;
   } else if constexpr (SCORE == SIGMOID) {
     float b[VPT];
     if constexpr (BIAS) {
@@ -321,10 +337,11 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
 #pragma unroll
     for (int r = 0; r < K; ++r) norm += picked[r];
   }
+  const float inv_norm = __frcp_rn(norm);
   float out[VPT];
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
-    float w = SCORE == SOFTMAX_POST ? expf(x[j] - top) / norm : (SCORE == SIGMOID && K > 1 ? s[j] / norm : s[j]);
+    float w = SCORE == SOFTMAX_POST ? expf(x[j] - top) * inv_norm : (SCORE == SIGMOID && K > 1 ? s[j] * inv_norm : s[j]);
     out[j] = ((chosen >> j) & 1ull) ? w * scaling : 0.f;
   }
   store_row<T, E>(probs, row, t, out);
@@ -361,11 +378,11 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
       s[j] = ((valid >> j) & 1ull) ? expf(x[j] - top) : 0.f;
       total += s[j];
     }
-    total = t.sum(total);
+    const float inv_total = __frcp_rn(t.sum(total));
     float dot = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      s[j] /= total;
+      s[j] *= inv_total;
       dot += g[j] * s[j];
     }
     dot = t.sum(dot);
@@ -383,34 +400,32 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
       p[j] = ((selected >> j) & 1ull) ? expf(x[j] - top) : 0.f;
       total += p[j];
     }
-    total = t.sum(total);
+    const float inv_total = __frcp_rn(t.sum(total));
     float dot = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      p[j] /= total;
+      p[j] *= inv_total;
       dot += g[j] * p[j];
     }
     dot = t.sum(dot);
 #pragma unroll
     for (int j = 0; j < VPT; ++j) out[j] = ((selected >> j) & 1ull) ? p[j] * (g[j] - dot) : 0.f;
   } else {  // sigmoid: probs = scale * s / S on the selection (S = their sum) when K > 1
-    float s[VPT], total = 0.f;
+    float s[VPT], slope[VPT], total = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      s[j] = sigmoid(x[j]);
+      sigmoid_and_slope(x[j], s[j], slope[j]);
       if ((selected >> j) & 1ull) total += s[j];
     }
-    total = K > 1 ? t.sum(total) : 1.f;
+    const float inv_total = K > 1 ? __frcp_rn(t.sum(total)) : 1.f;
     float dot = 0.f;
     if constexpr (K > 1) {
 #pragma unroll
-      for (int j = 0; j < VPT; ++j) dot += g[j] * s[j] / total;
-      dot = t.sum(dot);
+      for (int j = 0; j < VPT; ++j) dot += g[j] * s[j];
+      dot = t.sum(dot) * inv_total;
     }
-    // sigmoid' = s * (1 - s), with 1 - s as sigmoid(-x): no cancellation near s = 1.
 #pragma unroll
-    for (int j = 0; j < VPT; ++j)
-      out[j] = ((selected >> j) & 1ull) ? (g[j] - dot) / total * s[j] * sigmoid(-x[j]) : 0.f;
+    for (int j = 0; j < VPT; ++j) out[j] = ((selected >> j) & 1ull) ? (g[j] - dot) * inv_total * slope[j] : 0.f;
   }
   store_row<T, E>(grad_logits, row, t, out);
 }
@@ -434,9 +449,9 @@ __device__ __forceinline__ void normalised_scores(const Team<E>& t, const float 
     q[j] = ((valid >> j) & 1ull) ? (SCORE == SIGMOID ? sigmoid(x[j]) : expf(x[j] - top)) : 0.f;
     total += q[j];
   }
-  total = t.sum(total);
+  const float inv_total = __frcp_rn(t.sum(total));
 #pragma unroll
-  for (int j = 0; j < VPT; ++j) q[j] /= total;
+  for (int j = 0; j < VPT; ++j) q[j] *= inv_total;
 }
 
 // Scores of the load-balancing loss, forward: scores [T, E] f32 and the plain
@@ -479,7 +494,8 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
 #pragma unroll
   for (int j = 0; j < VPT; ++j) dot += g[j] * q[j];
   dot = t.sum(dot);
-  // q = u / sum(u): softmax u = exp(x), u' / sum = q; sigmoid u' / sum = q * sigmoid(-x).
+  // q = u / sum(u): softmax u = exp(x), u' / sum = q; sigmoid u' / sum = q * (1 - sigmoid(x)),
+  // with 1 - sigmoid(x) = sigmoid(-x), no cancellation near 1.
 #pragma unroll
   for (int j = 0; j < VPT; ++j) out[j] = (SCORE == SIGMOID ? q[j] * sigmoid(-x[j]) : q[j]) * (g[j] - dot);
   store_row<T, E>(grad_logits, row, t, out);
@@ -508,13 +524,18 @@ __global__ void __launch_bounds__(AUX_BLOCK)
   const long long rows_per_block = (tokens + AUX_PARTIALS - 1) / AUX_PARTIALS;
   const long long first_row = blockIdx.x * rows_per_block;
   const long long last_row = min(static_cast<long long>(tokens), first_row + rows_per_block);
+  // The block's rows start at column 0; a thread's column advances by a
+  // constant step (no 64-bit division per vector).
+  constexpr int STEP = (AUX_BLOCK * V) % E;
   float acc = 0.f;
+  int column = (threadIdx.x * V) % E;
   for (long long v = first_row * E / V + threadIdx.x; v < last_row * E / V; v += AUX_BLOCK) {
     float p[V];
     load_floats<T, V, V == 1 ? 0 : 16>(probs + v * V, V, p);
-    const int column = static_cast<int>((v * V) % E);
 #pragma unroll
     for (int i = 0; i < V; ++i) acc += p[i] * weight[column + i];
+    column += STEP;
+    if (column >= E) column -= E;
   }
   const float total = block_sum<AUX_BLOCK>(acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
@@ -537,12 +558,17 @@ __global__ void __launch_bounds__(AUX_BLOCK)
   __syncthreads();
   constexpr int V = aux_vector<T, E>();
   const long long vectors = static_cast<long long>(tokens) * E / V;
-  for (long long v = static_cast<long long>(blockIdx.x) * AUX_BLOCK + threadIdx.x; v < vectors;
-       v += static_cast<long long>(gridDim.x) * AUX_BLOCK) {
-    const int column = static_cast<int>((v * V) % E);
+  const long long first = static_cast<long long>(blockIdx.x) * AUX_BLOCK + threadIdx.x;
+  const long long stride = static_cast<long long>(gridDim.x) * AUX_BLOCK;
+  // A thread's column advances by a fixed step: one division per thread, not per vector.
+  const int step = static_cast<int>((stride * V) % E);
+  int column = static_cast<int>((first * V) % E);
+  for (long long v = first; v < vectors; v += stride) {
     float out[V];
 #pragma unroll
     for (int i = 0; i < V; ++i) out[i] = weight[column + i];
     store_floats<T, V, V == 1 ? 0 : 16>(grad_probs + v * V, V, out);
+    column += step;
+    if (column >= E) column -= E;
   }
 }
