@@ -101,47 +101,56 @@ __device__ __forceinline__ unsigned rank_key(float x) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// The lane's best key (lowest position on ties; 0 if all are 0) and its position.
+// A lane's two best candidates: keys (0 = none), positions and payloads. The
+// order is key, then lower position.
+struct Leaders {
+  unsigned key1 = 0, key2 = 0;
+  int at1 = 0, at2 = 0;
+  float payload1 = 0.f, payload2 = 0.f;
+};
+
+// The best two of the lane's keys among `eligible` positions.
 template <int N>
-__device__ __forceinline__ void lane_best(const unsigned (&key)[N], unsigned& best, int& at) {
-  best = 0;
-  at = 0;
+__device__ __forceinline__ Leaders lane_leaders(const unsigned (&key)[N], const float (&payload)[N],
+                                                unsigned long long eligible) {
+  Leaders l;
 #pragma unroll
-  for (int j = 0; j < N; ++j)
-    if (key[j] > best) {
-      best = key[j];
-      at = j;
+  for (int j = 0; j < N; ++j) {
+    const unsigned k = ((eligible >> j) & 1ull) ? key[j] : 0u;
+    if (k > l.key1) {
+      l.key2 = l.key1, l.at2 = l.at1, l.payload2 = l.payload1;
+      l.key1 = k, l.at1 = j, l.payload1 = payload[j];
+    } else if (k > l.key2) {
+      l.key2 = k, l.at2 = j, l.payload2 = payload[j];
     }
+  }
+  return l;
 }
 
 // Selects K of the team's eligible values in rank order (lane l holding
 // positions l * N .. l * N + N - 1, in increasing order). Marks them in
 // `chosen` (bits of the owning lanes) and returns, in selection order, the
-// `payload` of each. Keys of positions out of the running are set to 0, so a
-// lane's rescan is a plain max over its registers.
+// `payload` of each. A lane that wins promotes its second best; it rescans its
+// registers only when it wins again.
 template <int K, int N, int E>
-__device__ __forceinline__ void select_top(const Team<E>& t, const unsigned (&rank)[N], const float (&payload)[N],
+__device__ __forceinline__ void select_top(const Team<E>& t, const unsigned (&key)[N], const float (&payload)[N],
                                            unsigned long long eligible, unsigned long long& chosen, float (&picked)[K]) {
-  unsigned key[N];
-#pragma unroll
-  for (int j = 0; j < N; ++j) key[j] = ((eligible >> j) & 1ull) ? rank[j] : 0u;
-  unsigned best;
-  int at;
-  lane_best(key, best, at);
+  Leaders l = lane_leaders(key, payload, eligible & ~chosen);
+  bool second_known = true;
 #pragma unroll
   for (int r = 0; r < K; ++r) {
-    const unsigned top = t.max_key(best);
-    const int owner = t.first_lane(best == top);
-    float value = 0.f;
+    const unsigned top = t.max_key(l.key1);
+    const int owner = t.first_lane(l.key1 == top);
+    float value = l.payload1;
     if (t.lane == owner) {
-#pragma unroll
-      for (int j = 0; j < N; ++j)
-        if (j == at) {
-          value = payload[j];
-          key[j] = 0u;
-        }
-      chosen |= 1ull << at;
-      lane_best(key, best, at);
+      chosen |= 1ull << l.at1;
+      if (second_known) {
+        l.key1 = l.key2, l.at1 = l.at2, l.payload1 = l.payload2;
+        second_known = false;
+      } else {
+        l = lane_leaders(key, payload, eligible & ~chosen);
+        second_known = true;
+      }
     }
     picked[r] = t.broadcast(value, owner);
   }
