@@ -375,16 +375,20 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
 #pragma unroll
   for (int j = 0; j < VPT; ++j) g[j] = ((selected >> j) & 1ull) ? scaling * g[j] : 0.f;
 
-  if constexpr (SCORE == SOFTMAX_PRE) {  // probs = scale * s on the selection, s = softmax(x)
+  if constexpr (SCORE != SIGMOID) {
+    // probs = scale * s on the selection, s a softmax over `over`: every expert
+    // (pre-softmax) or the selection (post). Then d x = s * (g - <g, s>), with g
+    // zero off the selection and s zero off `over`.
+    const unsigned long long over = SCORE == SOFTMAX_PRE ? valid : selected;
     float top = negative_infinity();
 #pragma unroll
     for (int j = 0; j < VPT; ++j)
-      if ((valid >> j) & 1ull) top = fmaxf(top, x[j]);
+      if ((over >> j) & 1ull) top = fmaxf(top, x[j]);
     top = t.max(top);
     float s[VPT], total = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      s[j] = ((valid >> j) & 1ull) ? expf(x[j] - top) : 0.f;
+      s[j] = ((over >> j) & 1ull) ? expf(x[j] - top) : 0.f;
       total += s[j];
     }
     const float inv_total = __frcp_rn(t.sum(total));
@@ -397,28 +401,6 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
     dot = t.sum(dot);
 #pragma unroll
     for (int j = 0; j < VPT; ++j) out[j] = s[j] * (g[j] - dot);
-  } else if constexpr (SCORE == SOFTMAX_POST) {  // probs = scale * softmax over the selected logits
-    float top = negative_infinity();
-#pragma unroll
-    for (int j = 0; j < VPT; ++j)
-      if ((selected >> j) & 1ull) top = fmaxf(top, x[j]);
-    top = t.max(top);
-    float p[VPT], total = 0.f;
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) {
-      p[j] = ((selected >> j) & 1ull) ? expf(x[j] - top) : 0.f;
-      total += p[j];
-    }
-    const float inv_total = __frcp_rn(t.sum(total));
-    float dot = 0.f;
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) {
-      p[j] *= inv_total;
-      dot += g[j] * p[j];
-    }
-    dot = t.sum(dot);
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) out[j] = ((selected >> j) & 1ull) ? p[j] * (g[j] - dot) : 0.f;
   } else {  // sigmoid: probs = scale * s / S on the selection (S = their sum) when K > 1
     float s[VPT], slope[VPT], total = 0.f;
 #pragma unroll

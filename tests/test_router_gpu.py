@@ -44,7 +44,7 @@ import ffi_direct_calls
 import router_checks as rc
 import router_reference as ref
 import test_router_errors
-from model_shapes import DEEPSEEK_V3, LLAMA4, MIXTRAL, QWEN3_MOE, QWEN3_MOE_PRE_SOFTMAX, ROUTER_CONFIGS
+from oxmoe.model_shapes import DEEPSEEK_V3, LLAMA4, MIXTRAL, QWEN3_MOE, QWEN3_MOE_PRE_SOFTMAX, ROUTER_CONFIGS
 from oxmoe import router
 
 GPUS = devices.gpu_devices()

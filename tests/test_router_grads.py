@@ -12,7 +12,7 @@ from jax.test_util import check_grads
 
 import router_checks as rc
 import router_reference as ref
-from model_shapes import ROUTER_CONFIGS
+from oxmoe.model_shapes import ROUTER_CONFIGS
 from oxmoe import router
 
 NUM_TOKENS = [333, 4097]

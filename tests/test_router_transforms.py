@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import devices
 import router_checks as rc
 import router_reference as ref
-from model_shapes import DEEPSEEK_V3, LLAMA4, MIXTRAL, QWEN3_MOE_PRE_SOFTMAX, ROUTER_CONFIGS
+from oxmoe.model_shapes import DEEPSEEK_V3, LLAMA4, MIXTRAL, QWEN3_MOE_PRE_SOFTMAX, ROUTER_CONFIGS
 from oxmoe import router
 
 CONFIGS = pytest.mark.parametrize("config", ROUTER_CONFIGS, ids=lambda c: c.name)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import router_checks as rc
-from model_shapes import ROUTER_CONFIGS
+from oxmoe.model_shapes import ROUTER_CONFIGS
 from oxmoe import router
 
 NUM_TOKENS = [333, 1000, 4097]

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from oxmoe import router
+from oxmoe.model_shapes import DEEPSEEK_V3, MIXTRAL, QWEN3_MOE, RouterConfig
 from oxmoe.bench import timing
 
 #: Tokens per case in the full run, and in the smoke run.
@@ -53,30 +54,6 @@ MAX_REL_ERR = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float32): 1e-4}
 MAX_LOSS_REL_ERR = 1e-3
 
 
-@dataclasses.dataclass(frozen=True)
-class RouterConfig:
-    """A model's routing (the arguments of :func:`oxmoe.router.topk`)."""
-
-    name: str
-    num_experts: int
-    topk: int
-    score_function: str = "softmax"
-    use_pre_softmax: bool = False
-    num_groups: int | None = None
-    group_topk: int | None = None
-    scaling_factor: float | None = None
-    use_expert_bias: bool = False
-
-    def topk_kwargs(self) -> dict:
-        return dict(score_function=self.score_function, use_pre_softmax=self.use_pre_softmax,
-                    num_groups=self.num_groups, group_topk=self.group_topk,
-                    scaling_factor=self.scaling_factor)
-
-
-DEEPSEEK_V3 = RouterConfig("deepseek_v3", num_experts=256, topk=8, score_function="sigmoid",
-                           num_groups=8, group_topk=4, scaling_factor=2.5, use_expert_bias=True)
-QWEN3_MOE = RouterConfig("qwen3_moe", num_experts=128, topk=8)
-MIXTRAL = RouterConfig("mixtral", num_experts=8, topk=2)
 MODELS = (DEEPSEEK_V3, QWEN3_MOE, MIXTRAL)
 
 

@@ -1,4 +1,8 @@
-"""Router configurations of real MoE models, shared by tests and benchmarks."""
+"""Router configurations of real MoE models: the shapes tests and benchmarks share.
+
+Each :class:`RouterConfig` holds the arguments of :func:`oxmoe.router.topk` a
+model uses (the expert bias is drawn by the caller when ``use_expert_bias``).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +11,8 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
+    """A model's routing: experts, top-k and the options of :func:`oxmoe.router.topk`."""
+
     name: str
     num_experts: int
     topk: int
