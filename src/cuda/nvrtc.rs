@@ -231,3 +231,43 @@ pub fn cubin(source: &'static Source, instance: &str, arch: &Architecture) -> Re
     })
     .clone()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::ROUTER;
+
+    /// Concurrent first calls for one kernel compile it once and share it; the
+    /// cubin lands in the disk cache, whole, under its key.
+    #[test]
+    fn concurrent_first_calls_share_one_compiled_kernel_and_fill_the_disk_cache() {
+        let dir = std::env::temp_dir().join(format!("oxmoe-cache-test-{}", std::process::id()));
+        std::env::set_var("OXMOE_CACHE_DIR", &dir);
+        let arch = Architecture("sm_90a".into());
+        let cubins: Vec<Arc<Cubin>> = std::thread::scope(|scope| {
+            let calls: Vec<_> = (0..4).map(|_| scope.spawn(|| cubin(&ROUTER, "aux_loss_total", &arch))).collect();
+            calls.into_iter().map(|c| c.join().unwrap().unwrap_or_else(|e| panic!("{}", e.message()))).collect()
+        });
+        assert!(cubins.iter().all(|c| Arc::ptr_eq(c, &cubins[0])), "one compile, shared");
+        let key = cache_key(&ROUTER, "aux_loss_total", &arch, nvrtc_version().unwrap());
+        let cached = read_cached(&dir.join(format!("{key}.cubin"))).expect("the cubin is in the disk cache");
+        assert_eq!(cached.image, cubins[0].image);
+        assert_eq!(cached.lowered_name, cubins[0].lowered_name);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_cache_key_changes_with_instance_and_architecture() {
+        let key = |instance: &str, arch: &str| cache_key(&ROUTER, instance, &Architecture(arch.into()), (13, 0));
+        assert_ne!(key("aux_loss_total", "sm_90a"), key("aux_loss_total", "sm_80"));
+        assert_ne!(key("aux_loss_total", "sm_90a"), key("scores_bwd<float, 8, 0>", "sm_90a"));
+        assert_eq!(key("aux_loss_total", "sm_90a"), key("aux_loss_total", "sm_90a"));
+    }
+
+    #[test]
+    fn hopper_and_later_compile_for_the_architecture_specific_target() {
+        assert_eq!(Architecture::of_compute_capability(9, 0).0, "sm_90a");
+        assert_eq!(Architecture::of_compute_capability(10, 0).0, "sm_100a");
+        assert_eq!(Architecture::of_compute_capability(8, 6).0, "sm_86");
+    }
+}
