@@ -167,6 +167,27 @@ __device__ __forceinline__ void sigmoid_and_slope(float x, float& s, float& slop
   slope = s * (e * s);
 }
 
+// s = softmax of the row's x over the positions in `over` (0 elsewhere).
+template <int E>
+__device__ __forceinline__ void softmax_row(const Team<E>& t, const float (&x)[Team<E>::VPT], unsigned long long over,
+                                            float (&s)[Team<E>::VPT]) {
+  constexpr int VPT = Team<E>::VPT;
+  float top = negative_infinity();
+#pragma unroll
+  for (int j = 0; j < VPT; ++j)
+    if ((over >> j) & 1ull) top = fmaxf(top, x[j]);
+  top = t.max(top);
+  float total = 0.f;
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) {
+    s[j] = ((over >> j) & 1ull) ? expf(x[j] - top) : 0.f;
+    total += s[j];
+  }
+  const float inv_total = __frcp_rn(t.sum(total));
+#pragma unroll
+  for (int j = 0; j < VPT; ++j) s[j] *= inv_total;
+}
+
 enum Score { SOFTMAX_POST = 0, SOFTMAX_PRE = 1, SIGMOID = 2 };
 
 // A group's candidates: its best M keys as 64-bit words (rank key, then the
@@ -293,20 +314,9 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
   float x[VPT], s[VPT], key[VPT];
   load_row<T, E>(logits, row, t, x);
   if constexpr (SCORE == SOFTMAX_PRE) {
-    float top = negative_infinity();
+    softmax_row(t, x, valid, s);
 #pragma unroll
-    for (int j = 0; j < VPT; ++j)
-      if ((valid >> j) & 1ull) top = fmaxf(top, x[j]);
-    top = t.max(top);
-    float total = 0.f;
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) {
-      s[j] = ((valid >> j) & 1ull) ? expf(x[j] - top) : 0.f;
-      total += s[j];
-    }
-    const float inv_total = __frcp_rn(t.sum(total));
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) key[j] = s[j] = s[j] * inv_total;
+    for (int j = 0; j < VPT; ++j) key[j] = s[j];
   } else if constexpr (SCORE == SIGMOID) {
     float b[VPT];
     if constexpr (BIAS) {
@@ -379,25 +389,11 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
     // probs = scale * s on the selection, s a softmax over `over`: every expert
     // (pre-softmax) or the selection (post). Then d x = s * (g - <g, s>), with g
     // zero off the selection and s zero off `over`.
-    const unsigned long long over = SCORE == SOFTMAX_PRE ? valid : selected;
-    float top = negative_infinity();
-#pragma unroll
-    for (int j = 0; j < VPT; ++j)
-      if ((over >> j) & 1ull) top = fmaxf(top, x[j]);
-    top = t.max(top);
-    float s[VPT], total = 0.f;
-#pragma unroll
-    for (int j = 0; j < VPT; ++j) {
-      s[j] = ((over >> j) & 1ull) ? expf(x[j] - top) : 0.f;
-      total += s[j];
-    }
-    const float inv_total = __frcp_rn(t.sum(total));
+    float s[VPT];
+    softmax_row(t, x, SCORE == SOFTMAX_PRE ? valid : selected, s);
     float dot = 0.f;
 #pragma unroll
-    for (int j = 0; j < VPT; ++j) {
-      s[j] *= inv_total;
-      dot += g[j] * s[j];
-    }
+    for (int j = 0; j < VPT; ++j) dot += g[j] * s[j];
     dot = t.sum(dot);
 #pragma unroll
     for (int j = 0; j < VPT; ++j) out[j] = s[j] * (g[j] - dot);
@@ -426,23 +422,19 @@ template <int E, int SCORE>
 __device__ __forceinline__ void normalised_scores(const Team<E>& t, const float (&x)[Team<E>::VPT], float (&q)[Team<E>::VPT]) {
   constexpr int VPT = Team<E>::VPT;
   const unsigned long long valid = t.valid();
-  float top = 0.f;
   if constexpr (SCORE != SIGMOID) {
-    top = negative_infinity();
+    softmax_row(t, x, valid, q);
+  } else {
+    float total = 0.f;
 #pragma unroll
-    for (int j = 0; j < VPT; ++j)
-      if ((valid >> j) & 1ull) top = fmaxf(top, x[j]);
-    top = t.max(top);
+    for (int j = 0; j < VPT; ++j) {
+      q[j] = ((valid >> j) & 1ull) ? sigmoid(x[j]) : 0.f;
+      total += q[j];
+    }
+    const float inv_total = __frcp_rn(t.sum(total));
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) q[j] *= inv_total;
   }
-  float total = 0.f;
-#pragma unroll
-  for (int j = 0; j < VPT; ++j) {
-    q[j] = ((valid >> j) & 1ull) ? (SCORE == SIGMOID ? sigmoid(x[j]) : expf(x[j] - top)) : 0.f;
-    total += q[j];
-  }
-  const float inv_total = __frcp_rn(t.sum(total));
-#pragma unroll
-  for (int j = 0; j < VPT; ++j) q[j] *= inv_total;
 }
 
 // Scores of the load-balancing loss, forward: scores [T, E] f32 and the plain
