@@ -26,22 +26,34 @@ fn init_driver() -> Result<()> {
     .clone()
 }
 
-/// Makes `ctx` current on this thread for the life of the guard.
-struct ContextGuard;
+/// Makes `ctx` current on this thread for the life of the guard. XLA usually
+/// calls a handler with its device's context current already; then nothing is
+/// pushed.
+struct ContextGuard {
+    pushed: bool,
+}
 
 impl ContextGuard {
     fn push(ctx: CUcontext) -> Result<Self> {
+        let mut current = std::ptr::null_mut();
+        // SAFETY: an out-parameter.
+        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut current) })?;
+        if current == ctx {
+            return Ok(Self { pushed: false });
+        }
         // SAFETY: `ctx` is the live context of XLA's stream.
         check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(ctx) })?;
-        Ok(Self)
+        Ok(Self { pushed: true })
     }
 }
 
 impl Drop for ContextGuard {
     fn drop(&mut self) {
-        let mut popped = std::ptr::null_mut();
-        // SAFETY: pops what `push` pushed on this thread.
-        unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+        if self.pushed {
+            let mut popped = std::ptr::null_mut();
+            // SAFETY: pops what `push` pushed on this thread.
+            unsafe { sys::cuCtxPopCurrent_v2(&mut popped) };
+        }
     }
 }
 
@@ -76,7 +88,10 @@ pub struct LaunchConfig {
     pub shared_bytes: u32,
 }
 
-type KernelCache = Mutex<HashMap<(usize, &'static str, String), Arc<OnceLock<std::result::Result<Kernel, Error>>>>>;
+type KernelSlot = Arc<OnceLock<std::result::Result<Kernel, Error>>>;
+/// (context, source) -> instance -> slot: a call that finds its kernel
+/// allocates nothing.
+type KernelCache = Mutex<HashMap<(usize, &'static str), HashMap<String, KernelSlot>>>;
 
 impl Kernel {
     /// The kernel `instance` (a template instantiation in `source`) for the
@@ -90,7 +105,11 @@ impl Kernel {
         check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(stream.0, &mut context) })?;
         let slot = {
             let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
-            cache.entry((context as usize, source.name, instance.to_owned())).or_default().clone()
+            let instances = cache.entry((context as usize, source.name)).or_default();
+            match instances.get(instance) {
+                Some(slot) => slot.clone(),
+                None => instances.entry(instance.to_owned()).or_default().clone(),
+            }
         };
         slot.get_or_init(|| Self::load(context, source, instance)).clone()
     }

@@ -29,9 +29,6 @@ const HEADERS: [Source; 1] = [Source { name: "common.cuh", text: include_str!(".
 /// The router kernels.
 pub const ROUTER: Source = Source { name: "router.cu", text: include_str!("../../kernels/router.cu") };
 
-/// A device address for a kernel argument (never dereferenced on the host).
-pub type DevicePtr = u64;
-
 fn driver_error(call: &str, error: cudarc::driver::DriverError) -> Error {
     let name = error.error_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", error.0));
     Error::internal(format!("{call} failed: {name}"))

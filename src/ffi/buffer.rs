@@ -14,9 +14,6 @@ pub unsafe trait Element: Copy + Send + Sync + 'static {
 unsafe impl Element for f32 {
     const DTYPE: DataType = DataType::F32;
 }
-unsafe impl Element for f64 {
-    const DTYPE: DataType = DataType::F64;
-}
 unsafe impl Element for bf16 {
     const DTYPE: DataType = DataType::BF16;
 }
@@ -25,9 +22,6 @@ unsafe impl Element for f16 {
 }
 unsafe impl Element for i32 {
     const DTYPE: DataType = DataType::S32;
-}
-unsafe impl Element for i64 {
-    const DTYPE: DataType = DataType::S64;
 }
 
 /// What argument and result buffers share: a name for messages, a dtype and
@@ -133,9 +127,12 @@ macro_rules! shared_accessors {
                 self.0.expect_dtype(allowed)
             }
 
-            /// Checks the dimensions are exactly `shape`.
-            pub fn expect_shape(&self, shape: &[usize]) -> Result<()> {
-                self.0.expect_shape(shape)
+            /// Checks the element type is one of `allowed` and the dimensions
+            /// are exactly `shape`; returns the element type.
+            pub fn expect(&self, allowed: &[DataType], shape: &[usize]) -> Result<DataType> {
+                let dtype = self.0.expect_dtype(allowed)?;
+                self.0.expect_shape(shape)?;
+                Ok(dtype)
             }
 
             /// The dimensions of a rank-2 buffer, or an error.

@@ -9,11 +9,9 @@ impl DataType {
     pub const PRED: Self = Self(sys::XLA_FFI_DataType_PRED);
     pub const S32: Self = Self(sys::XLA_FFI_DataType_S32);
     pub const S64: Self = Self(sys::XLA_FFI_DataType_S64);
-    pub const U8: Self = Self(sys::XLA_FFI_DataType_U8);
     pub const F16: Self = Self(sys::XLA_FFI_DataType_F16);
     pub const BF16: Self = Self(sys::XLA_FFI_DataType_BF16);
     pub const F32: Self = Self(sys::XLA_FFI_DataType_F32);
-    pub const F64: Self = Self(sys::XLA_FFI_DataType_F64);
 
     /// The name JAX users know the type by.
     pub fn name(self) -> &'static str {

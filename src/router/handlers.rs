@@ -75,15 +75,12 @@ impl<'a> TopkFwd<'a> {
             if config.score_function != ScoreFunction::Sigmoid {
                 invalid!("expert_bias applies to score_function \"sigmoid\" only")
             }
-            bias.expect_dtype(&[DataType::F32])?;
-            bias.expect_shape(&[experts])?;
+            bias.expect(&[DataType::F32], &[experts])?;
         }
         let probs = call.ret(0, "probs")?;
-        probs.expect_dtype(&[logits.dtype()])?;
-        probs.expect_shape(&[tokens, experts])?;
+        probs.expect(&[logits.dtype()], &[tokens, experts])?;
         let routing_map = call.ret(1, "routing_map")?;
-        routing_map.expect_dtype(&[DataType::PRED])?;
-        routing_map.expect_shape(&[tokens, experts])?;
+        routing_map.expect(&[DataType::PRED], &[tokens, experts])?;
         Ok(Self { config, tokens, logits, bias, probs, routing_map })
     }
 
@@ -116,13 +113,10 @@ impl<'a> TopkBwd<'a> {
         let routing_map = call.arg(2, "routing_map")?;
         let (tokens, experts) = float_matrix(&logits)?;
         let config = topk_config(call, experts, false)?;
-        grad_probs.expect_dtype(&[logits.dtype()])?;
-        grad_probs.expect_shape(&[tokens, experts])?;
-        routing_map.expect_dtype(&[DataType::PRED])?;
-        routing_map.expect_shape(&[tokens, experts])?;
+        grad_probs.expect(&[logits.dtype()], &[tokens, experts])?;
+        routing_map.expect(&[DataType::PRED], &[tokens, experts])?;
         let grad_logits = call.ret(0, "grad_logits")?;
-        grad_logits.expect_dtype(&[logits.dtype()])?;
-        grad_logits.expect_shape(&[tokens, experts])?;
+        grad_logits.expect(&[logits.dtype()], &[tokens, experts])?;
         Ok(Self { config, tokens, grad_probs, logits, routing_map, grad_logits })
     }
 
@@ -157,11 +151,9 @@ impl<'a> ScoresFwd<'a> {
         }
         let score_function = ScoreFunction::parse(call.attr("score_function")?)?;
         let routing_map = call.ret(0, "routing_map")?;
-        routing_map.expect_dtype(&[DataType::PRED])?;
-        routing_map.expect_shape(&[tokens, experts])?;
+        routing_map.expect(&[DataType::PRED], &[tokens, experts])?;
         let scores = call.ret(1, "scores")?;
-        scores.expect_dtype(&[DataType::F32])?;
-        scores.expect_shape(&[tokens, experts])?;
+        scores.expect(&[DataType::F32], &[tokens, experts])?;
         Ok(Self { score_function, topk, tokens, experts, logits, routing_map, scores })
     }
 
@@ -190,12 +182,10 @@ impl<'a> ScoresBwd<'a> {
         let grad_scores = call.arg(0, "grad_scores")?;
         let logits = call.arg(1, "logits")?;
         let (tokens, experts) = float_matrix(&logits)?;
-        grad_scores.expect_dtype(&[DataType::F32])?;
-        grad_scores.expect_shape(&[tokens, experts])?;
+        grad_scores.expect(&[DataType::F32], &[tokens, experts])?;
         let score_function = ScoreFunction::parse(call.attr("score_function")?)?;
         let grad_logits = call.ret(0, "grad_logits")?;
-        grad_logits.expect_dtype(&[logits.dtype()])?;
-        grad_logits.expect_shape(&[tokens, experts])?;
+        grad_logits.expect(&[logits.dtype()], &[tokens, experts])?;
         Ok(Self { score_function, tokens, experts, grad_scores, logits, grad_logits })
     }
 
@@ -224,8 +214,7 @@ pub const COUNT_TYPES: [DataType; 4] = [DataType::S32, DataType::F32, DataType::
 /// `tokens_per_expert [E]`, int32 or float.
 fn tokens_per_expert<'a>(call: &Call<'a>, index: usize, num_experts: usize) -> Result<Arg<'a>> {
     let counts = call.arg(index, "tokens_per_expert")?;
-    counts.expect_dtype(&COUNT_TYPES)?;
-    counts.expect_shape(&[num_experts])?;
+    counts.expect(&COUNT_TYPES, &[num_experts])?;
     Ok(counts)
 }
 
@@ -254,8 +243,7 @@ impl<'a> AuxLossFwd<'a> {
         let config = aux_loss_config(call, experts)?;
         let counts = tokens_per_expert(call, 1, experts)?;
         let loss = call.ret(0, "loss")?;
-        loss.expect_dtype(&[DataType::F32])?;
-        loss.expect_shape(&[])?;
+        loss.expect(&[DataType::F32], &[])?;
         Ok(Self { config, tokens, probs, counts, loss })
     }
 
@@ -280,8 +268,7 @@ impl<'a> AuxLossBwd<'a> {
     fn decode(call: &Call<'a>) -> Result<Self> {
         call.expect_num_args(2, 2)?;
         let grad_loss = call.arg(0, "grad_loss")?;
-        grad_loss.expect_dtype(&[DataType::F32])?;
-        grad_loss.expect_shape(&[])?;
+        grad_loss.expect(&[DataType::F32], &[])?;
         let grad_probs = call.ret(0, "grad_probs")?;
         grad_probs.expect_dtype(&FLOAT_TYPES)?;
         let (tokens, experts) = grad_probs.matrix()?;
