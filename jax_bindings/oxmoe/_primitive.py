@@ -112,9 +112,8 @@ class FfiPrimitive:
         per-token results split like the per-token operands, the rest replicated."""
         if rows_sharding is None:
             return None
-        if layout is not Layout.ROWS or not rows_sharding.spec:
-            return NamedSharding(rows_sharding.mesh, PartitionSpec(*([None] * ndim)))
-        return NamedSharding(rows_sharding.mesh, PartitionSpec(rows_sharding.spec[0], *([None] * (ndim - 1))))
+        token_axes = rows_sharding.spec[0] if rows_sharding.spec else None
+        return FfiPrimitive._sharding(rows_sharding.mesh, layout, token_axes, ndim)
 
     def _lower(self, *operands, **params):
         return self._partitioned(tuple(sorted(params.items())), *operands)
@@ -153,9 +152,10 @@ class FfiPrimitive:
 
     @staticmethod
     def _sharding(mesh, layout: Layout, token_axes, ndim: int) -> NamedSharding:
-        if layout is Layout.ROWS and token_axes:
-            return NamedSharding(mesh, PartitionSpec(token_axes, *([None] * (ndim - 1))))
-        return NamedSharding(mesh, PartitionSpec())
+        """Per-token arrays split over ``token_axes`` (none: not split), the rest
+        replicated; the spec names every dimension, as types require."""
+        split = token_axes if layout is Layout.ROWS and token_axes else None
+        return NamedSharding(mesh, PartitionSpec(*([split] + [None] * (ndim - 1))[:ndim]))
 
     def _result_shardings(self, mesh, token_axes, result_shapes):
         return tuple(self._sharding(mesh, layout, token_axes, len(r.shape))
