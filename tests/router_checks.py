@@ -134,6 +134,15 @@ def assert_routing_matches(actual, expected_map, margin, topk: int, *, what: str
     )
 
 
+def weight_options(kwargs: dict) -> dict:
+    """The options of topk's kwargs that decide the weights of a given selection."""
+    return dict(
+        score_function=kwargs.get("score_function", "softmax"),
+        use_pre_softmax=kwargs.get("use_pre_softmax", False),
+        scaling_factor=kwargs.get("scaling_factor"),
+    )
+
+
 def check_topk(probs, routing_map, logits, topk: int, kwargs: dict, expert_bias, *, context: str) -> ref.TopkResult:
     """oxmoe.router.topk's outputs against the reference; returns the reference result."""
     expected = ref.topk(logits, topk, expert_bias=expert_bias, **kwargs)
@@ -144,9 +153,7 @@ def check_topk(probs, routing_map, logits, topk: int, kwargs: dict, expert_bias,
         logits,
         np.asarray(routing_map),
         topk,
-        score_function=kwargs.get("score_function", "softmax"),
-        use_pre_softmax=kwargs.get("use_pre_softmax", False),
-        scaling_factor=kwargs.get("scaling_factor"),
+        **weight_options(kwargs),
     )
     assert_close(probs, expected_probs, logits.dtype, what="probs", context=context)
     return expected
@@ -158,9 +165,7 @@ def check_topk_grad(grad_logits, grad_probs, logits, routing_map, topk: int, kwa
         logits,
         np.asarray(routing_map),
         topk,
-        score_function=kwargs.get("score_function", "softmax"),
-        use_pre_softmax=kwargs.get("use_pre_softmax", False),
-        scaling_factor=kwargs.get("scaling_factor"),
+        **weight_options(kwargs),
     )
     assert grad_logits.dtype == logits.dtype, f"grad dtype {grad_logits.dtype} != {logits.dtype} ({context})"
     terms = topk_backward_terms(grad_probs, logits, routing_map, topk, kwargs)
