@@ -30,11 +30,12 @@ template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
 
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
 
-// W bytes (16, 8 or 4) moved as one vector, seen as elements of T.
+// W bytes (16, 8, 4 or 2) moved as one vector, seen as elements of T.
 template <int W> struct VectorOf;
 template <> struct VectorOf<16> { using type = uint4; };
 template <> struct VectorOf<8> { using type = uint2; };
 template <> struct VectorOf<4> { using type = unsigned; };
+template <> struct VectorOf<2> { using type = unsigned short; };
 
 template <typename T, int W>
 union Pack {

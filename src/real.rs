@@ -40,6 +40,12 @@ impl Real for f16 {
 pub const FLOAT_TYPES: [crate::ffi::DataType; 3] =
     [crate::ffi::DataType::F32, crate::ffi::DataType::BF16, crate::ffi::DataType::F16];
 
+/// `(rows, columns)` of a float matrix argument.
+pub fn float_matrix(arg: &crate::ffi::Arg) -> crate::ffi::Result<(usize, usize)> {
+    arg.expect_dtype(&FLOAT_TYPES)?;
+    arg.matrix()
+}
+
 /// Runs `$body` with `$t` bound to the Rust type of the float dtype `$dtype`
 /// (one of [`FLOAT_TYPES`]).
 #[macro_export]

@@ -6,7 +6,7 @@ installed inside the package) and registers its XLA FFI handlers.
 
 __version__ = "0.1.0"
 
-from oxmoe import router
+from oxmoe import permutation, router
 from oxmoe._library import build_id
 
-__all__ = ["router", "build_id", "__version__"]
+__all__ = ["permutation", "router", "build_id", "__version__"]

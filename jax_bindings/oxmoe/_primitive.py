@@ -57,6 +57,10 @@ class Layout(enum.Enum):
     """Not per token (``[experts]`` or a scalar): the same on every token shard."""
     SUM_OVER_ROWS = "sum_over_rows"
     """A result that sums over all tokens: summed across token shards."""
+    DISPATCHED = "dispatched"
+    """Rows in expert-major order, where any row may hold any token: a
+    primitive with such an operand or result sees all tokens (token-split
+    inputs are gathered); inside ``shard_map`` each shard permutes its own."""
 
 
 class FfiPrimitive:
@@ -81,6 +85,7 @@ class FfiPrimitive:
         self.results = tuple(results)
         self.result_specs = result_specs
         self.shape_params = frozenset(shape_params)
+        self._splits_tokens = Layout.DISPATCHED not in self.operands + self.results
 
         self._primitive = Primitive(target)
         self._primitive.multiple_results = True
@@ -112,6 +117,8 @@ class FfiPrimitive:
         per-token results split like the per-token operands, the rest replicated."""
         if rows_sharding is None:
             return None
+        if layout is Layout.DISPATCHED:
+            return FfiPrimitive._sharding(rows_sharding.mesh, layout, None, ndim)
         token_axes = rows_sharding.spec[0] if rows_sharding.spec else None
         return FfiPrimitive._sharding(rows_sharding.mesh, layout, token_axes, ndim)
 
@@ -139,6 +146,8 @@ class FfiPrimitive:
 
     def _token_axes(self, mesh, arg_shapes, result_shapes) -> tuple[str, ...]:
         """The mesh axes the token rows are split over (empty: not split)."""
+        if not self._splits_tokens:
+            return ()
         rows = [a for a, layout in zip(arg_shapes, self.operands) if layout is Layout.ROWS]
         if not rows:  # e.g. a backward whose only per-token value is its result
             rows = [r for r, layout in zip(result_shapes, self.results) if layout is Layout.ROWS]
@@ -182,19 +191,32 @@ class FfiPrimitive:
         return mesh, per_shard, result_shardings, arg_shardings
 
     def _sharding_rule(self, params, mesh, operand_types, result_types):
-        """Shardy's view: ``t`` (tokens) may be split, ``e`` (experts) may not."""
+        """Shardy's view: ``t`` (the token rows) may be split when the primitive
+        splits tokens; every other dimension is whole."""
         del params, mesh
+        whole = []
 
         def factors(layout, ir_type):
-            if layout is Layout.ROWS:
-                return "t e"
-            return "e" if len(ir_type.shape) == 1 else ""
+            names = []
+            for dim in range(len(ir_type.shape)):
+                if dim == 0 and layout is Layout.ROWS:
+                    names.append("t")
+                else:
+                    whole.append(f"d{len(whole)}")
+                    names.append(whole[-1])
+            return " ".join(names)
 
         operands = [factors(l, t) for l, t in zip(self.operands, operand_types)]
         results = [factors(l, t) for l, t in zip(self.results, result_types)]
-        reductions = ("t",) if Layout.SUM_OVER_ROWS in self.results else ()
+        uses_t = any(f.startswith("t") for f in operands + results)
+        reductions = ("t",) if Layout.SUM_OVER_ROWS in self.results and uses_t else ()
+        if uses_t and not self._splits_tokens:
+            whole.append("t")
         rule = f"{', '.join(operands)} -> {', '.join(results)}"
-        return rule, {"need_replication_factors": ("e",), "reduction_factors": reductions}
+        # Shardy wants them in the order the factors first appear in the rule.
+        order = list(dict.fromkeys(" ".join(operands + results).split()))
+        need_replication = tuple(sorted(whole, key=order.index))
+        return rule, {"need_replication_factors": need_replication, "reduction_factors": reductions}
 
     # -- batching ---------------------------------------------------------------
 

@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oxmoe._checks import FLOAT_DTYPES, check_count, check_float_matrix, check_real
 from oxmoe._primitive import FfiPrimitive, Layout
 
 __all__ = ["topk", "aux_loss_scores", "aux_loss"]
 
 SCORE_FUNCTIONS = ("softmax", "sigmoid")
-_FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 ROWS, WHOLE, SUM_OVER_ROWS = Layout.ROWS, Layout.WHOLE, Layout.SUM_OVER_ROWS
 
@@ -55,38 +54,10 @@ _aux_loss_bwd = FfiPrimitive(
 
 # -- argument checks ----------------------------------------------------------
 
-def _check_matrix(name: str, x) -> int:
-    """Checks ``x`` is a float ``[..., tokens, experts]`` array; returns the expert count."""
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
-    if x.ndim < 2:
-        raise ValueError(f"{name} must have rank >= 2 ([..., tokens, num_experts]), "
-                         f"got shape {tuple(x.shape)}")
-    if x.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-    return x.shape[-1]
-
-
-def _check_count(name: str, value, low: int, high: int | None = None, why: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int, got {value!r}")
-    value = int(value)
-    if value < low or (high is not None and value > high):
-        bounds = f"{low} <= {name}" + (f" <= {high}" if high is not None else "")
-        raise ValueError(f"{name} must satisfy {bounds}{why}, got {value}")
-    return value
-
-
 def _check_score_function(score_function) -> str:
     if score_function not in SCORE_FUNCTIONS:
         raise ValueError(f"score_function must be one of {SCORE_FUNCTIONS}, got {score_function!r}")
     return score_function
-
-
-def _check_real(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a real number, got {value!r}")
-    return float(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +85,7 @@ class TopkConfig:
 def _topk_config(num_experts, topk, score_function, use_pre_softmax, num_groups, group_topk,
                  scaling_factor, has_bias) -> TopkConfig:
     e = num_experts
-    topk = _check_count("topk", topk, 1, e, f" (the number of experts is {e})")
+    topk = check_count("topk", topk, 1, e, f" (the number of experts is {e})")
     score_function = _check_score_function(score_function)
     if not isinstance(use_pre_softmax, (bool, np.bool_)):
         raise ValueError(f"use_pre_softmax must be a bool, got {use_pre_softmax!r}")
@@ -130,17 +101,17 @@ def _topk_config(num_experts, topk, score_function, use_pre_softmax, num_groups,
     if num_groups is None:
         num_groups = group_topk = 1
     else:
-        num_groups = _check_count("num_groups", num_groups, 1, e)
+        num_groups = check_count("num_groups", num_groups, 1, e)
         if e % num_groups:
             raise ValueError(f"num_groups must divide the number of experts ({e}), got {num_groups}")
-        group_topk = _check_count("group_topk", group_topk, 1, min(num_groups, topk),
+        group_topk = check_count("group_topk", group_topk, 1, min(num_groups, topk),
                                   f" (num_groups is {num_groups}, topk is {topk}: each selected "
                                   "group's score sums its best topk // group_topk experts)")
         selectable = group_topk * (e // num_groups)
         if topk > selectable:
             raise ValueError(f"topk must be <= group_topk * num_experts / num_groups = {selectable} "
                              f"(the experts in the best groups), got {topk}")
-    scaling = 1.0 if scaling_factor is None else _check_real("scaling_factor", scaling_factor)
+    scaling = 1.0 if scaling_factor is None else check_real("scaling_factor", scaling_factor)
     return TopkConfig(e, topk, score_function, bool(use_pre_softmax), num_groups, group_topk, scaling)
 
 
@@ -171,7 +142,7 @@ def topk(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_g
       ``(probs, routing_map)``: ``probs [..., E]`` in the logits' dtype, zero
       off the selected experts; ``routing_map [..., E]`` bool.
     """
-    e = _check_matrix("logits", logits)
+    e = check_float_matrix("logits", logits)
     if expert_bias is not None:
         if getattr(expert_bias, "shape", None) != (e,):
             raise ValueError(f"expert_bias must have shape ({e},), got {getattr(expert_bias, 'shape', expert_bias)}")
@@ -220,8 +191,8 @@ def aux_loss_scores(logits, topk, *, score_function="softmax"):
       top-k of the scores (no groups, no bias); ``scores [..., E]`` float32,
       differentiable.
     """
-    e = _check_matrix("logits", logits)
-    topk = _check_count("topk", topk, 1, e, f" (the number of experts is {e})")
+    e = check_float_matrix("logits", logits)
+    topk = check_count("topk", topk, 1, e, f" (the number of experts is {e})")
     score_function = _check_score_function(score_function)
     routing_map, scores = _scores(logits.reshape(-1, e), topk, score_function)
     return routing_map.reshape(logits.shape), scores.reshape(logits.shape)
@@ -280,17 +251,17 @@ def aux_loss(probs, tokens_per_expert, *, total_num_tokens, topk, coeff):
     Returns:
       The loss, a float32 scalar, differentiable in ``probs``.
     """
-    e = _check_matrix("probs", probs)
+    e = check_float_matrix("probs", probs)
     if getattr(tokens_per_expert, "shape", None) != (e,):
         raise ValueError(f"tokens_per_expert must have shape ({e},), "
                          f"got {getattr(tokens_per_expert, 'shape', tokens_per_expert)}")
-    if tokens_per_expert.dtype not in (jnp.int32, *_FLOAT_DTYPES):
+    if tokens_per_expert.dtype not in (jnp.int32, *FLOAT_DTYPES):
         raise TypeError("tokens_per_expert must be int32, float32, bfloat16 or float16, "
                         f"got {tokens_per_expert.dtype}")
     config = AuxLossConfig(
-        total_num_tokens=_check_count("total_num_tokens", total_num_tokens, 1),
-        topk=_check_count("topk", topk, 1, e, f" (the number of experts is {e})"),
-        coeff=_check_real("coeff", coeff))
+        total_num_tokens=check_count("total_num_tokens", total_num_tokens, 1),
+        topk=check_count("topk", topk, 1, e, f" (the number of experts is {e})"),
+        coeff=check_real("coeff", coeff))
     probs = probs.reshape(-1, e)
     return _aux_loss(probs, jax.lax.stop_gradient(tokens_per_expert), config,
                      jax.ShapeDtypeStruct(probs.shape, probs.dtype, sharding=jax.typeof(probs).sharding))

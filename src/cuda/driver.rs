@@ -62,6 +62,12 @@ impl Drop for ContextGuard {
 pub struct Stream(CUstream);
 
 impl Stream {
+    /// The stream XLA hands a CUDA handler's call.
+    pub fn of(call: &crate::ffi::Call) -> Result<Self> {
+        // SAFETY: CUDA handlers run on the CUDA platform, where XLA's stream is a CUstream.
+        Ok(unsafe { Self::from_raw(call.stream()?) })
+    }
+
     /// # Safety
     /// `raw` must be a live `CUstream`, e.g. from `Call::stream` on the CUDA platform.
     pub unsafe fn from_raw(raw: *mut c_void) -> Self {

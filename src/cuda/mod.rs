@@ -15,7 +15,8 @@ mod nvrtc;
 pub use driver::{arg, launch, Kernel, LaunchConfig, Stream};
 pub use nvrtc::{compile_check, Architecture};
 
-use crate::ffi::Error;
+use crate::ffi::{DataType, Error, Result};
+use crate::invalid;
 
 /// A CUDA source file of `kernels/`, embedded in the library.
 pub struct Source {
@@ -28,6 +29,20 @@ const HEADERS: [Source; 1] = [Source { name: "common.cuh", text: include_str!(".
 
 /// The router kernels.
 pub const ROUTER: Source = Source { name: "router.cu", text: include_str!("../../kernels/router.cu") };
+
+/// The permutation kernels.
+pub const PERMUTATION: Source = Source { name: "permutation.cu", text: include_str!("../../kernels/permutation.cu") };
+
+/// The kernels' name for an element type (see `kernels/common.cuh`).
+pub fn type_name(dtype: DataType) -> Result<&'static str> {
+    Ok(match dtype {
+        DataType::F32 => "float",
+        DataType::BF16 => "bf16",
+        DataType::F16 => "f16",
+        DataType::S32 => "int",
+        other => invalid!("no CUDA kernel for dtype {other}"),
+    })
+}
 
 fn driver_error(call: &str, error: cudarc::driver::DriverError) -> Error {
     let name = error.error_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|_| format!("{:?}", error.0));

@@ -120,6 +120,15 @@ impl<'a> Call<'a> {
         unsafe { self.frame.api.as_ref() }.ok_or_else(|| Error::internal("call frame without an XLA API"))
     }
 
+    /// The non-negative integer attribute `name` (an `i64` attribute).
+    pub fn count(&self, name: &str) -> Result<usize> {
+        let value: i64 = self.attr(name)?;
+        match usize::try_from(value) {
+            Ok(count) => Ok(count),
+            Err(_) => invalid!("attribute `{name}` is {value}, expected a non-negative integer"),
+        }
+    }
+
     /// The attribute `name`, decoded as `T`.
     pub fn attr<T: Attr<'a>>(&self, name: &str) -> Result<T> {
         let attrs = &self.frame.attrs;

@@ -5,7 +5,7 @@
 
 use super::{cpu, cuda, AuxLossConfig, ScoreFunction, TopkConfig};
 use crate::ffi::{Arg, Call, DataType, Result, Ret};
-use crate::real::{Real, FLOAT_TYPES};
+use crate::real::{float_matrix, Real, FLOAT_TYPES};
 use crate::{export_handler, invalid, with_real_type};
 
 export_handler!(oxmoe_topk_fwd, |call| TopkFwd::decode(call)?.run_cpu());
@@ -22,35 +22,20 @@ export_handler!(oxmoe_aux_loss_scores_bwd_cuda, |call| cuda::scores_bwd(call, &S
 export_handler!(oxmoe_aux_loss_fwd_cuda, |call| cuda::aux_loss_fwd(call, &AuxLossFwd::decode(call)?));
 export_handler!(oxmoe_aux_loss_bwd_cuda, |call| cuda::aux_loss_bwd(call, &AuxLossBwd::decode(call)?));
 
-/// A non-negative integer attribute.
-fn count_attr(call: &Call, name: &str) -> Result<usize> {
-    let value: i64 = call.attr(name)?;
-    match usize::try_from(value) {
-        Ok(count) => Ok(count),
-        Err(_) => invalid!("attribute `{name}` is {value}, expected a non-negative integer"),
-    }
-}
-
 /// The routing configuration from the call's attributes, validated.
 /// The backward has no group attributes: its selection is given.
 fn topk_config(call: &Call, num_experts: usize, grouped: bool) -> Result<TopkConfig> {
     let config = TopkConfig {
         num_experts,
-        topk: count_attr(call, "topk")?,
+        topk: call.count("topk")?,
         score_function: ScoreFunction::parse(call.attr("score_function")?)?,
         use_pre_softmax: call.attr("use_pre_softmax")?,
-        num_groups: if grouped { count_attr(call, "num_groups")? } else { 1 },
-        group_topk: if grouped { count_attr(call, "group_topk")? } else { 1 },
+        num_groups: if grouped { call.count("num_groups")? } else { 1 },
+        group_topk: if grouped { call.count("group_topk")? } else { 1 },
         scaling_factor: call.attr("scaling_factor")?,
     };
     config.validate()?;
     Ok(config)
-}
-
-/// `[T, E]` of a float matrix argument.
-fn float_matrix(arg: &Arg) -> Result<(usize, usize)> {
-    arg.expect_dtype(&FLOAT_TYPES)?;
-    arg.matrix()
 }
 
 /// `oxmoe_topk_fwd`: logits [T, E], optional expert_bias [E] f32 ->
@@ -145,7 +130,7 @@ impl<'a> ScoresFwd<'a> {
         call.expect_num_args(1, 1)?;
         let logits = call.arg(0, "logits")?;
         let (tokens, experts) = float_matrix(&logits)?;
-        let topk = count_attr(call, "topk")?;
+        let topk = call.count("topk")?;
         if topk < 1 || topk > experts {
             invalid!("topk is {topk}, expected 1 <= topk <= num_experts ({experts})")
         }
@@ -200,8 +185,8 @@ impl<'a> ScoresBwd<'a> {
 fn aux_loss_config(call: &Call, num_experts: usize) -> Result<AuxLossConfig> {
     let config = AuxLossConfig {
         num_experts,
-        topk: count_attr(call, "topk")?,
-        total_num_tokens: count_attr(call, "total_num_tokens")?,
+        topk: call.count("topk")?,
+        total_num_tokens: call.count("total_num_tokens")?,
         coeff: call.attr("coeff")?,
     };
     config.validate()?;

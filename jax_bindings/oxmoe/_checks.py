@@ -1,0 +1,46 @@
+"""Argument checks shared by the public functions: they run while tracing and
+raise errors that name the argument and the value expected."""
+
+from __future__ import annotations
+
+import numbers
+
+import jax.numpy as jnp
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def check_array(name: str, x) -> None:
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be a JAX or NumPy array, got {type(x).__name__}")
+
+
+def check_float_dtype(name: str, x) -> None:
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+
+
+def check_float_matrix(name: str, x) -> int:
+    """Checks ``x`` is a float ``[..., tokens, experts]`` array; returns the expert count."""
+    check_array(name, x)
+    if x.ndim < 2:
+        raise ValueError(f"{name} must have rank >= 2 ([..., tokens, num_experts]), "
+                         f"got shape {tuple(x.shape)}")
+    check_float_dtype(name, x)
+    return x.shape[-1]
+
+
+def check_count(name: str, value, low: int, high: int | None = None, why: str = "") -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value > high):
+        bounds = f"{low} <= {name}" + (f" <= {high}" if high is not None else "")
+        raise ValueError(f"{name} must satisfy {bounds}{why}, got {value}")
+    return value
+
+
+def check_real(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a real number, got {value!r}")
+    return float(value)

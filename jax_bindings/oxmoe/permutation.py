@@ -1,0 +1,347 @@
+"""Token permutation: moving token rows to their experts and back.
+
+:func:`dispatch` copies each token's row once per expert it is routed to, in
+**expert-major** order: all rows of expert 0 (in increasing token order), then
+expert 1, and so on, each expert's block optionally padded with zero rows to a
+multiple of ``align_size`` (what a grouped GEMM with aligned tiles wants).
+:func:`combine` brings the expert outputs back to token order, weighting each
+copy by its merging probability and summing. :func:`sort_chunks` and
+:func:`unsort_chunks` reorder contiguous chunks of rows, the local step after
+an expert-parallel all-to-all.
+
+Everything is differentiable (hand-written backwards from saved residuals),
+works under ``jit`` and ``vmap``, and runs on CPU and GPU with the same
+results. With inputs split along the tokens under ``jit``, these functions see
+all tokens (XLA gathers them): per-shard permutation belongs inside
+``shard_map``, where each shard dispatches its own tokens.
+
+Nothing here synchronises with the host. So under ``jit`` the output's row
+count is static: :func:`dispatched_rows` gives it, and routed copies that do
+not fit (only possible with a routing map holding more than
+``num_out_tokens`` entries) are dropped; called eagerly, :func:`dispatch`
+raises instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oxmoe._checks import check_array, check_count, check_float_dtype
+from oxmoe._primitive import FfiPrimitive, Layout
+
+__all__ = ["Dispatched", "RowIdMap", "dispatch", "combine", "sort_chunks", "unsort_chunks", "dispatched_rows"]
+
+ROWS, WHOLE, DISPATCHED = Layout.ROWS, Layout.WHOLE, Layout.DISPATCHED
+_I32 = jnp.int32
+
+
+def _dispatch_specs(tokens, routing_map, *probs, num_rows, **_):
+    (t, h), e = tokens.shape, routing_map.shape[1]
+    per_expert = jax.ShapeDtypeStruct((e,), _I32)
+    specs = [jax.ShapeDtypeStruct((num_rows, h), tokens.dtype), jax.ShapeDtypeStruct((t, e), _I32),
+             jax.ShapeDtypeStruct((num_rows,), _I32), per_expert, per_expert, per_expert]
+    return specs + [jax.ShapeDtypeStruct((num_rows,), jnp.float32)] * len(probs)
+
+
+def _combine_bwd_specs(grad_out, dest_rows, source_tokens, *weighted, **_):
+    rows, h = source_tokens.shape[0], grad_out.shape[1]
+    specs = [jax.ShapeDtypeStruct((rows, h), grad_out.dtype)]
+    return specs + [jax.ShapeDtypeStruct(dest_rows.shape, jnp.float32)] * bool(weighted)
+
+
+_dispatch_fwd = FfiPrimitive(
+    "oxmoe_dispatch_fwd", operands=(ROWS, ROWS, ROWS),
+    results=(DISPATCHED, ROWS, DISPATCHED, WHOLE, WHOLE, WHOLE, DISPATCHED),
+    result_specs=_dispatch_specs, shape_params=("num_rows",))
+_combine_fwd = FfiPrimitive(
+    "oxmoe_combine_fwd", operands=(DISPATCHED, ROWS, ROWS), results=(ROWS,),
+    result_specs=lambda x, dest_rows, *w, **_: [jax.ShapeDtypeStruct((dest_rows.shape[0], x.shape[1]), x.dtype)])
+_combine_bwd = FfiPrimitive(
+    "oxmoe_combine_bwd", operands=(ROWS, ROWS, DISPATCHED, ROWS, DISPATCHED), results=(DISPATCHED, ROWS),
+    result_specs=_combine_bwd_specs)
+_sort_chunks = FfiPrimitive(
+    "oxmoe_sort_chunks", operands=(DISPATCHED, WHOLE, WHOLE), results=(DISPATCHED,),
+    result_specs=lambda x, *_, **__: [jax.ShapeDtypeStruct(x.shape, x.dtype)])
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("dest_rows", "source_tokens"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class RowIdMap:
+    """How a :func:`dispatch` moved the rows: what :func:`combine` needs to undo it.
+
+    Made by :func:`dispatch` only; treat it as opaque.
+    """
+
+    dest_rows: jax.Array
+    """``[T, E]`` int32: the output row of token t's copy for expert e; -1 if none."""
+    source_tokens: jax.Array
+    """``[R]`` int32: the token each output row holds; -1 for padding and unused rows."""
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("tokens", "probs", "row_id_map", "tokens_per_expert",
+                                "real_tokens_per_expert", "pad_offsets"), meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class Dispatched:
+    """The result of :func:`dispatch`: token rows in expert-major order."""
+
+    tokens: jax.Array
+    """``[R, H]``, the tokens' dtype: expert 0's rows, then expert 1's, ...; zero
+    rows pad each expert's block (with ``align_size``) and fill the end."""
+    probs: jax.Array | None
+    """``[R]``, the probs' dtype: the routing weight of each row (zero on padding);
+    None when :func:`dispatch` got no probs."""
+    row_id_map: RowIdMap
+    """What :func:`combine` needs to bring the rows back."""
+    tokens_per_expert: jax.Array
+    """``[E]`` int32: the rows of each expert's block (padded counts with
+    ``align_size``); the group sizes of a grouped GEMM over ``tokens``."""
+    real_tokens_per_expert: jax.Array
+    """``[E]`` int32: the routed (unpadded) rows of each expert."""
+    pad_offsets: jax.Array | None
+    """``[E]`` int32: the padding rows before each expert's block; None without ``align_size``."""
+
+
+def dispatched_rows(num_out_tokens: int, num_experts: int, align_size: int | None = None) -> int:
+    """The static row count of :func:`dispatch`'s output.
+
+    ``num_out_tokens`` without ``align_size``. With it, room for the worst-case
+    padding: each of at most ``min(num_experts, num_out_tokens)`` non-empty
+    experts adds fewer than ``align_size`` rows, and the total is a multiple of
+    ``align_size``.
+    """
+    n = check_count("num_out_tokens", num_out_tokens, 0)
+    e = check_count("num_experts", num_experts, 1)
+    if align_size is None:
+        return n
+    a = _check_align_size(align_size)
+    return (n + min(e, n) * (a - 1)) // a * a
+
+
+def _check_align_size(align_size) -> int:
+    return check_count("align_size", align_size, 1)
+
+
+def _check_routed_count(routing_map, num_out_tokens: int) -> None:
+    """Called eagerly (a concrete map), more entries than rows is an error, not a drop."""
+    if isinstance(routing_map, jax.core.Tracer):
+        return
+    routed = int(np.count_nonzero(np.asarray(routing_map)))
+    if routed > num_out_tokens:
+        raise ValueError(f"num_out_tokens ({num_out_tokens}) is too small: routing_map routes {routed} "
+                         "(token, expert) pairs; under jit the copies that do not fit would be dropped")
+
+
+def dispatch(tokens, routing_map, *, probs=None, topk=None, num_out_tokens=None, align_size=None) -> Dispatched:
+    """Copies each token's row to every expert it is routed to, expert-major.
+
+    Args:
+      tokens: ``[T, H]`` float32, bfloat16 or float16 activations.
+      routing_map: ``[T, E]`` bool, e.g. from :func:`oxmoe.router.topk`.
+      probs: optional ``[T, E]`` float routing weights to dispatch with the rows.
+      topk: the most experts a token is routed to: room for ``T * topk`` copies.
+      num_out_tokens: or the room for copies directly (give exactly one of the two).
+      align_size: pad each expert's block with zero rows to a multiple of this.
+
+    Returns:
+      A :class:`Dispatched` with ``R = dispatched_rows(num_out_tokens, E,
+      align_size)`` rows. Differentiable in ``tokens`` and ``probs``.
+    """
+    check_array("tokens", tokens)
+    check_array("routing_map", routing_map)
+    if tokens.ndim != 2:
+        raise ValueError(f"tokens must have shape [num_tokens, hidden], got {tuple(tokens.shape)}")
+    check_float_dtype("tokens", tokens)
+    if routing_map.dtype != jnp.bool_:
+        raise TypeError(f"routing_map must be bool, got {routing_map.dtype}")
+    if routing_map.ndim != 2 or routing_map.shape[0] != tokens.shape[0]:
+        raise ValueError(f"routing_map must have shape [num_tokens, num_experts] with num_tokens = "
+                         f"{tokens.shape[0]} (tokens' first dimension), got {tuple(routing_map.shape)}")
+    t, e = routing_map.shape
+    if probs is not None:
+        check_array("probs", probs)
+        if probs.shape != routing_map.shape:
+            raise ValueError(f"probs must have routing_map's shape {(t, e)}, got {tuple(probs.shape)}")
+        check_float_dtype("probs", probs)
+    if (topk is None) == (num_out_tokens is None):
+        raise ValueError("give exactly one of topk (room for num_tokens * topk copies) and num_out_tokens, "
+                         f"got topk={topk!r}, num_out_tokens={num_out_tokens!r}")
+    if topk is not None:
+        num_out_tokens = t * check_count("topk", topk, 1, e, f" (the number of experts is {e})")
+    num_out_tokens = check_count("num_out_tokens", num_out_tokens, 0)
+    align = 1 if align_size is None else _check_align_size(align_size)
+    rows = dispatched_rows(num_out_tokens, e, align_size)
+    _check_routed_count(routing_map, num_out_tokens)
+
+    out, out_probs, dest_rows, source_tokens, per_expert, real, pads = _dispatch(
+        tokens, routing_map, probs, (rows, align, None if probs is None else jnp.dtype(probs.dtype)))
+    return Dispatched(tokens=out, probs=out_probs, row_id_map=RowIdMap(dest_rows, source_tokens),
+                      tokens_per_expert=per_expert, real_tokens_per_expert=real,
+                      pad_offsets=None if align_size is None else pads)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _dispatch(tokens, routing_map, probs, static):
+    rows, align, _ = static
+    weights = () if probs is None else (probs.astype(jnp.float32),)
+    outs = _dispatch_fwd(tokens, routing_map, *weights, num_rows=rows, align_size=np.int64(align))
+    out_probs = None if probs is None else outs[6].astype(probs.dtype)
+    return (outs[0], out_probs, *outs[1:6])
+
+
+def _dispatch_vjp_fwd(tokens, routing_map, probs, static):
+    outs = _dispatch(tokens, routing_map, probs, static)
+    return outs, outs[2]
+
+
+def _dispatch_vjp_bwd(static, dest_rows, cotangents):
+    probs_dtype = static[2]
+    grad_out, grad_out_probs = cotangents[0], cotangents[1]
+    (grad_tokens,) = _combine_fwd(grad_out, dest_rows)
+    if probs_dtype is None:
+        return grad_tokens, None, None
+    # On an explicit-sharding mesh the gather's result sharding must be named.
+    sharding = jax.typeof(dest_rows).sharding
+    picked = grad_out_probs.at[jnp.maximum(dest_rows, 0)].get(
+        out_sharding=sharding if sharding.mesh.axis_names else None)
+    grad_probs = jnp.where(dest_rows >= 0, picked, 0).astype(probs_dtype)
+    return grad_tokens, None, grad_probs
+
+
+_dispatch.defvjp(_dispatch_vjp_fwd, _dispatch_vjp_bwd)
+
+
+def combine(expert_tokens, row_id_map: RowIdMap, merging_probs=None):
+    """Brings dispatched rows back to token order, weighted and summed.
+
+    ``out[t] = sum_e merging_probs[t, e] * expert_tokens[row of (t, e)]`` over
+    the experts token t was dispatched to (in increasing expert order, in
+    float32); weight 1 without ``merging_probs``. Padding rows are never read.
+
+    Args:
+      expert_tokens: ``[R, H]`` float32, bfloat16 or float16 rows in the layout
+        of the :func:`dispatch` that made ``row_id_map``.
+      row_id_map: :attr:`Dispatched.row_id_map`.
+      merging_probs: optional ``[T, E]`` float weights.
+
+    Returns:
+      ``[T, H]`` in ``expert_tokens``' dtype. Differentiable in
+      ``expert_tokens`` and ``merging_probs``. A ``row_id_map`` that does not
+      belong to ``expert_tokens`` (rows out of range) gives NaN rows.
+    """
+    check_array("expert_tokens", expert_tokens)
+    if expert_tokens.ndim != 2:
+        raise ValueError(f"expert_tokens must have shape [rows, hidden], got {tuple(expert_tokens.shape)}")
+    check_float_dtype("expert_tokens", expert_tokens)
+    if not isinstance(row_id_map, RowIdMap):
+        raise TypeError(f"row_id_map must be the RowIdMap of a dispatch, got {type(row_id_map).__name__}")
+    rows = row_id_map.source_tokens.shape[0]
+    if expert_tokens.shape[0] != rows:
+        raise ValueError(f"expert_tokens has {expert_tokens.shape[0]} rows, but row_id_map comes from a "
+                         f"dispatch of {rows} rows")
+    if merging_probs is not None:
+        check_array("merging_probs", merging_probs)
+        if merging_probs.shape != row_id_map.dest_rows.shape:
+            raise ValueError(f"merging_probs must have shape [num_tokens, num_experts] = "
+                             f"{tuple(row_id_map.dest_rows.shape)}, got {tuple(merging_probs.shape)}")
+        check_float_dtype("merging_probs", merging_probs)
+    return _combine(expert_tokens, row_id_map.dest_rows, row_id_map.source_tokens, merging_probs)
+
+
+@jax.custom_vjp
+def _combine(expert_tokens, dest_rows, source_tokens, merging_probs):
+    weights = () if merging_probs is None else (merging_probs.astype(jnp.float32),)
+    (out,) = _combine_fwd(expert_tokens, dest_rows, *weights)
+    return out
+
+
+def _combine_vjp_fwd(expert_tokens, dest_rows, source_tokens, merging_probs):
+    out = _combine(expert_tokens, dest_rows, source_tokens, merging_probs)
+    saved_rows = None if merging_probs is None else expert_tokens
+    return out, (saved_rows, dest_rows, source_tokens, merging_probs)
+
+
+def _combine_vjp_bwd(residuals, grad_out):
+    expert_tokens, dest_rows, source_tokens, merging_probs = residuals
+    if merging_probs is None:
+        (grad_rows,) = _combine_bwd(grad_out, dest_rows, source_tokens)
+        return grad_rows, None, None, None
+    grad_rows, grad_probs = _combine_bwd(grad_out, dest_rows, source_tokens,
+                                         merging_probs.astype(jnp.float32), expert_tokens)
+    return grad_rows, None, None, grad_probs.astype(merging_probs.dtype)
+
+
+_combine.defvjp(_combine_vjp_fwd, _combine_vjp_bwd)
+
+
+def _check_chunks(tokens, split_sizes, sorted_indices) -> None:
+    check_array("tokens", tokens)
+    if tokens.ndim < 1:
+        raise ValueError("tokens must have a leading row dimension, got a scalar")
+    check_float_dtype("tokens", tokens)
+    for name, x in (("split_sizes", split_sizes), ("sorted_indices", sorted_indices)):
+        check_array(name, x)
+        if x.dtype != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {x.dtype}")
+        if x.ndim != 1 or x.shape[0] < 1:
+            raise ValueError(f"{name} must have shape [num_chunks] with num_chunks >= 1, got {tuple(x.shape)}")
+    if split_sizes.shape != sorted_indices.shape:
+        raise ValueError(f"split_sizes and sorted_indices must have one length, got {split_sizes.shape[0]} "
+                         f"and {sorted_indices.shape[0]}")
+
+
+def sort_chunks(tokens, split_sizes, sorted_indices):
+    """Reorders contiguous chunks of rows: chunk ``sorted_indices[p]`` goes to position ``p``.
+
+    Chunk ``j`` is the ``split_sizes[j]`` rows after chunks ``0..j-1``. After an
+    expert-parallel all-to-all, rows arrive grouped by source shard, then by
+    local expert; sorting the chunks groups them by local expert.
+
+    Args:
+      tokens: ``[N, ...]`` float32, bfloat16 or float16 rows.
+      split_sizes: ``[C]`` int32 chunk sizes; rows past their sum are not in a chunk.
+      sorted_indices: ``[C]`` int32, a permutation of ``range(C)``.
+
+    Returns:
+      ``tokens``' shape and dtype: the listed chunks one after another, then zero
+      rows. On the device, sizes are clamped so that chunks stay inside the ``N``
+      rows (negative sizes count as 0) and indices outside ``[0, C)`` list nothing.
+      Differentiable in ``tokens`` (the gradient is :func:`unsort_chunks`).
+    """
+    _check_chunks(tokens, split_sizes, sorted_indices)
+    return _sort(tokens, split_sizes, sorted_indices, False)
+
+
+def unsort_chunks(tokens, split_sizes, sorted_indices):
+    """The inverse of :func:`sort_chunks` (same arguments): chunks back to their places.
+
+    ``unsort_chunks(sort_chunks(x, s, i), s, i)`` equals ``x`` on the rows inside
+    chunks; the other rows are zero.
+    """
+    _check_chunks(tokens, split_sizes, sorted_indices)
+    return _sort(tokens, split_sizes, sorted_indices, True)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _sort(tokens, split_sizes, sorted_indices, inverse):
+    rows = tokens.reshape(tokens.shape[0], math.prod(tokens.shape[1:]))
+    (out,) = _sort_chunks(rows, split_sizes, sorted_indices, inverse=np.bool_(inverse))
+    return out.reshape(tokens.shape)
+
+
+def _sort_vjp_fwd(tokens, split_sizes, sorted_indices, inverse):
+    return _sort(tokens, split_sizes, sorted_indices, inverse), (split_sizes, sorted_indices)
+
+
+def _sort_vjp_bwd(inverse, residuals, grad_out):
+    split_sizes, sorted_indices = residuals
+    return _sort(grad_out, split_sizes, sorted_indices, not inverse), None, None
+
+
+_sort.defvjp(_sort_vjp_fwd, _sort_vjp_bwd)

@@ -1,0 +1,451 @@
+// Permutation kernels: dispatch (token rows to expert-major order with
+// alignment padding), combine (back to token order, weighted and summed) and
+// chunk sorting. Same semantics as src/permutation/cpu.rs.
+//
+// A dispatch is laid out in three small passes over the routing map
+// (count per block of tokens, scan per expert, assign rows), then its rows
+// move in one pass: a block per token reads the token's row once and writes
+// each of its copies (scatter_rows). Combine is the mirror image: a block per
+// token reads its copies and writes one row (gather_rows). Rows no copy
+// refers to are zeroed by extra blocks of the same launch.
+#include "common.cuh"
+
+constexpr int MAP_BLOCK = 256;   // threads of the map passes
+constexpr int SCAN_BLOCK = 1024; // threads of expert_offsets
+constexpr int ROW_BLOCK = 128;   // threads of the row kernels
+constexpr int ZERO_ROWS = 32;    // rows checked by each zeroing block
+constexpr int SORT_ROWS = 32;    // output rows of each sort block
+constexpr int MAX_CHUNKS = 1024; // chunk tables live in shared memory
+
+// A row of H elements of T, moved W bytes at a time.
+template <typename T, int H>
+struct RowShape {
+  static constexpr int BYTES = H * static_cast<int>(sizeof(T));
+  static constexpr int W = vector_bytes(BYTES, BYTES, sizeof(T)) ? vector_bytes(BYTES, BYTES, sizeof(T)) : sizeof(T);
+  using Vec = Pack<T, W>;
+  static constexpr int PER = Vec::N;      // elements per vector
+  static constexpr int VECTORS = H / PER; // vectors per row
+  // Vectors per thread per pass over a row: all of a row when it is short,
+  // else in chunks that keep the registers bounded.
+  static constexpr int PER_THREAD_ALL = (VECTORS + ROW_BLOCK - 1) / ROW_BLOCK;
+  static constexpr int PER_THREAD = PER_THREAD_ALL < 8 ? PER_THREAD_ALL : 8;
+  static constexpr int CHUNK = PER_THREAD * ROW_BLOCK;
+};
+
+template <typename T, int H>
+__device__ __forceinline__ typename RowShape<T, H>::Vec load_vector(const T* row, int v) {
+  typename RowShape<T, H>::Vec pack;
+  pack.raw = reinterpret_cast<const decltype(pack.raw)*>(row)[v];
+  return pack;
+}
+
+template <typename T, int H>
+__device__ __forceinline__ void store_vector(T* row, int v, const typename RowShape<T, H>::Vec& pack) {
+  reinterpret_cast<decltype(pack.raw)*>(row)[v] = pack.raw;
+}
+
+__device__ __forceinline__ int warp_inclusive_scan(int v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const int y = __shfl_up_sync(0xffffffffu, v, off);
+    if (lane >= off) v += y;
+  }
+  return v;
+}
+
+__device__ __forceinline__ long long warp_inclusive_scan(long long v) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int off = 1; off < 32; off *= 2) {
+    const long long y = __shfl_up_sync(0xffffffffu, v, off);
+    if (lane >= off) v += y;
+  }
+  return v;
+}
+
+// ---- dispatch layout ---------------------------------------------------------
+
+// Counts each expert's routed tokens in each block of `block_tokens` tokens:
+// block_counts[e * num_blocks + b]. Also resets the rows the layout will
+// fill: source_tokens to -1 and the dispatched probs to 0.
+extern "C" __global__ void __launch_bounds__(MAP_BLOCK)
+count_routed(const unsigned char* __restrict__ routing_map, int tokens, int experts, int block_tokens,
+             int num_blocks, int* __restrict__ block_counts, int* __restrict__ source_tokens,
+             float* __restrict__ out_probs, int rows) {
+  const int b = blockIdx.x;
+  if (b < num_blocks) {
+    const int first = b * block_tokens, last = min(tokens, first + block_tokens);
+    for (int e = threadIdx.x; e < experts; e += MAP_BLOCK) {
+      int count = 0;
+#pragma unroll 8
+      for (int t = first; t < last; ++t) count += routing_map[static_cast<size_t>(t) * experts + e] != 0;
+      block_counts[static_cast<size_t>(e) * num_blocks + b] = count;
+    }
+  }
+  for (int r = b * MAP_BLOCK + threadIdx.x; r < rows; r += gridDim.x * MAP_BLOCK) {
+    source_tokens[r] = -1;
+    if (out_probs) out_probs[r] = 0.f;
+  }
+}
+
+// One block: turns block_counts into each block's first rank per expert (in
+// place), pads each expert's count to a multiple of `align`, and lays the
+// experts out one after another: expert_start, and the per-expert outputs
+// (clipped to the `rows` the output holds).
+extern "C" __global__ void __launch_bounds__(SCAN_BLOCK)
+expert_offsets(int* __restrict__ block_counts, int num_blocks, int experts, int align, int rows,
+               int* __restrict__ tokens_per_expert, int* __restrict__ real_tokens_per_expert,
+               int* __restrict__ pad_offsets, long long* __restrict__ expert_start) {
+  extern __shared__ int routed[];  // [experts]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  // A warp per expert; each lane scans a contiguous segment of the blocks.
+  const int segment = (num_blocks + 31) / 32;
+  for (int e = warp; e < experts; e += SCAN_BLOCK / 32) {
+    int* counts = block_counts + static_cast<size_t>(e) * num_blocks;
+    const int lo = min(num_blocks, lane * segment), hi = min(num_blocks, lo + segment);
+    int sum = 0;
+#pragma unroll 4
+    for (int i = lo; i < hi; ++i) sum += counts[i];
+    const int inclusive = warp_inclusive_scan(sum);
+    int running = inclusive - sum;
+    for (int i = lo; i < hi; ++i) {
+      const int c = counts[i];
+      counts[i] = running;
+      running += c;
+    }
+    if (lane == 31) routed[e] = inclusive;
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  long long padded_base = 0, routed_base = 0;
+  for (int first = 0; first < experts; first += 32) {
+    const int e = first + lane;
+    const long long count = e < experts ? routed[e] : 0;
+    const long long padded = (count + align - 1) / align * align;
+    const long long padded_inclusive = warp_inclusive_scan(padded);
+    const long long routed_inclusive = warp_inclusive_scan(count);
+    const long long start = padded_base + padded_inclusive - padded;
+    const long long unpadded_start = routed_base + routed_inclusive - count;
+    if (e < experts) {
+      const long long room = max(0ll, rows - start);
+      tokens_per_expert[e] = static_cast<int>(min(room, padded));
+      real_tokens_per_expert[e] = static_cast<int>(min(room, count));
+      pad_offsets[e] = static_cast<int>(start - unpadded_start);
+      expert_start[e] = start;
+    }
+    padded_base += __shfl_sync(0xffffffffu, padded_inclusive, 31);
+    routed_base += __shfl_sync(0xffffffffu, routed_inclusive, 31);
+  }
+}
+
+// Assigns each routed (token, expert) its row: dest_rows [T, E] (-1: not
+// routed, or past the output's rows), and for each row its token and probability.
+extern "C" __global__ void __launch_bounds__(MAP_BLOCK)
+assign_rows(const unsigned char* __restrict__ routing_map, const float* __restrict__ probs, int tokens,
+            int experts, int block_tokens, int num_blocks, const int* __restrict__ block_ranks,
+            const long long* __restrict__ expert_start, int rows, int* __restrict__ dest_rows,
+            int* __restrict__ source_tokens, float* __restrict__ out_probs) {
+  const int b = blockIdx.x;
+  const int first = b * block_tokens, last = min(tokens, first + block_tokens);
+  for (int e = threadIdx.x; e < experts; e += MAP_BLOCK) {
+    long long row = expert_start[e] + block_ranks[static_cast<size_t>(e) * num_blocks + b];
+#pragma unroll 4
+    for (int t = first; t < last; ++t) {
+      const size_t at = static_cast<size_t>(t) * experts + e;
+      int dest = -1;
+      if (routing_map[at]) {
+        if (row < rows) {
+          dest = static_cast<int>(row);
+          source_tokens[dest] = t;
+          if (probs) out_probs[dest] = probs[at];
+        }
+        ++row;
+      }
+      dest_rows[at] = dest;
+    }
+  }
+}
+
+// ---- moving rows ------------------------------------------------------------------
+
+// A token's copies, in increasing expert order.
+template <int E>
+struct Routes {
+  int rows[E];
+  int experts[E];
+  int count;
+  bool invalid;  // an entry that is neither -1 nor a row of the output
+};
+
+// Warp 0 lists the copies of one token (its row of dest_rows); the block waits.
+template <int E>
+__device__ __forceinline__ void list_routes(const int* __restrict__ dest_row, int rows, Routes<E>& routes) {
+  if (threadIdx.x < 32) {
+    constexpr int SEGMENT = (E + 31) / 32;
+    const int lane = threadIdx.x;
+    int entries[SEGMENT];
+    int mine = 0;
+    bool invalid = false;
+#pragma unroll
+    for (int s = 0; s < SEGMENT; ++s) {
+      const int e = lane * SEGMENT + s;
+      entries[s] = e < E ? dest_row[e] : -1;
+      mine += entries[s] >= 0 && entries[s] < rows;
+      invalid |= entries[s] < -1 || entries[s] >= rows;
+    }
+    const int inclusive = warp_inclusive_scan(mine);
+    int at = inclusive - mine;
+#pragma unroll
+    for (int s = 0; s < SEGMENT; ++s) {
+      if (entries[s] >= 0 && entries[s] < rows) {
+        routes.rows[at] = entries[s];
+        routes.experts[at] = lane * SEGMENT + s;
+        ++at;
+      }
+    }
+    invalid = __any_sync(0xffffffffu, invalid);
+    if (lane == 31) routes.count = inclusive;
+    if (lane == 0) routes.invalid = invalid;
+  }
+  __syncthreads();
+}
+
+// Zeroes the rows of [first, first + ZERO_ROWS) that hold no token.
+template <typename T, int H>
+__device__ __forceinline__ void zero_unused_rows(T* __restrict__ out, const int* __restrict__ source_tokens,
+                                                 int rows, long long first) {
+  using Shape = RowShape<T, H>;
+  __shared__ unsigned unused;
+  if (threadIdx.x < 32) {
+    const long long r = first + threadIdx.x;
+    const bool empty = threadIdx.x < ZERO_ROWS && r < rows && source_tokens[r] < 0;
+    const unsigned mask = __ballot_sync(0xffffffffu, empty);
+    if (threadIdx.x == 0) unused = mask;
+  }
+  __syncthreads();
+  typename Shape::Vec zero;
+#pragma unroll
+  for (int i = 0; i < Shape::PER; ++i) zero.elems[i] = from_float<T>(0.f);
+  for (unsigned mask = unused; mask; mask &= mask - 1) {
+    T* row = out + (first + __ffs(mask) - 1) * H;
+    for (int v = threadIdx.x; v < Shape::VECTORS; v += ROW_BLOCK) store_vector<T, H>(row, v, zero);
+  }
+}
+
+// Blocks [0, tokens): token t's row of `src` to each of its copies' rows of
+// `out`, scaled by weights[t, e] when WEIGHTED; then, when WEIGHTED, the
+// weights' gradient grad_weights[t, e] = <src[t], expert_tokens[row]>
+// (combine's backward). Blocks past `tokens`: zero the rows no copy uses.
+template <typename T, int H, int E, bool WEIGHTED>
+__global__ void __launch_bounds__(ROW_BLOCK)
+scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const int* __restrict__ source_tokens,
+             const float* __restrict__ weights, const T* __restrict__ expert_tokens,
+             float* __restrict__ grad_weights, T* __restrict__ out, int tokens, int rows) {
+  using Shape = RowShape<T, H>;
+  if (static_cast<int>(blockIdx.x) >= tokens) {
+    zero_unused_rows<T, H>(out, source_tokens, rows, static_cast<long long>(blockIdx.x - tokens) * ZERO_ROWS);
+    return;
+  }
+  __shared__ Routes<E> routes;
+  __shared__ float dots[E];
+  const int t = blockIdx.x;
+  const int* dest_row = dest_rows + static_cast<size_t>(t) * E;
+  list_routes<E>(dest_row, rows, routes);
+  const T* in = src + static_cast<size_t>(t) * H;
+  float dot[WEIGHTED ? E : 1];
+  if (WEIGHTED) {
+    for (int i = 0; i < routes.count; ++i) dot[i] = 0.f;
+  }
+
+  for (int chunk = 0; chunk < Shape::VECTORS; chunk += Shape::CHUNK) {
+    typename Shape::Vec v[Shape::PER_THREAD];
+#pragma unroll
+    for (int j = 0; j < Shape::PER_THREAD; ++j) {
+      const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+      if (at < Shape::VECTORS) v[j] = load_vector<T, H>(in, at);
+    }
+    for (int i = 0; i < routes.count; ++i) {
+      T* dst = out + static_cast<size_t>(routes.rows[i]) * H;
+      const float w = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i]] : 1.f;
+      const T* y = WEIGHTED ? expert_tokens + static_cast<size_t>(routes.rows[i]) * H : nullptr;
+      float partial = 0.f;
+#pragma unroll
+      for (int j = 0; j < Shape::PER_THREAD; ++j) {
+        const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+        if (at >= Shape::VECTORS) continue;
+        if constexpr (WEIGHTED) {
+          typename Shape::Vec scaled, other = load_vector<T, H>(y, at);
+#pragma unroll
+          for (int k = 0; k < Shape::PER; ++k) {
+            const float g = to_float(v[j].elems[k]);
+            scaled.elems[k] = from_float<T>(w * g);
+            partial += g * to_float(other.elems[k]);
+          }
+          store_vector<T, H>(dst, at, scaled);
+        } else {
+          store_vector<T, H>(dst, at, v[j]);
+        }
+      }
+      if (WEIGHTED) dot[i] += partial;
+    }
+  }
+
+  if constexpr (WEIGHTED) {
+    for (int i = 0; i < routes.count; ++i) {
+      const float total = block_sum<ROW_BLOCK>(dot[i]);
+      if (threadIdx.x == 0) dots[i] = total;
+      __syncthreads();  // block_sum's shared memory is reused by the next copy
+    }
+    float* grad_row = grad_weights + static_cast<size_t>(t) * E;
+    for (int e = threadIdx.x; e < E; e += ROW_BLOCK) {
+      const int r = dest_row[e];
+      grad_row[e] = r == -1 ? 0.f : r < -1 || r >= rows ? __int_as_float(0x7fc00000) : 0.f;
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < routes.count; i += ROW_BLOCK) grad_row[routes.experts[i]] = dots[i];
+  }
+}
+
+// out[t] = sum over token t's copies (increasing expert order) of
+// weights[t, e] * expert_tokens[row] (weight 1 unless WEIGHTED), in f32; NaN
+// when its dest_rows row has an entry out of range.
+template <typename T, int H, int E, bool WEIGHTED>
+__global__ void __launch_bounds__(ROW_BLOCK)
+gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_rows,
+            const float* __restrict__ weights, T* __restrict__ out, int rows) {
+  using Shape = RowShape<T, H>;
+  __shared__ Routes<E> routes;
+  const int t = blockIdx.x;
+  list_routes<E>(dest_rows + static_cast<size_t>(t) * E, rows, routes);
+  T* out_row = out + static_cast<size_t>(t) * H;
+  const float poison = routes.invalid ? __int_as_float(0x7fc00000) : 0.f;
+
+  for (int chunk = 0; chunk < Shape::VECTORS; chunk += Shape::CHUNK) {
+    float sum[Shape::PER_THREAD][Shape::PER];
+#pragma unroll
+    for (int j = 0; j < Shape::PER_THREAD; ++j)
+#pragma unroll
+      for (int k = 0; k < Shape::PER; ++k) sum[j][k] = poison;
+    for (int i = 0; i < routes.count; ++i) {
+      const T* row = expert_tokens + static_cast<size_t>(routes.rows[i]) * H;
+      const float w = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i]] : 1.f;
+#pragma unroll
+      for (int j = 0; j < Shape::PER_THREAD; ++j) {
+        const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+        if (at >= Shape::VECTORS) continue;
+        const typename Shape::Vec x = load_vector<T, H>(row, at);
+#pragma unroll
+        for (int k = 0; k < Shape::PER; ++k) sum[j][k] += w * to_float(x.elems[k]);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < Shape::PER_THREAD; ++j) {
+      const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+      if (at >= Shape::VECTORS) continue;
+      typename Shape::Vec y;
+#pragma unroll
+      for (int k = 0; k < Shape::PER; ++k) y.elems[k] = from_float<T>(sum[j][k]);
+      store_vector<T, H>(out_row, at, y);
+    }
+  }
+}
+
+// ---- chunk sort ----------------------------------------------------------------------
+
+// In-place exclusive prefix sum of values[0, n) by a block of BLOCK threads.
+template <int BLOCK>
+__device__ void block_exclusive_scan(long long* values, int n) {
+  __shared__ long long warp_totals[BLOCK / 32];
+  const int per = (n + BLOCK - 1) / BLOCK;
+  const int lo = min(n, static_cast<int>(threadIdx.x) * per), hi = min(n, lo + per);
+  long long sum = 0;
+  for (int i = lo; i < hi; ++i) sum += values[i];
+  const long long inclusive = warp_inclusive_scan(sum);
+  if ((threadIdx.x & 31) == 31) warp_totals[threadIdx.x / 32] = inclusive;
+  __syncthreads();
+  long long running = inclusive - sum;
+  for (int w = 0; w < static_cast<int>(threadIdx.x) / 32; ++w) running += warp_totals[w];
+  for (int i = lo; i < hi; ++i) {
+    const long long v = values[i];
+    values[i] = running;
+    running += v;
+  }
+  __syncthreads();
+}
+
+// Chunk j is max(split_sizes[j], 0) rows of the unsorted layout, cut at
+// `rows`; the sorted layout lists chunk sorted_indices[p] at position p
+// (indices out of range list nothing). !INVERSE (sort_chunks): output row r
+// of the sorted layout copies its row of the unsorted input; INVERSE
+// (unsort_chunks): output row r of the unsorted layout copies its row of the
+// sorted input (a chunk listed twice: its first position). Unfilled rows are 0.
+template <typename T, int H, bool INVERSE>
+__global__ void __launch_bounds__(ROW_BLOCK)
+sort_chunks(const T* __restrict__ in, const int* __restrict__ split_sizes, const int* __restrict__ sorted_indices,
+            T* __restrict__ out, int rows, int chunks) {
+  using Shape = RowShape<T, H>;
+  __shared__ long long scan[MAX_CHUNKS];
+  __shared__ int source_start[MAX_CHUNKS], length[MAX_CHUNKS], sorted_start[MAX_CHUNKS], position[MAX_CHUNKS];
+  __shared__ int source_row[SORT_ROWS];
+
+  for (int j = threadIdx.x; j < chunks; j += ROW_BLOCK) scan[j] = min(max(split_sizes[j], 0), rows);
+  __syncthreads();
+  block_exclusive_scan<ROW_BLOCK>(scan, chunks);
+  for (int j = threadIdx.x; j < chunks; j += ROW_BLOCK) {
+    const int start = static_cast<int>(min(scan[j], static_cast<long long>(rows)));
+    source_start[j] = start;
+    length[j] = min(max(split_sizes[j], 0), rows - start);
+    position[j] = 0x7fffffff;
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < chunks; p += ROW_BLOCK) {
+    const int j = sorted_indices[p];
+    const bool listed = j >= 0 && j < chunks;
+    scan[p] = listed ? length[j] : 0;
+    if (listed) atomicMin(&position[j], p);
+  }
+  __syncthreads();
+  block_exclusive_scan<ROW_BLOCK>(scan, chunks);
+  for (int p = threadIdx.x; p < chunks; p += ROW_BLOCK)
+    sorted_start[p] = static_cast<int>(min(scan[p], static_cast<long long>(rows)));
+  __syncthreads();
+
+  const long long first = static_cast<long long>(blockIdx.x) * SORT_ROWS;
+  if (threadIdx.x < SORT_ROWS) {
+    const long long r = first + threadIdx.x;
+    int from = -1;
+    if (r < rows) {
+      // The last chunk (position) starting at or before r.
+      const int* starts = INVERSE ? source_start : sorted_start;
+      int lo = 0, hi = chunks - 1, found = -1;
+      while (lo <= hi) {
+        const int mid = (lo + hi) / 2;
+        if (starts[mid] <= r) { found = mid; lo = mid + 1; } else { hi = mid - 1; }
+      }
+      if (found >= 0) {
+        const int offset = static_cast<int>(r - starts[found]);
+        if (INVERSE) {
+          const int p = position[found];
+          if (offset < length[found] && p != 0x7fffffff && sorted_start[p] + offset < rows) from = sorted_start[p] + offset;
+        } else {
+          const int j = sorted_indices[found];
+          if (j >= 0 && j < chunks && offset < length[j]) from = source_start[j] + offset;
+        }
+      }
+    }
+    source_row[threadIdx.x] = from;
+  }
+  __syncthreads();
+
+  typename Shape::Vec zero;
+#pragma unroll
+  for (int k = 0; k < Shape::PER; ++k) zero.elems[k] = from_float<T>(0.f);
+  for (int i = threadIdx.x; i < SORT_ROWS * Shape::VECTORS; i += ROW_BLOCK) {
+    const int local = i / Shape::VECTORS, v = i % Shape::VECTORS;
+    const long long r = first + local;
+    if (r >= rows) break;
+    const int from = source_row[local];
+    store_vector<T, H>(out + r * H, v, from < 0 ? zero : load_vector<T, H>(in + static_cast<size_t>(from) * H, v));
+  }
+}

@@ -1,0 +1,191 @@
+//! CUDA implementations of the permutation primitives: which specialisation
+//! of each kernel of `kernels/permutation.cu` a call needs (element type,
+//! hidden size, experts as template arguments) and its launches.
+
+use super::handlers::{CombineBwd, CombineFwd, DispatchFwd, SortChunks};
+use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, Stream, PERMUTATION};
+use crate::ffi::{Call, DataType, Error, Result};
+use crate::invalid;
+
+/// Threads of the map passes, of `expert_offsets`, of the row kernels
+/// (`MAP_BLOCK`, `SCAN_BLOCK`, `ROW_BLOCK` in the kernels).
+const MAP_BLOCK: u32 = 256;
+const SCAN_BLOCK: u32 = 1024;
+const ROW_BLOCK: u32 = 128;
+/// Rows each zeroing block checks and each sort block writes (`ZERO_ROWS`, `SORT_ROWS`).
+const ZERO_ROWS: usize = 32;
+const SORT_ROWS: usize = 32;
+/// The chunk tables of a sort live in shared memory (`MAX_CHUNKS`).
+pub const MAX_CHUNKS: usize = 1024;
+/// A token's copies are listed in shared memory, one entry per expert.
+pub const MAX_EXPERTS: usize = 2048;
+/// The map passes split the tokens into at most this many blocks (the scan
+/// over blocks is one warp per expert).
+const MAX_MAP_BLOCKS: usize = 1024;
+
+fn check_experts(experts: usize) -> Result<()> {
+    if experts > MAX_EXPERTS {
+        invalid!("{experts} experts: the CUDA permutation kernels take at most {MAX_EXPERTS}")
+    }
+    Ok(())
+}
+
+/// `scatter_rows` (dispatch, and combine's backward) for rows of `hidden` elements.
+pub fn scatter_instance(dtype: DataType, hidden: usize, experts: usize, weighted: bool) -> Result<String> {
+    check_experts(experts)?;
+    Ok(format!("scatter_rows<{}, {hidden}, {experts}, {weighted}>", type_name(dtype)?))
+}
+
+/// `gather_rows` (combine, and dispatch's backward).
+pub fn gather_instance(dtype: DataType, hidden: usize, experts: usize, weighted: bool) -> Result<String> {
+    check_experts(experts)?;
+    Ok(format!("gather_rows<{}, {hidden}, {experts}, {weighted}>", type_name(dtype)?))
+}
+
+/// `sort_chunks` (or its inverse).
+pub fn sort_instance(dtype: DataType, hidden: usize, inverse: bool) -> Result<String> {
+    Ok(format!("sort_chunks<{}, {hidden}, {inverse}>", type_name(dtype)?))
+}
+
+fn grid(blocks: usize) -> Result<u32> {
+    u32::try_from(blocks).ok().filter(|&b| b < 1 << 31).ok_or_else(|| Error::invalid_argument(format!("{blocks} blocks: too large a launch")))
+}
+
+fn int(value: usize) -> i32 {
+    i32::try_from(value).expect("sizes were checked to fit int32")
+}
+
+/// One block per token, then one per `ZERO_ROWS` output rows.
+fn token_and_zero_blocks(tokens: usize, rows: usize) -> Result<LaunchConfig> {
+    Ok(LaunchConfig { grid: grid(tokens + rows.div_ceil(ZERO_ROWS))?, block: ROW_BLOCK, shared_bytes: 0 })
+}
+
+pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
+    let stream = Stream::of(call)?;
+    let layout = &a.layout;
+    let (t, e, rows) = (layout.tokens, layout.experts, layout.rows);
+    let scatter = Kernel::get(stream, &PERMUTATION, &scatter_instance(a.tokens.dtype(), a.hidden, e, false)?)?;
+    let count = Kernel::get(stream, &PERMUTATION, "count_routed")?;
+    let offsets = Kernel::get(stream, &PERMUTATION, "expert_offsets")?;
+    let assign = Kernel::get(stream, &PERMUTATION, "assign_rows")?;
+
+    let block_tokens = t.div_ceil(MAX_MAP_BLOCKS).max(32);
+    let num_blocks = t.div_ceil(block_tokens);
+    // Scratch: each (expert, block)'s count, then rank; each expert's first row.
+    let ranks_bytes = (e * num_blocks * 4).next_multiple_of(16);
+    let scratch = call.scratch(ranks_bytes + e * 8)?;
+    let ranks = scratch.ptr() as u64;
+    let expert_start = ranks + ranks_bytes as u64;
+
+    let (map, probs) = (a.routing_map.device_ptr(), a.probs.as_ref().map_or(0, |p| p.device_ptr()));
+    let out_probs = a.out_probs.as_ref().map_or(0, |p| p.device_ptr());
+    let (dest_rows, source_tokens) = (a.dest_rows.device_ptr(), a.source_tokens.device_ptr());
+    let (per_expert, real, pads) =
+        (a.tokens_per_expert.device_ptr(), a.real_tokens_per_expert.device_ptr(), a.pad_offsets.device_ptr());
+    let (tokens_i, experts_i, rows_i, block_tokens_i, num_blocks_i, align_i) =
+        (int(t), int(e), int(rows), int(block_tokens), int(num_blocks), int(layout.align));
+
+    let count_grid = LaunchConfig { grid: grid(num_blocks.max(1))?, block: MAP_BLOCK, shared_bytes: 0 };
+    launch(stream, count, count_grid, &mut [
+        arg(&map), arg(&tokens_i), arg(&experts_i), arg(&block_tokens_i), arg(&num_blocks_i), arg(&ranks),
+        arg(&source_tokens), arg(&out_probs), arg(&rows_i),
+    ])?;
+    let one_block = LaunchConfig { grid: 1, block: SCAN_BLOCK, shared_bytes: u32::try_from(4 * e).expect("at most MAX_EXPERTS") };
+    launch(stream, offsets, one_block, &mut [
+        arg(&ranks), arg(&num_blocks_i), arg(&experts_i), arg(&align_i), arg(&rows_i), arg(&per_expert), arg(&real),
+        arg(&pads), arg(&expert_start),
+    ])?;
+    let assign_grid = LaunchConfig { grid: grid(num_blocks)?, block: MAP_BLOCK, shared_bytes: 0 };
+    launch(stream, assign, assign_grid, &mut [
+        arg(&map), arg(&probs), arg(&tokens_i), arg(&experts_i), arg(&block_tokens_i), arg(&num_blocks_i), arg(&ranks),
+        arg(&expert_start), arg(&rows_i), arg(&dest_rows), arg(&source_tokens), arg(&out_probs),
+    ])?;
+    let (src, out, null) = (a.tokens.device_ptr(), a.out_tokens.device_ptr(), 0u64);
+    launch(stream, scatter, token_and_zero_blocks(t, rows)?, &mut [
+        arg(&src), arg(&dest_rows), arg(&source_tokens), arg(&null), arg(&null), arg(&null), arg(&out),
+        arg(&tokens_i), arg(&rows_i),
+    ])
+}
+
+pub fn combine_fwd(call: &Call, a: &CombineFwd) -> Result<()> {
+    let stream = Stream::of(call)?;
+    let weighted = a.merging_probs.is_some();
+    let kernel = Kernel::get(stream, &PERMUTATION, &gather_instance(a.expert_tokens.dtype(), a.hidden, a.experts, weighted)?)?;
+    let (src, dest_rows, out) = (a.expert_tokens.device_ptr(), a.dest_rows.device_ptr(), a.out.device_ptr());
+    let weights = a.merging_probs.as_ref().map_or(0, |w| w.device_ptr());
+    let rows = int(a.rows);
+    let config = LaunchConfig { grid: grid(a.tokens)?, block: ROW_BLOCK, shared_bytes: 0 };
+    launch(stream, kernel, config, &mut [arg(&src), arg(&dest_rows), arg(&weights), arg(&out), arg(&rows)])
+}
+
+pub fn combine_bwd(call: &Call, a: &CombineBwd) -> Result<()> {
+    let stream = Stream::of(call)?;
+    let weighted = a.weighted.is_some();
+    let kernel = Kernel::get(stream, &PERMUTATION, &scatter_instance(a.grad_out.dtype(), a.hidden, a.experts, weighted)?)?;
+    let (grad, dest_rows, source_tokens, out) =
+        (a.grad_out.device_ptr(), a.dest_rows.device_ptr(), a.source_tokens.device_ptr(), a.grad_expert_tokens.device_ptr());
+    let (weights, expert_tokens, grad_weights) = match &a.weighted {
+        Some((w, x, g)) => (w.device_ptr(), x.device_ptr(), g.device_ptr()),
+        None => (0, 0, 0),
+    };
+    let (tokens, rows) = (int(a.tokens), int(a.rows));
+    launch(stream, kernel, token_and_zero_blocks(a.tokens, a.rows)?, &mut [
+        arg(&grad), arg(&dest_rows), arg(&source_tokens), arg(&weights), arg(&expert_tokens), arg(&grad_weights),
+        arg(&out), arg(&tokens), arg(&rows),
+    ])
+}
+
+pub fn sort_chunks(call: &Call, a: &SortChunks) -> Result<()> {
+    if a.chunks > MAX_CHUNKS {
+        invalid!("{} chunks: the CUDA chunk sort takes at most {MAX_CHUNKS}", a.chunks)
+    }
+    let stream = Stream::of(call)?;
+    let kernel = Kernel::get(stream, &PERMUTATION, &sort_instance(a.tokens.dtype(), a.hidden, a.inverse)?)?;
+    let (src, sizes, order, out) =
+        (a.tokens.device_ptr(), a.split_sizes.device_ptr(), a.sorted_indices.device_ptr(), a.out.device_ptr());
+    let (rows, chunks) = (int(a.rows), int(a.chunks));
+    let config = LaunchConfig { grid: grid(a.rows.div_ceil(SORT_ROWS))?, block: ROW_BLOCK, shared_bytes: 0 };
+    launch(stream, kernel, config, &mut [arg(&src), arg(&sizes), arg(&order), arg(&out), arg(&rows), arg(&chunks)])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::{compile_check, Architecture};
+
+    /// The instances of the real-model shapes (Mixtral, Qwen3-MoE,
+    /// DeepSeek-V3), of rows that take the narrow-vector paths, and of the
+    /// largest expert count, in every element type.
+    fn instances() -> Vec<String> {
+        let shapes = [(1024, 8), (2048, 128), (7168, 256), (4096, 2048), (13, 8), (6, 60), (1, 4)];
+        let mut out = vec!["count_routed".to_owned(), "expert_offsets".to_owned(), "assign_rows".to_owned()];
+        for dtype in [DataType::F32, DataType::BF16, DataType::F16] {
+            for (hidden, experts) in shapes {
+                for weighted in [false, true] {
+                    out.push(scatter_instance(dtype, hidden, experts, weighted).unwrap());
+                    out.push(gather_instance(dtype, hidden, experts, weighted).unwrap());
+                }
+                for inverse in [false, true] {
+                    out.push(sort_instance(dtype, hidden, inverse).unwrap());
+                }
+            }
+        }
+        out
+    }
+
+    /// CI has no GPU but has NVRTC (the pip wheel, on LD_LIBRARY_PATH): a
+    /// kernel that does not compile for any supported architecture fails here.
+    #[test]
+    fn permutation_kernels_compile_for_ampere_hopper_and_blackwell() {
+        let instances = instances();
+        let instances: Vec<&str> = instances.iter().map(String::as_str).collect();
+        let failures: Vec<String> = std::thread::scope(|scope| {
+            let checks: Vec<_> = ["sm_80", "sm_90a", "sm_100"]
+                .map(|arch| scope.spawn(|| compile_check(&PERMUTATION, &instances, &Architecture(arch.into()))))
+                .into_iter()
+                .collect();
+            checks.into_iter().filter_map(|c| c.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
+        });
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+}

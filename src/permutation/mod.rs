@@ -1,0 +1,22 @@
+//! Permutation primitives: dispatch (token rows to expert-major order, with
+//! alignment padding), combine (back to token order, weighted and summed),
+//! and chunk sorting (the local reorder after an all-to-all).
+//!
+//! [`cpu`] is the executable specification, [`cuda`] runs
+//! `kernels/permutation.cu` with the same semantics, and [`handlers`]
+//! decodes XLA calls for both.
+
+pub mod cpu;
+pub mod cuda;
+pub mod handlers;
+
+/// The static shape of a dispatch.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct DispatchLayout {
+    pub tokens: usize,
+    pub experts: usize,
+    /// Output rows: routed copies past this many rows are dropped.
+    pub rows: usize,
+    /// Each expert's block is padded to a multiple of this (1: no padding).
+    pub align: usize,
+}
