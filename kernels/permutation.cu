@@ -11,7 +11,7 @@
 #include "common.cuh"
 
 constexpr int MAP_BLOCK = 256;   // threads of the map passes
-constexpr int SCAN_BLOCK = 1024; // threads of expert_offsets
+constexpr int SCAN_BLOCK = 1024; // threads of rank_chunks
 constexpr int ROW_BLOCK = 128;   // threads of the row kernels
 constexpr int ZERO_ROWS = 32;    // rows checked by each zeroing block
 constexpr int SORT_ROWS = 32;    // output rows of each sort block
@@ -44,126 +44,127 @@ __device__ __forceinline__ void store_vector(T* row, int v, const typename RowSh
   reinterpret_cast<decltype(pack.raw)*>(row)[v] = pack.raw;
 }
 
-__device__ __forceinline__ int warp_inclusive_scan(int v) {
+template <typename V>
+__device__ __forceinline__ V warp_inclusive_scan(V v) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int off = 1; off < 32; off *= 2) {
-    const int y = __shfl_up_sync(0xffffffffu, v, off);
-    if (lane >= off) v += y;
-  }
-  return v;
-}
-
-__device__ __forceinline__ long long warp_inclusive_scan(long long v) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int off = 1; off < 32; off *= 2) {
-    const long long y = __shfl_up_sync(0xffffffffu, v, off);
+    const V y = __shfl_up_sync(0xffffffffu, v, off);
     if (lane >= off) v += y;
   }
   return v;
 }
 
 // ---- dispatch layout ---------------------------------------------------------
+//
+// The tokens are cut into `num_chunks` chunks of `chunk_tokens`; thread g of a
+// map pass handles expert g % E of chunk g / E, so a warp reads consecutive
+// bytes of the routing map whatever E is.
 
-// Counts each expert's routed tokens in each block of `block_tokens` tokens:
-// block_counts[e * num_blocks + b]. Also resets the rows the layout will
-// fill: source_tokens to -1 and the dispatched probs to 0.
+// Counts the routed tokens of each (expert, chunk): chunk_ranks[e * num_chunks + c].
+// Also resets what the layout fills: source_tokens to -1, the dispatched probs to 0.
 extern "C" __global__ void __launch_bounds__(MAP_BLOCK)
-count_routed(const unsigned char* __restrict__ routing_map, int tokens, int experts, int block_tokens,
-             int num_blocks, int* __restrict__ block_counts, int* __restrict__ source_tokens,
+count_routed(const unsigned char* __restrict__ routing_map, int tokens, int experts, int chunk_tokens,
+             int num_chunks, int* __restrict__ chunk_ranks, int* __restrict__ source_tokens,
              float* __restrict__ out_probs, int rows) {
-  const int b = blockIdx.x;
-  if (b < num_blocks) {
-    const int first = b * block_tokens, last = min(tokens, first + block_tokens);
-    for (int e = threadIdx.x; e < experts; e += MAP_BLOCK) {
-      int count = 0;
+  const long long g = static_cast<long long>(blockIdx.x) * MAP_BLOCK + threadIdx.x;
+  const int e = static_cast<int>(g % experts), chunk = static_cast<int>(g / experts);
+  if (chunk < num_chunks) {
+    const int first = chunk * chunk_tokens, last = min(tokens, first + chunk_tokens);
+    int count = 0;
 #pragma unroll 8
-      for (int t = first; t < last; ++t) count += routing_map[static_cast<size_t>(t) * experts + e] != 0;
-      block_counts[static_cast<size_t>(e) * num_blocks + b] = count;
-    }
+    for (int t = first; t < last; ++t) count += routing_map[static_cast<size_t>(t) * experts + e] != 0;
+    chunk_ranks[static_cast<size_t>(e) * num_chunks + chunk] = count;
   }
-  for (int r = b * MAP_BLOCK + threadIdx.x; r < rows; r += gridDim.x * MAP_BLOCK) {
+  for (long long r = g; r < rows; r += static_cast<long long>(gridDim.x) * MAP_BLOCK) {
     source_tokens[r] = -1;
     if (out_probs) out_probs[r] = 0.f;
   }
 }
 
-// One block: turns block_counts into each block's first rank per expert (in
-// place), pads each expert's count to a multiple of `align`, and lays the
-// experts out one after another: expert_start, and the per-expert outputs
-// (clipped to the `rows` the output holds).
-extern "C" __global__ void __launch_bounds__(SCAN_BLOCK)
-expert_offsets(int* __restrict__ block_counts, int num_blocks, int experts, int align, int rows,
-               int* __restrict__ tokens_per_expert, int* __restrict__ real_tokens_per_expert,
-               int* __restrict__ pad_offsets, long long* __restrict__ expert_start) {
-  extern __shared__ int routed[];  // [experts]
+// In-place exclusive prefix sum of values[0, n) by a block of BLOCK threads
+// (one value per thread per step); returns the total.
+template <int BLOCK, typename V>
+__device__ V block_exclusive_scan(V* values, int n) {
+  __shared__ V warp_totals[BLOCK / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
-  // A warp per expert; each lane scans a contiguous segment of the blocks.
-  const int segment = (num_blocks + 31) / 32;
-  for (int e = warp; e < experts; e += SCAN_BLOCK / 32) {
-    int* counts = block_counts + static_cast<size_t>(e) * num_blocks;
-    const int lo = min(num_blocks, lane * segment), hi = min(num_blocks, lo + segment);
-    int sum = 0;
-#pragma unroll 4
-    for (int i = lo; i < hi; ++i) sum += counts[i];
-    const int inclusive = warp_inclusive_scan(sum);
-    int running = inclusive - sum;
-    for (int i = lo; i < hi; ++i) {
-      const int c = counts[i];
-      counts[i] = running;
-      running += c;
+  V carry = 0;
+  for (int first = 0; first < n; first += BLOCK) {
+    const int i = first + threadIdx.x;
+    const V v = i < n ? values[i] : V(0);
+    const V inclusive = warp_inclusive_scan(v);
+    if (lane == 31) warp_totals[warp] = inclusive;
+    __syncthreads();
+    V before = carry, total = carry;
+#pragma unroll
+    for (int w = 0; w < BLOCK / 32; ++w) {
+      if (w < warp) before += warp_totals[w];
+      total += warp_totals[w];
     }
-    if (lane == 31) routed[e] = inclusive;
+    if (i < n) values[i] = before + inclusive - v;
+    carry = total;
+    __syncthreads();
   }
-  __syncthreads();
-  if (warp != 0) return;
-  long long padded_base = 0, routed_base = 0;
-  for (int first = 0; first < experts; first += 32) {
-    const int e = first + lane;
-    const long long count = e < experts ? routed[e] : 0;
-    const long long padded = (count + align - 1) / align * align;
-    const long long padded_inclusive = warp_inclusive_scan(padded);
-    const long long routed_inclusive = warp_inclusive_scan(count);
-    const long long start = padded_base + padded_inclusive - padded;
-    const long long unpadded_start = routed_base + routed_inclusive - count;
-    if (e < experts) {
-      const long long room = max(0ll, rows - start);
-      tokens_per_expert[e] = static_cast<int>(min(room, padded));
-      real_tokens_per_expert[e] = static_cast<int>(min(room, count));
-      pad_offsets[e] = static_cast<int>(start - unpadded_start);
-      expert_start[e] = start;
-    }
-    padded_base += __shfl_sync(0xffffffffu, padded_inclusive, 31);
-    routed_base += __shfl_sync(0xffffffffu, routed_inclusive, 31);
-  }
+  return carry;
+}
+
+// A block per expert: its chunk counts become each chunk's first rank (in
+// place); its total goes to routed[e].
+extern "C" __global__ void __launch_bounds__(SCAN_BLOCK)
+rank_chunks(int* __restrict__ chunk_ranks, int num_chunks, int* __restrict__ routed) {
+  const int total = block_exclusive_scan<SCAN_BLOCK>(chunk_ranks + static_cast<size_t>(blockIdx.x) * num_chunks, num_chunks);
+  if (threadIdx.x == 0) routed[blockIdx.x] = total;
 }
 
 // Assigns each routed (token, expert) its row: dest_rows [T, E] (-1: not
-// routed, or past the output's rows), and for each row its token and probability.
+// routed, or past the output's rows), and for each row its token and
+// probability. Each block first lays the experts out (the padded counts'
+// prefix sum); block 0 also writes the per-expert results.
 extern "C" __global__ void __launch_bounds__(MAP_BLOCK)
 assign_rows(const unsigned char* __restrict__ routing_map, const float* __restrict__ probs, int tokens,
-            int experts, int block_tokens, int num_blocks, const int* __restrict__ block_ranks,
-            const long long* __restrict__ expert_start, int rows, int* __restrict__ dest_rows,
-            int* __restrict__ source_tokens, float* __restrict__ out_probs) {
-  const int b = blockIdx.x;
-  const int first = b * block_tokens, last = min(tokens, first + block_tokens);
-  for (int e = threadIdx.x; e < experts; e += MAP_BLOCK) {
-    long long row = expert_start[e] + block_ranks[static_cast<size_t>(e) * num_blocks + b];
-#pragma unroll 4
-    for (int t = first; t < last; ++t) {
-      const size_t at = static_cast<size_t>(t) * experts + e;
-      int dest = -1;
-      if (routing_map[at]) {
-        if (row < rows) {
-          dest = static_cast<int>(row);
-          source_tokens[dest] = t;
-          if (probs) out_probs[dest] = probs[at];
-        }
-        ++row;
-      }
-      dest_rows[at] = dest;
+            int experts, int chunk_tokens, int num_chunks, const int* __restrict__ chunk_ranks,
+            const int* __restrict__ routed, int align, int rows, int* __restrict__ dest_rows,
+            int* __restrict__ source_tokens, float* __restrict__ out_probs, int* __restrict__ tokens_per_expert,
+            int* __restrict__ real_tokens_per_expert, int* __restrict__ pad_offsets) {
+  extern __shared__ long long starts[];  // [experts] padded starts, then (block 0) [experts] unpadded
+  long long* expert_start = starts;
+  for (int e = threadIdx.x; e < experts; e += MAP_BLOCK)
+    expert_start[e] = (static_cast<long long>(routed[e]) + align - 1) / align * align;
+  __syncthreads();
+  block_exclusive_scan<MAP_BLOCK>(expert_start, experts);
+  if (blockIdx.x == 0) {
+    long long* unpadded_start = starts + experts;
+    for (int e = threadIdx.x; e < experts; e += MAP_BLOCK) unpadded_start[e] = routed[e];
+    __syncthreads();
+    block_exclusive_scan<MAP_BLOCK>(unpadded_start, experts);
+    for (int e = threadIdx.x; e < experts; e += MAP_BLOCK) {
+      const long long start = expert_start[e], count = routed[e];
+      const long long padded = (count + align - 1) / align * align;
+      const long long room = max(0ll, rows - start);
+      tokens_per_expert[e] = static_cast<int>(min(room, padded));
+      real_tokens_per_expert[e] = static_cast<int>(min(room, count));
+      pad_offsets[e] = static_cast<int>(start - unpadded_start[e]);
     }
+  }
+
+  const long long g = static_cast<long long>(blockIdx.x) * MAP_BLOCK + threadIdx.x;
+  const int e = static_cast<int>(g % experts), chunk = static_cast<int>(g / experts);
+  if (chunk >= num_chunks) return;
+  long long row = expert_start[e] + chunk_ranks[static_cast<size_t>(e) * num_chunks + chunk];
+  const int first = chunk * chunk_tokens, last = min(tokens, first + chunk_tokens);
+#pragma unroll 4
+  for (int t = first; t < last; ++t) {
+    const size_t at = static_cast<size_t>(t) * experts + e;
+    int dest = -1;
+    if (routing_map[at]) {
+      if (row < rows) {
+        dest = static_cast<int>(row);
+        source_tokens[dest] = t;
+        if (probs) out_probs[dest] = probs[at];
+      }
+      ++row;
+    }
+    dest_rows[at] = dest;
   }
 }
 
@@ -352,27 +353,6 @@ gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_ro
 }
 
 // ---- chunk sort ----------------------------------------------------------------------
-
-// In-place exclusive prefix sum of values[0, n) by a block of BLOCK threads.
-template <int BLOCK>
-__device__ void block_exclusive_scan(long long* values, int n) {
-  __shared__ long long warp_totals[BLOCK / 32];
-  const int per = (n + BLOCK - 1) / BLOCK;
-  const int lo = min(n, static_cast<int>(threadIdx.x) * per), hi = min(n, lo + per);
-  long long sum = 0;
-  for (int i = lo; i < hi; ++i) sum += values[i];
-  const long long inclusive = warp_inclusive_scan(sum);
-  if ((threadIdx.x & 31) == 31) warp_totals[threadIdx.x / 32] = inclusive;
-  __syncthreads();
-  long long running = inclusive - sum;
-  for (int w = 0; w < static_cast<int>(threadIdx.x) / 32; ++w) running += warp_totals[w];
-  for (int i = lo; i < hi; ++i) {
-    const long long v = values[i];
-    values[i] = running;
-    running += v;
-  }
-  __syncthreads();
-}
 
 // Chunk j is max(split_sizes[j], 0) rows of the unsorted layout, cut at
 // `rows`; the sorted layout lists chunk sorted_indices[p] at position p

@@ -7,7 +7,7 @@ use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, Stream, PERMUTAT
 use crate::ffi::{Call, DataType, Error, Result};
 use crate::invalid;
 
-/// Threads of the map passes, of `expert_offsets`, of the row kernels
+/// Threads of the map passes, of `rank_chunks`, of the row kernels
 /// (`MAP_BLOCK`, `SCAN_BLOCK`, `ROW_BLOCK` in the kernels).
 const MAP_BLOCK: u32 = 256;
 const SCAN_BLOCK: u32 = 1024;
@@ -19,9 +19,10 @@ const SORT_ROWS: usize = 32;
 pub const MAX_CHUNKS: usize = 1024;
 /// A token's copies are listed in shared memory, one entry per expert.
 pub const MAX_EXPERTS: usize = 2048;
-/// The map passes split the tokens into at most this many blocks (the scan
-/// over blocks is one warp per expert).
-const MAX_MAP_BLOCKS: usize = 1024;
+/// Threads a map pass aims for (one per (chunk of tokens, expert)), and the
+/// fewest tokens of a chunk.
+const MAP_THREADS: usize = 1 << 17;
+const MIN_CHUNK_TOKENS: usize = 4;
 
 fn check_experts(experts: usize) -> Result<()> {
     if experts > MAX_EXPERTS {
@@ -66,39 +67,41 @@ pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
     let (t, e, rows) = (layout.tokens, layout.experts, layout.rows);
     let scatter = Kernel::get(stream, &PERMUTATION, &scatter_instance(a.tokens.dtype(), a.hidden, e, false)?)?;
     let count = Kernel::get(stream, &PERMUTATION, "count_routed")?;
-    let offsets = Kernel::get(stream, &PERMUTATION, "expert_offsets")?;
+    let rank = Kernel::get(stream, &PERMUTATION, "rank_chunks")?;
     let assign = Kernel::get(stream, &PERMUTATION, "assign_rows")?;
 
-    let block_tokens = t.div_ceil(MAX_MAP_BLOCKS).max(32);
-    let num_blocks = t.div_ceil(block_tokens);
-    // Scratch: each (expert, block)'s count, then rank; each expert's first row.
-    let ranks_bytes = (e * num_blocks * 4).next_multiple_of(16);
-    let scratch = call.scratch(ranks_bytes + e * 8)?;
+    // Chunks of tokens: a map pass has a thread per (chunk, expert), at least
+    // MAP_THREADS of them when there are tokens enough.
+    let chunk_tokens = (t * e).div_ceil(MAP_THREADS).clamp(MIN_CHUNK_TOKENS, t.max(MIN_CHUNK_TOKENS));
+    let num_chunks = t.div_ceil(chunk_tokens);
+    // Scratch: each (expert, chunk)'s count, then first rank; each expert's routed count.
+    let ranks_bytes = (e * num_chunks * 4).next_multiple_of(16);
+    let scratch = call.scratch(ranks_bytes + e * 4)?;
     let ranks = scratch.ptr() as u64;
-    let expert_start = ranks + ranks_bytes as u64;
+    let routed = ranks + ranks_bytes as u64;
 
     let (map, probs) = (a.routing_map.device_ptr(), a.probs.as_ref().map_or(0, |p| p.device_ptr()));
     let out_probs = a.out_probs.as_ref().map_or(0, |p| p.device_ptr());
     let (dest_rows, source_tokens) = (a.dest_rows.device_ptr(), a.source_tokens.device_ptr());
     let (per_expert, real, pads) =
         (a.tokens_per_expert.device_ptr(), a.real_tokens_per_expert.device_ptr(), a.pad_offsets.device_ptr());
-    let (tokens_i, experts_i, rows_i, block_tokens_i, num_blocks_i, align_i) =
-        (int(t), int(e), int(rows), int(block_tokens), int(num_blocks), int(layout.align));
+    let (tokens_i, experts_i, rows_i, chunk_tokens_i, num_chunks_i, align_i) =
+        (int(t), int(e), int(rows), int(chunk_tokens), int(num_chunks), int(layout.align));
 
-    let count_grid = LaunchConfig { grid: grid(num_blocks.max(1))?, block: MAP_BLOCK, shared_bytes: 0 };
-    launch(stream, count, count_grid, &mut [
-        arg(&map), arg(&tokens_i), arg(&experts_i), arg(&block_tokens_i), arg(&num_blocks_i), arg(&ranks),
+    let map_grid = grid((num_chunks * e).div_ceil(MAP_BLOCK as usize).max(1))?;
+    launch(stream, count, LaunchConfig { grid: map_grid, block: MAP_BLOCK, shared_bytes: 0 }, &mut [
+        arg(&map), arg(&tokens_i), arg(&experts_i), arg(&chunk_tokens_i), arg(&num_chunks_i), arg(&ranks),
         arg(&source_tokens), arg(&out_probs), arg(&rows_i),
     ])?;
-    let one_block = LaunchConfig { grid: 1, block: SCAN_BLOCK, shared_bytes: u32::try_from(4 * e).expect("at most MAX_EXPERTS") };
-    launch(stream, offsets, one_block, &mut [
-        arg(&ranks), arg(&num_blocks_i), arg(&experts_i), arg(&align_i), arg(&rows_i), arg(&per_expert), arg(&real),
-        arg(&pads), arg(&expert_start),
+    launch(stream, rank, LaunchConfig { grid: grid(e)?, block: SCAN_BLOCK, shared_bytes: 0 }, &mut [
+        arg(&ranks), arg(&num_chunks_i), arg(&routed),
     ])?;
-    let assign_grid = LaunchConfig { grid: grid(num_blocks)?, block: MAP_BLOCK, shared_bytes: 0 };
-    launch(stream, assign, assign_grid, &mut [
-        arg(&map), arg(&probs), arg(&tokens_i), arg(&experts_i), arg(&block_tokens_i), arg(&num_blocks_i), arg(&ranks),
-        arg(&expert_start), arg(&rows_i), arg(&dest_rows), arg(&source_tokens), arg(&out_probs),
+    // Shared memory: the experts' padded starts, and in block 0 their unpadded ones.
+    let starts_bytes = u32::try_from(2 * 8 * e).expect("at most MAX_EXPERTS");
+    launch(stream, assign, LaunchConfig { grid: map_grid, block: MAP_BLOCK, shared_bytes: starts_bytes }, &mut [
+        arg(&map), arg(&probs), arg(&tokens_i), arg(&experts_i), arg(&chunk_tokens_i), arg(&num_chunks_i), arg(&ranks),
+        arg(&routed), arg(&align_i), arg(&rows_i), arg(&dest_rows), arg(&source_tokens), arg(&out_probs),
+        arg(&per_expert), arg(&real), arg(&pads),
     ])?;
     let (src, out, null) = (a.tokens.device_ptr(), a.out_tokens.device_ptr(), 0u64);
     launch(stream, scatter, token_and_zero_blocks(t, rows)?, &mut [
@@ -158,7 +161,7 @@ mod tests {
     /// largest expert count, in every element type.
     fn instances() -> Vec<String> {
         let shapes = [(1024, 8), (2048, 128), (7168, 256), (4096, 2048), (13, 8), (6, 60), (1, 4)];
-        let mut out = vec!["count_routed".to_owned(), "expert_offsets".to_owned(), "assign_rows".to_owned()];
+        let mut out = vec!["count_routed".to_owned(), "rank_chunks".to_owned(), "assign_rows".to_owned()];
         for dtype in [DataType::F32, DataType::BF16, DataType::F16] {
             for (hidden, experts) in shapes {
                 for weighted in [false, true] {
