@@ -48,6 +48,12 @@ def _needs_nvrtc(lowering):
     return lower_for_cuda
 
 
+def _varying_axes(aval) -> frozenset:
+    """The manual (shard_map) mesh axes an abstract value varies over."""
+    manual = getattr(aval, "manual_axis_type", None)  # jax 0.10
+    return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
+
+
 class Layout(enum.Enum):
     """How an operand or result of a primitive relates to the token rows."""
 
@@ -107,8 +113,11 @@ class FfiPrimitive:
     def _abstract_eval(self, *avals, **params):
         specs = self.result_specs(*avals, **params)
         rows = [a.sharding for a, layout in zip(avals, self.operands) if layout is Layout.ROWS]
-        return [jax.core.ShapedArray(s.shape, s.dtype, sharding=s.sharding or self._type_sharding(
-                    layout, rows[0] if rows else None, len(s.shape)))
+        # Results are the operand avals' kind: inside shard_map they vary over the
+        # manual mesh axes the operands vary over (the widest operand's).
+        base = max(avals, key=lambda a: len(_varying_axes(a)))
+        return [base.update(shape=s.shape, dtype=s.dtype, weak_type=False, sharding=s.sharding or self._type_sharding(
+                    layout, (rows or [base.sharding])[0], len(s.shape)))
                 for s, layout in zip(specs, self.results)]
 
     @staticmethod
