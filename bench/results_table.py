@@ -1,21 +1,26 @@
-"""Prints the Markdown table of a benchmark JSON (`python -m oxmoe.bench --json`).
+"""Prints the Markdown tables, one per family, of a benchmark JSON (`python -m oxmoe.bench --json`).
 
-    python3 bench/results_table.py bench/router-h200.json
+    python3 bench/results_table.py bench/h200.json
 """
 
 import json
 import sys
 
 
-def table(results: dict) -> str:
-    goals = results["goals"]
+def table(results: dict, family: str) -> str:
+    goals = results["families"][family]["goals"]
     lines = [
-        f"| case | oxmoe µs (median) | min–max | MB | GB/s | % copy | x floor (goal ≤ {goals['max_x_floor']:g}) "
+        f"| case | oxmoe µs (median) | min–max | MB | GB/s | % copy | x floor (goal ≤ {goals['max_x_floor']:.2f}) "
         f"| plain JAX µs | speedup (goal ≥ {goals['min_speedup']:g}) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for case in results["cases"]:
+        if case["family"] != family:
+            continue
         ours, plain = case["oxmoe"], case["plain_jax"]
+        if ours is None:
+            lines.append(f"| {case['name']} | FAILED | | | | | | | |")
+            continue
         met = "✅" if case["x_floor"] <= goals["max_x_floor"] else "❌"
         lines.append(
             f"| {case['name']} | {ours['median_us']:.1f} | {ours['min_us']:.1f}–{ours['max_us']:.1f} "
@@ -25,4 +30,5 @@ def table(results: dict) -> str:
 
 
 if __name__ == "__main__":
-    print(table(json.load(open(sys.argv[1]))))
+    results = json.load(open(sys.argv[1]))
+    print("\n\n".join(f"### {family}\n\n{table(results, family)}" for family in results["families"]))

@@ -1,5 +1,6 @@
-"""`python -m oxmoe.bench --smoke` runs every router case, finds oxmoe in agreement with
-plain JAX on each, times both, and writes every number to its JSON report.
+"""`python -m oxmoe.bench --smoke` runs every case of every family (router, permutation),
+finds oxmoe in agreement with plain JAX on each, times both, writes every number to its
+JSON report and prints one table per family.
 
 The benchmark runs in a subprocess, as CI and a user run it: from this checkout's
 `jax_bindings` (the benchmark is not part of an installed package), with the native
@@ -23,12 +24,24 @@ from oxmoe import _library
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 MODELS = ("deepseek_v3", "qwen3_moe", "mixtral")
-EXPECTED_CASES = (
-    [f"{model} bf16 {op} {direction}" for model in MODELS for op in ("topk", "scores") for direction in ("fwd", "bwd")]
-    + ["deepseek_v3 f32 topk fwd", "deepseek_v3 f32 topk bwd"]
-    + [f"aux_loss E={e} {dtype} {direction}" for e in (256, 1024, 2048) for dtype in ("bf16", "f32")
-       for direction in ("fwd", "bwd")]
-)
+EXPECTED_CASES = {
+    "router": (
+        [f"{model} bf16 {op} {direction}" for model in MODELS for op in ("topk", "scores")
+         for direction in ("fwd", "bwd")]
+        + ["deepseek_v3 f32 topk fwd", "deepseek_v3 f32 topk bwd"]
+        + [f"aux_loss E={e} {dtype} {direction}" for e in (256, 1024, 2048) for dtype in ("bf16", "f32")
+           for direction in ("fwd", "bwd")]),
+    "permutation": (
+        [f"{model} bf16 {op}{align} {direction}" for model in ("deepseek_v3", "mixtral")
+         for align in ("", " align=128") for op in ("dispatch", "combine") for direction in ("fwd", "bwd")]
+        + ["deepseek_v3 ep=8 bf16 sort_chunks fwd", "deepseek_v3 ep=8 bf16 sort_chunks bwd"]),
+}
+#: The oxmoe primitive each family's timed functions call (a backward may call another op's).
+PRIMITIVES = {
+    "router": {"oxmoe_topk_fwd", "oxmoe_topk_bwd", "oxmoe_aux_loss_scores_fwd", "oxmoe_aux_loss_scores_bwd",
+               "oxmoe_aux_loss_fwd", "oxmoe_aux_loss_bwd"},
+    "permutation": {"oxmoe_dispatch_fwd", "oxmoe_combine_fwd", "oxmoe_combine_bwd", "oxmoe_sort_chunks"},
+}
 
 
 def run_smoke(json_path: pathlib.Path) -> subprocess.CompletedProcess:
@@ -42,7 +55,7 @@ def run_smoke(json_path: pathlib.Path) -> subprocess.CompletedProcess:
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def test_smoke_run_checks_and_times_every_router_case(tmp_path):
+def test_smoke_run_checks_and_times_every_case(tmp_path):
     json_path = tmp_path / "bench.json"
     result = run_smoke(json_path)
     assert result.returncode == 0, (
@@ -55,14 +68,23 @@ def test_smoke_run_checks_and_times_every_router_case(tmp_path):
     assert report["device"] and report["date"]
     assert report["copy"]["gb_per_s"] > 0 and report["copy"]["bytes"] > 0
 
-    names = [case["name"] for case in report["cases"]]
-    assert sorted(names) == sorted(EXPECTED_CASES)
+    assert list(report["families"]) == list(EXPECTED_CASES)
+    for family, expected in EXPECTED_CASES.items():
+        entry = report["families"][family]
+        assert sorted(entry["cases"]) == sorted(expected), family
+        assert entry["failed"] == []
+        assert entry["goals"]["max_x_floor"] > 0 and entry["goals"]["min_speedup"] > 0
+        assert entry["goals_met"]["floor"][1] == len(expected)
+    assert [case["name"] for case in report["cases"]] == [
+        name for entry in report["families"].values() for name in entry["cases"]]
 
     for case in report["cases"]:
-        name = case["name"]
+        name, family = case["name"], case["family"]
+        assert name in EXPECTED_CASES[family], name
         assert case["failure"] is None, f"{name}: {case['failure']}"
         check = case["check"]
         assert check["passed"], name
+        assert check["primitive"] in PRIMITIVES[family], name
         assert set(check["errors"]) == set(check["limits"]), name
         for error, value in check["errors"].items():
             assert 0 <= value <= check["limits"][error], f"{name}: {error} = {value}"
@@ -74,8 +96,14 @@ def test_smoke_run_checks_and_times_every_router_case(tmp_path):
             assert timing["num_sets"] == num_sets >= 1
         assert case["bytes"] > 0 and case["floor_us"] > 0 and case["gb_per_s"] > 0, name
         assert case["x_floor"] > 0 and case["speedup"] > 0, name
+        assert case["device_bytes_per_set"] > 0, name
 
-    # The results table is the last thing on stdout, one row per case.
-    lines = result.stdout.rstrip().splitlines()
-    assert lines[-len(EXPECTED_CASES) - 2].split()[:3] == ["case", "oxmoe", "us"]
-    assert [line.split("  ")[0].strip() for line in lines[-len(EXPECTED_CASES):]] == names
+    # The results tables are the last thing on stdout, one per family after a blank line:
+    # its heading, its goals line, the table's header and rule, one row per case.
+    blocks = result.stdout.rstrip().split("\n\n")[-len(EXPECTED_CASES):]
+    for block, (family, entry) in zip(blocks, report["families"].items()):
+        lines = block.splitlines()
+        assert lines[0].startswith(f"{family}: "), lines[0]
+        assert lines[1].startswith(f"{family} goals met: "), lines[1]
+        assert lines[2].split()[:3] == ["case", "oxmoe", "us"]
+        assert [line.split("  ")[0].strip() for line in lines[4:]] == entry["cases"]

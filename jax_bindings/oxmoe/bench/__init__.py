@@ -2,7 +2,9 @@
 
     python -m oxmoe.bench [--smoke] [--json PATH] [--only NAME] [--list]
 
-:mod:`oxmoe.bench.timing` holds what every benchmark shares (timing device work
-from Python, the copy ceiling, byte counts); :mod:`oxmoe.bench.router` the
-router cases.
+:mod:`oxmoe.bench.timing` holds what every benchmark shares for timing (device
+work from Python, the copy ceiling, byte counts, random inputs);
+:mod:`oxmoe.bench.cases` a case, its check against plain JAX and running it;
+:mod:`oxmoe.bench.router` and :mod:`oxmoe.bench.permutation` the families'
+cases and goals.
 """

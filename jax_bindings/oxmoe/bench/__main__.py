@@ -1,11 +1,13 @@
-"""Runs the router benchmark on the default JAX device and prints a table.
+"""Runs oxmoe's benchmarks on the default JAX device and prints one table per family.
 
     python -m oxmoe.bench [--smoke] [--json PATH] [--only NAME ...] [--list]
 
 Measures, in one run on one device: the copy bandwidth (the ceiling), then per
-case oxmoe's time and plain JAX's. Progress goes to stderr; the results table
-is the last thing on stdout. The exit status is 1 if any case failed (an error,
-or oxmoe disagreeing with plain JAX); a missed goal is a result, not a failure.
+case of each family (router, permutation) oxmoe's time and plain JAX's.
+Progress goes to stderr; the results tables are the last thing on stdout, one
+per family, each after its goals line. The exit status is 1 if any case failed
+(an error, or oxmoe disagreeing with plain JAX); a missed goal is a result, not
+a failure.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ import jax
 import jaxlib
 
 import oxmoe
-from oxmoe.bench import router, timing
+from oxmoe.bench import cases as bench_cases
+from oxmoe.bench import permutation, router, timing
+
+#: The benchmark families, in the order they run.
+FAMILIES = (router.FAMILY, permutation.FAMILY)
 
 
 def _log(message: str) -> None:
@@ -50,8 +56,9 @@ def _mark(met: bool | None) -> str:
 class Summary:
     """The derived numbers of one case: bandwidth, floor, speedup, goals."""
 
-    def __init__(self, result: router.CaseResult, copy: timing.CopyCeiling):
-        case = result.case
+    def __init__(self, family: bench_cases.Family, result: bench_cases.CaseResult, copy: timing.CopyCeiling):
+        case, goals = result.case, family.goals
+        self.family = family
         self.result = result
         self.floor_s = case.bytes / copy.bytes_per_s
         ox, plain = result.oxmoe, result.plain
@@ -59,8 +66,8 @@ class Summary:
         self.fraction_of_copy = self.bytes_per_s / copy.bytes_per_s if ox else None
         self.x_floor = ox.median_s / self.floor_s if ox else None
         self.speedup = plain.median_s / ox.median_s if ox and plain else None
-        self.floor_met = self.x_floor <= router.MAX_X_FLOOR if ox else None
-        self.speedup_met = (self.speedup >= router.MIN_SPEEDUP
+        self.floor_met = self.x_floor <= goals.max_x_floor if ox else None
+        self.speedup_met = (self.speedup >= goals.min_speedup
                             if ox and plain and case.speedup_goal else None)
 
     def row(self) -> list[str]:
@@ -74,7 +81,8 @@ class Summary:
     def to_json(self) -> dict:
         r, case = self.result, self.result.case
         return dict(
-            name=case.name, **case.info, bytes=case.bytes, floor_us=self.floor_s * 1e6,
+            name=case.name, family=self.family.name, **case.info, bytes=case.bytes,
+            floor_us=self.floor_s * 1e6,
             oxmoe=r.oxmoe.to_json() if r.oxmoe else None,
             plain_jax=r.plain.to_json() if r.plain else None,
             gb_per_s=self.bytes_per_s / 1e9 if self.bytes_per_s else None,
@@ -83,15 +91,17 @@ class Summary:
             check=dict(passed=r.failure is None, errors=r.errors, limits=case.limits,
                        primitive=case.primitive, primitive_calls=r.primitive_calls,
                        excluded_primitives=list(case.excluded)),
+            device_bytes_per_set=r.set_bytes,
             failure=r.failure)
 
 
-HEADER = ["case", "oxmoe us", "MB", "GB/s", "% copy", "x floor", "plain us", "speedup",
-          f"<={router.MAX_X_FLOOR:g}x floor", f">={router.MIN_SPEEDUP:g}x jax"]
+def _header(goals: bench_cases.Goals) -> list[str]:
+    return ["case", "oxmoe us", "MB", "GB/s", "% copy", "x floor", "plain us", "speedup",
+            goals.floor_column, goals.speedup_column]
 
 
 def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
         cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
@@ -101,36 +111,78 @@ def _table(rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
+class FamilyReport:
+    """One family's summaries: its goals line and its table."""
+
+    def __init__(self, family: bench_cases.Family, smoke: bool, summaries: list[Summary]):
+        self.family, self.smoke, self.summaries = family, smoke, summaries
+        self.failed = [s.result for s in summaries if s.result.failure]
+        self.floor = [s.floor_met for s in summaries if s.floor_met is not None]
+        self.speedup = [s.speedup_met for s in summaries if s.speedup_met is not None]
+
+    def heading(self) -> str:
+        return f"{self.family.name}: {self.family.sizes(self.smoke)}{' (smoke)' if self.smoke else ''}"
+
+    def goals_line(self) -> str:
+        goals = self.family.goals
+        return (f"{self.family.name} goals met: {goals.floor_text} {sum(self.floor)}/{len(self.floor)}; "
+                f"{goals.speedup_text} {sum(self.speedup)}/{len(self.speedup)}; failed cases {len(self.failed)}")
+
+    def table(self) -> str:
+        return _table([_header(self.family.goals)] + [s.row() for s in self.summaries])
+
+    def to_json(self) -> dict:
+        return dict(sizes=self.family.sizes(self.smoke), goals=self.family.goals.to_json(),
+                    goals_met=dict(floor=[sum(self.floor), len(self.floor)],
+                                   speedup=[sum(self.speedup), len(self.speedup)]),
+                    failed=[r.case.name for r in self.failed],
+                    cases=[s.result.case.name for s in self.summaries])
+
+
 def _describe_device(device) -> str:
     return f"{device.device_kind} ({device.platform})"
+
+
+def _peak_bytes(device) -> int | None:
+    """The most device memory in use at once so far in this process (None: not reported,
+    e.g. on CPU)."""
+    try:
+        return (device.memory_stats() or {}).get("peak_bytes_in_use")
+    except Exception:  # noqa: BLE001 - a backend without memory stats
+        return None
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m oxmoe.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true",
-                        help=f"tiny sizes (T={router.SMOKE_TOKENS}) and few repetitions: checks that it runs")
+                        help="tiny sizes (" + "; ".join(f"{f.name}: {f.sizes(True)}" for f in FAMILIES)
+                        + ") and few repetitions: checks that it runs")
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write every number to PATH")
     parser.add_argument("--only", action="append", metavar="NAME", default=[],
-                        help="run the cases whose name contains NAME (repeatable), e.g. 'deepseek', 'topk bwd'")
+                        help="run the cases whose name (or family) contains NAME (repeatable), "
+                             "e.g. 'deepseek', 'topk bwd', 'permutation'")
     parser.add_argument("--list", action="store_true", help="list the case names and exit")
     args = parser.parse_args(argv)
 
     settings = timing.SMOKE if args.smoke else timing.FULL
-    tokens = router.SMOKE_TOKENS if args.smoke else router.TOKENS
-    cases = router.cases(tokens)
-    if args.only:
-        cases = [c for c in cases if any(name in c.name for name in args.only)]
-        if not cases:
-            parser.error(f"no case name contains any of {args.only}; see --list")
+    selected = []  # (family, its cases)
+    for family in FAMILIES:
+        cases = family.cases(args.smoke)
+        if args.only:
+            cases = [c for c in cases if any(name in c.name or name == family.name for name in args.only)]
+        if cases:
+            selected.append((family, cases))
+    if not selected:
+        parser.error(f"no case name contains any of {args.only}; see --list")
     if args.list:
-        print("\n".join(c.name for c in cases))
+        print("\n".join(c.name for _, cases in selected for c in cases))
         return 0
 
     device = jax.devices()[0]
     started = datetime.datetime.now(datetime.timezone.utc)
-    environment = (f"oxmoe {oxmoe.build_id()} on {_describe_device(device)}, jax {jax.__version__}, "
-                   f"T={tokens}{' (smoke)' if args.smoke else ''}, {started:%Y-%m-%d %H:%M} UTC")
-    _log(f"router benchmark: {environment}")
+    environment = (f"oxmoe {oxmoe.build_id()} on {_describe_device(device)}, jax {jax.__version__}"
+                   f"{', smoke' if args.smoke else ''}, {started:%Y-%m-%d %H:%M} UTC")
+    _log(f"oxmoe benchmark: {environment}")
 
     _log(f"[copy] {settings.copy_bytes >> 20} MiB float32 x * 2 ...")
     copy = timing.copy_ceiling(settings)
@@ -139,43 +191,51 @@ def main(argv=None) -> int:
                  f"{_gbps(copy.bytes / copy.timing.max_s)}..{_gbps(copy.bytes / copy.timing.min_s)})")
     _log("    " + copy_line)
 
-    summaries = []
-    for n, case in enumerate(cases, 1):
-        _log(f"[{n}/{len(cases)}] {case.name} ...")
-        result = router.run_case(case, settings)
-        summary = Summary(result, copy)
-        summaries.append(summary)
-        if result.failure:
-            _log(f"    FAILED: {result.failure}")
-        else:
-            _log(f"    oxmoe {_us(result.oxmoe.median_s)} us ({summary.x_floor:.2f}x floor), "
-                 f"plain JAX {_us(result.plain.median_s)} us, R={result.oxmoe.num_sets}, "
-                 f"{result.oxmoe.calls_per_sample} call(s) x {len(result.oxmoe.samples_s)} samples")
+    reports = []
+    total, n = sum(len(cases) for _, cases in selected), 0
+    for family, cases in selected:
+        _log(f"{family.name} ({family.sizes(args.smoke)}): {len(cases)} cases")
+        summaries = []
+        for case in cases:
+            n += 1
+            _log(f"[{n}/{total}] {case.name} ...")
+            result = bench_cases.run_case(case, settings)
+            summary = Summary(family, result, copy)
+            summaries.append(summary)
+            if result.failure:
+                _log(f"    FAILED: {result.failure}")
+            else:
+                _log(f"    oxmoe {_us(result.oxmoe.median_s)} us ({summary.x_floor:.2f}x floor), "
+                     f"plain JAX {_us(result.plain.median_s)} us, R={result.oxmoe.num_sets}, "
+                     f"{result.oxmoe.calls_per_sample} call(s) x {len(result.oxmoe.samples_s)} samples"
+                     + (f", {_mb(result.set_bytes)} MB per set" if result.set_bytes else ""))
+            peak = _peak_bytes(device)
+            if peak is not None:
+                _log(f"    peak device memory so far {peak / 1e9:.1f} GB")
+        reports.append(FamilyReport(family, args.smoke, summaries))
 
-    failed = [s.result for s in summaries if s.result.failure]
     if args.json:
         report = dict(
-            benchmark="router", device=device.device_kind, platform=device.platform,
+            benchmark="oxmoe", device=device.device_kind, platform=device.platform,
             jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
             oxmoe_build_id=oxmoe.build_id(), date=started.isoformat(), smoke=args.smoke,
-            tokens=tokens, settings=dataclasses.asdict(settings),
-            goals=dict(max_x_floor=router.MAX_X_FLOOR, min_speedup=router.MIN_SPEEDUP),
-            copy=copy.to_json(), cases=[s.to_json() for s in summaries])
+            settings=dataclasses.asdict(settings), copy=copy.to_json(), device_peak_bytes=_peak_bytes(device),
+            families={r.family.name: r.to_json() for r in reports},
+            cases=[s.to_json() for r in reports for s in r.summaries])
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=1) + "\n")
         _log(f"wrote {args.json}")
 
-    met = lambda attr: [getattr(s, attr) for s in summaries if getattr(s, attr) is not None]  # noqa: E731
-    floor, speedup = met("floor_met"), met("speedup_met")
-    print(f"router benchmark: {environment}")
+    print(f"oxmoe benchmark: {environment}")
     print(copy_line)
-    for r in failed:
-        print(f"FAILED {r.case.name}: {r.failure[:400]}")
-    print(f"goals met: time <= {router.MAX_X_FLOOR:g}x byte floor (bytes / copy bandwidth) "
-          f"{sum(floor)}/{len(floor)}; >= {router.MIN_SPEEDUP:g}x faster than plain JAX (routing cases) "
-          f"{sum(speedup)}/{len(speedup)}; failed cases {len(failed)}")
-    print(_table([HEADER] + [s.row() for s in summaries]))
-    return 1 if failed else 0
+    for r in reports:
+        print()
+        print(r.heading())
+        for failed in r.failed:
+            print(f"FAILED {failed.case.name}: {failed.failure[:400]}")
+        print(r.goals_line())
+        print(r.table())
+    return 1 if any(r.failed for r in reports) else 0
 
 
 if __name__ == "__main__":

@@ -20,20 +20,13 @@ jaxpr is checked to hold no forward primitive.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import math
-import traceback
-import zlib
-from collections.abc import Callable
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
 from oxmoe import router
 from oxmoe.model_shapes import DEEPSEEK_V3, MIXTRAL, QWEN3_MOE, RouterConfig
 from oxmoe.bench import timing
+from oxmoe.bench.cases import Case, Family, Goals, Inputs, apply_vjp, rel_err
 
 #: Tokens per case in the full run, and in the smoke run.
 TOKENS, SMOKE_TOKENS = 65536, 512
@@ -44,6 +37,10 @@ AUX_LOSS_EXPERTS, AUX_LOSS_TOPK, AUX_LOSS_COEFF = (256, 1024, 2048), 8, 1e-2
 MAX_X_FLOOR = 2.0
 #: ... and at least this much faster than plain JAX (routing cases).
 MIN_SPEEDUP = 15.0
+GOALS = Goals(max_x_floor=MAX_X_FLOOR, min_speedup=MIN_SPEEDUP,
+              floor_text=f"time <= {MAX_X_FLOOR:g}x byte floor (bytes / copy bandwidth)",
+              speedup_text=f">= {MIN_SPEEDUP:g}x faster than plain JAX (routing cases)",
+              floor_column=f"<={MAX_X_FLOOR:g}x floor")
 
 #: Largest fraction of tokens whose routing may differ from plain JAX's (near-ties
 #: of float32 scores computed in a different order).
@@ -134,41 +131,32 @@ def _routing_mismatch(a, b):
     return 1.0 - jnp.mean(_rows_agree(a, b).astype(jnp.float32))
 
 
-def _rel_err(actual, expected, rows=None):
-    """``||actual - expected|| / ||expected||`` over all rows, or the rows where ``rows``."""
-    actual, expected = actual.astype(jnp.float32), expected.astype(jnp.float32)
-    if rows is not None:
-        actual = jnp.where(rows[:, None], actual, 0.0)
-        expected = jnp.where(rows[:, None], expected, 0.0)
-    return jnp.linalg.norm(actual - expected) / jnp.maximum(jnp.linalg.norm(expected), 1e-30)
-
-
 @jax.jit
 def _compare_topk_fwd(ox, plain, context):
     del context
     agree = _rows_agree(ox[1], plain[1])
     return dict(routing_mismatch=_routing_mismatch(ox[1], plain[1]),
-                probs_rel_err=_rel_err(ox[0], plain[0], agree))
+                probs_rel_err=rel_err(ox[0], plain[0], agree))
 
 
 @jax.jit
 def _compare_topk_bwd(ox, plain, maps):
     """``maps``: the routing maps of oxmoe's and plain JAX's forwards."""
     return dict(routing_mismatch=_routing_mismatch(*maps),
-                grad_rel_err=_rel_err(ox, plain, _rows_agree(*maps)))
+                grad_rel_err=rel_err(ox, plain, _rows_agree(*maps)))
 
 
 @jax.jit
 def _compare_scores_fwd(ox, plain, context):
     del context
     return dict(routing_mismatch=_routing_mismatch(ox[0], plain[0]),
-                scores_rel_err=_rel_err(ox[1], plain[1]))
+                scores_rel_err=rel_err(ox[1], plain[1]))
 
 
 @jax.jit
 def _compare_grads(ox, plain, context):
     del context
-    return dict(grad_rel_err=_rel_err(ox, plain))
+    return dict(grad_rel_err=rel_err(ox, plain))
 
 
 @jax.jit
@@ -178,49 +166,6 @@ def _compare_losses(ox, plain, context):
 
 
 # -- cases ----------------------------------------------------------------------
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("oxmoe", "plain", "context"),
-                   meta_fields=())
-@dataclasses.dataclass(frozen=True)
-class Inputs:
-    """One input set of a case: the arguments of each implementation."""
-
-    oxmoe: tuple
-    plain: tuple
-    context: Any = None
-    """What the comparison needs besides the outputs (e.g. the forward's routing maps)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    """One timed op: oxmoe's and plain JAX's versions, their inputs, their check."""
-
-    name: str
-    bytes: int
-    """The fewest bytes the op moves: each input read once, each output written once."""
-    draw: Callable[[timing.RandomArrays], tuple]
-    """One input set's arrays, fresh random data."""
-    prepare: Callable[..., Inputs] | None
-    """The arrays of :attr:`draw` -> each implementation's arguments (a backward's
-    ``jax.vjp`` functions: its forward runs here, untimed); None: both take the arrays."""
-    oxmoe: Callable
-    plain: Callable
-    compare: Callable[[Any, Any, Any], dict]
-    """(oxmoe outputs, plain outputs, context) of one set -> named errors."""
-    limits: dict[str, float]
-    """The largest acceptable value of each error."""
-    primitive: str
-    """The oxmoe primitive the timed oxmoe function calls, once per input set."""
-    excluded: tuple[str, ...] = ()
-    """Primitives neither timed function may contain (a backward's forward)."""
-    speedup_goal: bool = True
-    """Whether the >= MIN_SPEEDUP goal over plain JAX applies."""
-    info: dict = dataclasses.field(default_factory=dict)
-
-
-def _apply_vjp(vjp, cotangent):
-    return vjp(cotangent)[0]
-
 
 def _expert_bias(random: timing.RandomArrays, config: RouterConfig):
     return random.normal((config.num_experts,), jnp.float32, scale=0.1) if config.use_expert_bias else None
@@ -281,7 +226,7 @@ def topk_bwd_case(config: RouterConfig, tokens: int, dtype) -> Case:
     return Case(
         name=_name(config.name, dtype, "topk", "bwd"),
         bytes=t * e * (d + d + 1) + t * e * d,  # d probs, logits, routing map -> d logits
-        draw=draw, prepare=prepare, oxmoe=_apply_vjp, plain=_apply_vjp,
+        draw=draw, prepare=prepare, oxmoe=apply_vjp, plain=apply_vjp,
         compare=_compare_topk_bwd,
         limits=dict(routing_mismatch=MAX_ROUTING_MISMATCH, **_value_limit("grad", dtype)),
         primitive="oxmoe_topk_bwd", excluded=("oxmoe_topk_fwd", "top_k", "exp", "logistic"),
@@ -322,7 +267,7 @@ def scores_bwd_case(config: RouterConfig, tokens: int, dtype) -> Case:
     return Case(
         name=_name(config.name, dtype, "scores", "bwd"),
         bytes=t * e * (4 + d) + t * e * d,  # f32 d scores, logits -> d logits
-        draw=draw, prepare=prepare, oxmoe=_apply_vjp, plain=_apply_vjp,
+        draw=draw, prepare=prepare, oxmoe=apply_vjp, plain=apply_vjp,
         compare=_compare_grads, limits=_value_limit("grad", dtype),
         primitive="oxmoe_aux_loss_scores_bwd",
         excluded=("oxmoe_aux_loss_scores_fwd", "top_k", "exp", "logistic"),
@@ -370,7 +315,7 @@ def aux_loss_bwd_case(num_experts: int, tokens: int, dtype) -> Case:
     return Case(
         name=f"aux_loss E={e} {_DTYPE_NAMES[jnp.dtype(dtype)]} bwd",
         bytes=4 + 4 * e + t * e * d,  # d loss, counts -> d probs
-        draw=draw, prepare=prepare, oxmoe=_apply_vjp, plain=_apply_vjp,
+        draw=draw, prepare=prepare, oxmoe=apply_vjp, plain=apply_vjp,
         compare=_compare_grads, limits=_value_limit("grad", dtype),
         primitive="oxmoe_aux_loss_bwd", excluded=("oxmoe_aux_loss_fwd", "reduce_sum"),
         speedup_goal=False,
@@ -391,84 +336,6 @@ def cases(tokens: int) -> list[Case]:
     return out
 
 
-# -- running a case --------------------------------------------------------------
-
-class CheckFailed(Exception):
-    """oxmoe and plain JAX disagree, or a timed function is not what it claims to be."""
-
-
-@dataclasses.dataclass(frozen=True)
-class CaseResult:
-    case: Case
-    oxmoe: timing.Timing | None = None
-    plain: timing.Timing | None = None
-    errors: dict[str, float] = dataclasses.field(default_factory=dict)
-    """The largest value of each comparison error over the input sets."""
-    primitive_calls: int | None = None
-    """How often the timed oxmoe jit calls ``case.primitive`` (checked: R)."""
-    failure: str | None = None
-
-
-def _check_timed_function(label: str, run, arg_sets, case: Case, calls_expected: int | None) -> int:
-    """Checks the jaxpr of a timed jit: the op R times, no excluded primitive; returns the
-    op's primitive count."""
-    counts = timing.primitive_counts(run, arg_sets)
-    if calls_expected is not None and counts[case.primitive] != calls_expected:
-        raise CheckFailed(f"the timed {label} function calls {case.primitive} {counts[case.primitive]} "
-                          f"times, expected {calls_expected} (one per input set)")
-    found = sorted(p for p in case.excluded if counts[p])
-    if found:
-        raise CheckFailed(f"the timed {label} function contains {', '.join(found)}: "
-                          "it would time more than the op")
-    return counts[case.primitive]
-
-
-def _worst_errors(case: Case, ox_outs, plain_outs, contexts) -> dict[str, float]:
-    """The worst value of each comparison error over the input sets."""
-    worst: dict[str, float] = {}
-    for ox, plain, context in zip(ox_outs, plain_outs, contexts):
-        for name, value in case.compare(ox, plain, context).items():
-            value = float(value)
-            if name not in worst or math.isnan(value) or value > worst[name]:  # NaN is the worst
-                worst[name] = value
-    return worst
-
-
-def _check_limits(case: Case, errors: dict[str, float]) -> None:
-    bad = [f"{name} = {value:.3g} (limit {case.limits[name]:.3g})"
-           for name, value in errors.items() if not value <= case.limits[name]]
-    if bad:
-        raise CheckFailed("oxmoe and plain JAX disagree: " + "; ".join(bad))
-
-
-def run_case(case: Case, settings: timing.Settings, seed: int = 0) -> CaseResult:
-    """Checks oxmoe against plain JAX on the case's input sets, then times both.
-
-    A failure (an exception, a disagreement) is returned in the result, not raised.
-    """
-    errors: dict[str, float] = {}
-    primitive_calls = None
-    try:
-        num_sets = settings.num_sets(case.bytes)
-        # The drawn arrays exist at their dtype before anything uses them: drawn in the
-        # same jit, XLA could skip the rounding to bf16 for the plain-JAX consumer (and
-        # not for oxmoe's custom call), and the two would route different logits.
-        prepare = jax.jit(case.prepare) if case.prepare else lambda *arrays: Inputs(arrays, arrays)
-        inputs = [prepare(*case.draw(timing.RandomArrays(seed, zlib.crc32(case.name.encode()), n)))
-                  for n in range(num_sets)]
-        ox_sets, plain_sets = [i.oxmoe for i in inputs], [i.plain for i in inputs]
-        ox_run, plain_run = timing.rotated(case.oxmoe), timing.rotated(case.plain)
-        primitive_calls = _check_timed_function("oxmoe", ox_run, ox_sets, case, num_sets)
-        _check_timed_function("plain JAX", plain_run, plain_sets, case, None)
-        errors = _worst_errors(case, ox_run(ox_sets), plain_run(plain_sets), [i.context for i in inputs])
-        _check_limits(case, errors)
-        del inputs
-        ox_timing = timing.measure(ox_run, ox_sets, settings)
-        plain_timing = timing.measure(plain_run, plain_sets, settings)
-        return CaseResult(case, ox_timing, plain_timing, errors, primitive_calls)
-    except CheckFailed as e:
-        return CaseResult(case, errors=errors, primitive_calls=primitive_calls, failure=f"check failed: {e}")
-    except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
-        lines = traceback.format_exception_only(type(e), e)
-        return CaseResult(case, errors=errors, primitive_calls=primitive_calls,
-                          failure=" ".join(line.strip() for line in lines)[:2000])
+FAMILY = Family(name="router", goals=GOALS,
+                cases=lambda smoke: cases(SMOKE_TOKENS if smoke else TOKENS),
+                sizes=lambda smoke: f"T={SMOKE_TOKENS if smoke else TOKENS}")

@@ -51,6 +51,10 @@ class Settings:
     max_sets: int
     copy_bytes: int
     """Size of the array the copy ceiling copies (read once, written once)."""
+    memory_bytes: int
+    """Device memory the input sets of one case may hold together (their arrays and both
+    implementations' outputs): a case whose sets are large gets fewer than ``min_sets``
+    (at least one). XLA's temporaries and the copy ceiling's array come on top."""
 
     def num_sets(self, bytes_per_call: int) -> int:
         """How many input sets one timed jit rotates through."""
@@ -58,12 +62,15 @@ class Settings:
         return max(self.min_sets, min(self.max_sets, wanted))
 
 
-#: For a GPU: an H200 has a 60 MB L2, so the R sets of a jit move >= 512 MB (R = 4..64).
+#: For a GPU: an H200 has a 60 MB L2, so the R sets of a jit move >= 512 MB (R = 4..64);
+#: the sets of a case hold at most 30 GiB (a DeepSeek-V3 dispatch writes 4.2 GB a call:
+#: R = 3 of them, with oxmoe's and plain JAX's outputs), so that with XLA's temporaries
+#: a run stays within about 40 GB of device memory.
 FULL = Settings(repeats=30, warmup=3, min_sample_s=10e-3, working_set_bytes=512 << 20,
-                min_sets=4, max_sets=64, copy_bytes=1 << 30)
+                min_sets=4, max_sets=64, copy_bytes=1 << 30, memory_bytes=30 << 30)
 #: For CI on a small CPU: runs every code path once or twice, in seconds.
 SMOKE = Settings(repeats=3, warmup=1, min_sample_s=0.0, working_set_bytes=0,
-                 min_sets=2, max_sets=2, copy_bytes=8 << 20)
+                 min_sets=2, max_sets=2, copy_bytes=8 << 20, memory_bytes=4 << 30)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,6 +153,18 @@ class RandomArrays:
         """Uniform integers in ``[low, high)`` (drawn on the host)."""
         rng = np.random.default_rng(self._stream())
         return jnp.asarray(rng.integers(low, high, shape).astype(dtype))
+
+    def distinct_choices(self, rows: int, high: int, k: int) -> np.ndarray:
+        """``[rows, k]`` int32 on the host: each row ``k`` distinct uniform integers of
+        ``[0, high)``, increasing (e.g. a random top-k routing's expert ids)."""
+        rng = np.random.default_rng(self._stream())
+        chosen = np.argpartition(rng.random((rows, high), np.float32), k - 1, axis=1)[:, :k]
+        return np.sort(chosen, axis=1).astype(np.int32)
+
+    def counts(self, total: int, bins: int) -> np.ndarray:
+        """``[bins]`` int32 on the host: ``total`` items thrown uniformly into ``bins`` bins."""
+        rng = np.random.default_rng(self._stream())
+        return rng.multinomial(total, np.full(bins, 1.0 / bins)).astype(np.int32)
 
 
 def rotated(fn: Callable) -> Callable:

@@ -1,0 +1,240 @@
+"""What every benchmark family shares: a case, its check against plain JAX, running it.
+
+A family (:mod:`oxmoe.bench.router`, :mod:`oxmoe.bench.permutation`) is a list
+of :class:`Case` objects and its :class:`Goals`. :func:`run_case` runs one case:
+it draws the case's input sets, checks that each timed function is what it
+claims to be (its jaxpr calls the oxmoe primitive once per input set and holds
+no excluded primitive), compares oxmoe's outputs with plain JAX's on every set
+(a disagreement fails the case, which is then not timed), and times both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import traceback
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from oxmoe.bench import timing
+
+
+@dataclasses.dataclass(frozen=True)
+class Goals:
+    """A family's goals: time within ``max_x_floor`` of the byte floor, and at least
+    ``min_speedup`` times faster than plain JAX (for the cases with ``speedup_goal``)."""
+
+    max_x_floor: float
+    min_speedup: float
+    floor_text: str
+    """The floor goal in words, for the goals line."""
+    speedup_text: str
+    """The speedup goal in words, for the goals line."""
+    floor_column: str
+    """The table header of the floor goal's column."""
+
+    @property
+    def speedup_column(self) -> str:
+        return f">={self.min_speedup:g}x jax"
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(max_x_floor=self.max_x_floor, min_fraction_of_copy=1 / self.max_x_floor,
+                    min_speedup=self.min_speedup)
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=("oxmoe", "plain", "context"),
+                   meta_fields=())
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """One input set of a case: the arguments of each implementation."""
+
+    oxmoe: tuple
+    plain: tuple
+    context: Any = None
+    """What the comparison needs besides the outputs (e.g. the forward's routing maps)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One timed op: oxmoe's and plain JAX's versions, their inputs, their check."""
+
+    name: str
+    bytes: int
+    """The fewest bytes the op moves: each input read once, each output written once."""
+    draw: Callable[[timing.RandomArrays], tuple]
+    """One input set's arrays, fresh random data."""
+    prepare: Callable[..., Inputs] | None
+    """The arrays of :attr:`draw` -> each implementation's arguments (a backward's
+    ``jax.vjp`` functions: its forward runs here, untimed); None: both take the arrays."""
+    oxmoe: Callable
+    plain: Callable
+    compare: Callable[[Any, Any, Any], dict]
+    """(oxmoe outputs, plain outputs, context) of one set -> named errors."""
+    limits: dict[str, float]
+    """The largest acceptable value of each error."""
+    primitive: str
+    """The oxmoe primitive the timed oxmoe function calls, once per input set."""
+    excluded: tuple[str, ...] = ()
+    """Primitives neither timed function may contain (a backward's forward)."""
+    speedup_goal: bool = True
+    """Whether the family's speedup goal over plain JAX applies."""
+    jit_prepare: bool = True
+    """Run :attr:`prepare` under ``jax.jit`` (one compiled call; the drawn arrays reach
+    it at their dtype). False: eagerly, op by op, so that arguments it passes through
+    (and ``jax.vjp`` residuals that are inputs) stay the drawn buffers instead of
+    becoming copies: for cases whose input sets take gigabytes."""
+    info: dict = dataclasses.field(default_factory=dict)
+
+
+def apply_vjp(vjp, cotangent):
+    """The first input's cotangent: a timed backward of one differentiable input."""
+    return vjp(cotangent)[0]
+
+
+def apply_vjp_all(vjp, cotangent):
+    """Every input's cotangent: a timed backward of several differentiable inputs."""
+    return vjp(cotangent)
+
+
+def rel_err(actual, expected, rows=None):
+    """``||actual - expected|| / ||expected||`` over all rows, or the rows where ``rows``."""
+    actual, expected = actual.astype(jnp.float32), expected.astype(jnp.float32)
+    if rows is not None:
+        actual = jnp.where(rows[:, None], actual, 0.0)
+        expected = jnp.where(rows[:, None], expected, 0.0)
+    return jnp.linalg.norm(actual - expected) / jnp.maximum(jnp.linalg.norm(expected), 1e-30)
+
+
+# -- running a case --------------------------------------------------------------
+
+class CheckFailed(Exception):
+    """oxmoe and plain JAX disagree, or a timed function is not what it claims to be."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CaseResult:
+    case: Case
+    oxmoe: timing.Timing | None = None
+    plain: timing.Timing | None = None
+    errors: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The largest value of each comparison error over the input sets."""
+    primitive_calls: int | None = None
+    """How often the timed oxmoe jit calls ``case.primitive`` (checked: R)."""
+    set_bytes: int | None = None
+    """Device bytes one input set is counted to hold (see :func:`_set_bytes`)."""
+    failure: str | None = None
+
+
+def _check_timed_function(label: str, run, arg_sets, case: Case, calls_expected: int | None) -> int:
+    """Checks the jaxpr of a timed jit: the op R times, no excluded primitive; returns the
+    op's primitive count."""
+    counts = timing.primitive_counts(run, arg_sets)
+    if calls_expected is not None and counts[case.primitive] != calls_expected:
+        raise CheckFailed(f"the timed {label} function calls {case.primitive} {counts[case.primitive]} "
+                          f"times, expected {calls_expected} (one per input set)")
+    found = sorted(p for p in case.excluded if counts[p])
+    if found:
+        raise CheckFailed(f"the timed {label} function contains {', '.join(found)}: "
+                          "it would time more than the op")
+    return counts[case.primitive]
+
+
+def _worst_errors(case: Case, ox_outs, plain_outs, contexts) -> dict[str, float]:
+    """The worst value of each comparison error over the input sets."""
+    worst: dict[str, float] = {}
+    for ox, plain, context in zip(ox_outs, plain_outs, contexts):
+        for name, value in case.compare(ox, plain, context).items():
+            value = float(value)
+            if name not in worst or math.isnan(value) or value > worst[name]:  # NaN is the worst
+                worst[name] = value
+    return worst
+
+
+def _check_limits(case: Case, errors: dict[str, float]) -> None:
+    bad = [f"{name} = {value:.3g} (limit {case.limits[name]:.3g})"
+           for name, value in errors.items() if not value <= case.limits[name]]
+    if bad:
+        raise CheckFailed("oxmoe and plain JAX disagree: " + "; ".join(bad))
+
+
+def _buffer_key(x):
+    try:
+        return x.unsafe_buffer_pointer()
+    except Exception:  # noqa: BLE001 - not a single-buffer array: count it by object
+        return id(x)
+
+
+def _set_bytes(case: Case, inputs: Inputs) -> int:
+    """Device bytes one input set holds at the worst moment of :func:`run_case`.
+
+    Its arrays (each buffer once: an argument both implementations take, or a ``jax.vjp``
+    residual that is an input, counts once), plus twice the larger of the two
+    implementations' outputs: the check holds oxmoe's and plain JAX's outputs of every
+    set at once, and a timing sample dispatches a jit while the previous call's outputs
+    may still exist. XLA's temporaries (one set at a time) are not counted.
+    """
+    buffers = {_buffer_key(x): x for x in jax.tree_util.tree_leaves(inputs) if hasattr(x, "dtype")}
+    outputs = [timing.nbytes(jax.eval_shape(fn, *args))
+               for fn, args in ((case.oxmoe, inputs.oxmoe), (case.plain, inputs.plain))]
+    return timing.nbytes(list(buffers.values())) + 2 * max(outputs)
+
+
+def run_case(case: Case, settings: timing.Settings, seed: int = 0) -> CaseResult:
+    """Checks oxmoe against plain JAX on the case's input sets, then times both.
+
+    The number of input sets R is :meth:`timing.Settings.num_sets` of the case's bytes,
+    lowered (to 1 at least) so that R sets fit in ``settings.memory_bytes``.
+    A failure (an exception, a disagreement) is returned in the result, not raised.
+    """
+    errors: dict[str, float] = {}
+    primitive_calls = set_bytes = None
+    try:
+        # The drawn arrays exist at their dtype before anything uses them: drawn in the
+        # same jit, XLA could skip the rounding to bf16 for the plain-JAX consumer (and
+        # not for oxmoe's custom call), and the two would route different logits.
+        if case.prepare is None:
+            prepare = lambda *arrays: Inputs(arrays, arrays)  # noqa: E731
+        else:
+            prepare = jax.jit(case.prepare) if case.jit_prepare else case.prepare
+
+        def input_set(n: int) -> Inputs:
+            return prepare(*case.draw(timing.RandomArrays(seed, zlib.crc32(case.name.encode()), n)))
+
+        inputs = [input_set(0)]
+        set_bytes = _set_bytes(case, inputs[0])
+        num_sets = min(settings.num_sets(case.bytes), max(1, settings.memory_bytes // set_bytes))
+        inputs += [input_set(n) for n in range(1, num_sets)]
+        ox_sets, plain_sets = [i.oxmoe for i in inputs], [i.plain for i in inputs]
+        ox_run, plain_run = timing.rotated(case.oxmoe), timing.rotated(case.plain)
+        primitive_calls = _check_timed_function("oxmoe", ox_run, ox_sets, case, num_sets)
+        _check_timed_function("plain JAX", plain_run, plain_sets, case, None)
+        errors = _worst_errors(case, ox_run(ox_sets), plain_run(plain_sets), [i.context for i in inputs])
+        _check_limits(case, errors)
+        del inputs
+        ox_timing = timing.measure(ox_run, ox_sets, settings)
+        plain_timing = timing.measure(plain_run, plain_sets, settings)
+        return CaseResult(case, ox_timing, plain_timing, errors, primitive_calls, set_bytes)
+    except CheckFailed as e:
+        return CaseResult(case, errors=errors, primitive_calls=primitive_calls, set_bytes=set_bytes,
+                          failure=f"check failed: {e}")
+    except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
+        lines = traceback.format_exception_only(type(e), e)
+        return CaseResult(case, errors=errors, primitive_calls=primitive_calls, set_bytes=set_bytes,
+                          failure=" ".join(line.strip() for line in lines)[:2000])
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A benchmark family: its cases at full or smoke size, and its goals."""
+
+    name: str
+    goals: Goals
+    cases: Callable[[bool], list[Case]]
+    """``smoke -> cases`` in the order they run."""
+    sizes: Callable[[bool], str]
+    """``smoke -> the sizes in words`` (e.g. ``T=65536``), for the table's heading."""
