@@ -1,0 +1,465 @@
+"""oxmoe.permutation's CUDA kernels at the shapes of real models, checked where only a GPU
+can check them. Every test here is marked `gpu` and skipped when jax has no GPU device.
+
+(The rest of the permutation suite also runs on the GPU when it is the default device, e.g.
+with JAX_PLATFORMS=cuda,cpu: that checks the kernels on realistic random data against the
+float64 reference at small token counts.) This file adds:
+
+- Mixtral (T=32768, H=1024, E=8, k=2), Qwen3-MoE (T=32768, H=2048, E=128, k=8) and
+  DeepSeek-V3 (T=32768, H=7168, E=256, k=8; T=8192 in float32 to bound memory), in float32,
+  bfloat16 and float16, align_size None / 16 / 128: dispatch, combine, sort_chunks and
+  unsort_chunks, forward and backward (vjp), the GPU against the CPU implementation (the
+  same oxmoe functions committed to a CPU device) and against the float64 reference;
+- a poison test: the memory the outputs land in was just filled with NaN bytes, so padding,
+  tail and never-written rows that a kernel forgets to zero show up.
+
+Exact data: the values here lie on grids (k/16 with |k| <= 8 for rows and cotangents, j/16
+for weights) on which every float32 sum these functions form is exact, whatever its order.
+So there is no tolerance at all: the GPU must equal the CPU implementation bit for bit, and
+both must equal the exact float64 value rounded once to the output dtype. A kernel that
+accumulates in bf16/f16, reads a wrong row or double-rounds still fails (the partial sums
+need more bits than a half type holds). Realistic random data is the other files' job.
+
+Big cotangents and expert outputs are made on the device from an integer hash of their
+indices (`hashed_grid`, the same bits in jnp on either device and in NumPy), so the host
+never holds them: it recomputes only the rows the reference check samples.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import devices
+import permutation_reference as ref
+from oxmoe import permutation
+
+GPUS = devices.gpu_devices()
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason=devices.NO_GPU_REASON)]
+
+# With the CPU stand-in (devices.GPU_STAND_IN_ENV) the tests' logic runs on a CPU-only
+# machine at a fraction of the size.
+STAND_IN = os.environ.get(devices.GPU_STAND_IN_ENV) == "cpu"
+BIG_TOKENS = 1024 if STAND_IN else 32768
+DEEPSEEK_F32_TOKENS = 512 if STAND_IN else 8192
+DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
+ALIGN_SIZES = [None, 16, 128]
+# The routing map of each alignment: every token routed k times; tokens routed to fewer
+# (tail rows); a quarter of the experts idle.
+VARIANT_OF_ALIGN = {None: "topk", 16: "ragged", 128: "idle_experts"}
+# How many tokens (and rows) the float64 reference recomputes per big array.
+SAMPLE = 512
+
+
+def big_cases():
+    cases = []
+    for model in ref.MODEL_SHAPES:
+        for name, dtype in DTYPES.items():
+            num_tokens = DEEPSEEK_F32_TOKENS if (model is ref.DEEPSEEK_V3 and name == "f32") else BIG_TOKENS
+            for align_size in ALIGN_SIZES:
+                cases.append(pytest.param(model, num_tokens, dtype, align_size,
+                                          id=f"{model.name}-T{num_tokens}-{name}-align{align_size}"))
+    return cases
+
+
+BIG_CASES = pytest.mark.parametrize("model, num_tokens, dtype, align_size", big_cases())
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    return GPUS[0]
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    return jax.devices("cpu")[0]
+
+
+# -- exact data -----------------------------------------------------------------------
+
+
+def hashed_grid(xp, rows, cols, salt: int, dtype):
+    """[len(rows), len(cols)] values k/16, k in [-8, 8], from an integer hash of (row, col, salt):
+    the same bits from jnp (on any device) and NumPy."""
+    u32 = xp.uint32
+    r = xp.asarray(rows).astype(u32)[:, None]
+    c = xp.asarray(cols).astype(u32)[None, :]
+    h = (r * u32(0x9E3779B1)) ^ (c * u32(0x85EBCA77)) ^ u32(salt & 0xFFFFFFFF)
+    h = h ^ (h >> u32(15))
+    h = h * u32(0x2C1B3C6D)
+    h = h ^ (h >> u32(12))
+    k = (h % u32(17)).astype(xp.int32) - 8
+    return (k.astype(xp.float32) / 16).astype(dtype)
+
+
+def device_grid(num_rows: int, num_cols: int, salt: int, dtype):
+    return hashed_grid(jnp, jnp.arange(num_rows, dtype=jnp.uint32), jnp.arange(num_cols, dtype=jnp.uint32), salt,
+                       dtype)
+
+
+def host_grid(rows, num_cols: int, salt: int, dtype) -> np.ndarray:
+    return hashed_grid(np, np.asarray(rows), np.arange(num_cols), salt, np.dtype(jnp.dtype(dtype)))
+
+
+def grid_tokens(rng, shape, dtype) -> np.ndarray:
+    return (rng.integers(-8, 9, shape, dtype=np.int8).astype(np.float32) / 16).astype(np.dtype(jnp.dtype(dtype)))
+
+
+def grid_weights(rng, shape, dtype) -> np.ndarray:
+    """Weights j/16, j in [1, 16]."""
+    return (rng.integers(1, 17, shape, dtype=np.int8).astype(np.float32) / 16).astype(np.dtype(jnp.dtype(dtype)))
+
+
+def test_hashed_grid_is_the_same_in_numpy_and_on_the_gpu(gpu):
+    rows, cols = np.array([0, 1, 7, 65535, 294655]), 300
+    on_gpu = run_on(gpu, lambda r: hashed_grid(jnp, r, jnp.arange(cols, dtype=jnp.uint32), 12345, jnp.bfloat16),
+                    rows.astype(np.uint32))
+    ref.assert_bitwise_equal(on_gpu, host_grid(rows, cols, 12345, jnp.bfloat16), what="hashed grid", context="")
+    values = np.unique(np.asarray(host_grid(np.arange(1000), 64, 1, jnp.float32)))
+    np.testing.assert_array_equal(values, np.arange(-8, 9) / 16)
+
+
+# -- helpers --------------------------------------------------------------------------
+
+
+def run_on(device, fn, *args):
+    """jax.jit(fn) with every input committed to `device`; the outputs as NumPy arrays, after
+    checking that they were computed there."""
+    out = jax.jit(fn)(*jax.device_put(args, device))
+    for leaf in jax.tree.leaves(out):
+        assert leaf.devices() == {device}, f"an output is on {leaf.devices()}, expected {device}"
+    return jax.tree.map(np.asarray, out)
+
+
+def assert_same_bits(gpu_out, cpu_out, *, what: str, context: str, row_chunk: int = 16384) -> None:
+    """The GPU's output equals the CPU implementation's bit for bit (a chunk of rows at a time)."""
+    for (path, g), c in zip(jax.tree_util.tree_leaves_with_path(gpu_out), jax.tree.leaves(cpu_out)):
+        name = f"{what}{jax.tree_util.keystr(path)}"
+        assert g.shape == c.shape and g.dtype == c.dtype, f"{name}: GPU {g.dtype}{g.shape}, CPU {c.dtype}{c.shape}"
+        for start in range(0, max(g.shape[0], 1), row_chunk):
+            ref.assert_bitwise_equal(g[start : start + row_chunk], c[start : start + row_chunk],
+                                     what=f"GPU vs CPU {name} rows from {start}", context=context)
+
+
+def sample_indices(rng, n: int) -> np.ndarray:
+    """SAMPLE random indices of range(n), the first and the last included."""
+    return np.unique(np.concatenate([[0, n - 1], rng.integers(0, n, SAMPLE)]))
+
+
+def exact(values_f64: np.ndarray, dtype) -> np.ndarray:
+    """An exact float64 value rounded once to dtype (exact in float32 on these grids)."""
+    assert np.array_equal(values_f64.astype(np.float32).astype(np.float64), values_f64), "not exact in float32"
+    return values_f64.astype(np.float32).astype(np.dtype(jnp.dtype(dtype)))
+
+
+def inputs(model, num_tokens, dtype, align_size, rng):
+    routing_map = ref.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, VARIANT_OF_ALIGN[align_size])
+    x = grid_tokens(rng, (num_tokens, model.hidden), dtype)
+    probs = grid_weights(rng, routing_map.shape, dtype)
+    return x, routing_map, probs
+
+
+# -- dispatch ------------------------------------------------------------------------
+
+SALT_ROWS, SALT_PROBS, SALT_OUT = 0x51, 0x52, 0x53
+
+
+def dispatch_fn(topk, align_size):
+    def fn(x, routing_map, probs):
+        return permutation.dispatch(x, routing_map, probs=probs, topk=topk, align_size=align_size)
+
+    return fn
+
+
+def dispatch_vjp_fn(topk, align_size):
+    """d x and d probs for cotangents made on the device (hashed grids)."""
+
+    def fn(x, routing_map, probs):
+        outs, vjp = jax.vjp(lambda x, p: (lambda d: (d.tokens, d.probs))(dispatch_fn(topk, align_size)(x, routing_map, p)),
+                            x, probs)
+        num_rows, hidden = outs[0].shape
+        g_tokens = device_grid(num_rows, hidden, SALT_ROWS, x.dtype)
+        g_probs = device_grid(num_rows, 1, SALT_PROBS, probs.dtype)[:, 0]
+        return vjp((g_tokens, g_probs))
+
+    return fn
+
+
+@BIG_CASES
+def test_dispatch_and_its_vjp_on_gpu_match_the_cpu_and_the_reference(model, num_tokens, dtype, align_size, gpu, cpu,
+                                                                    seed, rng):
+    x, routing_map, probs = inputs(model, num_tokens, dtype, align_size, rng)
+    context = f"{model.name}, T={num_tokens}, {jnp.dtype(dtype).name}, align_size={align_size}, seed={seed}"
+    fn = dispatch_fn(model.topk, align_size)
+    gpu_d = run_on(gpu, fn, x, routing_map, probs)
+    # Every row against the reference (bit for bit), then against the CPU implementation.
+    layout = ref.check_dispatch(gpu_d, x, routing_map, probs, num_out_tokens=num_tokens * model.topk,
+                                align_size=align_size, context=f"GPU, {context}")
+    cpu_d = run_on(cpu, fn, x, routing_map, probs)
+    assert_same_bits(gpu_d, cpu_d, what="dispatch", context=context)
+    del gpu_d, cpu_d
+
+    bwd = dispatch_vjp_fn(model.topk, align_size)
+    gpu_dx, gpu_dp = run_on(gpu, bwd, x, routing_map, probs)
+    cpu_dx, cpu_dp = run_on(cpu, bwd, x, routing_map, probs)
+    assert_same_bits((gpu_dx, gpu_dp), (cpu_dx, cpu_dp), what="dispatch vjp", context=context)
+    # d probs: the cotangent of each (t, e)'s row, in full.
+    g_probs = host_grid(np.arange(layout.num_rows), 1, SALT_PROBS, dtype)[:, 0]
+    _, expected_dp = ref.dispatch_backward(np.zeros((layout.num_rows, 1)), g_probs, layout.dest_rows)
+    ref.assert_bitwise_equal(gpu_dp, expected_dp.astype(probs.dtype), what="GPU d probs", context=context)
+    # d tokens on a sample of tokens: the sum of the cotangent rows of their copies.
+    tokens = sample_indices(rng, num_tokens)
+    dest = layout.dest_rows[tokens]
+    needed = np.unique(dest[dest >= 0])
+    g_rows = host_grid(needed, model.hidden, SALT_ROWS, dtype)
+    compact_dest = np.where(dest >= 0, np.searchsorted(needed, dest), -1)
+    expected_dx, _ = ref.dispatch_backward(g_rows, None, compact_dest)
+    ref.assert_bitwise_equal(gpu_dx[tokens], exact(expected_dx, dtype), what="GPU d tokens (sampled tokens)",
+                             context=context)
+
+
+# -- combine -------------------------------------------------------------------------
+
+
+def combine_fn(hidden: int, dtype):
+    """combine of hashed expert rows (NaN on the rows no token points to: never read), and its
+    vjp for a hashed cotangent."""
+
+    def fn(row_id_map, merging_probs):
+        num_rows, num_tokens = row_id_map.source_tokens.shape[0], row_id_map.dest_rows.shape[0]
+        rows = device_grid(num_rows, hidden, SALT_ROWS, dtype)
+        rows = jnp.where((row_id_map.source_tokens >= 0)[:, None], rows, jnp.nan).astype(dtype)
+        out, vjp = jax.vjp(lambda y, w: permutation.combine(y, row_id_map, merging_probs=w), rows, merging_probs)
+        d_rows, d_probs = vjp(device_grid(num_tokens, hidden, SALT_OUT, dtype))
+        return out, d_rows, d_probs
+
+    return fn
+
+
+def reference_row_id_map(layout):
+    return permutation.RowIdMap(dest_rows=jnp.asarray(layout.dest_rows, jnp.int32),
+                                source_tokens=jnp.asarray(layout.source_tokens, jnp.int32))
+
+
+@BIG_CASES
+def test_combine_and_its_vjp_on_gpu_match_the_cpu_and_the_reference(model, num_tokens, dtype, align_size, gpu, cpu,
+                                                                    seed, rng):
+    routing_map = ref.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, VARIANT_OF_ALIGN[align_size])
+    merging_probs = grid_weights(rng, routing_map.shape, dtype)
+    layout = ref.dispatch_layout(routing_map, num_out_tokens=num_tokens * model.topk, align_size=align_size)
+    row_id_map = reference_row_id_map(layout)
+    context = f"{model.name}, T={num_tokens}, {jnp.dtype(dtype).name}, align_size={align_size}, seed={seed}"
+    fn = combine_fn(model.hidden, dtype)
+    gpu_out = run_on(gpu, fn, row_id_map, merging_probs)
+    cpu_out = run_on(cpu, fn, row_id_map, merging_probs)
+    assert_same_bits(gpu_out, cpu_out, what="combine and vjp", context=context)
+    del cpu_out
+    out, d_rows, d_probs = gpu_out
+
+    # The reference on a sample of tokens: out[t] = sum_e w y[row]; d merging_probs[t, e] = g[t] . y[row].
+    tokens = sample_indices(rng, num_tokens)
+    dest = layout.dest_rows[tokens]
+    needed = np.unique(dest[dest >= 0])
+    y = host_grid(needed, model.hidden, SALT_ROWS, dtype)
+    compact_dest = np.where(dest >= 0, np.searchsorted(needed, dest), -1)
+    g = host_grid(tokens, model.hidden, SALT_OUT, dtype)
+    expected_out = ref.combine(y, compact_dest, merging_probs[tokens])
+    ref.assert_bitwise_equal(out[tokens], exact(expected_out, dtype), what="GPU combine (sampled tokens)",
+                             context=context)
+    _, expected_dp = ref.combine_backward(g, y, compact_dest, merging_probs[tokens])
+    ref.assert_bitwise_equal(d_probs[tokens], exact(expected_dp, dtype), what="GPU d merging_probs (sampled tokens)",
+                             context=context)
+    # d expert_tokens: w[t, e] * g[t] on the rows of the sampled tokens, exactly zero on every row
+    # no (t, e) refers to.
+    rows_of_sample = dest[dest >= 0]
+    t_of_rows = np.broadcast_to(tokens[:, None], dest.shape)[dest >= 0]
+    w_of_rows = ref.as_f64(merging_probs[tokens])[dest >= 0]
+    expected_rows = w_of_rows[:, None] * ref.as_f64(host_grid(t_of_rows, model.hidden, SALT_OUT, dtype))
+    ref.assert_bitwise_equal(d_rows[rows_of_sample], exact(expected_rows, dtype),
+                             what="GPU d expert_tokens (rows of sampled tokens)", context=context)
+    unused = np.flatnonzero(layout.source_tokens < 0)
+    ref.assert_bitwise_equal(d_rows[unused], np.zeros((len(unused), model.hidden), d_rows.dtype),
+                             what="GPU d expert_tokens on padding and unused rows", context=context)
+
+
+# -- sort_chunks / unsort_chunks ------------------------------------------------------
+
+
+def chunk_cases():
+    # Rows after an expert-parallel all-to-all: T * k rows of the model's hidden size, in chunks
+    # (source shard, local expert): 8 shards x (E / 8) local experts.
+    cases = []
+    for model in ref.MODEL_SHAPES:
+        for name, dtype in DTYPES.items():
+            num_tokens = DEEPSEEK_F32_TOKENS if (model is ref.DEEPSEEK_V3 and name == "f32") else BIG_TOKENS
+            num_rows = num_tokens * model.topk // (4 if model is ref.DEEPSEEK_V3 else 1)
+            cases.append(pytest.param(model, num_rows, dtype, 8 * (model.num_experts // 8),
+                                      id=f"{model.name}-N{num_rows}-{name}"))
+    return cases
+
+
+def chunks_for(rng, num_rows, num_chunks):
+    sizes = rng.multinomial(int(num_rows * rng.uniform(0.85, 1.0)), np.ones(num_chunks) / num_chunks)
+    sizes[rng.random(num_chunks) < 0.1] = 0
+    return sizes.astype(np.int32), rng.permutation(num_chunks).astype(np.int32)
+
+
+def sort_fn(inverse: bool):
+    """sort (or unsort) of x and the vjp of a hashed cotangent."""
+
+    def fn(x, sizes, order):
+        f = permutation.unsort_chunks if inverse else permutation.sort_chunks
+        out, vjp = jax.vjp(lambda x: f(x, sizes, order), x)
+        (dx,) = vjp(device_grid(x.shape[0], x.shape[1], SALT_OUT, x.dtype))
+        return out, dx
+
+    return fn
+
+
+@pytest.mark.parametrize("model, num_rows, dtype, num_chunks", chunk_cases())
+@pytest.mark.parametrize("inverse", [False, True], ids=["sort", "unsort"])
+def test_sort_and_unsort_chunks_and_their_vjps_on_gpu_match_the_cpu_and_the_reference(
+        model, num_rows, dtype, num_chunks, inverse, gpu, cpu, seed, rng):
+    x = grid_tokens(rng, (num_rows, model.hidden), dtype)
+    sizes, order = chunks_for(rng, num_rows, num_chunks)
+    context = f"{model.name}, N={num_rows}, C={num_chunks}, {jnp.dtype(dtype).name}, seed={seed}"
+    fn = sort_fn(inverse)
+    gpu_out, gpu_dx = run_on(gpu, fn, x, sizes, order)
+    cpu_out, cpu_dx = run_on(cpu, fn, x, sizes, order)
+    assert_same_bits((gpu_out, gpu_dx), (cpu_out, cpu_dx), what="unsort" if inverse else "sort", context=context)
+    del cpu_out, cpu_dx
+    forward = ref.unsort_chunks_sources if inverse else ref.sort_chunks_sources
+    backward = ref.sort_chunks_sources if inverse else ref.unsort_chunks_sources
+    # Every row of the output; the gradient's rows on a sample (its cotangent lives on the device).
+    sources = forward(num_rows, sizes, order)
+    for start in range(0, num_rows, 16384):
+        ref.assert_bitwise_equal(gpu_out[start : start + 16384], ref.gather_rows(x, sources[start : start + 16384]),
+                                 what=f"GPU output rows from {start}", context=context)
+    rows = sample_indices(rng, num_rows)
+    grad_sources = backward(num_rows, sizes, order)[rows]
+    g = host_grid(np.maximum(grad_sources, 0), model.hidden, SALT_OUT, dtype)
+    g[grad_sources < 0] = 0
+    ref.assert_bitwise_equal(gpu_dx[rows], g, what="GPU d tokens (sampled rows)", context=context)
+
+
+# -- poison: outputs placed in memory that was just full of NaN --------------------------
+
+
+def poison(device, sizes) -> list[tuple[int, int]]:
+    """Fills fresh device buffers of the given byte sizes with 0xFF bytes (a NaN in every float
+    dtype), waits, then frees them: XLA's best-fit allocator hands those bytes to the next
+    allocations of about those sizes. Returns the address ranges they covered."""
+    buffers = [jax.device_put(jnp.full((-(-n // 4),), 0xFFFFFFFF, jnp.uint32), device) for n in sizes]
+    jax.block_until_ready(buffers)
+    ranges = [(b.unsafe_buffer_pointer(), b.unsafe_buffer_pointer() + b.nbytes) for b in buffers]
+    for b in buffers:
+        b.delete()
+    return ranges
+
+
+def run_poisoned(device, fn, *args):
+    """fn (jitted, inputs on device) run once to compile, then again on poisoned memory; the
+    second run's outputs as NumPy arrays. The first run's outputs stay alive, so that the
+    second's cannot simply reuse their (clean) memory; the poison buffers have the outputs'
+    sizes, and twice their total. On a real GPU, checks that every output of 1 MiB or more
+    has at least half its bytes in poisoned memory (else the test would prove nothing)."""
+    jitted = jax.jit(fn)
+    args = jax.block_until_ready(jax.device_put(args, device))
+    first = jax.block_until_ready(jitted(*args))
+    sizes = [leaf.nbytes for leaf in jax.tree.leaves(first)]
+    ranges = poison(device, sizes + [2 * sum(sizes)])
+    out = jax.block_until_ready(jitted(*args))
+    if not STAND_IN:
+        for path, leaf in jax.tree_util.tree_leaves_with_path(out):
+            start = leaf.unsafe_buffer_pointer()
+            end = start + leaf.nbytes
+            poisoned = sum(max(0, min(end, b) - max(start, a)) for a, b in ranges)
+            assert leaf.nbytes < (1 << 20) or 2 * poisoned >= leaf.nbytes, (
+                f"output {jax.tree_util.keystr(path)} ({leaf.nbytes} bytes at {start:#x}) lies {poisoned} bytes in the "
+                f"poisoned ranges {[(hex(a), hex(b)) for a, b in ranges]}: the allocator did not reuse them, so this "
+                "test checks nothing")
+    del first
+    return jax.tree.map(np.asarray, out)
+
+
+def assert_no_nan(tree, *, what: str, context: str) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if leaf.dtype.kind == "f":
+            nan = np.isnan(leaf.astype(np.float32))
+            assert not nan.any(), (f"{what}{jax.tree_util.keystr(path)}: {int(nan.sum())} NaN "
+                                   f"(first at {np.argwhere(nan)[0].tolist()}) left from the poisoned memory ({context})")
+
+
+POISON_MODELS = pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], ids=lambda m: m.name)
+
+
+@POISON_MODELS
+@pytest.mark.parametrize("align_size", [None, 128], ids=lambda a: f"align{a}")
+def test_dispatch_on_poisoned_memory_zeroes_padding_and_tail_rows(model, align_size, gpu, seed, rng):
+    # A ragged map: padding rows (align_size) and tail rows (fewer entries than T * k).
+    num_tokens, dtype = BIG_TOKENS, jnp.bfloat16
+    routing_map = ref.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, "ragged")
+    x = grid_tokens(rng, (num_tokens, model.hidden), dtype)
+    probs = grid_weights(rng, routing_map.shape, dtype)
+    context = f"{model.name}, T={num_tokens}, align_size={align_size}, seed={seed}"
+    d = run_poisoned(gpu, dispatch_fn(model.topk, align_size), x, routing_map, probs)
+    assert_no_nan(d, what="dispatch", context=context)
+    layout = ref.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_tokens * model.topk,
+                                align_size=align_size, context=context)
+    assert (layout.source_tokens < 0).sum() > 0, "the test meant to leave padding / tail rows"
+    dx, dp = run_poisoned(gpu, dispatch_vjp_fn(model.topk, align_size), x, routing_map, probs)
+    assert_no_nan((dx, dp), what="dispatch vjp", context=context)
+    # A token routed nowhere gets an exactly zero gradient.
+    nowhere = np.flatnonzero(~routing_map.any(axis=1))
+    ref.assert_bitwise_equal(dx[nowhere], np.zeros((len(nowhere), model.hidden), dx.dtype),
+                             what="d tokens of unrouted tokens", context=context)
+    ref.assert_bitwise_equal(dp[~routing_map], np.zeros(int((~routing_map).sum()), dp.dtype),
+                             what="d probs off the map", context=context)
+
+
+@POISON_MODELS
+@pytest.mark.parametrize("align_size", [None, 128], ids=lambda a: f"align{a}")
+@pytest.mark.parametrize("with_probs", [True, False], ids=["merging_probs", "no_merging_probs"])
+def test_combine_backward_on_poisoned_memory_zeroes_the_rows_no_token_uses(model, align_size, with_probs, gpu, seed,
+                                                                            rng):
+    num_tokens, dtype = BIG_TOKENS, jnp.bfloat16
+    routing_map = ref.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, "ragged")
+    layout = ref.dispatch_layout(routing_map, num_out_tokens=num_tokens * model.topk, align_size=align_size)
+    merging_probs = grid_weights(rng, routing_map.shape, dtype) if with_probs else None
+    hidden = model.hidden
+
+    def fn(row_id_map, merging_probs):
+        rows = device_grid(layout.num_rows, hidden, SALT_ROWS, dtype)
+        out, vjp = jax.vjp(lambda y: permutation.combine(y, row_id_map, merging_probs=merging_probs), rows)
+        (d_rows,) = vjp(device_grid(num_tokens, hidden, SALT_OUT, dtype))
+        return out, d_rows
+
+    context = f"{model.name}, T={num_tokens}, align_size={align_size}, merging_probs={with_probs}, seed={seed}"
+    out, d_rows = run_poisoned(gpu, fn, reference_row_id_map(layout), merging_probs)
+    assert_no_nan((out, d_rows), what="combine and d expert_tokens", context=context)
+    unused = np.flatnonzero(layout.source_tokens < 0)
+    assert len(unused) > 0, "the test meant to leave padding / tail rows"
+    ref.assert_bitwise_equal(d_rows[unused], np.zeros((len(unused), hidden), d_rows.dtype),
+                             what="d expert_tokens on padding / unused rows", context=context)
+    nowhere = np.flatnonzero(~routing_map.any(axis=1))
+    ref.assert_bitwise_equal(out[nowhere], np.zeros((len(nowhere), hidden), out.dtype),
+                             what="combine of tokens routed nowhere", context=context)
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["sort", "unsort"])
+def test_sort_chunks_on_poisoned_memory_zeroes_the_rows_past_the_chunks(inverse, gpu, seed, rng):
+    num_rows, hidden, dtype = BIG_TOKENS * 2, 1024, jnp.bfloat16
+    x = grid_tokens(rng, (num_rows, hidden), dtype)
+    sizes, order = chunks_for(rng, num_rows, 32)
+    sizes = (sizes * 0.7).astype(np.int32)  # a long tail of rows in no chunk
+    context = f"sizes={sizes.tolist()}, order={order.tolist()}, seed={seed}"
+    out, dx = run_poisoned(gpu, sort_fn(inverse), x, sizes, order)
+    assert_no_nan((out, dx), what="sort_chunks and vjp", context=context)
+    forward = ref.unsort_chunks_sources if inverse else ref.sort_chunks_sources
+    ref.assert_bitwise_equal(out, ref.gather_rows(x, forward(num_rows, sizes, order)), what="GPU output",
+                             context=context)
+    tail = int(sizes.sum())
+    ref.assert_bitwise_equal(dx[tail:], np.zeros((num_rows - tail, hidden), dx.dtype),
+                             what="d tokens past the chunks", context=context)
