@@ -82,26 +82,35 @@ count_routed(const unsigned char* __restrict__ routing_map, int tokens, int expe
   }
 }
 
-// In-place exclusive prefix sum of values[0, n) by a block of BLOCK threads
-// (one value per thread per step); returns the total.
-template <int BLOCK, typename V>
+// In-place exclusive prefix sum of values[0, n) by a block of BLOCK threads,
+// each taking ITEMS consecutive values per step; returns the total.
+template <int BLOCK, int ITEMS, typename V>
 __device__ V block_exclusive_scan(V* values, int n) {
   __shared__ V warp_totals[BLOCK / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   V carry = 0;
-  for (int first = 0; first < n; first += BLOCK) {
-    const int i = first + threadIdx.x;
-    const V v = i < n ? values[i] : V(0);
-    const V inclusive = warp_inclusive_scan(v);
+  for (int first = 0; first < n; first += BLOCK * ITEMS) {
+    const int mine = first + threadIdx.x * ITEMS;
+    V items[ITEMS], sum = 0;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      items[i] = mine + i < n ? values[mine + i] : V(0);
+      sum += items[i];
+    }
+    const V inclusive = warp_inclusive_scan(sum);
     if (lane == 31) warp_totals[warp] = inclusive;
     __syncthreads();
-    V before = carry, total = carry;
+    V before = carry + inclusive - sum, total = carry;
 #pragma unroll
     for (int w = 0; w < BLOCK / 32; ++w) {
       if (w < warp) before += warp_totals[w];
       total += warp_totals[w];
     }
-    if (i < n) values[i] = before + inclusive - v;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (mine + i < n) values[mine + i] = before;
+      before += items[i];
+    }
     carry = total;
     __syncthreads();
   }
@@ -109,10 +118,10 @@ __device__ V block_exclusive_scan(V* values, int n) {
 }
 
 // A block per expert: its chunk counts become each chunk's first rank (in
-// place); its total goes to routed[e].
+// place, 8192 chunks per step); its total goes to routed[e].
 extern "C" __global__ void __launch_bounds__(SCAN_BLOCK)
 rank_chunks(int* __restrict__ chunk_ranks, int num_chunks, int* __restrict__ routed) {
-  const int total = block_exclusive_scan<SCAN_BLOCK>(chunk_ranks + static_cast<size_t>(blockIdx.x) * num_chunks, num_chunks);
+  const int total = block_exclusive_scan<SCAN_BLOCK, 8>(chunk_ranks + static_cast<size_t>(blockIdx.x) * num_chunks, num_chunks);
   if (threadIdx.x == 0) routed[blockIdx.x] = total;
 }
 
@@ -131,12 +140,12 @@ assign_rows(const unsigned char* __restrict__ routing_map, const float* __restri
   for (int e = threadIdx.x; e < experts; e += MAP_BLOCK)
     expert_start[e] = (static_cast<long long>(routed[e]) + align - 1) / align * align;
   __syncthreads();
-  block_exclusive_scan<MAP_BLOCK>(expert_start, experts);
+  block_exclusive_scan<MAP_BLOCK, 1>(expert_start, experts);
   if (blockIdx.x == 0) {
     long long* unpadded_start = starts + experts;
     for (int e = threadIdx.x; e < experts; e += MAP_BLOCK) unpadded_start[e] = routed[e];
     __syncthreads();
-    block_exclusive_scan<MAP_BLOCK>(unpadded_start, experts);
+    block_exclusive_scan<MAP_BLOCK, 1>(unpadded_start, experts);
     for (int e = threadIdx.x; e < experts; e += MAP_BLOCK) {
       const long long start = expert_start[e], count = routed[e];
       const long long padded = (count + align - 1) / align * align;
@@ -371,7 +380,7 @@ sort_chunks(const T* __restrict__ in, const int* __restrict__ split_sizes, const
 
   for (int j = threadIdx.x; j < chunks; j += ROW_BLOCK) scan[j] = min(max(split_sizes[j], 0), rows);
   __syncthreads();
-  block_exclusive_scan<ROW_BLOCK>(scan, chunks);
+  block_exclusive_scan<ROW_BLOCK, 1>(scan, chunks);
   for (int j = threadIdx.x; j < chunks; j += ROW_BLOCK) {
     const int start = static_cast<int>(min(scan[j], static_cast<long long>(rows)));
     source_start[j] = start;
@@ -386,7 +395,7 @@ sort_chunks(const T* __restrict__ in, const int* __restrict__ split_sizes, const
     if (listed) atomicMin(&position[j], p);
   }
   __syncthreads();
-  block_exclusive_scan<ROW_BLOCK>(scan, chunks);
+  block_exclusive_scan<ROW_BLOCK, 1>(scan, chunks);
   for (int p = threadIdx.x; p < chunks; p += ROW_BLOCK)
     sorted_start[p] = static_cast<int>(min(scan[p], static_cast<long long>(rows)));
   __syncthreads();
