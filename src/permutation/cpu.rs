@@ -141,8 +141,9 @@ pub fn combine<T: Real>(
                     }
                 };
                 let w = weights.map_or(1.0, |w| w[t * experts + x]);
+                // Fused, as the GPU does it, so both round alike.
                 for (s, &v) in sum.iter_mut().zip(&expert_tokens[row * hidden..(row + 1) * hidden]) {
-                    *s += w * v.to_f32();
+                    *s = w.mul_add(v.to_f32(), *s);
                 }
             }
             for (o, &s) in out_row.iter_mut().zip(sum.iter()) {
