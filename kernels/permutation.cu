@@ -188,36 +188,49 @@ struct Routes {
   bool invalid;  // an entry that is neither -1 nor a row of the output
 };
 
-// Warp 0 lists the copies of one token (its row of dest_rows); the block waits.
+// Tokens a row-kernel block moves: the copies of up to 4 tokens are listed at
+// once (a warp each), so that only one wait on dest_rows starts their work.
+// Rows of many experts keep one token a block (the lists are E entries).
+__host__ __device__ constexpr int tokens_per_block(int experts) { return experts <= 512 ? 4 : 1; }
+
+// The calling warp lists the copies of one token (its row of dest_rows).
 template <int E>
 __device__ __forceinline__ void list_routes(const int* __restrict__ dest_row, int rows, Routes<E>& routes) {
-  if (threadIdx.x < 32) {
-    constexpr int SEGMENT = (E + 31) / 32;
-    const int lane = threadIdx.x;
-    int entries[SEGMENT];
-    int mine = 0;
-    bool invalid = false;
+  constexpr int SEGMENT = (E + 31) / 32;
+  const int lane = threadIdx.x & 31;
+  int entries[SEGMENT];
+  int mine = 0;
+  bool invalid = false;
 #pragma unroll
-    for (int s = 0; s < SEGMENT; ++s) {
-      const int e = lane * SEGMENT + s;
-      entries[s] = e < E ? dest_row[e] : -1;
-      mine += entries[s] >= 0 && entries[s] < rows;
-      invalid |= entries[s] < -1 || entries[s] >= rows;
-    }
-    const int inclusive = warp_inclusive_scan(mine);
-    int at = inclusive - mine;
-#pragma unroll
-    for (int s = 0; s < SEGMENT; ++s) {
-      if (entries[s] >= 0 && entries[s] < rows) {
-        routes.rows[at] = entries[s];
-        routes.experts[at] = lane * SEGMENT + s;
-        ++at;
-      }
-    }
-    invalid = __any_sync(0xffffffffu, invalid);
-    if (lane == 31) routes.count = inclusive;
-    if (lane == 0) routes.invalid = invalid;
+  for (int s = 0; s < SEGMENT; ++s) {
+    const int e = lane * SEGMENT + s;
+    entries[s] = e < E ? dest_row[e] : -1;
+    mine += entries[s] >= 0 && entries[s] < rows;
+    invalid |= entries[s] < -1 || entries[s] >= rows;
   }
+  const int inclusive = warp_inclusive_scan(mine);
+  int at = inclusive - mine;
+#pragma unroll
+  for (int s = 0; s < SEGMENT; ++s) {
+    if (entries[s] >= 0 && entries[s] < rows) {
+      routes.rows[at] = entries[s];
+      routes.experts[at] = lane * SEGMENT + s;
+      ++at;
+    }
+  }
+  invalid = __any_sync(0xffffffffu, invalid);
+  if (lane == 31) routes.count = inclusive;
+  if (lane == 0) routes.invalid = invalid;
+}
+
+// Warp w lists the copies of token first + w (for the block's tokens); the block waits.
+template <int E, int TOKENS>
+__device__ __forceinline__ void list_block_routes(const int* __restrict__ dest_rows, int first, int tokens, int rows,
+                                                  Routes<E> (&routes)[TOKENS]) {
+  static_assert(TOKENS <= ROW_BLOCK / 32, "a warp per token");
+  const int warp = threadIdx.x / 32;
+  if (warp < TOKENS && first + warp < tokens)
+    list_routes<E>(dest_rows + static_cast<size_t>(first + warp) * E, rows, routes[warp]);
   __syncthreads();
 }
 
@@ -243,120 +256,135 @@ __device__ __forceinline__ void zero_unused_rows(T* __restrict__ out, const int*
   }
 }
 
-// Blocks [0, tokens): token t's row of `src` to each of its copies' rows of
-// `out`, scaled by weights[t, e] when WEIGHTED; then, when WEIGHTED, the
-// weights' gradient grad_weights[t, e] = <src[t], expert_tokens[row]>
-// (combine's backward). Blocks past `tokens`: zero the rows no copy uses.
+// The first blocks (tokens_per_block(E) tokens each): token t's row of `src`
+// to each of its copies' rows of `out`, scaled by weights[t, e] when
+// WEIGHTED; then, when WEIGHTED, the weights' gradient grad_weights[t, e] =
+// <src[t], expert_tokens[row]> (combine's backward). The blocks after them
+// zero the rows no copy uses.
 template <typename T, int H, int E, bool WEIGHTED>
 __global__ void __launch_bounds__(ROW_BLOCK)
 scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const int* __restrict__ source_tokens,
              const float* __restrict__ weights, const T* __restrict__ expert_tokens,
              float* __restrict__ grad_weights, T* __restrict__ out, int tokens, int rows) {
   using Shape = RowShape<T, H>;
-  if (static_cast<int>(blockIdx.x) >= tokens) {
-    zero_unused_rows<T, H>(out, source_tokens, rows, static_cast<long long>(blockIdx.x - tokens) * ZERO_ROWS);
+  constexpr int TOKENS = tokens_per_block(E);
+  const int token_blocks = (tokens + TOKENS - 1) / TOKENS;
+  if (static_cast<int>(blockIdx.x) >= token_blocks) {
+    zero_unused_rows<T, H>(out, source_tokens, rows, static_cast<long long>(blockIdx.x - token_blocks) * ZERO_ROWS);
     return;
   }
-  __shared__ Routes<E> routes;
-  __shared__ float dots[E];
-  const int t = blockIdx.x;
-  const int* dest_row = dest_rows + static_cast<size_t>(t) * E;
-  list_routes<E>(dest_row, rows, routes);
-  const T* in = src + static_cast<size_t>(t) * H;
-  float dot[WEIGHTED ? E : 1];
-  if (WEIGHTED) {
-    for (int i = 0; i < routes.count; ++i) dot[i] = 0.f;
-  }
+  __shared__ Routes<E> block_routes[TOKENS];
+  __shared__ float dots[TOKENS][WEIGHTED ? E : 1];
+  const int first = blockIdx.x * TOKENS;
+  list_block_routes<E, TOKENS>(dest_rows, first, tokens, rows, block_routes);
 
-  for (int chunk = 0; chunk < Shape::VECTORS; chunk += Shape::CHUNK) {
-    typename Shape::Vec v[Shape::PER_THREAD];
-#pragma unroll
-    for (int j = 0; j < Shape::PER_THREAD; ++j) {
-      const int at = chunk + j * ROW_BLOCK + threadIdx.x;
-      if (at < Shape::VECTORS) v[j] = load_vector<T, H>(in, at);
+  for (int k = 0; k < TOKENS && first + k < tokens; ++k) {
+    const int t = first + k;
+    const Routes<E>& routes = block_routes[k];
+    const T* in = src + static_cast<size_t>(t) * H;
+    float dot[WEIGHTED ? E : 1];
+    if (WEIGHTED) {
+      for (int i = 0; i < routes.count; ++i) dot[i] = 0.f;
     }
-    for (int i = 0; i < routes.count; ++i) {
-      T* dst = out + static_cast<size_t>(routes.rows[i]) * H;
-      const float w = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i]] : 1.f;
-      const T* y = WEIGHTED ? expert_tokens + static_cast<size_t>(routes.rows[i]) * H : nullptr;
-      float partial = 0.f;
+
+    for (int chunk = 0; chunk < Shape::VECTORS; chunk += Shape::CHUNK) {
+      typename Shape::Vec v[Shape::PER_THREAD];
 #pragma unroll
       for (int j = 0; j < Shape::PER_THREAD; ++j) {
         const int at = chunk + j * ROW_BLOCK + threadIdx.x;
-        if (at >= Shape::VECTORS) continue;
-        if constexpr (WEIGHTED) {
-          typename Shape::Vec scaled, other = load_vector<T, H>(y, at);
-#pragma unroll
-          for (int k = 0; k < Shape::PER; ++k) {
-            const float g = to_float(v[j].elems[k]);
-            scaled.elems[k] = from_float<T>(w * g);
-            partial += g * to_float(other.elems[k]);
-          }
-          store_vector<T, H>(dst, at, scaled);
-        } else {
-          store_vector<T, H>(dst, at, v[j]);
-        }
+        if (at < Shape::VECTORS) v[j] = load_vector<T, H>(in, at);
       }
-      if (WEIGHTED) dot[i] += partial;
+      for (int i = 0; i < routes.count; ++i) {
+        T* dst = out + static_cast<size_t>(routes.rows[i]) * H;
+        const float w = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i]] : 1.f;
+        const T* y = WEIGHTED ? expert_tokens + static_cast<size_t>(routes.rows[i]) * H : nullptr;
+        float partial = 0.f;
+#pragma unroll
+        for (int j = 0; j < Shape::PER_THREAD; ++j) {
+          const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+          if (at >= Shape::VECTORS) continue;
+          if constexpr (WEIGHTED) {
+            typename Shape::Vec scaled, other = load_vector<T, H>(y, at);
+#pragma unroll
+            for (int e = 0; e < Shape::PER; ++e) {
+              const float g = to_float(v[j].elems[e]);
+              scaled.elems[e] = from_float<T>(w * g);
+              partial += g * to_float(other.elems[e]);
+            }
+            store_vector<T, H>(dst, at, scaled);
+          } else {
+            store_vector<T, H>(dst, at, v[j]);
+          }
+        }
+        if (WEIGHTED) dot[i] += partial;
+      }
     }
-  }
 
-  if constexpr (WEIGHTED) {
-    for (int i = 0; i < routes.count; ++i) {
-      const float total = block_sum<ROW_BLOCK>(dot[i]);
-      if (threadIdx.x == 0) dots[i] = total;
-      __syncthreads();  // block_sum's shared memory is reused by the next copy
+    if constexpr (WEIGHTED) {
+      for (int i = 0; i < routes.count; ++i) {
+        const float total = block_sum<ROW_BLOCK>(dot[i]);
+        if (threadIdx.x == 0) dots[k][i] = total;
+        __syncthreads();  // block_sum's shared memory is reused by the next copy
+      }
+      const int* dest_row = dest_rows + static_cast<size_t>(t) * E;
+      float* grad_row = grad_weights + static_cast<size_t>(t) * E;
+      for (int e = threadIdx.x; e < E; e += ROW_BLOCK) {
+        const int r = dest_row[e];
+        grad_row[e] = r == -1 ? 0.f : r < -1 || r >= rows ? __int_as_float(0x7fc00000) : 0.f;
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < routes.count; i += ROW_BLOCK) grad_row[routes.experts[i]] = dots[k][i];
     }
-    float* grad_row = grad_weights + static_cast<size_t>(t) * E;
-    for (int e = threadIdx.x; e < E; e += ROW_BLOCK) {
-      const int r = dest_row[e];
-      grad_row[e] = r == -1 ? 0.f : r < -1 || r >= rows ? __int_as_float(0x7fc00000) : 0.f;
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < routes.count; i += ROW_BLOCK) grad_row[routes.experts[i]] = dots[i];
   }
 }
 
 // out[t] = sum over token t's copies (increasing expert order) of
 // weights[t, e] * expert_tokens[row] (weight 1 unless WEIGHTED), in f32; NaN
-// when its dest_rows row has an entry out of range.
+// when its dest_rows row has an entry out of range. tokens_per_block(E)
+// tokens a block.
 template <typename T, int H, int E, bool WEIGHTED>
 __global__ void __launch_bounds__(ROW_BLOCK)
 gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_rows,
-            const float* __restrict__ weights, T* __restrict__ out, int rows) {
+            const float* __restrict__ weights, T* __restrict__ out, int tokens, int rows) {
   using Shape = RowShape<T, H>;
-  __shared__ Routes<E> routes;
-  const int t = blockIdx.x;
-  list_routes<E>(dest_rows + static_cast<size_t>(t) * E, rows, routes);
-  T* out_row = out + static_cast<size_t>(t) * H;
-  const float poison = routes.invalid ? __int_as_float(0x7fc00000) : 0.f;
+  constexpr int TOKENS = tokens_per_block(E);
+  __shared__ Routes<E> block_routes[TOKENS];
+  const int first = blockIdx.x * TOKENS;
+  list_block_routes<E, TOKENS>(dest_rows, first, tokens, rows, block_routes);
 
-  for (int chunk = 0; chunk < Shape::VECTORS; chunk += Shape::CHUNK) {
-    float sum[Shape::PER_THREAD][Shape::PER];
+  for (int k = 0; k < TOKENS && first + k < tokens; ++k) {
+    const int t = first + k;
+    const Routes<E>& routes = block_routes[k];
+    T* out_row = out + static_cast<size_t>(t) * H;
+    const float poison = routes.invalid ? __int_as_float(0x7fc00000) : 0.f;
+
+    for (int chunk = 0; chunk < Shape::VECTORS; chunk += Shape::CHUNK) {
+      float sum[Shape::PER_THREAD][Shape::PER];
 #pragma unroll
-    for (int j = 0; j < Shape::PER_THREAD; ++j)
+      for (int j = 0; j < Shape::PER_THREAD; ++j)
 #pragma unroll
-      for (int k = 0; k < Shape::PER; ++k) sum[j][k] = poison;
-    for (int i = 0; i < routes.count; ++i) {
-      const T* row = expert_tokens + static_cast<size_t>(routes.rows[i]) * H;
-      const float w = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i]] : 1.f;
+        for (int e = 0; e < Shape::PER; ++e) sum[j][e] = poison;
+      for (int i = 0; i < routes.count; ++i) {
+        const T* row = expert_tokens + static_cast<size_t>(routes.rows[i]) * H;
+        const float w = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i]] : 1.f;
+#pragma unroll
+        for (int j = 0; j < Shape::PER_THREAD; ++j) {
+          const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+          if (at >= Shape::VECTORS) continue;
+          const typename Shape::Vec x = load_vector<T, H>(row, at);
+#pragma unroll
+          for (int e = 0; e < Shape::PER; ++e) sum[j][e] += w * to_float(x.elems[e]);
+        }
+      }
 #pragma unroll
       for (int j = 0; j < Shape::PER_THREAD; ++j) {
         const int at = chunk + j * ROW_BLOCK + threadIdx.x;
         if (at >= Shape::VECTORS) continue;
-        const typename Shape::Vec x = load_vector<T, H>(row, at);
+        typename Shape::Vec y;
 #pragma unroll
-        for (int k = 0; k < Shape::PER; ++k) sum[j][k] += w * to_float(x.elems[k]);
+        for (int e = 0; e < Shape::PER; ++e) y.elems[e] = from_float<T>(sum[j][e]);
+        store_vector<T, H>(out_row, at, y);
       }
-    }
-#pragma unroll
-    for (int j = 0; j < Shape::PER_THREAD; ++j) {
-      const int at = chunk + j * ROW_BLOCK + threadIdx.x;
-      if (at >= Shape::VECTORS) continue;
-      typename Shape::Vec y;
-#pragma unroll
-      for (int k = 0; k < Shape::PER; ++k) y.elems[k] = from_float<T>(sum[j][k]);
-      store_vector<T, H>(out_row, at, y);
     }
   }
 }

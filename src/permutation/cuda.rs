@@ -56,9 +56,24 @@ fn int(value: usize) -> i32 {
     i32::try_from(value).expect("sizes were checked to fit int32")
 }
 
-/// One block per token, then one per `ZERO_ROWS` output rows.
-fn token_and_zero_blocks(tokens: usize, rows: usize) -> Result<LaunchConfig> {
-    Ok(LaunchConfig { grid: grid(tokens + rows.div_ceil(ZERO_ROWS))?, block: ROW_BLOCK, shared_bytes: 0 })
+/// Tokens a row-kernel block moves (`tokens_per_block` in the kernels).
+fn tokens_per_block(experts: usize) -> usize {
+    if experts <= 512 {
+        4
+    } else {
+        1
+    }
+}
+
+/// The blocks of the tokens' rows.
+fn token_blocks(tokens: usize, experts: usize) -> usize {
+    tokens.div_ceil(tokens_per_block(experts))
+}
+
+/// The blocks of the tokens, then one per `ZERO_ROWS` output rows.
+fn token_and_zero_blocks(tokens: usize, experts: usize, rows: usize) -> Result<LaunchConfig> {
+    let blocks = token_blocks(tokens, experts) + rows.div_ceil(ZERO_ROWS);
+    Ok(LaunchConfig { grid: grid(blocks)?, block: ROW_BLOCK, shared_bytes: 0 })
 }
 
 pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
@@ -104,7 +119,7 @@ pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
         arg(&per_expert), arg(&real), arg(&pads),
     ])?;
     let (src, out, null) = (a.tokens.device_ptr(), a.out_tokens.device_ptr(), 0u64);
-    launch(stream, scatter, token_and_zero_blocks(t, rows)?, &mut [
+    launch(stream, scatter, token_and_zero_blocks(t, e, rows)?, &mut [
         arg(&src), arg(&dest_rows), arg(&source_tokens), arg(&null), arg(&null), arg(&null), arg(&out),
         arg(&tokens_i), arg(&rows_i),
     ])
@@ -116,9 +131,9 @@ pub fn combine_fwd(call: &Call, a: &CombineFwd) -> Result<()> {
     let kernel = Kernel::get(stream, &PERMUTATION, &gather_instance(a.expert_tokens.dtype(), a.hidden, a.experts, weighted)?)?;
     let (src, dest_rows, out) = (a.expert_tokens.device_ptr(), a.dest_rows.device_ptr(), a.out.device_ptr());
     let weights = a.merging_probs.as_ref().map_or(0, |w| w.device_ptr());
-    let rows = int(a.rows);
-    let config = LaunchConfig { grid: grid(a.tokens)?, block: ROW_BLOCK, shared_bytes: 0 };
-    launch(stream, kernel, config, &mut [arg(&src), arg(&dest_rows), arg(&weights), arg(&out), arg(&rows)])
+    let (tokens, rows) = (int(a.tokens), int(a.rows));
+    let config = LaunchConfig { grid: grid(token_blocks(a.tokens, a.experts))?, block: ROW_BLOCK, shared_bytes: 0 };
+    launch(stream, kernel, config, &mut [arg(&src), arg(&dest_rows), arg(&weights), arg(&out), arg(&tokens), arg(&rows)])
 }
 
 pub fn combine_bwd(call: &Call, a: &CombineBwd) -> Result<()> {
@@ -132,7 +147,7 @@ pub fn combine_bwd(call: &Call, a: &CombineBwd) -> Result<()> {
         None => (0, 0, 0),
     };
     let (tokens, rows) = (int(a.tokens), int(a.rows));
-    launch(stream, kernel, token_and_zero_blocks(a.tokens, a.rows)?, &mut [
+    launch(stream, kernel, token_and_zero_blocks(a.tokens, a.experts, a.rows)?, &mut [
         arg(&grad), arg(&dest_rows), arg(&source_tokens), arg(&weights), arg(&expert_tokens), arg(&grad_weights),
         arg(&out), arg(&tokens), arg(&rows),
     ])
