@@ -50,6 +50,22 @@ def pytest_report_header(config):
     ]
 
 
+@pytest.fixture(scope="module")
+def gpu():
+    """The GPU that `gpu`-marked tests run on."""
+    import devices
+
+    return devices.gpu_devices()[0]
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    """A CPU device, whose results the GPU's are checked against."""
+    import jax
+
+    return jax.devices("cpu")[0]
+
+
 @pytest.fixture
 def seed(request) -> int:
     """A fresh seed per test (os.urandom), or OXMOE_TEST_SEED to replay a failure."""

@@ -67,16 +67,6 @@ def big_cases():
 BIG_CASES = pytest.mark.parametrize("model, num_tokens, dtype, align_size", big_cases())
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    return GPUS[0]
-
-
-@pytest.fixture(scope="module")
-def cpu():
-    return jax.devices("cpu")[0]
-
-
 # -- exact data -----------------------------------------------------------------------
 
 

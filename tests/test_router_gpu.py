@@ -63,16 +63,6 @@ def config_cases(configs_at_odd, configs_at_benchmark):
     ]
 
 
-@pytest.fixture(scope="module")
-def gpu():
-    return GPUS[0]
-
-
-@pytest.fixture(scope="module")
-def cpu():
-    return jax.devices("cpu")[0]
-
-
 # -- helpers --------------------------------------------------------------------------
 
 

@@ -15,11 +15,11 @@ results. With inputs split along the tokens under ``jit``, these functions see
 all tokens (XLA gathers them): per-shard permutation belongs inside
 ``shard_map``, where each shard dispatches its own tokens.
 
-Nothing here synchronises with the host. So under ``jit`` the output's row
+Under ``jit`` nothing here synchronises with the host, so the output's row
 count is static: :func:`dispatched_rows` gives it, and routed copies that do
 not fit (only possible with a routing map holding more than
-``num_out_tokens`` entries) are dropped; called eagerly, :func:`dispatch`
-raises instead.
+``num_out_tokens`` entries) are dropped. Called eagerly, :func:`dispatch`
+counts the routing map on the host (a device-to-host copy) and raises instead.
 """
 
 from __future__ import annotations
