@@ -16,9 +16,11 @@ constexpr int ROW_BLOCK = 128;   // threads of the row kernels
 constexpr int ZERO_ROWS = 32;    // rows checked by each zeroing block
 constexpr int SORT_ROWS = 32;    // output rows of each sort block
 constexpr int MAX_CHUNKS = 1024; // chunk tables live in shared memory
+constexpr int GATHER_BLOCKS_PER_SM = 10;
 
-// A row of H elements of T, moved W bytes at a time.
-template <typename T, int H>
+// A row of H elements of T, moved W bytes at a time, at most MAX_PER_THREAD
+// vectors a thread per pass.
+template <typename T, int H, int MAX_PER_THREAD = 8>
 struct RowShape {
   static constexpr int BYTES = H * static_cast<int>(sizeof(T));
   static constexpr int W = vector_bytes(BYTES, BYTES, sizeof(T)) ? vector_bytes(BYTES, BYTES, sizeof(T)) : sizeof(T);
@@ -28,7 +30,7 @@ struct RowShape {
   // Vectors per thread per pass over a row: all of a row when it is short,
   // else in chunks that keep the registers bounded.
   static constexpr int PER_THREAD_ALL = (VECTORS + ROW_BLOCK - 1) / ROW_BLOCK;
-  static constexpr int PER_THREAD = PER_THREAD_ALL < 8 ? PER_THREAD_ALL : 8;
+  static constexpr int PER_THREAD = PER_THREAD_ALL < MAX_PER_THREAD ? PER_THREAD_ALL : MAX_PER_THREAD;
   static constexpr int CHUNK = PER_THREAD * ROW_BLOCK;
 };
 
@@ -343,10 +345,12 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
 // when its dest_rows row has an entry out of range. tokens_per_block(E)
 // tokens a block.
 template <typename T, int H, int E, bool WEIGHTED>
-__global__ void __launch_bounds__(ROW_BLOCK)
+__global__ void __launch_bounds__(ROW_BLOCK, GATHER_BLOCKS_PER_SM)
 gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_rows,
             const float* __restrict__ weights, T* __restrict__ out, int tokens, int rows) {
-  using Shape = RowShape<T, H>;
+  // Few vectors a thread (few f32 sums in registers), so that many blocks fit
+  // an SM: the sum's loads are latency-bound.
+  using Shape = RowShape<T, H, 4>;
   constexpr int TOKENS = tokens_per_block(E);
   __shared__ Routes<E> block_routes[TOKENS];
   const int first = blockIdx.x * TOKENS;
