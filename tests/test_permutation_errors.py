@@ -97,6 +97,12 @@ CASES = {
     "combine_rank1_expert_tokens": (lambda y: combine(y, ROW_ID_MAP), [ROWS[:, 0]], ValueError, "expert_tokens"),
     "combine_merging_probs_of_other_shape": (lambda y, w: combine(y, ROW_ID_MAP, merging_probs=w),
                                              [ROWS, PROBS[:-1]], ValueError, "merging_probs"),
+    "combine_num_tokens_not_the_dispatch's": (lambda y: combine(y, ROW_ID_MAP, num_tokens=MAP.shape[0] + 1), [ROWS],
+                                              ValueError, both_numbers(MAP.shape[0] + 1, MAP.shape[0], "num_tokens")),
+    "combine_pad_offsets_of_other_length": (lambda y, p: combine(y, ROW_ID_MAP, pad_offsets=p),
+                                            [ROWS, jnp.zeros((MAP.shape[1] + 1,), jnp.int32)], ValueError, "pad_offsets"),
+    "combine_float_pad_offsets": (lambda y, p: combine(y, ROW_ID_MAP, pad_offsets=p),
+                                  [ROWS, jnp.zeros((MAP.shape[1],), jnp.float32)], ValueError, "pad_offsets"),
     # sort_chunks / unsort_chunks
     "sort_int32_tokens": (sort_chunks, [TOKENS.astype(jnp.int32), SPLITS, ORDER], TypeError, "tokens"),
     "sort_f32_split_sizes": (sort_chunks, [TOKENS, SPLITS.astype(jnp.float32), ORDER], TypeError, "split_sizes"),
@@ -192,3 +198,11 @@ def test_combine_with_out_of_range_dest_rows_gives_nan_for_those_tokens(seed, rn
     expected = ref.combine(np.asarray(y), dest_rows[good])
     ref.assert_rounded_sum_close(out[good], expected, ref.combine(np.abs(np.asarray(y)), dest_rows[good]),
                                  np.float32, num_terms=2, what="combine of the untouched tokens", context=f"seed={seed}")
+
+
+def test_combine_accepts_the_dispatch_s_pad_offsets_and_num_tokens(seed, rng):
+    # The signature TransformerEngine users write: the same result as without them.
+    y = jnp.asarray(rng.normal(size=(_D_ALIGNED.tokens.shape[0], H)), jnp.float32)
+    plain = combine(y, _D_ALIGNED.row_id_map)
+    spelled_out = combine(y, _D_ALIGNED.row_id_map, pad_offsets=_D_ALIGNED.pad_offsets, num_tokens=MAP.shape[0])
+    ref.assert_bitwise_equal(spelled_out, plain, what="combine with pad_offsets and num_tokens", context=f"seed={seed}")

@@ -217,7 +217,7 @@ def _dispatch_vjp_bwd(static, dest_rows, cotangents):
 _dispatch.defvjp(_dispatch_vjp_fwd, _dispatch_vjp_bwd)
 
 
-def combine(expert_tokens, row_id_map: RowIdMap, merging_probs=None):
+def combine(expert_tokens, row_id_map: RowIdMap, merging_probs=None, *, pad_offsets=None, num_tokens=None):
     """Brings dispatched rows back to token order, weighted and summed.
 
     ``out[t] = sum_e merging_probs[t, e] * expert_tokens[row of (t, e)]`` over
@@ -229,6 +229,11 @@ def combine(expert_tokens, row_id_map: RowIdMap, merging_probs=None):
         of the :func:`dispatch` that made ``row_id_map``.
       row_id_map: :attr:`Dispatched.row_id_map`.
       merging_probs: optional ``[T, E]`` float weights.
+      pad_offsets: optional, :attr:`Dispatched.pad_offsets`. The rows in
+        ``row_id_map`` already include the padding, so it is only checked
+        (an int32 ``[E]`` array); it exists so that a call written for
+        TransformerEngine's signature works unchanged.
+      num_tokens: optional T, checked against ``row_id_map``, which carries it.
 
     Returns:
       ``[T, H]`` in ``expert_tokens``' dtype. Differentiable in
@@ -245,6 +250,14 @@ def combine(expert_tokens, row_id_map: RowIdMap, merging_probs=None):
     if expert_tokens.shape[0] != rows:
         raise ValueError(f"expert_tokens has {expert_tokens.shape[0]} rows, but row_id_map comes from a "
                          f"dispatch of {rows} rows")
+    t, e = row_id_map.dest_rows.shape
+    if num_tokens is not None and check_count("num_tokens", num_tokens, 0) != t:
+        raise ValueError(f"num_tokens is {num_tokens}, but row_id_map comes from a dispatch of {t} tokens")
+    if pad_offsets is not None:
+        check_array("pad_offsets", pad_offsets)
+        if pad_offsets.shape != (e,) or pad_offsets.dtype != jnp.int32:
+            raise ValueError(f"pad_offsets must be the int32 [num_experts] = [{e}] array of the dispatch, "
+                             f"got {pad_offsets.dtype}{list(pad_offsets.shape)}")
     if merging_probs is not None:
         check_array("merging_probs", merging_probs)
         if merging_probs.shape != row_id_map.dest_rows.shape:
