@@ -496,6 +496,44 @@ def test_dispatch_and_combine_with_tokens_sharded_over_eight_devices(model, alig
         ref.assert_bitwise_equal(a, b, what=f"sharded vs unsharded {jax.tree_util.keystr(path)}", context=context)
 
 
+@pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
+def test_dispatch_and_combine_inside_shard_map_permute_each_shard_s_own_tokens(align_size, seed, rng):
+    # Inside shard_map each of the 8 shards dispatches its own 24 tokens: nothing is exchanged,
+    # the counts are each slice's, and values and gradients are the per-token formulas.
+    model = ref.QWEN3_MOE
+    x, routing_map = model_inputs(model, rng, jnp.float32, "ragged", num_tokens=8 * 24)
+    probs = draw_probs(rng, routing_map, jnp.float32)
+    sharding = token_sharding(2)
+    args = [jax.device_put(a, sharding) for a in (x, routing_map, probs)]
+
+    def per_shard(x, routing_map, probs):
+        d = permutation.dispatch(x, routing_map, probs=probs, topk=model.topk, align_size=align_size)
+        y = permutation.combine(d.tokens * d.probs[:, None], d.row_id_map, merging_probs=probs)
+        return y, d.tokens_per_expert[None]
+
+    rows = P("tokens", None)
+    fn = jax.jit(jax.shard_map(per_shard, mesh=sharding.mesh, in_specs=(rows,) * 3, out_specs=(rows, rows)))
+    context = f"align_size={align_size}, 8 shards in shard_map, seed={seed}"
+    hlo = fn.lower(*args).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo, f"tokens were exchanged ({context})"
+
+    y, counts = fn(*args)
+    p, m = np.asarray(probs, np.float64), np.asarray(routing_map)
+    squares = (p * p * m).sum(axis=1)  # each copy weighted by its prob, then merged with it again
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x, np.float64) * squares[:, None], rtol=1e-5, atol=1e-6,
+                               err_msg=context)
+    routed = m.reshape(8, 24, -1).sum(axis=1)
+    align = align_size or 1
+    np.testing.assert_array_equal(np.asarray(counts), -(-routed // align) * align, err_msg=context)
+
+    grad_x, grad_p = jax.jit(jax.grad(lambda x, p: fn(x, args[1], p)[0].sum(), argnums=(0, 1)))(args[0], args[2])
+    row_sums = np.asarray(x, np.float64).sum(axis=1)
+    np.testing.assert_allclose(np.asarray(grad_x), np.broadcast_to(squares[:, None], x.shape), rtol=1e-5,
+                               err_msg=f"d x ({context})")
+    np.testing.assert_allclose(np.asarray(grad_p), 2 * p * m * row_sums[:, None], rtol=1e-4, atol=1e-5,
+                               err_msg=f"d probs ({context})")
+
+
 def test_sort_chunks_with_rows_sharded_over_eight_devices(seed, rng):
     x = draw(rng, (8 * 125, 256), jnp.float32)
     sizes, order = random_chunks(rng, 32, 1000, fill=0.9)
