@@ -363,3 +363,17 @@ def test_aux_loss_gradient_reaching_token_sharded_logits_stays_token_sharded(see
     rc.check_aux_loss_scores_grad(grad, grad_scores, logits, "softmax", context=f"seed={seed}")
     assert_token_sharded(grad, sharding, what="d logits")
     assert_no_token_movement(jax.grad(loss), sharded, what="aux_loss gradient")
+
+
+def test_topk_gradient_inside_shard_map_equals_the_unsharded_one(rng):
+    # Inside shard_map the backward's result must carry the primal's manual axes, or JAX
+    # rejects the custom VJP; each shard's gradient is then that of its own tokens.
+    mesh = jax.make_mesh((8,), ("tokens",), devices=devices.mesh_devices(8))
+    logits = jax.device_put(jnp.asarray(rng.normal(size=(8 * 16, 64)), jnp.float32),
+                            NamedSharding(mesh, P("tokens", None)))
+    weights = jnp.arange(64.0)
+    per_shard = jax.shard_map(lambda x: router.topk(x, 4)[0], mesh=mesh, in_specs=P("tokens", None),
+                              out_specs=P("tokens", None))
+    sharded = jax.jit(jax.grad(lambda x: (per_shard(x) * weights).sum()))(logits)
+    whole = jax.grad(lambda x: (router.topk(x, 4)[0] * weights).sum())(np.asarray(logits))
+    np.testing.assert_allclose(np.asarray(sharded), np.asarray(whole), rtol=1e-5, atol=1e-6)
