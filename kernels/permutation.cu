@@ -3,11 +3,11 @@
 // chunk sorting. Same semantics as src/permutation/cpu.rs.
 //
 // A dispatch is laid out in three small passes over the routing map
-// (count per block of tokens, scan per expert, assign rows), then its rows
-// move in one pass: a block per token reads the token's row once and writes
-// each of its copies (scatter_rows). Combine is the mirror image: a block per
-// token reads its copies and writes one row (gather_rows). Rows no copy
-// refers to are zeroed by extra blocks of the same launch.
+// (count per chunk of tokens, scan per expert, assign rows), then its rows
+// move in one pass: a block takes a few tokens, reads each token's row once
+// and writes each of its copies (scatter_rows). Combine is the mirror image:
+// a block reads each of its tokens' copies and writes one row (gather_rows).
+// Rows no copy refers to are zeroed by extra blocks of the same launch.
 #include "common.cuh"
 
 constexpr int MAP_BLOCK = 256;   // threads of the map passes
