@@ -527,11 +527,13 @@ def test_dispatch_and_combine_inside_shard_map_permute_each_shard_s_own_tokens(a
     np.testing.assert_array_equal(np.asarray(counts), -(-routed // align) * align, err_msg=context)
 
     grad_x, grad_p = jax.jit(jax.grad(lambda x, p: fn(x, args[1], p)[0].sum(), argnums=(0, 1)))(args[0], args[2])
-    row_sums = np.asarray(x, np.float64).sum(axis=1)
     np.testing.assert_allclose(np.asarray(grad_x), np.broadcast_to(squares[:, None], x.shape), rtol=1e-5,
                                err_msg=f"d x ({context})")
-    np.testing.assert_allclose(np.asarray(grad_p), 2 * p * m * row_sums[:, None], rtol=1e-4, atol=1e-5,
-                               err_msg=f"d probs ({context})")
+    # d probs[t, e] sums H products in float32: its error scales with the sum of their sizes.
+    x64 = np.asarray(x, np.float64)
+    expected, scale = 2 * p * m * x64.sum(axis=1)[:, None], 2 * p * m * np.abs(x64).sum(axis=1)[:, None]
+    error = np.abs(np.asarray(grad_p, np.float64) - expected)
+    assert (error <= 1e-5 * scale + 1e-7).all(), f"d probs: worst error {error.max():.3g} ({context})"
 
 
 def test_sort_chunks_with_rows_sharded_over_eight_devices(seed, rng):
