@@ -17,7 +17,8 @@ from jax.test_util import check_grads
 
 import permutation_reference as ref
 from oxmoe import permutation
-from test_permutation_values import (ALIGN_SIZES, DTYPES, capacity_that_drops, dispatch_combine_cases, draw, draw_probs,
+from test_permutation_values import (ALIGN_SIZES, DTYPES, capacity_that_drops, dispatch_combine_cases,
+                                     dispatch_with_layout, draw, draw_probs,
                                      expert_rows_for, model_inputs, random_chunks)
 
 ALIGNS = pytest.mark.parametrize("align_size", ALIGN_SIZES, ids=lambda a: f"align{a}")
@@ -149,8 +150,7 @@ def check_combine_grads(d_rows, d_probs, g_out, expert_tokens, merging_probs, la
 @pytest.mark.parametrize("model, align_size, dtype", dispatch_combine_cases(with_heavy=False))
 def test_combine_vjp_matches_reference(model, align_size, dtype, seed, rng):
     x, routing_map = model_inputs(model, rng, dtype, "ragged")
-    d = permutation.dispatch(x, routing_map, topk=model.topk, align_size=align_size)
-    layout = ref.dispatch_layout(routing_map, num_out_tokens=x.shape[0] * model.topk, align_size=align_size)
+    d, layout = dispatch_with_layout(x, routing_map, model, align_size)
     context = f"{model.name}, align_size={align_size}, {jnp.dtype(dtype).name}, seed={seed}"
     ref.check_dispatch_layout(d, layout, context=context)
     # NaN on the rows combine never reads: they must reach neither the output nor d merging_probs.
@@ -165,8 +165,7 @@ def test_combine_vjp_matches_reference(model, align_size, dtype, seed, rng):
 @pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
 def test_combine_vjp_without_merging_probs_copies_the_cotangent(model, align_size, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, "idle_experts")
-    d = permutation.dispatch(x, routing_map, topk=model.topk, align_size=align_size)
-    layout = ref.dispatch_layout(routing_map, num_out_tokens=x.shape[0] * model.topk, align_size=align_size)
+    d, layout = dispatch_with_layout(x, routing_map, model, align_size)
     expert_tokens = expert_rows_for(layout, rng, model.hidden, jnp.bfloat16)
     g_out = draw(rng, x.shape, jnp.bfloat16)
     _, d_rows, _ = combine_with_vjp(d.row_id_map, False)(expert_tokens, None, g_out)

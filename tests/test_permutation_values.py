@@ -71,6 +71,12 @@ def check_combine(out, expert_tokens, dest_rows, merging_probs, *, context, what
                                  what=what, context=context)
 
 
+def dispatch_with_layout(x, routing_map, model, align_size):
+    """oxmoe's dispatch of a top-k routing (room for T * k copies) and the reference layout it must have."""
+    d = permutation.dispatch(x, routing_map, topk=model.topk, align_size=align_size)
+    return d, ref.dispatch_layout(routing_map, num_out_tokens=x.shape[0] * model.topk, align_size=align_size)
+
+
 def weighted_sum_of_each_token(tokens, routing_map, weights) -> np.ndarray:
     """The round trip's expected value: sum over routed e of w[t, e] * x[t] (float64)."""
     w = np.where(routing_map, ref.as_f64(weights), 0.0)
@@ -266,8 +272,7 @@ def test_dispatch_of_nothing_into_zero_rows(seed, rng):
 @pytest.mark.parametrize("model, align_size, dtype", dispatch_combine_cases())
 def test_combine_matches_reference(model, align_size, dtype, seed, rng):
     x, routing_map = model_inputs(model, rng, dtype, "ragged")
-    d = permutation.dispatch(x, routing_map, topk=model.topk, align_size=align_size)
-    layout = ref.dispatch_layout(routing_map, num_out_tokens=x.shape[0] * model.topk, align_size=align_size)
+    d, layout = dispatch_with_layout(x, routing_map, model, align_size)
     context = f"{model.name}, align_size={align_size}, {jnp.dtype(dtype).name}, seed={seed}"
     ref.check_dispatch_layout(d, layout, context=context)
     expert_tokens = expert_rows_for(layout, rng, model.hidden, dtype)
@@ -279,8 +284,7 @@ def test_combine_matches_reference(model, align_size, dtype, seed, rng):
 @MODEL_ALIGNS
 def test_combine_without_merging_probs_sums_with_weight_one(model, align_size, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, "idle_experts")
-    d = permutation.dispatch(x, routing_map, topk=model.topk, align_size=align_size)
-    layout = ref.dispatch_layout(routing_map, num_out_tokens=x.shape[0] * model.topk, align_size=align_size)
+    d, layout = dispatch_with_layout(x, routing_map, model, align_size)
     expert_tokens = expert_rows_for(layout, rng, model.hidden, jnp.bfloat16)
     out = permutation.combine(expert_tokens, d.row_id_map)
     check_combine(out, expert_tokens, layout.dest_rows, None, context=f"{model.name}, seed={seed}")

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from error_cases import check_raises, check_raises_while_tracing
 from oxmoe import router
 
 T, E = 5, 8
@@ -149,17 +150,12 @@ CASES = {
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_argument_raises_naming_it(case):
-    fn, args, error, pattern = CASES[case]
-    with pytest.raises(error, match=pattern):
-        fn(*args)
+    check_raises(CASES[case])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_bad_argument_raises_while_tracing(case):
-    fn, args, error, pattern = CASES[case]
-    abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args]
-    with pytest.raises(error, match=pattern):
-        jax.eval_shape(fn, *abstract)
+    check_raises_while_tracing(CASES[case])
 
 
 @pytest.mark.parametrize(

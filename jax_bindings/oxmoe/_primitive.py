@@ -126,8 +126,6 @@ class FfiPrimitive:
         per-token results split like the per-token operands, the rest replicated."""
         if rows_sharding is None:
             return None
-        if layout is Layout.DISPATCHED:
-            return FfiPrimitive._sharding(rows_sharding.mesh, layout, None, ndim)
         token_axes = rows_sharding.spec[0] if rows_sharding.spec else None
         return FfiPrimitive._sharding(rows_sharding.mesh, layout, token_axes, ndim)
 

@@ -120,12 +120,8 @@ def dispatched_rows(num_out_tokens: int, num_experts: int, align_size: int | Non
     e = check_count("num_experts", num_experts, 1)
     if align_size is None:
         return n
-    a = _check_align_size(align_size)
+    a = check_count("align_size", align_size, 1)
     return (n + min(e, n) * (a - 1)) // a * a
-
-
-def _check_align_size(align_size) -> int:
-    return check_count("align_size", align_size, 1)
 
 
 def _check_routed_count(routing_map, num_out_tokens: int) -> None:
@@ -174,13 +170,11 @@ def dispatch(tokens, routing_map, *, probs=None, topk=None, num_out_tokens=None,
                          f"got topk={topk!r}, num_out_tokens={num_out_tokens!r}")
     if topk is not None:
         num_out_tokens = t * check_count("topk", topk, 1, e, f" (the number of experts is {e})")
-    num_out_tokens = check_count("num_out_tokens", num_out_tokens, 0)
-    align = 1 if align_size is None else _check_align_size(align_size)
-    rows = dispatched_rows(num_out_tokens, e, align_size)
+    rows = dispatched_rows(num_out_tokens, e, align_size)  # checks num_out_tokens and align_size
     _check_routed_count(routing_map, num_out_tokens)
 
-    out, out_probs, dest_rows, source_tokens, per_expert, real, pads = _dispatch(
-        tokens, routing_map, probs, (rows, align, None if probs is None else jnp.dtype(probs.dtype)))
+    static = (rows, 1 if align_size is None else int(align_size), None if probs is None else jnp.dtype(probs.dtype))
+    out, out_probs, dest_rows, source_tokens, per_expert, real, pads = _dispatch(tokens, routing_map, probs, static)
     return Dispatched(tokens=out, probs=out_probs, row_id_map=RowIdMap(dest_rows, source_tokens),
                       tokens_per_expert=per_expert, real_tokens_per_expert=real,
                       pad_offsets=None if align_size is None else pads)

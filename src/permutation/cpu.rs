@@ -57,14 +57,10 @@ pub fn dispatch_map(
     }
 
     source_tokens.fill(-1);
-    let (probs, out_probs) = match probs {
-        Some((probs, out)) => {
-            out.fill(0.0);
-            (Some(probs), Some(out))
-        }
-        None => (None, None),
-    };
-    let mut out_probs = out_probs;
+    let mut probs = probs;
+    if let Some((_, out)) = probs.as_mut() {
+        out.fill(0.0);
+    }
     for (t, (map_row, dest_row)) in routing_map.chunks(e).zip(dest_rows.chunks_mut(e)).enumerate() {
         for (x, (&bit, dest)) in map_row.iter().zip(dest_row.iter_mut()).enumerate() {
             *dest = -1;
@@ -76,7 +72,7 @@ pub fn dispatch_map(
             if row < rows {
                 *dest = row as i32;
                 source_tokens[row] = t as i32;
-                if let (Some(probs), Some(out)) = (probs, out_probs.as_deref_mut()) {
+                if let Some((probs, out)) = probs.as_mut() {
                     out[row] = probs[t * e + x];
                 }
             }
@@ -175,11 +171,9 @@ pub fn combine_backward<T: Real>(
         return;
     }
     let rows = source_tokens.len();
-    let (weights, weighted_rest) = match grads.weighted {
-        Some((w, x, g)) => (Some(w), Some((x, g))),
-        None => (None, None),
-    };
-    grads.grad_expert_tokens.par_chunks_mut(hidden).zip(source_tokens.par_iter()).enumerate()
+    let CombineGrads { grad_expert_tokens, weighted } = grads;
+    let weights = weighted.as_ref().map(|(w, _, _)| *w);
+    grad_expert_tokens.par_chunks_mut(hidden).zip(source_tokens.par_iter()).enumerate()
         .with_min_len(ROWS_PER_TASK).for_each(|(r, (out_row, &t))| {
             // The copy of token t this row holds (a dispatch's maps agree).
             let copy = usize::try_from(t).ok().and_then(|t| {
@@ -196,7 +190,7 @@ pub fn combine_backward<T: Real>(
             }
         });
 
-    let Some((expert_tokens, grad_weights)) = weighted_rest else { return };
+    let Some((_, expert_tokens, grad_weights)) = weighted else { return };
     grad_weights.par_chunks_mut(experts).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(t, grad_row)| {
         let g = &grad_out[t * hidden..(t + 1) * hidden];
         for (x, out) in grad_row.iter_mut().enumerate() {
