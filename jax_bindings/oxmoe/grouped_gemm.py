@@ -1,0 +1,231 @@
+"""Grouped matrix products over row groups whose sizes stay on the device.
+
+:func:`ragged_dot` is a drop-in for :func:`jax.lax.ragged_dot`: the rows of
+``lhs`` come in consecutive groups, and group ``g``'s rows multiply
+``rhs[g]``. It is the expert FFN's product after a dispatch, whose
+``tokens_per_expert`` are the group sizes. :func:`transposed_ragged_dot` is
+the product of the weight gradient: per group, the rows' outer products
+summed, ``lhs_gᵀ · rhs_g``.
+
+Group sizes (and the first group of a window) are device arrays that the
+kernels read themselves: nothing copies them to the host, so both work under
+``jit`` and ``shard_map`` with sizes computed on the device. On the device,
+out-of-range values are clamped so that nothing is read or written out of
+bounds: negative sizes count as zero, groups end at row ``M`` at the latest,
+and the window's first group is clamped to ``[0, G]``. Called eagerly with
+concrete sizes, out-of-range values raise instead.
+
+Accumulation is float32. On a Hopper GPU, bfloat16 and float16 products whose
+``K`` and ``N`` are multiples of 8 run on the tensor cores (``wgmma`` fed by
+the tensor memory accelerator); other dtypes, shapes and GPUs take a simpler
+kernel with the same results up to summation order.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oxmoe._checks import check_array, check_float_dtype, check_count
+from oxmoe._primitive import FfiPrimitive, Layout
+
+__all__ = ["ragged_dot", "transposed_ragged_dot"]
+
+DISPATCHED, WHOLE = Layout.DISPATCHED, Layout.WHOLE
+
+_ragged_dot_fwd = FfiPrimitive(
+    "oxmoe_ragged_dot_fwd", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE), results=(DISPATCHED,),
+    result_specs=lambda lhs, rhs, *_, n, out_dtype, **__: [jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)],
+    shape_params=("n", "out_dtype"))
+_ragged_dot_bwd = FfiPrimitive(
+    "oxmoe_ragged_dot_bwd", operands=(DISPATCHED, DISPATCHED, WHOLE, WHOLE), results=(WHOLE,),
+    result_specs=lambda lhs, rhs, *_, groups, out_dtype, **__: [
+        jax.ShapeDtypeStruct((groups, lhs.shape[1], rhs.shape[1]), out_dtype)],
+    shape_params=("groups", "out_dtype"))
+
+
+def _out_dtype(preferred_element_type, dtype):
+    if preferred_element_type is None:
+        return jnp.dtype(dtype)
+    out = jnp.dtype(preferred_element_type)
+    if out not in (jnp.dtype(jnp.float32), jnp.dtype(dtype)):
+        raise TypeError(f"preferred_element_type must be None, float32 or the inputs' dtype {jnp.dtype(dtype)}, "
+                        f"got {out}")
+    return out
+
+
+def _check_groups(group_sizes, group_offset, local_groups: int | None, m: int):
+    """Checks the group arguments; returns ``(G, group_offset as int32 [1])``."""
+    check_array("group_sizes", group_sizes)
+    if group_sizes.dtype != jnp.int32:
+        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
+    if group_sizes.ndim != 1:
+        raise ValueError(f"group_sizes must have shape [num_groups], got {tuple(group_sizes.shape)}")
+    groups = group_sizes.shape[0]
+    if group_offset is None:
+        if local_groups is not None and local_groups != groups:
+            raise ValueError(f"rhs holds {local_groups} groups but group_sizes {groups}; give group_offset "
+                             "to use a window of the groups")
+        offset = jnp.zeros((1,), jnp.int32)
+    else:
+        check_array("group_offset", group_offset)
+        if group_offset.dtype != jnp.int32 or group_offset.shape not in ((), (1,)):
+            raise ValueError(f"group_offset must be an int32 scalar or [1] array, got "
+                             f"{group_offset.dtype}{list(group_offset.shape)}")
+        if local_groups is not None and local_groups > groups:
+            raise ValueError(f"rhs holds {local_groups} groups, more than the {groups} of group_sizes")
+        offset = jnp.reshape(group_offset, (1,))
+    _check_concrete(group_sizes, group_offset, m)
+    return groups, offset
+
+
+def _check_concrete(group_sizes, group_offset, m: int) -> None:
+    """Called eagerly (concrete arrays), out-of-range sizes are errors, not clamped."""
+    if isinstance(group_sizes, jax.core.Tracer) or isinstance(group_offset, jax.core.Tracer):
+        return
+    sizes = np.asarray(group_sizes)
+    if (sizes < 0).any():
+        raise ValueError(f"group_sizes must be >= 0, got {sizes[sizes < 0][0]} at group "
+                         f"{int(np.argmax(sizes < 0))}")
+    if sizes.sum(dtype=np.int64) > m:
+        raise ValueError(f"group_sizes sum to {int(sizes.sum(dtype=np.int64))}, more than the {m} rows of lhs")
+    if group_offset is not None:
+        offset = int(np.asarray(group_offset).reshape(()))
+        if not 0 <= offset <= sizes.shape[0]:
+            raise ValueError(f"group_offset must be in [0, {sizes.shape[0]}] (the number of groups), got {offset}")
+
+
+def _check_operands(lhs, rhs):
+    check_array("lhs", lhs)
+    check_array("rhs", rhs)
+    check_float_dtype("lhs", lhs)
+    if rhs.dtype != lhs.dtype:
+        raise TypeError(f"rhs must have lhs's dtype {lhs.dtype}, got {rhs.dtype}")
+    if lhs.ndim != 2:
+        raise ValueError(f"lhs must have shape [M, K], got {tuple(lhs.shape)}")
+
+
+def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offset=None, rhs_transposed=False):
+    """Grouped product: the rows of group ``g`` of ``lhs`` times ``rhs[g]``.
+
+    Group ``g`` holds rows ``[start_g, start_g + group_sizes[g])`` of ``lhs``,
+    ``start_g = sum(group_sizes[:g])``. With ``group_offset = g0``, local group
+    ``i`` of ``rhs`` multiplies global group ``g0 + i`` (the local experts of an
+    expert-parallel shard).
+
+    Args:
+      lhs: ``[M, K]`` float32, bfloat16 or float16.
+      rhs: ``[G_local, K, N]`` in lhs's dtype; ``[G_local, N, K]`` with
+        ``rhs_transposed`` (then ``rhs[g]ᵀ`` multiplies, with no transpose
+        materialised).
+      group_sizes: ``[G]`` int32 row counts, on the device.
+      preferred_element_type: the output dtype: None (lhs's dtype) or float32.
+      group_offset: optional int32 scalar or ``[1]`` array, the first group of
+        the window; ``G_local`` must equal ``G`` without it.
+      rhs_transposed: ``rhs`` is ``[G_local, N, K]``.
+
+    Returns:
+      ``[M, N]``: each row of a group in the window is its product, summed in
+      float32; every other row (other groups, rows past the groups' total) is
+      zero. Differentiable in ``lhs`` and ``rhs``.
+    """
+    _check_operands(lhs, rhs)
+    if rhs.ndim != 3:
+        raise ValueError(f"rhs must have shape [groups, K, N] (or [groups, N, K] with rhs_transposed), "
+                         f"got {tuple(rhs.shape)}")
+    m, k = lhs.shape
+    rhs_k = rhs.shape[2] if rhs_transposed else rhs.shape[1]
+    if rhs_k != k:
+        layout = "[groups, N, K]" if rhs_transposed else "[groups, K, N]"
+        raise ValueError(f"rhs must be {layout} with K = {k} (lhs's second dimension), got {tuple(rhs.shape)}")
+    _, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], m)
+    out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
+    return _ragged_dot(lhs, rhs, group_sizes, offset, (bool(rhs_transposed), out_dtype))
+
+
+def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offset=None,
+                          preferred_element_type=None):
+    """Per group, the rows' outer products summed: ``out[i] = lhs_gᵀ · rhs_g``.
+
+    ``lhs_g`` and ``rhs_g`` are the rows of group ``g = g0 + i`` (``g0`` the
+    window's first group, 0 without ``group_offset``), as in :func:`ragged_dot`.
+    This is the gradient of :func:`ragged_dot`'s ``rhs``: with ``lhs`` the
+    forward's input and ``rhs`` the output's cotangent.
+
+    Args:
+      lhs: ``[M, K]`` float32, bfloat16 or float16.
+      rhs: ``[M, N]`` in lhs's dtype.
+      group_sizes: ``[G]`` int32 row counts, on the device.
+      num_groups: the groups of the result; ``G`` by default, required with
+        ``group_offset``.
+      group_offset: optional int32 scalar or ``[1]`` array, the window's first group.
+      preferred_element_type: the output dtype: None (lhs's dtype) or float32.
+
+    Returns:
+      ``[num_groups, K, N]``, summed in float32; a group with no rows (or past
+      the last group) gives zeros. Differentiable in ``lhs`` and ``rhs``.
+    """
+    _check_operands(lhs, rhs)
+    if rhs.ndim != 2 or rhs.shape[0] != lhs.shape[0]:
+        raise ValueError(f"rhs must have shape [M, N] with M = {lhs.shape[0]} (lhs's rows), got {tuple(rhs.shape)}")
+    if group_offset is not None and num_groups is None:
+        raise ValueError("num_groups (the groups of the result) is required with group_offset")
+    if num_groups is not None:
+        num_groups = check_count("num_groups", num_groups, 0)
+    groups, offset = _check_groups(group_sizes, group_offset, num_groups, lhs.shape[0])
+    out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
+    return _transposed(lhs, rhs, group_sizes, offset, (groups if num_groups is None else num_groups, out_dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ragged_dot(lhs, rhs, group_sizes, group_offset, static):
+    rhs_transposed, out_dtype = static
+    n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
+    (out,) = _ragged_dot_fwd(lhs, rhs, group_sizes, group_offset, rhs_transposed=np.bool_(rhs_transposed),
+                             n=n, out_dtype=out_dtype)
+    return out
+
+
+def _ragged_dot_vjp_fwd(lhs, rhs, group_sizes, group_offset, static):
+    return _ragged_dot(lhs, rhs, group_sizes, group_offset, static), (lhs, rhs, group_sizes, group_offset)
+
+
+def _ragged_dot_vjp_bwd(static, residuals, grad_out):
+    rhs_transposed, _ = static
+    lhs, rhs, group_sizes, group_offset = residuals
+    grad_out = grad_out.astype(lhs.dtype)
+    # d lhs = d out · rhs[g]ᵀ: the same product with rhs read the other way round.
+    grad_lhs = _ragged_dot(grad_out, rhs, group_sizes, group_offset, (not rhs_transposed, lhs.dtype))
+    # d rhs[g] = lhs_gᵀ · d out_g, or its transpose d out_gᵀ · lhs_g for [G, N, K].
+    operands = (grad_out, lhs) if rhs_transposed else (lhs, grad_out)
+    grad_rhs = _transposed(*operands, group_sizes, group_offset, (rhs.shape[0], rhs.dtype))
+    return grad_lhs, grad_rhs, None, None
+
+
+_ragged_dot.defvjp(_ragged_dot_vjp_fwd, _ragged_dot_vjp_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _transposed(lhs, rhs, group_sizes, group_offset, static):
+    groups, out_dtype = static
+    (out,) = _ragged_dot_bwd(lhs, rhs, group_sizes, group_offset, groups=groups, out_dtype=out_dtype)
+    return out
+
+
+def _transposed_vjp_fwd(lhs, rhs, group_sizes, group_offset, static):
+    return _transposed(lhs, rhs, group_sizes, group_offset, static), (lhs, rhs, group_sizes, group_offset)
+
+
+def _transposed_vjp_bwd(static, residuals, grad_out):
+    lhs, rhs, group_sizes, group_offset = residuals
+    grad_out = grad_out.astype(lhs.dtype)  # [G, K, N]
+    # out[g] = lhs_gᵀ rhs_g: d lhs_g = rhs_g · d out[g]ᵀ, d rhs_g = lhs_g · d out[g].
+    grad_lhs = _ragged_dot(rhs, grad_out, group_sizes, group_offset, (True, lhs.dtype))
+    grad_rhs = _ragged_dot(lhs, grad_out, group_sizes, group_offset, (False, rhs.dtype))
+    return grad_lhs, grad_rhs, None, None
+
+
+_transposed.defvjp(_transposed_vjp_fwd, _transposed_vjp_bwd)
