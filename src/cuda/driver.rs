@@ -133,22 +133,101 @@ impl Kernel {
         check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut function, module, cubin.lowered_name.as_ptr()) })?;
         Ok(Self { context, function })
     }
+
+    /// Lets launches of this kernel use `bytes` of dynamic shared memory
+    /// (beyond 48 KiB needs asking).
+    pub fn allow_shared_bytes(self, bytes: u32) -> Result<Self> {
+        let _current = ContextGuard::push(self.context)?;
+        // SAFETY: a loaded function and a valid attribute.
+        check("cuFuncSetAttribute", unsafe {
+            sys::cuFuncSetAttribute(
+                self.function,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                bytes as i32,
+            )
+        })?;
+        Ok(self)
+    }
+}
+
+/// An attribute of the current context's device.
+fn device_attribute(which: CUdevice_attribute) -> Result<i32> {
+    let mut device = 0;
+    // SAFETY: a context is current.
+    check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut device) })?;
+    let mut value = 0;
+    // SAFETY: a valid device and attribute.
+    check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut value, which, device) })?;
+    Ok(value)
 }
 
 /// The architecture of the current context's device.
 fn current_architecture() -> Result<Architecture> {
-    let mut device = 0;
-    // SAFETY: a context is current.
-    check("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut device) })?;
-    let attribute = |which| {
-        let mut value = 0;
-        // SAFETY: a valid device and attribute.
-        check("cuDeviceGetAttribute", unsafe { sys::cuDeviceGetAttribute(&mut value, which, device) }).map(|_| value)
-    };
     Ok(Architecture::of_compute_capability(
-        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
-        attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        device_attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+        device_attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
     ))
+}
+
+impl Stream {
+    /// The architecture of the stream's device.
+    pub fn architecture(self) -> Result<Architecture> {
+        let _current = ContextGuard::push(self.context()?)?;
+        current_architecture()
+    }
+
+    /// The streaming multiprocessors of the stream's device.
+    pub fn multiprocessors(self) -> Result<u32> {
+        let _current = ContextGuard::push(self.context()?)?;
+        Ok(device_attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32)
+    }
+
+    fn context(self) -> Result<CUcontext> {
+        init_driver()?;
+        let mut context = std::ptr::null_mut();
+        // SAFETY: `self` is XLA's live stream.
+        check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(self.0, &mut context) })?;
+        Ok(context)
+    }
+}
+
+/// A TMA descriptor of a row-major tensor of 16-bit elements, loaded in boxes
+/// with the 128-byte swizzle (what `wgmma` reads); passed to a kernel by value.
+#[repr(transparent)]
+pub struct TensorMap(sys::CUtensorMap);
+
+impl TensorMap {
+    /// `dims` and `box_dims` innermost first; rows must be multiples of 16
+    /// bytes. Elements outside the tensor load as zero.
+    pub fn tiled_16bit(address: u64, dims: &[u64], box_dims: &[u32]) -> Result<Self> {
+        let mut strides = Vec::with_capacity(dims.len());
+        let mut stride = 2u64;
+        for &dim in &dims[..dims.len() - 1] {
+            stride *= dim;
+            strides.push(stride);
+        }
+        let element_strides = vec![1u32; dims.len()];
+        let mut map = sys::CUtensorMap { opaque: [0; 16] };
+        // SAFETY: the arrays hold `dims.len()` (strides: one less) entries and
+        // outlive the call; the address is a device buffer of that shape.
+        check("cuTensorMapEncodeTiled", unsafe {
+            sys::cuTensorMapEncodeTiled(
+                &mut map,
+                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                dims.len() as u32,
+                address as *mut c_void,
+                dims.as_ptr(),
+                strides.as_ptr(),
+                box_dims.as_ptr(),
+                element_strides.as_ptr(),
+                sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+                sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+                sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+        })?;
+        Ok(Self(map))
+    }
 }
 
 /// Launches `kernel` on `stream` with `args` (pointers to each argument's

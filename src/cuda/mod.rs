@@ -12,7 +12,7 @@
 mod driver;
 mod nvrtc;
 
-pub use driver::{arg, launch, Kernel, LaunchConfig, Stream};
+pub use driver::{arg, launch, Kernel, LaunchConfig, Stream, TensorMap};
 pub use nvrtc::{compile_check, Architecture};
 
 use crate::ffi::{DataType, Error, Result};
@@ -32,6 +32,9 @@ pub const ROUTER: Source = Source { name: "router.cu", text: include_str!("../..
 
 /// The permutation kernels.
 pub const PERMUTATION: Source = Source { name: "permutation.cu", text: include_str!("../../kernels/permutation.cu") };
+
+/// The grouped GEMM kernels.
+pub const GROUPED_GEMM: Source = Source { name: "grouped_gemm.cu", text: include_str!("../../kernels/grouped_gemm.cu") };
 
 /// The kernels' name for an element type (see `kernels/common.cuh`).
 pub fn type_name(dtype: DataType) -> Result<&'static str> {

@@ -1,13 +1,239 @@
-//! CUDA implementations of the grouped products (in progress).
+//! CUDA implementations of the grouped products: which kernel of
+//! `kernels/grouped_gemm.cu` a call takes, its specialisation and launch.
+//!
+//! On Hopper (sm_90a), 16-bit products whose rows are multiples of 16 bytes
+//! (K and N multiples of 8, as TMA needs) run on the persistent TMA + wgmma
+//! kernels, one block per multiprocessor; every other call takes the SIMT
+//! kernels, after a one-warp launch that computes the window's row bounds.
 
 use super::handlers::{RaggedDot, TransposedRaggedDot};
-use crate::ffi::{Call, Result};
-use crate::invalid;
+use super::GroupedShape;
+use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, Stream, TensorMap, GROUPED_GEMM};
+use crate::ffi::{Call, DataType, Error, Result};
 
-pub fn ragged_dot(_call: &Call, _a: &RaggedDot) -> Result<()> {
-    invalid!("not yet")
+/// Threads of the Hopper kernels and of the SIMT kernels (`HOPPER_THREADS`, `SIMT_THREADS`).
+const HOPPER_THREADS: u32 = 384;
+const SIMT_THREADS: u32 = 256;
+/// Output tile edge of the SIMT kernels (`SIMT_TILE`).
+const SIMT_TILE: usize = 64;
+/// Rows of a Hopper tile, and the contraction of one stage (`BLOCK_M`, `BLOCK_K`).
+const BLOCK_M: u32 = 128;
+const BLOCK_K: u32 = 64;
+/// The Hopper kernels keep each local group's bounds in shared memory (`MAX_LOCAL_GROUPS`).
+const MAX_LOCAL_GROUPS: usize = 1024;
+
+/// The output columns of a Hopper tile for `n` columns: 256 unless that
+/// leaves most of the last tile empty.
+pub fn block_n(n: usize) -> u32 {
+    if n <= 128 || (n % 256 != 0 && n % 256 <= 128) {
+        128
+    } else {
+        256
+    }
 }
 
-pub fn transposed_ragged_dot(_call: &Call, _a: &TransposedRaggedDot) -> Result<()> {
-    invalid!("not yet")
+/// Dynamic shared memory of a Hopper kernel with `block_n` columns
+/// (`HopperConfig<BN>::SHARED_BYTES`).
+fn hopper_shared_bytes(block_n: u32) -> u32 {
+    let stages = if block_n == 256 { 4 } else { 6 };
+    let stage = (BLOCK_M * BLOCK_K + BLOCK_K * block_n) * 2;
+    1024 + stages * stage + 2 * stages * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
+}
+
+/// Whether a product takes the Hopper kernels.
+fn takes_hopper(stream: Stream, dtype: DataType, shape: &GroupedShape) -> Result<bool> {
+    let sixteen_bit = matches!(dtype, DataType::BF16 | DataType::F16);
+    let aligned = shape.k > 0 && shape.k % 8 == 0 && shape.n % 8 == 0;
+    Ok(sixteen_bit && aligned && shape.local_groups <= MAX_LOCAL_GROUPS && stream.architecture()?.0 == "sm_90a")
+}
+
+pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, block_n: u32) -> Result<String> {
+    Ok(format!("ragged_dot_hopper<{}, {}, {rhs_transposed}, {block_n}>", type_name(dtype)?, type_name(out)?))
+}
+
+pub fn transposed_hopper_instance(dtype: DataType, out: DataType, block_n: u32) -> Result<String> {
+    Ok(format!("transposed_ragged_dot_hopper<{}, {}, {block_n}>", type_name(dtype)?, type_name(out)?))
+}
+
+pub fn ragged_dot_simt_instance(dtype: DataType, out: DataType, rhs_transposed: bool) -> Result<String> {
+    Ok(format!("ragged_dot_simt<{}, {}, {rhs_transposed}>", type_name(dtype)?, type_name(out)?))
+}
+
+pub fn transposed_simt_instance(dtype: DataType, out: DataType) -> Result<String> {
+    Ok(format!("transposed_ragged_dot_simt<{}, {}>", type_name(dtype)?, type_name(out)?))
+}
+
+fn int(value: usize) -> Result<i32> {
+    i32::try_from(value).map_err(|_| Error::invalid_argument(format!("{value}: the grouped GEMM kernels index with int32")))
+}
+
+fn grid(blocks: usize) -> Result<u32> {
+    u32::try_from(blocks)
+        .ok()
+        .filter(|&b| b < 1 << 31)
+        .ok_or_else(|| Error::invalid_argument(format!("{blocks} blocks: too large a launch")))
+}
+
+/// The integer arguments every kernel takes after its operands.
+struct Groups {
+    sizes: u64,
+    offset: u64,
+    groups: i32,
+    local_groups: i32,
+}
+
+impl Groups {
+    fn of(shape: &GroupedShape, sizes: u64, offset: u64) -> Result<Self> {
+        Ok(Self { sizes, offset, groups: int(shape.groups)?, local_groups: int(shape.local_groups)? })
+    }
+
+    /// Launches `group_bounds` into scratch: the SIMT kernels' row bounds.
+    fn bounds(&self, call: &Call, stream: Stream, m: i32) -> Result<u64> {
+        let scratch = call.scratch((self.local_groups as usize + 1) * 4)?;
+        let bounds = scratch.ptr() as u64;
+        let kernel = Kernel::get(stream, &GROUPED_GEMM, "group_bounds")?;
+        launch(stream, kernel, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &mut [
+            arg(&self.sizes), arg(&self.groups), arg(&self.offset), arg(&self.local_groups), arg(&m), arg(&bounds),
+        ])?;
+        Ok(bounds)
+    }
+}
+
+pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
+    let stream = Stream::of(call)?;
+    let shape = &a.shape;
+    if shape.m == 0 || shape.n == 0 {
+        return Ok(());
+    }
+    let (dtype, out_dtype) = (a.lhs.dtype(), a.out.dtype());
+    let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
+    let (m, k, n) = (int(shape.m)?, int(shape.k)?, int(shape.n)?);
+    let (lhs, rhs, out) = (a.lhs.device_ptr(), a.rhs.device_ptr(), a.out.device_ptr());
+
+    if takes_hopper(stream, dtype, shape)? {
+        let bn = block_n(shape.n);
+        let shared = hopper_shared_bytes(bn);
+        let kernel = Kernel::get(stream, &GROUPED_GEMM, &ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, bn)?)?
+            .allow_shared_bytes(shared)?;
+        let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
+        let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, BLOCK_M])?;
+        let rhs_map = if a.rhs_transposed {
+            TensorMap::tiled_16bit(rhs, &[k64, n64, gl], &[BLOCK_K, bn, 1])?
+        } else {
+            TensorMap::tiled_16bit(rhs, &[n64, k64, gl], &[64, BLOCK_K, 1])?
+        };
+        let config = LaunchConfig { grid: stream.multiprocessors()?, block: HOPPER_THREADS, shared_bytes: shared };
+        return launch(stream, kernel, config, &mut [
+            arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
+            arg(&m), arg(&k), arg(&n), arg(&out),
+        ]);
+    }
+
+    let bounds = g.bounds(call, stream, m)?;
+    let kernel = Kernel::get(stream, &GROUPED_GEMM, &ragged_dot_simt_instance(dtype, out_dtype, a.rhs_transposed)?)?;
+    let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
+    launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
+        arg(&lhs), arg(&rhs), arg(&bounds), arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out),
+    ])
+}
+
+pub fn transposed_ragged_dot(call: &Call, a: &TransposedRaggedDot) -> Result<()> {
+    let stream = Stream::of(call)?;
+    let shape = &a.shape;
+    if shape.local_groups == 0 || shape.k == 0 || shape.n == 0 {
+        return Ok(());
+    }
+    let (dtype, out_dtype) = (a.lhs.dtype(), a.out.dtype());
+    let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
+    let (m, k, n) = (int(shape.m)?, int(shape.k)?, int(shape.n)?);
+    let (lhs, rhs, out) = (a.lhs.device_ptr(), a.rhs.device_ptr(), a.out.device_ptr());
+
+    if shape.m > 0 && takes_hopper(stream, dtype, shape)? {
+        let bn = block_n(shape.n);
+        let shared = hopper_shared_bytes(bn);
+        let kernel = Kernel::get(stream, &GROUPED_GEMM, &transposed_hopper_instance(dtype, out_dtype, bn)?)?
+            .allow_shared_bytes(shared)?;
+        let (k64, n64, m64) = (shape.k as u64, shape.n as u64, shape.m as u64);
+        let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[64, 64])?;
+        let rhs_map = TensorMap::tiled_16bit(rhs, &[n64, m64], &[64, 64])?;
+        let config = LaunchConfig { grid: stream.multiprocessors()?, block: HOPPER_THREADS, shared_bytes: shared };
+        return launch(stream, kernel, config, &mut [
+            arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
+            arg(&m), arg(&k), arg(&n), arg(&out),
+        ]);
+    }
+
+    let bounds = g.bounds(call, stream, m)?;
+    let kernel = Kernel::get(stream, &GROUPED_GEMM, &transposed_simt_instance(dtype, out_dtype)?)?;
+    let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
+    launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
+        arg(&lhs), arg(&rhs), arg(&bounds), arg(&k), arg(&n), arg(&out),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::{compile_check, Architecture};
+
+    fn types() -> [(DataType, DataType); 5] {
+        let (bf16, f16, f32) = (DataType::BF16, DataType::F16, DataType::F32);
+        [(bf16, bf16), (bf16, f32), (f16, f16), (f16, f32), (f32, f32)]
+    }
+
+    fn simt_instances() -> Vec<String> {
+        let mut instances = vec!["group_bounds".to_string()];
+        for (dtype, out) in types() {
+            for transposed in [false, true] {
+                instances.push(ragged_dot_simt_instance(dtype, out, transposed).unwrap());
+            }
+            instances.push(transposed_simt_instance(dtype, out).unwrap());
+        }
+        instances
+    }
+
+    fn hopper_instances() -> Vec<String> {
+        let mut instances = Vec::new();
+        for (dtype, out) in types().into_iter().filter(|(d, _)| *d != DataType::F32) {
+            for bn in [128, 256] {
+                for transposed in [false, true] {
+                    instances.push(ragged_dot_hopper_instance(dtype, out, transposed, bn).unwrap());
+                }
+                instances.push(transposed_hopper_instance(dtype, out, bn).unwrap());
+            }
+        }
+        instances
+    }
+
+    /// CI has no GPU but has NVRTC: every instance a call can ask for compiles
+    /// for the architectures it runs on (the Hopper kernels only for sm_90a).
+    #[test]
+    fn grouped_gemm_kernels_compile_for_ampere_hopper_and_blackwell() {
+        let (simt, mut all) = (simt_instances(), simt_instances());
+        all.extend(hopper_instances());
+        let failures: Vec<String> = std::thread::scope(|scope| {
+            let checks: Vec<_> = [("sm_80", &simt), ("sm_90a", &all), ("sm_100", &simt)]
+                .map(|(arch, instances)| {
+                    scope.spawn(move || {
+                        let instances: Vec<&str> = instances.iter().map(String::as_str).collect();
+                        compile_check(&GROUPED_GEMM, &instances, &Architecture(arch.into()))
+                    })
+                })
+                .into_iter()
+                .collect();
+            checks.into_iter().filter_map(|c| c.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
+        });
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    #[test]
+    fn wide_tiles_unless_the_last_is_mostly_empty() {
+        assert_eq!(block_n(4096), 256);
+        assert_eq!(block_n(768), 256);
+        assert_eq!(block_n(7168), 256);
+        assert_eq!(block_n(2048), 256);
+        assert_eq!(block_n(1024), 256);
+        assert_eq!(block_n(384), 128);
+        assert_eq!(block_n(64), 128);
+    }
 }

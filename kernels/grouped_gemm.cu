@@ -1,0 +1,644 @@
+// Grouped GEMM kernels: `ragged_dot` (the rows of each group times that
+// group's weights) and its transposed product (per group, the rows' outer
+// products summed). Group sizes and the window's first group are read from
+// device memory; every bound is clamped (see `window_bounds`), so no size
+// can make a kernel read or write out of bounds.
+//
+// Two implementations with one semantics:
+// - Hopper (sm_90a), bf16/f16 with K and N multiples of 8: a persistent,
+//   warp-specialised kernel. One warp of the first warpgroup loads tiles with
+//   the tensor memory accelerator (TMA) into a ring of shared-memory stages;
+//   two consumer warpgroups multiply them with `wgmma` (64 x BN each) and
+//   store from registers. Tiles are walked group by group from the bounds
+//   computed on the device at the start of each block.
+// - Everywhere else (f32, odd shapes, other GPUs): a tiled SIMT kernel.
+#include "common.cuh"
+
+// Rows [bounds[i], bounds[i + 1]) belong to local group i: the sizes from
+// group `*offset` on (negative sizes count as 0), every bound clamped to m,
+// the offset to [0, groups]; local groups past the last group are empty.
+// Run by one whole warp; `bounds` has local_groups + 1 entries.
+__device__ void window_bounds(const int* __restrict__ sizes, int groups, const int* __restrict__ offset,
+                              int local_groups, int m, int* bounds) {
+  const int lane = threadIdx.x % 32;
+  const int first = min(max(*offset, 0), groups);
+  long long before = 0;  // rows of the groups before the window
+  for (int base = 0; base < first; base += 32) {
+    long long size = base + lane < first ? max(sizes[base + lane], 0) : 0;
+    for (int delta = 16; delta > 0; delta /= 2) size += __shfl_xor_sync(0xffffffffu, size, delta);
+    before += size;
+  }
+  for (int base = 0; base <= local_groups; base += 32) {
+    const int i = base + lane;
+    const long long size = i < local_groups && first + i < groups ? max(sizes[first + i], 0) : 0;
+    long long inclusive = size;
+    for (int delta = 1; delta < 32; delta *= 2) {
+      const long long up = __shfl_up_sync(0xffffffffu, inclusive, delta);
+      if (lane >= delta) inclusive += up;
+    }
+    if (i <= local_groups) bounds[i] = static_cast<int>(min(before + inclusive - size, static_cast<long long>(m)));
+    before += __shfl_sync(0xffffffffu, inclusive, 31);
+  }
+}
+
+// The bounds of a launch's window, for the SIMT kernels (one warp).
+extern "C" __global__ void group_bounds(const int* __restrict__ sizes, int groups, const int* __restrict__ offset,
+                                        int local_groups, int m, int* __restrict__ bounds) {
+  window_bounds(sizes, groups, offset, local_groups, m, bounds);
+}
+
+// ---------------------------------------------------------------------------
+// SIMT: 64 x 64 output tiles, 256 threads of 4 x 4 outputs, 16-deep slices of
+// the contraction through shared memory.
+
+constexpr int SIMT_TILE = 64;
+constexpr int SIMT_DEPTH = 16;
+constexpr int SIMT_THREADS = 256;
+
+// Adds the 64 x 64 product of as (depth x rows) and bs (depth x columns) to acc.
+__device__ __forceinline__ void simt_tile_product(const float (&as)[SIMT_DEPTH][SIMT_TILE + 1],
+                                                  const float (&bs)[SIMT_DEPTH][SIMT_TILE], float (&acc)[4][4]) {
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+#pragma unroll
+  for (int d = 0; d < SIMT_DEPTH; ++d) {
+    float a[4], b[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) a[i] = as[d][ty * 4 + i];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) b[j] = bs[d][tx + 16 * j];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = fmaf(a[i], b[j], acc[i][j]);
+  }
+}
+
+// out[r] = lhs[r] · w_i for the rows r of local group i (w_i = rhs[i], or
+// rhs[i]ᵀ when RHS_TRANSPOSED); zero for rows outside the window. A block
+// owns a 64 x 64 tile of out and runs once per group its rows meet.
+template <typename T, typename O, bool RHS_TRANSPOSED>
+__global__ void __launch_bounds__(SIMT_THREADS) ragged_dot_simt(
+    const T* __restrict__ lhs, const T* __restrict__ rhs, const int* __restrict__ bounds, int local_groups, int m,
+    int k, int n, O* __restrict__ out) {
+  __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
+  __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
+  const int tiles_n = (n + SIMT_TILE - 1) / SIMT_TILE;
+  const int row0 = blockIdx.x / tiles_n * SIMT_TILE, col0 = blockIdx.x % tiles_n * SIMT_TILE;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int first_row = bounds[0], last_row = bounds[local_groups];
+  for (int i = 0; i < 4; ++i) {
+    const int row = row0 + ty * 4 + i;
+    if (row >= m || (row >= first_row && row < last_row)) continue;
+    for (int j = 0; j < 4; ++j)
+      if (col0 + tx + 16 * j < n) out[static_cast<size_t>(row) * n + col0 + tx + 16 * j] = from_float<O>(0.f);
+  }
+  // The first group ending after row0 (bounds are non-decreasing).
+  int lo = 0, hi = local_groups;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (bounds[mid + 1] <= row0) lo = mid + 1; else hi = mid;
+  }
+  for (int g = lo; g < local_groups && bounds[g] < row0 + SIMT_TILE; ++g) {
+    const int begin = max(bounds[g], row0), end = min(bounds[g + 1], row0 + SIMT_TILE);
+    if (begin >= end) continue;  // block-uniform
+    float acc[4][4] = {};
+    const T* w = rhs + static_cast<size_t>(g) * k * n;
+    for (int k0 = 0; k0 < k; k0 += SIMT_DEPTH) {
+      for (int e = threadIdx.x; e < SIMT_DEPTH * SIMT_TILE; e += SIMT_THREADS) {
+        const int r = e / SIMT_DEPTH, d = e % SIMT_DEPTH, row = row0 + r, kk = k0 + d;
+        as[d][r] = row >= begin && row < end && kk < k ? to_float(lhs[static_cast<size_t>(row) * k + kk]) : 0.f;
+        const int dd = e / SIMT_TILE, c = e % SIMT_TILE, col = col0 + c, kb = k0 + dd;
+        float b = 0.f;
+        if (kb < k && col < n)
+          b = to_float(RHS_TRANSPOSED ? w[static_cast<size_t>(col) * k + kb] : w[static_cast<size_t>(kb) * n + col]);
+        bs[dd][c] = b;
+      }
+      __syncthreads();
+      simt_tile_product(as, bs, acc);
+      __syncthreads();
+    }
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + ty * 4 + i;
+      if (row < begin || row >= end) continue;
+      for (int j = 0; j < 4; ++j)
+        if (col0 + tx + 16 * j < n) out[static_cast<size_t>(row) * n + col0 + tx + 16 * j] = from_float<O>(acc[i][j]);
+    }
+  }
+}
+
+// out[i] = lhs_iᵀ · rhs_i ([k, n]) over the rows of local group i. A block
+// owns a 64 x 64 tile of one group's output.
+template <typename T, typename O>
+__global__ void __launch_bounds__(SIMT_THREADS) transposed_ragged_dot_simt(
+    const T* __restrict__ lhs, const T* __restrict__ rhs, const int* __restrict__ bounds, int k, int n,
+    O* __restrict__ out) {
+  __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
+  __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
+  const int tiles_n = (n + SIMT_TILE - 1) / SIMT_TILE, tiles_k = (k + SIMT_TILE - 1) / SIMT_TILE;
+  const int g = blockIdx.x / (tiles_k * tiles_n), tile = blockIdx.x % (tiles_k * tiles_n);
+  const int k_0 = tile / tiles_n * SIMT_TILE, col0 = tile % tiles_n * SIMT_TILE;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int begin = bounds[g], end = bounds[g + 1];
+  float acc[4][4] = {};
+  for (int r0 = begin; r0 < end; r0 += SIMT_DEPTH) {
+    for (int e = threadIdx.x; e < SIMT_DEPTH * SIMT_TILE; e += SIMT_THREADS) {
+      const int d = e / SIMT_TILE, c = e % SIMT_TILE, row = r0 + d;
+      as[d][c] = row < end && k_0 + c < k ? to_float(lhs[static_cast<size_t>(row) * k + k_0 + c]) : 0.f;
+      bs[d][c] = row < end && col0 + c < n ? to_float(rhs[static_cast<size_t>(row) * n + col0 + c]) : 0.f;
+    }
+    __syncthreads();
+    simt_tile_product(as, bs, acc);
+    __syncthreads();
+  }
+  O* block = out + static_cast<size_t>(g) * k * n;
+  for (int i = 0; i < 4; ++i) {
+    const int kr = k_0 + ty * 4 + i;
+    if (kr >= k) continue;
+    for (int j = 0; j < 4; ++j)
+      if (col0 + tx + 16 * j < n) block[static_cast<size_t>(kr) * n + col0 + tx + 16 * j] = from_float<O>(acc[i][j]);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Hopper: TMA + wgmma, warp-specialised and persistent.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+
+// A TMA descriptor (CUtensorMap), encoded on the host and passed by value.
+struct __align__(64) TensorMap {
+  unsigned long long words[16];
+};
+
+constexpr int BLOCK_M = 128;        // output rows of a tile: 64 per consumer warpgroup
+constexpr int BLOCK_K = 64;         // contraction per stage: 128 bytes of 16-bit elements, one swizzle row
+constexpr int CHUNK_BYTES = 64 * 128;  // a 64-row, 128-byte-wide box: the unit of every TMA load
+constexpr int HOPPER_THREADS = 384;  // a producer warpgroup and two consumer warpgroups
+constexpr int CONSUMER_WARPS = 8;
+constexpr int MAX_LOCAL_GROUPS = 1024;
+
+template <int BN> struct HopperConfig {
+  static constexpr int STAGES = BN == 256 ? 4 : 6;
+  static constexpr int A_BYTES = BLOCK_M * BLOCK_K * 2;
+  static constexpr int B_BYTES = BLOCK_K * BN * 2;
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  // Alignment slack, the stages, full and empty barriers, the group tables.
+  static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
+};
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void barrier_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(count));
+}
+
+__device__ __forceinline__ void barrier_expect_bytes(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void barrier_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
+}
+
+// Waits until the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void barrier_wait(unsigned long long* bar, unsigned parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(shared_address(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// Loads the box at (c0, c1[, c2]) of `map` into shared memory at dst;
+// completes on `bar` with the box's bytes. Out-of-range elements read as 0.
+__device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, unsigned long long* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
+          "r"(shared_address(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(shared_address(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, unsigned long long* bar, int c0, int c1,
+                                         int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
+      "[%5];" ::"r"(shared_address(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(shared_address(bar))
+      : "memory");
+}
+
+// A wgmma shared-memory matrix descriptor for a 128-byte-swizzled tile:
+// K-major (leading offset unused), or MN-major with 64-element columns
+// `leading_bytes` apart. Rows of 8 x 128 bytes are 1024 bytes apart.
+__device__ __forceinline__ unsigned long long matrix_descriptor(const void* tile, unsigned leading_bytes) {
+  const unsigned long long address = shared_address(tile);
+  return ((address & 0x3FFFF) >> 4) | (static_cast<unsigned long long>(leading_bytes >> 4) << 16) |
+         (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
+}
+
+template <int N>
+__device__ __forceinline__ void keep_in_registers(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+
+#define WGMMA_64x256(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " " \
+      "{" \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
+      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
+      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
+      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
+      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}" \
+      ", %128, %129, p, 1, 1, %131, %132;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
+      "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
+      "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
+      "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
+      "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
+      "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
+      "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
+      "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
+      "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A), "n"(TRANS_B))
+
+#define WGMMA_64x128(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
+      "{" \
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}" \
+      ", %64, %65, p, 1, 1, %67, %68;\n}\n" \
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
+      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
+      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
+      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
+      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
+      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A), "n"(TRANS_B))
+
+template <typename T> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<bf16> { static constexpr bool value = true; };
+
+// d (+)= A·B on a 64 x BN tile, 16 deep, both operands in shared memory;
+// TRANS_* = 1 for an MN-major operand. scale_d = 0 ignores d's old value.
+template <typename T, int BN, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma(float (&d)[BN / 2], unsigned long long desc_a, unsigned long long desc_b,
+                                      int scale_d) {
+  constexpr bool BF16 = IsBf16<T>::value;
+  if constexpr (BN == 256) {
+    if constexpr (BF16) WGMMA_64x256("bf16");
+    else WGMMA_64x256("f16");
+  } else {
+    if constexpr (BF16) WGMMA_64x128("bf16");
+    else WGMMA_64x128("f16");
+  }
+}
+
+// The shared memory of a Hopper kernel: stages of A and B tiles (1024-byte
+// aligned, as the 128-byte swizzle wants), their barriers, the group tables.
+template <int BN>
+struct Shared {
+  using Config = HopperConfig<BN>;
+  unsigned char* a;  // STAGES x A_BYTES
+  unsigned char* b;  // STAGES x B_BYTES
+  unsigned long long* full;   // a stage's loads have landed
+  unsigned long long* empty;  // the consumers are done with a stage
+  int* bounds;  // local group i: rows [bounds[i], bounds[i + 1])
+  int* tiles;   // ragged_dot: the first tile of each local group
+
+  __device__ static Shared carve(unsigned char* raw) {
+    unsigned char* base = raw + ((1024 - shared_address(raw) % 1024) % 1024);
+    Shared s;
+    s.a = base;
+    s.b = base + Config::STAGES * Config::A_BYTES;
+    s.full = reinterpret_cast<unsigned long long*>(base + Config::STAGES * Config::STAGE_BYTES);
+    s.empty = s.full + Config::STAGES;
+    s.bounds = reinterpret_cast<int*>(s.empty + Config::STAGES);
+    s.tiles = s.bounds + MAX_LOCAL_GROUPS + 1;
+    return s;
+  }
+
+  __device__ void init_barriers() const {
+    for (int s = 0; s < Config::STAGES; ++s) {
+      barrier_init(&full[s], 1);
+      barrier_init(&empty[s], CONSUMER_WARPS);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+};
+
+// Walks a ring of stages: the stage in use and the parity of its phase.
+struct Ring {
+  int stage = 0;
+  unsigned phase = 0;
+  template <int STAGES>
+  __device__ void advance() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
+// Stores a consumer warpgroup's 64 x BN accumulators at out (row stride n):
+// rows below row_end, columns below n (a multiple of 8).
+template <typename O, int BN>
+__device__ __forceinline__ void store_tile(const float (&d)[BN / 2], O* out, int row0, int row_end, int col0, int n) {
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  const int row = row0 + warp * 16 + lane / 4;
+#pragma unroll
+  for (int i = 0; i < BN / 8; ++i) {
+    const int col = col0 + 8 * i + 2 * (lane % 4);
+    if (col >= n) continue;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = row + 8 * half;
+      if (r >= row_end) continue;
+      O* dst = out + static_cast<size_t>(r) * n + col;
+      if constexpr (sizeof(O) == 4) {
+        *reinterpret_cast<float2*>(dst) = make_float2(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
+      } else {
+        Pack<O, 4> pack;
+        pack.elems[0] = from_float<O>(d[4 * i + 2 * half]);
+        pack.elems[1] = from_float<O>(d[4 * i + 2 * half + 1]);
+        *reinterpret_cast<unsigned*>(dst) = pack.raw;
+      }
+    }
+  }
+}
+
+// Zeroes rows [row0, row_end) x columns [col0, col0 + BN) ∩ [0, n) of out
+// with the 256 consumer threads (n a multiple of 8).
+template <typename O, int BN>
+__device__ __forceinline__ void zero_tile(O* out, int row0, int row_end, int col0, int n) {
+  constexpr int PER = 16 / sizeof(O);
+  const int rows = min(row_end - row0, BLOCK_M), columns = min(BN, n - col0) / PER;
+  for (int e = threadIdx.x - 128; e < rows * (BN / PER); e += 256) {
+    const int r = e / (BN / PER), c = e % (BN / PER);
+    if (c < columns)
+      *reinterpret_cast<uint4*>(out + static_cast<size_t>(row0 + r) * n + col0 + c * PER) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// The tile order of ragged_dot: the tiles of local group 0 (row blocks of 128,
+// each across the columns), then group 1's, ..., then tiles of zeros over
+// the rows before and after the window.
+template <int BN>
+struct RaggedTiles {
+  const int* bounds;
+  const int* tiles;
+  int local_groups, m, n;
+  int column_tiles, group_tiles, head_tiles, total;
+  int cursor = 0;  // the group of the last tile asked for (tiles are asked in order)
+
+  __device__ RaggedTiles(const int* bounds, const int* tiles, int local_groups, int m, int n)
+      : bounds(bounds), tiles(tiles), local_groups(local_groups), m(m), n(n) {
+    column_tiles = (n + BN - 1) / BN;
+    group_tiles = tiles[local_groups];
+    head_tiles = (bounds[0] + BLOCK_M - 1) / BLOCK_M * column_tiles;
+    total = group_tiles + head_tiles + (m - bounds[local_groups] + BLOCK_M - 1) / BLOCK_M * column_tiles;
+  }
+
+  struct Tile {
+    bool zeros;
+    int group, row0, row_end, col0;
+  };
+
+  __device__ Tile at(int t) {
+    if (t < group_tiles) {
+      while (tiles[cursor + 1] <= t) ++cursor;
+      const int local = t - tiles[cursor];
+      return {false, cursor, bounds[cursor] + local / column_tiles * BLOCK_M, bounds[cursor + 1],
+              local % column_tiles * BN};
+    }
+    int z = t - group_tiles;
+    const bool head = z < head_tiles;
+    if (!head) z -= head_tiles;
+    const int row0 = (head ? 0 : bounds[local_groups]) + z / column_tiles * BLOCK_M;
+    return {true, -1, row0, head ? bounds[0] : m, z % column_tiles * BN};
+  }
+};
+
+// The first tile of each local group (rows in blocks of 128, columns in
+// blocks of BN), after bounds; one warp.
+template <int BN>
+__device__ void group_tiles(const int* bounds, int local_groups, int n, int* tiles) {
+  const int lane = threadIdx.x % 32, column_tiles = (n + BN - 1) / BN;
+  int before = 0;
+  for (int base = 0; base <= local_groups; base += 32) {
+    const int i = base + lane;
+    const int count = i < local_groups ? (bounds[i + 1] - bounds[i] + BLOCK_M - 1) / BLOCK_M * column_tiles : 0;
+    int inclusive = count;
+    for (int delta = 1; delta < 32; delta *= 2) {
+      const int up = __shfl_up_sync(0xffffffffu, inclusive, delta);
+      if (lane >= delta) inclusive += up;
+    }
+    if (i <= local_groups) tiles[i] = before + inclusive - count;
+    before += __shfl_sync(0xffffffffu, inclusive, 31);
+  }
+}
+
+// Producer warpgroup: 40 registers; consumers: 232 (of 64K for 384 threads).
+__device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;"); }
+__device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;"); }
+
+// ragged_dot on Hopper. lhs_map: lhs [m, k], box 64 x 128 rows. rhs_map:
+// rhs [groups, k, n] (box 64 columns x 64 rows x 1) or, RHS_K_MAJOR,
+// [groups, n, k] (box 64 x BN rows x 1).
+template <typename T, typename O, bool RHS_K_MAJOR, int BN>
+__global__ void __launch_bounds__(HOPPER_THREADS, 1) ragged_dot_hopper(
+    const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
+    const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
+    int k, int n, O* __restrict__ out) {
+  using Config = HopperConfig<BN>;
+  extern __shared__ unsigned char raw[];
+  const Shared<BN> s = Shared<BN>::carve(raw);
+  if (threadIdx.x == 0) s.init_barriers();
+  if (threadIdx.x < 32) {
+    window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
+    __syncwarp();
+    group_tiles<BN>(s.bounds, local_groups, n, s.tiles);
+  }
+  __syncthreads();
+  RaggedTiles<BN> walk(s.bounds, s.tiles, local_groups, m, n);
+  const int k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
+  Ring ring;
+
+  if (threadIdx.x < 128) {
+    producer_registers();
+    if (threadIdx.x != 0) return;
+    for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+      const auto tile = walk.at(t);
+      if (tile.zeros) continue;
+      for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
+        barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
+        unsigned long long* full = &s.full[ring.stage];
+        barrier_expect_bytes(full, Config::STAGE_BYTES);
+        tma_load(s.a + ring.stage * Config::A_BYTES, &lhs_map, full, kb * BLOCK_K, tile.row0);
+        unsigned char* b = s.b + ring.stage * Config::B_BYTES;
+        if constexpr (RHS_K_MAJOR) {
+          tma_load(b, &rhs_map, full, kb * BLOCK_K, tile.col0, tile.group);
+        } else {
+#pragma unroll
+          for (int j = 0; j < BN / 64; ++j) tma_load(b + j * CHUNK_BYTES, &rhs_map, full, tile.col0 + 64 * j, kb * BLOCK_K, tile.group);
+        }
+      }
+    }
+    return;
+  }
+
+  consumer_registers();
+  const int half = threadIdx.x / 128 - 1;  // this warpgroup's 64 rows of the tile
+  float d[BN / 2];
+  for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+    const auto tile = walk.at(t);
+    if (tile.zeros) {
+      zero_tile<O, BN>(out, tile.row0, tile.row_end, tile.col0, n);
+      continue;
+    }
+    for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
+      barrier_wait(&s.full[ring.stage], ring.phase);
+      const unsigned char* a = s.a + ring.stage * Config::A_BYTES + half * (BLOCK_M / 2) * 128;
+      const unsigned char* b = s.b + ring.stage * Config::B_BYTES;
+      keep_in_registers(d);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+        // 16 deep: 32 bytes along a K-major row, or 16 rows of an MN-major tile.
+        const auto desc_b = RHS_K_MAJOR ? matrix_descriptor(b + kk * 32, 16)
+                                        : matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES);
+        wgmma<T, BN, 0, RHS_K_MAJOR ? 0 : 1>(d, matrix_descriptor(a + kk * 32, 16), desc_b, kb > 0 || kk > 0);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      keep_in_registers(d);
+      if (threadIdx.x % 32 == 0) barrier_arrive(&s.empty[ring.stage]);
+    }
+    if (k_blocks == 0) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+    }
+    store_tile<O, BN>(d, out, tile.row0 + half * 64, tile.row_end, tile.col0, n);
+  }
+}
+
+// Zeroes rows [valid, 64) of `chunks` consecutive 64-row boxes at `boxes`
+// (rows of the next group, or past m), with the 256 consumer threads. (The
+// 128-byte swizzle moves 16-byte pieces within a row, never across rows.)
+__device__ __forceinline__ void zero_rows_from(unsigned char* boxes, int chunks, int valid) {
+  const int vectors = (64 - valid) * 8;  // 16-byte vectors per box
+  for (int e = threadIdx.x - 128; e < chunks * vectors; e += 256) {
+    const int chunk = e / vectors, v = e % vectors;
+    *reinterpret_cast<uint4*>(boxes + chunk * CHUNK_BYTES + valid * 128 + v * 16) = make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Makes the consumers' shared-memory stores visible to the tensor cores
+// before any consumer warpgroup issues its wgmma.
+__device__ __forceinline__ void consumers_publish_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  asm volatile("bar.sync 1, 256;" ::: "memory");
+}
+
+// transposed_ragged_dot on Hopper: out[i] ([k, n]) = lhs_iᵀ · rhs_i. Both maps
+// are 2-D with 64 x 64-row boxes: lhs [m, k] (its columns are out's rows, so
+// A is MN-major) and rhs [m, n] (MN-major B). A tile is 128 rows of out[i] by
+// BN columns; the contraction walks the group's rows 64 at a time.
+template <typename T, typename O, int BN>
+__global__ void __launch_bounds__(HOPPER_THREADS, 1) transposed_ragged_dot_hopper(
+    const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
+    const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
+    int k, int n, O* __restrict__ out) {
+  using Config = HopperConfig<BN>;
+  extern __shared__ unsigned char raw[];
+  const Shared<BN> s = Shared<BN>::carve(raw);
+  if (threadIdx.x == 0) s.init_barriers();
+  if (threadIdx.x < 32) window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
+  __syncthreads();
+  const int column_tiles = (n + BN - 1) / BN, row_tiles = (k + BLOCK_M - 1) / BLOCK_M;
+  const int per_group = row_tiles * column_tiles, total = local_groups * per_group;
+  Ring ring;
+
+  if (threadIdx.x < 128) {
+    producer_registers();
+    if (threadIdx.x != 0) return;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      const int g = t / per_group, local = t % per_group;
+      const int out_row0 = local / column_tiles * BLOCK_M, col0 = local % column_tiles * BN;
+      for (int row = s.bounds[g]; row < s.bounds[g + 1]; row += 64, ring.advance<Config::STAGES>()) {
+        barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
+        unsigned long long* full = &s.full[ring.stage];
+        barrier_expect_bytes(full, Config::STAGE_BYTES);
+        unsigned char* a = s.a + ring.stage * Config::A_BYTES;
+        tma_load(a, &lhs_map, full, out_row0, row);
+        tma_load(a + CHUNK_BYTES, &lhs_map, full, out_row0 + 64, row);
+        unsigned char* b = s.b + ring.stage * Config::B_BYTES;
+#pragma unroll
+        for (int j = 0; j < BN / 64; ++j) tma_load(b + j * CHUNK_BYTES, &rhs_map, full, col0 + 64 * j, row);
+      }
+    }
+    return;
+  }
+
+  consumer_registers();
+  const int half = threadIdx.x / 128 - 1;
+  float d[BN / 2];
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const int g = t / per_group, local = t % per_group;
+    const int out_row0 = local / column_tiles * BLOCK_M, col0 = local % column_tiles * BN;
+    const int begin = s.bounds[g], end = s.bounds[g + 1];
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
+    for (int row = begin; row < end; row += 64, ring.advance<Config::STAGES>()) {
+      barrier_wait(&s.full[ring.stage], ring.phase);
+      unsigned char* a = s.a + ring.stage * Config::A_BYTES;
+      unsigned char* b = s.b + ring.stage * Config::B_BYTES;
+      if (end - row < 64) {
+        // The last rows of the box belong to the next group: zero them in both
+        // operands (a product with a stray inf or NaN would not be zero).
+        zero_rows_from(a, 2, end - row);
+        zero_rows_from(b, BN / 64, end - row);
+        consumers_publish_shared();
+      }
+      keep_in_registers(d);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < 4; ++kk) {
+        wgmma<T, BN, 1, 1>(d, matrix_descriptor(a + half * CHUNK_BYTES + kk * 16 * 128, CHUNK_BYTES),
+                           matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES), 1);
+      }
+      wgmma_commit();
+      wgmma_wait_all();
+      keep_in_registers(d);
+      if (threadIdx.x % 32 == 0) barrier_arrive(&s.empty[ring.stage]);
+    }
+    store_tile<O, BN>(d, out + static_cast<size_t>(g) * k * n, out_row0 + half * 64, k, col0, n);
+  }
+}
+
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
