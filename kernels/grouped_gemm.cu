@@ -176,12 +176,18 @@ constexpr int CONSUMER_WARPS = 8;
 constexpr int MAX_LOCAL_GROUPS = 1024;
 
 template <int BN> struct HopperConfig {
-  static constexpr int STAGES = BN == 256 ? 4 : 6;
+  static constexpr int STAGES = BN == 256 ? 3 : 5;
   static constexpr int A_BYTES = BLOCK_M * BLOCK_K * 2;
   static constexpr int B_BYTES = BLOCK_K * BN * 2;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  // Alignment slack, the stages, full and empty barriers, the group tables.
-  static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + 2 * STAGES * 8 + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
+  // A consumer warpgroup's 64 output rows of 16-bit elements on their way
+  // out, rows padded by 16 bytes so that neither side conflicts on banks.
+  static constexpr int OUT_PITCH = BN + 8;
+  static constexpr int OUT_BYTES = 2 * 64 * OUT_PITCH * 2;
+  // Alignment slack, the stages, the output rows, full and empty barriers,
+  // the group tables.
+  static constexpr int SHARED_BYTES =
+      1024 + STAGES * STAGE_BYTES + OUT_BYTES + 2 * STAGES * 8 + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
 };
 
 __device__ __forceinline__ unsigned shared_address(const void* p) {
@@ -247,7 +253,9 @@ __device__ __forceinline__ void keep_in_registers(float (&d)[N]) {
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// Waits until at most N of this warpgroup's committed wgmma groups are pending.
+template <int N>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
 
 #define WGMMA_64x256(TYPE) \
   asm volatile( \
@@ -304,11 +312,11 @@ __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_grou
 template <typename T> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<bf16> { static constexpr bool value = true; };
 
-// d (+)= A·B on a 64 x BN tile, 16 deep, both operands in shared memory;
-// TRANS_* = 1 for an MN-major operand. scale_d = 0 ignores d's old value.
+// d += A·B on a 64 x BN tile, 16 deep, both operands in shared memory;
+// TRANS_* = 1 for an MN-major operand.
 template <typename T, int BN, int TRANS_A, int TRANS_B>
-__device__ __forceinline__ void wgmma(float (&d)[BN / 2], unsigned long long desc_a, unsigned long long desc_b,
-                                      int scale_d) {
+__device__ __forceinline__ void wgmma(float (&d)[BN / 2], unsigned long long desc_a, unsigned long long desc_b) {
+  constexpr int scale_d = 1;
   constexpr bool BF16 = IsBf16<T>::value;
   if constexpr (BN == 256) {
     if constexpr (BF16) WGMMA_64x256("bf16");
@@ -326,6 +334,7 @@ struct Shared {
   using Config = HopperConfig<BN>;
   unsigned char* a;  // STAGES x A_BYTES
   unsigned char* b;  // STAGES x B_BYTES
+  unsigned short* out;  // each consumer warpgroup's 64 x OUT_PITCH output rows
   unsigned long long* full;   // a stage's loads have landed
   unsigned long long* empty;  // the consumers are done with a stage
   int* bounds;  // local group i: rows [bounds[i], bounds[i + 1])
@@ -336,7 +345,8 @@ struct Shared {
     Shared s;
     s.a = base;
     s.b = base + Config::STAGES * Config::A_BYTES;
-    s.full = reinterpret_cast<unsigned long long*>(base + Config::STAGES * Config::STAGE_BYTES);
+    s.out = reinterpret_cast<unsigned short*>(base + Config::STAGES * Config::STAGE_BYTES);
+    s.full = reinterpret_cast<unsigned long long*>(base + Config::STAGES * Config::STAGE_BYTES + Config::OUT_BYTES);
     s.empty = s.full + Config::STAGES;
     s.bounds = reinterpret_cast<int*>(s.empty + Config::STAGES);
     s.tiles = s.bounds + MAX_LOCAL_GROUPS + 1;
@@ -352,6 +362,11 @@ struct Shared {
   }
 };
 
+// A consumer warp is done with `stage` (all its wgmma reading it have completed).
+__device__ __forceinline__ void release_stage(unsigned long long* empty, int stage) {
+  if (threadIdx.x % 32 == 0) barrier_arrive(&empty[stage]);
+}
+
 // Walks a ring of stages: the stage in use and the parity of its phase.
 struct Ring {
   int stage = 0;
@@ -365,29 +380,59 @@ struct Ring {
   }
 };
 
+// After committing the current stage's wgmma: waits for the previous
+// stage's (the current ones keep the tensor cores busy meanwhile) and, if
+// there was one, releases it to the producer.
+__device__ __forceinline__ void release_previous_stage(unsigned long long* empty, const Ring& ring, int stages,
+                                                       bool has_previous) {
+  wgmma_wait<1>();
+  if (has_previous) release_stage(empty, (ring.stage + stages - 1) % stages);
+}
+
 // Stores a consumer warpgroup's 64 x BN accumulators at out (row stride n):
-// rows below row_end, columns below n (a multiple of 8).
+// rows below row_end, columns below n (a multiple of 8). 16-bit outputs go
+// through the warpgroup's rows in shared memory (`staging`), so that global
+// stores are 16 bytes a thread and whole rows a warp; float32 ones straight
+// from the registers, a pair of columns at a time.
 template <typename O, int BN>
-__device__ __forceinline__ void store_tile(const float (&d)[BN / 2], O* out, int row0, int row_end, int col0, int n) {
+__device__ __forceinline__ void store_tile(const float (&d)[BN / 2], unsigned short* staging, O* out, int row0,
+                                           int row_end, int col0, int n) {
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-  const int row = row0 + warp * 16 + lane / 4;
+  const int row = warp * 16 + lane / 4;
+  if constexpr (sizeof(O) == 4) {
 #pragma unroll
-  for (int i = 0; i < BN / 8; ++i) {
-    const int col = col0 + 8 * i + 2 * (lane % 4);
-    if (col >= n) continue;
+    for (int i = 0; i < BN / 8; ++i) {
+      const int col = col0 + 8 * i + 2 * (lane % 4);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int r = row + 8 * half;
-      if (r >= row_end) continue;
-      O* dst = out + static_cast<size_t>(r) * n + col;
-      if constexpr (sizeof(O) == 4) {
-        *reinterpret_cast<float2*>(dst) = make_float2(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
-      } else {
+      for (int half = 0; half < 2; ++half) {
+        const int r = row0 + row + 8 * half;
+        if (col < n && r < row_end)
+          *reinterpret_cast<float2*>(out + static_cast<size_t>(r) * n + col) =
+              make_float2(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
+      }
+    }
+  } else {
+    constexpr int PITCH = HopperConfig<BN>::OUT_PITCH;
+    const int barrier = 2 + threadIdx.x / 128;  // this warpgroup's named barrier
+    // The previous tile's rows have left.
+    asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
         Pack<O, 4> pack;
         pack.elems[0] = from_float<O>(d[4 * i + 2 * half]);
         pack.elems[1] = from_float<O>(d[4 * i + 2 * half + 1]);
-        *reinterpret_cast<unsigned*>(dst) = pack.raw;
+        *reinterpret_cast<unsigned*>(staging + (row + 8 * half) * PITCH + 8 * i + 2 * (lane % 4)) = pack.raw;
       }
+    }
+    asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
+    constexpr int VECTORS = BN / 8;  // 16-byte vectors of a row
+    for (int e = threadIdx.x % 128; e < 64 * VECTORS; e += 128) {
+      const int r = e / VECTORS, c = e % VECTORS * 8;
+      if (row0 + r < row_end && col0 + c < n)
+        *reinterpret_cast<uint4*>(out + static_cast<size_t>(row0 + r) * n + col0 + c) =
+            *reinterpret_cast<const uint4*>(staging + r * PITCH + c);
     }
   }
 }
@@ -521,29 +566,29 @@ __global__ void __launch_bounds__(HOPPER_THREADS, 1) ragged_dot_hopper(
       zero_tile<O, BN>(out, tile.row0, tile.row_end, tile.col0, n);
       continue;
     }
+    // Zeroing d (rather than a first wgmma that ignores it) tells the compiler
+    // that d is dead between tiles, which keeps the consumers from spilling.
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
     for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
       barrier_wait(&s.full[ring.stage], ring.phase);
       const unsigned char* a = s.a + ring.stage * Config::A_BYTES + half * (BLOCK_M / 2) * 128;
       const unsigned char* b = s.b + ring.stage * Config::B_BYTES;
-      keep_in_registers(d);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
         // 16 deep: 32 bytes along a K-major row, or 16 rows of an MN-major tile.
         const auto desc_b = RHS_K_MAJOR ? matrix_descriptor(b + kk * 32, 16)
                                         : matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES);
-        wgmma<T, BN, 0, RHS_K_MAJOR ? 0 : 1>(d, matrix_descriptor(a + kk * 32, 16), desc_b, kb > 0 || kk > 0);
+        wgmma<T, BN, 0, RHS_K_MAJOR ? 0 : 1>(d, matrix_descriptor(a + kk * 32, 16), desc_b);
       }
       wgmma_commit();
-      wgmma_wait_all();
-      keep_in_registers(d);
-      if (threadIdx.x % 32 == 0) barrier_arrive(&s.empty[ring.stage]);
+      release_previous_stage(s.empty, ring, Config::STAGES, kb > 0);
     }
-    if (k_blocks == 0) {
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
-    }
-    store_tile<O, BN>(d, out, tile.row0 + half * 64, tile.row_end, tile.col0, n);
+    wgmma_wait<0>();
+    keep_in_registers(d);
+    if (k_blocks > 0) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
+    store_tile<O, BN>(d, s.out + half * 64 * Config::OUT_PITCH, out, tile.row0 + half * 64, tile.row_end, tile.col0, n);
   }
 }
 
@@ -625,19 +670,20 @@ __global__ void __launch_bounds__(HOPPER_THREADS, 1) transposed_ragged_dot_hoppe
         zero_rows_from(b, BN / 64, end - row);
         consumers_publish_shared();
       }
-      keep_in_registers(d);
       wgmma_fence();
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk) {
         wgmma<T, BN, 1, 1>(d, matrix_descriptor(a + half * CHUNK_BYTES + kk * 16 * 128, CHUNK_BYTES),
-                           matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES), 1);
+                           matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES));
       }
       wgmma_commit();
-      wgmma_wait_all();
-      keep_in_registers(d);
-      if (threadIdx.x % 32 == 0) barrier_arrive(&s.empty[ring.stage]);
+      release_previous_stage(s.empty, ring, Config::STAGES, row > begin);
     }
-    store_tile<O, BN>(d, out + static_cast<size_t>(g) * k * n, out_row0 + half * 64, k, col0, n);
+    wgmma_wait<0>();
+    keep_in_registers(d);
+    if (end > begin) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
+    store_tile<O, BN>(d, s.out + half * 64 * Config::OUT_PITCH, out + static_cast<size_t>(g) * k * n,
+                      out_row0 + half * 64, k, col0, n);
   }
 }
 

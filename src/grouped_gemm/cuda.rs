@@ -35,9 +35,10 @@ pub fn block_n(n: usize) -> u32 {
 /// Dynamic shared memory of a Hopper kernel with `block_n` columns
 /// (`HopperConfig<BN>::SHARED_BYTES`).
 fn hopper_shared_bytes(block_n: u32) -> u32 {
-    let stages = if block_n == 256 { 4 } else { 6 };
+    let stages = if block_n == 256 { 3 } else { 5 };
     let stage = (BLOCK_M * BLOCK_K + BLOCK_K * block_n) * 2;
-    1024 + stages * stage + 2 * stages * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
+    let out_rows = 2 * 64 * (block_n + 8) * 2;
+    1024 + stages * stage + out_rows + 2 * stages * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
 }
 
 /// Whether a product takes the Hopper kernels.
@@ -224,6 +225,14 @@ mod tests {
             checks.into_iter().filter_map(|c| c.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
         });
         assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// Both configurations fit the 227 KiB a Hopper block may have.
+    #[test]
+    fn hopper_shared_memory_fits() {
+        for bn in [128, 256] {
+            assert!(hopper_shared_bytes(bn) <= 227 * 1024, "{bn}: {}", hopper_shared_bytes(bn));
+        }
     }
 
     #[test]
