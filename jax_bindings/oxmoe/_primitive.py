@@ -54,6 +54,22 @@ def _varying_axes(aval) -> frozenset:
     return manual.varying if manual is not None else getattr(aval, "vma", frozenset())
 
 
+def vary_alike(*arrays):
+    """``arrays``, each made to vary over every manual mesh axis any of them
+    varies over (inside ``shard_map``; unchanged elsewhere). A primitive whose
+    operands vary alike has results and gradients of the same type: the
+    gradient of an operand that was replicated is then summed over the axes
+    by JAX, not handed back with a type that does not match."""
+    axes = frozenset().union(*(_varying_axes(jax.typeof(x)) for x in arrays))
+    if not axes:
+        return arrays
+    out = []
+    for x in arrays:
+        missing = tuple(sorted(axes - _varying_axes(jax.typeof(x))))
+        out.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
+    return tuple(out)
+
+
 class Layout(enum.Enum):
     """How an operand or result of a primitive relates to the token rows."""
 

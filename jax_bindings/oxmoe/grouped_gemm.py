@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe._checks import check_array, check_float_dtype, check_count
-from oxmoe._primitive import FfiPrimitive, Layout
+from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 
 __all__ = ["ragged_dot", "transposed_ragged_dot"]
 
@@ -143,7 +143,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offs
         raise ValueError(f"rhs must be {layout} with K = {k} (lhs's second dimension), got {tuple(rhs.shape)}")
     _, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], m)
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
-    return _ragged_dot(lhs, rhs, group_sizes, offset, (bool(rhs_transposed), out_dtype))
+    return _ragged_dot(*vary_alike(lhs, rhs, group_sizes, offset), (bool(rhs_transposed), out_dtype))
 
 
 def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offset=None,
@@ -177,7 +177,8 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
         num_groups = check_count("num_groups", num_groups, 0)
     groups, offset = _check_groups(group_sizes, group_offset, num_groups, lhs.shape[0])
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
-    return _transposed(lhs, rhs, group_sizes, offset, (groups if num_groups is None else num_groups, out_dtype))
+    static = (groups if num_groups is None else num_groups, out_dtype)
+    return _transposed(*vary_alike(lhs, rhs, group_sizes, offset), static)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

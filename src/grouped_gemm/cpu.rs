@@ -28,25 +28,31 @@ pub fn ragged_dot<T: Real, O: Real>(
         return;
     }
     for (g, (start, end)) in group_rows(group_sizes, group_offset, shape.local_groups, shape.m).into_iter().enumerate() {
-        if start == end {
-            continue;
+        if start == end || k == 0 {
+            continue;  // rows stay zero
         }
-        // The group's weights as f32 `[K, N]`, converted once for all its rows.
-        let weights = &rhs[g * k * n..(g + 1) * k * n];
-        let w: Vec<f32> = if rhs_transposed {
-            (0..k * n).map(|i| weights[(i % n) * k + i / n].to_f32()).collect()
-        } else {
-            weights.iter().map(|x| x.to_f32()).collect()
-        };
+        // The group's weights as f32, converted once for all its rows.
+        let w: Vec<f32> = rhs[g * k * n..(g + 1) * k * n].iter().map(|x| x.to_f32()).collect();
         out[start * n..end * n].par_chunks_mut(ROWS_PER_TASK * n).enumerate().for_each(|(task, rows)| {
             let mut acc = vec![0f32; n];
+            let mut row_f32 = vec![0f32; k];
             for (i, out_row) in rows.chunks_mut(n).enumerate() {
                 let row = start + task * ROWS_PER_TASK + i;
-                acc.fill(0.0);
-                for (a, w_row) in lhs[row * k..(row + 1) * k].iter().zip(w.chunks(n)) {
-                    let a = a.to_f32();
-                    for (sum, &b) in acc.iter_mut().zip(w_row) {
-                        *sum += a * b;
+                for (a, x) in row_f32.iter_mut().zip(&lhs[row * k..(row + 1) * k]) {
+                    *a = x.to_f32();
+                }
+                if rhs_transposed {
+                    // w is [N, K]: each output is a dot product along a row of w.
+                    for (sum, w_row) in acc.iter_mut().zip(w.chunks(k)) {
+                        *sum = row_f32.iter().zip(w_row).fold(0.0, |s, (&a, &b)| s + a * b);
+                    }
+                } else {
+                    // w is [K, N]: add row k of w, scaled, for k in order.
+                    acc.fill(0.0);
+                    for (&a, w_row) in row_f32.iter().zip(w.chunks(n)) {
+                        for (sum, &b) in acc.iter_mut().zip(w_row) {
+                            *sum += a * b;
+                        }
                     }
                 }
                 for (o, &sum) in out_row.iter_mut().zip(&acc) {
