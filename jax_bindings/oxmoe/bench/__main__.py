@@ -3,11 +3,13 @@
     python -m oxmoe.bench [--smoke] [--json PATH] [--only NAME ...] [--list]
 
 Measures, in one run on one device: the copy bandwidth (the ceiling), then per
-case of each family (router, permutation) oxmoe's time and plain JAX's.
+case of each family (router, permutation) oxmoe's time and plain JAX's, and per
+case of the grouped GEMM family oxmoe's TFLOP/s, a dense GEMM's and
+jax.lax.ragged_dot's.
 Progress goes to stderr; the results tables are the last thing on stdout, one
 per family, each after its goals line. The exit status is 1 if any case failed
-(an error, or oxmoe disagreeing with plain JAX); a missed goal is a result, not
-a failure.
+(an error, or oxmoe disagreeing with plain JAX or with the reference); a missed
+goal is a result, not a failure.
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ import jaxlib
 
 import oxmoe
 from oxmoe.bench import cases as bench_cases
-from oxmoe.bench import permutation, router, timing
+from oxmoe.bench import grouped_gemm, permutation, router, timing
 
 #: The benchmark families, in the order they run.
-FAMILIES = (router.FAMILY, permutation.FAMILY)
+FAMILIES = (router.FAMILY, permutation.FAMILY, grouped_gemm.FAMILY)
 
 
 def _log(message: str) -> None:
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write every number to PATH")
     parser.add_argument("--only", action="append", metavar="NAME", default=[],
                         help="run the cases whose name (or family) contains NAME (repeatable), "
-                             "e.g. 'deepseek', 'topk bwd', 'permutation'")
+                             "e.g. 'deepseek', 'topk bwd', 'permutation', 'grouped_gemm'")
     parser.add_argument("--list", action="store_true", help="list the case names and exit")
     args = parser.parse_args(argv)
 
@@ -195,24 +197,28 @@ def main(argv=None) -> int:
     total, n = sum(len(cases) for _, cases in selected), 0
     for family, cases in selected:
         _log(f"{family.name} ({family.sizes(args.smoke)}): {len(cases)} cases")
+        own = family.report(args.smoke) if family.report is not None else None
         summaries = []
         for case in cases:
             n += 1
             _log(f"[{n}/{total}] {case.name} ...")
-            result = bench_cases.run_case(case, settings)
-            summary = Summary(family, result, copy)
-            summaries.append(summary)
-            if result.failure:
-                _log(f"    FAILED: {result.failure}")
+            if own is not None:  # a family with its own runner, progress lines and table
+                own.run(case, settings, _log)
             else:
-                _log(f"    oxmoe {_us(result.oxmoe.median_s)} us ({summary.x_floor:.2f}x floor), "
-                     f"plain JAX {_us(result.plain.median_s)} us, R={result.oxmoe.num_sets}, "
-                     f"{result.oxmoe.calls_per_sample} call(s) x {len(result.oxmoe.samples_s)} samples"
-                     + (f", {_mb(result.set_bytes)} MB per set" if result.set_bytes else ""))
+                result = bench_cases.run_case(case, settings)
+                summary = Summary(family, result, copy)
+                summaries.append(summary)
+                if result.failure:
+                    _log(f"    FAILED: {result.failure}")
+                else:
+                    _log(f"    oxmoe {_us(result.oxmoe.median_s)} us ({summary.x_floor:.2f}x floor), "
+                         f"plain JAX {_us(result.plain.median_s)} us, R={result.oxmoe.num_sets}, "
+                         f"{result.oxmoe.calls_per_sample} call(s) x {len(result.oxmoe.samples_s)} samples"
+                         + (f", {_mb(result.set_bytes)} MB per set" if result.set_bytes else ""))
             peak = _peak_bytes(device)
             if peak is not None:
                 _log(f"    peak device memory so far {peak / 1e9:.1f} GB")
-        reports.append(FamilyReport(family, args.smoke, summaries))
+        reports.append(own if own is not None else FamilyReport(family, args.smoke, summaries))
 
     if args.json:
         report = dict(

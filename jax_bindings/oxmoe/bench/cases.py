@@ -233,8 +233,15 @@ class Family:
     """A benchmark family: its cases at full or smoke size, and its goals."""
 
     name: str
-    goals: Goals
+    goals: Goals | None
+    """None for a family with its own :attr:`report`."""
     cases: Callable[[bool], list[Case]]
     """``smoke -> cases`` in the order they run."""
     sizes: Callable[[bool], str]
     """``smoke -> the sizes in words`` (e.g. ``T=65536``), for the table's heading."""
+    report: Callable[[bool], Any] | None = None
+    """A family whose cases are not timed against a byte floor and plain JAX (e.g.
+    :mod:`oxmoe.bench.grouped_gemm`) runs them itself: ``smoke ->`` an object with
+    ``run(case, settings, log)`` and what ``__main__.FamilyReport`` has (``summaries``,
+    ``failed``, ``heading()``, ``goals_line()``, ``table()``, ``to_json()``).
+    None: :func:`run_case` runs each case, ``__main__`` prints the byte-floor table."""
