@@ -105,10 +105,7 @@ impl Kernel {
     /// use (concurrent first callers wait for one load) and kept.
     pub fn get(stream: Stream, source: &'static Source, instance: &str) -> Result<Self> {
         static CACHE: OnceLock<KernelCache> = OnceLock::new();
-        init_driver()?;
-        let mut context = std::ptr::null_mut();
-        // SAFETY: `stream` is XLA's live stream.
-        check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(stream.0, &mut context) })?;
+        let context = stream.context()?;
         let slot = {
             let mut cache = CACHE.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
             let instances = cache.entry((context as usize, source.name)).or_default();
