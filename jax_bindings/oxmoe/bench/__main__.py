@@ -102,17 +102,6 @@ def _header(goals: bench_cases.Goals) -> list[str]:
             goals.floor_column, goals.speedup_column]
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 class FamilyReport:
     """One family's summaries: its goals line and its table."""
 
@@ -131,7 +120,7 @@ class FamilyReport:
                 f"{goals.speedup_text} {sum(self.speedup)}/{len(self.speedup)}; failed cases {len(self.failed)}")
 
     def table(self) -> str:
-        return _table([_header(self.family.goals)] + [s.row() for s in self.summaries])
+        return bench_cases.text_table([_header(self.family.goals)] + [s.row() for s in self.summaries])
 
     def to_json(self) -> dict:
         return dict(sizes=self.family.sizes(self.smoke), goals=self.family.goals.to_json(),

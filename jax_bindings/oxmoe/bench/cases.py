@@ -245,3 +245,15 @@ class Family:
     ``run(case, settings, log)`` and what ``__main__.FamilyReport`` has (``summaries``,
     ``failed``, ``heading()``, ``goals_line()``, ``table()``, ``to_json()``).
     None: :func:`run_case` runs each case, ``__main__`` prints the byte-floor table."""
+
+
+def text_table(rows: list[list[str]]) -> str:
+    """``rows`` (the first one the header) as an aligned plain-text table."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for n, row in enumerate(rows):
+        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
+        lines.append("  ".join(cells).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -62,7 +62,7 @@ import numpy as np
 
 from oxmoe import grouped_gemm
 from oxmoe.bench import timing
-from oxmoe.bench.cases import CheckFailed, Family, rel_err
+from oxmoe.bench.cases import CheckFailed, Family, rel_err, text_table
 
 DTYPE = jnp.dtype(jnp.bfloat16)
 #: The Dirichlet concentration of the group sizes, and the empty groups' share of the second draw.
@@ -655,17 +655,6 @@ _HEADER = ["case", "oxmoe us", "TFLOP/s", "dense TFLOP/s", "% dense", f">={100 *
            "ragged_dot TFLOP/s", "x ragged_dot"]
 
 
-def _table(rows: list[list[str]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = []
-    for n, row in enumerate(rows):
-        cells = [row[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(row[1:], widths[1:])]
-        lines.append("  ".join(cells).rstrip())
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
 class Report:
     """The family's runner and results: one :class:`Summary` per case run, its goals line
     and table (what :mod:`oxmoe.bench.__main__` prints and writes)."""
@@ -705,7 +694,7 @@ class Report:
                 f"(OOM {len(oom)}, error {len(errors)}); failed cases {len(self.failed)}")
 
     def table(self) -> str:
-        return _table([_HEADER] + [s.row() for s in self.summaries])
+        return text_table([_HEADER] + [s.row() for s in self.summaries])
 
     def to_json(self) -> dict:
         goals = self._goals()
