@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+from finite_differences import vjp_by_finite_differences
 import permutation_reference as ref
 from oxmoe import permutation
 from test_permutation_values import (ALIGN_SIZES, DTYPES, capacity_that_drops, dispatch_combine_cases,
@@ -211,21 +212,6 @@ def test_sort_and_unsort_chunks_vjps_are_each_other(num_rows, hidden, num_chunks
 
 
 # ------------------------------------ the reference's formulas vs finite differences
-
-
-def central_difference_jacobian(fn, x: np.ndarray, eps: float = 1e-3) -> np.ndarray:
-    """d fn(x) / d x by central differences in float64: [fn's output size, x.size]."""
-    columns = []
-    for i in range(x.size):
-        step = np.zeros(x.size)
-        step[i] = eps
-        up, down = fn(x + step.reshape(x.shape)), fn(x - step.reshape(x.shape))
-        columns.append((np.ravel(up) - np.ravel(down)) / (2 * eps))
-    return np.stack(columns, axis=1)
-
-
-def vjp_by_finite_differences(fn, x, cotangent):
-    return (np.ravel(cotangent) @ central_difference_jacobian(fn, x)).reshape(x.shape)
 
 
 FD_LAYOUTS = {

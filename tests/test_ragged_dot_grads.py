@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
+from finite_differences import vjp_by_finite_differences
 import ragged_dot_reference as ref
 from oxmoe import grouped_gemm
 from test_ragged_dot_values import (G_PER_SHARD, G_SHARDED, LAYOUTS, SHARDS, describe, draw_rhs, expert_mesh,
@@ -68,21 +69,6 @@ def transposed_and_vjp(lhs, rhs, sizes, offset, grad, *, num_groups, pref):
 
 
 # ------------------------------------ the reference's formulas vs finite differences
-
-
-def central_difference_jacobian(fn, x: np.ndarray, eps: float = 1e-3) -> np.ndarray:
-    """d fn(x) / d x by central differences in float64: [fn's output size, x.size]."""
-    columns = []
-    for i in range(x.size):
-        step = np.zeros(x.size)
-        step[i] = eps
-        up, down = fn(x + step.reshape(x.shape)), fn(x - step.reshape(x.shape))
-        columns.append((np.ravel(up) - np.ravel(down)) / (2 * eps))
-    return np.stack(columns, axis=1)
-
-
-def vjp_by_finite_differences(fn, x, cotangent):
-    return (np.ravel(cotangent) @ central_difference_jacobian(fn, x)).reshape(x.shape)
 
 
 # (M, K, N, G, group_sizes, g0, G_local): with an empty group and rows past the total; a
