@@ -166,17 +166,29 @@ fn current_architecture() -> Result<Architecture> {
     ))
 }
 
-impl Stream {
-    /// The architecture of the stream's device.
-    pub fn architecture(self) -> Result<Architecture> {
-        let _current = ContextGuard::push(self.context()?)?;
-        current_architecture()
-    }
+/// What the kernels' launch choices need to know of a device.
+#[derive(Clone, Debug)]
+pub struct Device {
+    pub architecture: Architecture,
+    pub multiprocessors: u32,
+}
 
-    /// The streaming multiprocessors of the stream's device.
-    pub fn multiprocessors(self) -> Result<u32> {
-        let _current = ContextGuard::push(self.context()?)?;
-        Ok(device_attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32)
+impl Stream {
+    /// The stream's device, queried once per context and kept.
+    pub fn device(self) -> Result<Device> {
+        static DEVICES: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::new();
+        let context = self.context()?;
+        let mut devices = DEVICES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(device) = devices.get(&(context as usize)) {
+            return Ok(device.clone());
+        }
+        let _current = ContextGuard::push(context)?;
+        let device = Device {
+            architecture: current_architecture()?,
+            multiprocessors: device_attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
+        };
+        devices.insert(context as usize, device.clone());
+        Ok(device)
     }
 
     fn context(self) -> Result<CUcontext> {

@@ -12,7 +12,7 @@
 mod driver;
 mod nvrtc;
 
-pub use driver::{arg, launch, Kernel, LaunchConfig, Stream, TensorMap};
+pub use driver::{arg, launch, Device, Kernel, LaunchConfig, Stream, TensorMap};
 pub use nvrtc::{compile_check, Architecture};
 
 use crate::ffi::{DataType, Error, Result};

@@ -8,7 +8,7 @@
 
 use super::handlers::{RaggedDot, TransposedRaggedDot};
 use super::GroupedShape;
-use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, Stream, TensorMap, GROUPED_GEMM};
+use crate::cuda::{arg, launch, type_name, Device, Kernel, LaunchConfig, Stream, TensorMap, GROUPED_GEMM};
 use crate::ffi::{Call, DataType, Error, Result};
 
 /// Threads of the Hopper kernels and of the SIMT kernels (`HOPPER_THREADS`, `SIMT_THREADS`).
@@ -25,7 +25,7 @@ const MAX_LOCAL_GROUPS: usize = 1024;
 /// The output columns of a Hopper tile for `n` columns: 256 unless that
 /// leaves most of the last tile empty.
 pub fn block_n(n: usize) -> u32 {
-    if n <= 128 || (n % 256 != 0 && n % 256 <= 128) {
+    if n <= 128 || (!n.is_multiple_of(256) && n % 256 <= 128) {
         128
     } else {
         256
@@ -42,10 +42,32 @@ fn hopper_shared_bytes(block_n: u32) -> u32 {
 }
 
 /// Whether a product takes the Hopper kernels.
-fn takes_hopper(stream: Stream, dtype: DataType, shape: &GroupedShape) -> Result<bool> {
+fn takes_hopper(device: &Device, dtype: DataType, shape: &GroupedShape) -> bool {
     let sixteen_bit = matches!(dtype, DataType::BF16 | DataType::F16);
-    let aligned = shape.k > 0 && shape.k % 8 == 0 && shape.n % 8 == 0;
-    Ok(sixteen_bit && aligned && shape.local_groups <= MAX_LOCAL_GROUPS && stream.architecture()?.0 == "sm_90a")
+    let aligned = shape.k > 0 && shape.k.is_multiple_of(8) && shape.n.is_multiple_of(8);
+    sixteen_bit && aligned && shape.local_groups <= MAX_LOCAL_GROUPS && device.architecture.0 == "sm_90a"
+}
+
+/// Launches a Hopper kernel (block `block_n` columns wide), one block per
+/// multiprocessor, on its two tensor maps.
+fn launch_hopper(
+    stream: Stream,
+    device: &Device,
+    instance: &str,
+    block_n: u32,
+    maps: [TensorMap; 2],
+    g: &Groups,
+    out: u64,
+) -> Result<()> {
+    let [m, k, n] = g.dims;
+    let shared = hopper_shared_bytes(block_n);
+    let kernel = Kernel::get(stream, &GROUPED_GEMM, instance)?.allow_shared_bytes(shared)?;
+    let config = LaunchConfig { grid: device.multiprocessors, block: HOPPER_THREADS, shared_bytes: shared };
+    let [lhs_map, rhs_map] = maps;
+    launch(stream, kernel, config, &mut [
+        arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
+        arg(&m), arg(&k), arg(&n), arg(&out),
+    ])
 }
 
 pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, block_n: u32) -> Result<String> {
@@ -75,21 +97,31 @@ fn grid(blocks: usize) -> Result<u32> {
         .ok_or_else(|| Error::invalid_argument(format!("{blocks} blocks: too large a launch")))
 }
 
-/// The integer arguments every kernel takes after its operands.
+/// The group arguments and sizes every kernel takes after its operands, as
+/// the kernels take them.
 struct Groups {
     sizes: u64,
     offset: u64,
     groups: i32,
     local_groups: i32,
+    /// `[m, k, n]` of the shape.
+    dims: [i32; 3],
 }
 
 impl Groups {
     fn of(shape: &GroupedShape, sizes: u64, offset: u64) -> Result<Self> {
-        Ok(Self { sizes, offset, groups: int(shape.groups)?, local_groups: int(shape.local_groups)? })
+        Ok(Self {
+            sizes,
+            offset,
+            groups: int(shape.groups)?,
+            local_groups: int(shape.local_groups)?,
+            dims: [int(shape.m)?, int(shape.k)?, int(shape.n)?],
+        })
     }
 
     /// Launches `group_bounds` into scratch: the SIMT kernels' row bounds.
-    fn bounds(&self, call: &Call, stream: Stream, m: i32) -> Result<u64> {
+    fn bounds(&self, call: &Call, stream: Stream) -> Result<u64> {
+        let m = self.dims[0];
         let scratch = call.scratch((self.local_groups as usize + 1) * 4)?;
         let bounds = scratch.ptr() as u64;
         let kernel = Kernel::get(stream, &GROUPED_GEMM, "group_bounds")?;
@@ -108,14 +140,12 @@ pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
     }
     let (dtype, out_dtype) = (a.lhs.dtype(), a.out.dtype());
     let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
-    let (m, k, n) = (int(shape.m)?, int(shape.k)?, int(shape.n)?);
+    let [m, k, n] = g.dims;
     let (lhs, rhs, out) = (a.lhs.device_ptr(), a.rhs.device_ptr(), a.out.device_ptr());
 
-    if takes_hopper(stream, dtype, shape)? {
+    let device = stream.device()?;
+    if takes_hopper(&device, dtype, shape) {
         let bn = block_n(shape.n);
-        let shared = hopper_shared_bytes(bn);
-        let kernel = Kernel::get(stream, &GROUPED_GEMM, &ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, bn)?)?
-            .allow_shared_bytes(shared)?;
         let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
         let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, BLOCK_M])?;
         let rhs_map = if a.rhs_transposed {
@@ -123,14 +153,11 @@ pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
         } else {
             TensorMap::tiled_16bit(rhs, &[n64, k64, gl], &[64, BLOCK_K, 1])?
         };
-        let config = LaunchConfig { grid: stream.multiprocessors()?, block: HOPPER_THREADS, shared_bytes: shared };
-        return launch(stream, kernel, config, &mut [
-            arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
-            arg(&m), arg(&k), arg(&n), arg(&out),
-        ]);
+        let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, bn)?;
+        return launch_hopper(stream, &device, &instance, bn, [lhs_map, rhs_map], &g, out);
     }
 
-    let bounds = g.bounds(call, stream, m)?;
+    let bounds = g.bounds(call, stream)?;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &ragged_dot_simt_instance(dtype, out_dtype, a.rhs_transposed)?)?;
     let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
     launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
@@ -146,25 +173,20 @@ pub fn transposed_ragged_dot(call: &Call, a: &TransposedRaggedDot) -> Result<()>
     }
     let (dtype, out_dtype) = (a.lhs.dtype(), a.out.dtype());
     let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
-    let (m, k, n) = (int(shape.m)?, int(shape.k)?, int(shape.n)?);
+    let [_, k, n] = g.dims;
     let (lhs, rhs, out) = (a.lhs.device_ptr(), a.rhs.device_ptr(), a.out.device_ptr());
 
-    if shape.m > 0 && takes_hopper(stream, dtype, shape)? {
+    let device = stream.device()?;
+    if shape.m > 0 && takes_hopper(&device, dtype, shape) {
         let bn = block_n(shape.n);
-        let shared = hopper_shared_bytes(bn);
-        let kernel = Kernel::get(stream, &GROUPED_GEMM, &transposed_hopper_instance(dtype, out_dtype, bn)?)?
-            .allow_shared_bytes(shared)?;
         let (k64, n64, m64) = (shape.k as u64, shape.n as u64, shape.m as u64);
         let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[64, 64])?;
         let rhs_map = TensorMap::tiled_16bit(rhs, &[n64, m64], &[64, 64])?;
-        let config = LaunchConfig { grid: stream.multiprocessors()?, block: HOPPER_THREADS, shared_bytes: shared };
-        return launch(stream, kernel, config, &mut [
-            arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
-            arg(&m), arg(&k), arg(&n), arg(&out),
-        ]);
+        let instance = transposed_hopper_instance(dtype, out_dtype, bn)?;
+        return launch_hopper(stream, &device, &instance, bn, [lhs_map, rhs_map], &g, out);
     }
 
-    let bounds = g.bounds(call, stream, m)?;
+    let bounds = g.bounds(call, stream)?;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &transposed_simt_instance(dtype, out_dtype)?)?;
     let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
     launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
