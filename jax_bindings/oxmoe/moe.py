@@ -559,17 +559,24 @@ def expert_ffn(dispatched: Dispatched, params: MoEParams, config: MoEConfig) -> 
 
 
 def _expert_ffn_bwd(grad_rows, dispatched: Dispatched, out: ExpertOutput, params: MoEParams, config: MoEConfig):
-    """Gradients of the expert rows, the up and the down weights (float32 weights' gradients)."""
+    """Gradients of the expert rows, the up and the down weights."""
     sizes, groups = dispatched.group_sizes, dispatched.group_sizes.shape[0]
     hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), out.up_rows)
     grad_hidden = grouped_gemm.ragged_dot(grad_rows, params.down.astype(config.dtype), sizes, rhs_transposed=True)
     grad_down = grouped_gemm.transposed_ragged_dot(hidden, grad_rows, sizes, num_groups=groups,
-                                                   preferred_element_type=_F32)
+                                                   preferred_element_type=_weight_grad_dtype(params.down, config))
     (grad_up_rows,) = activation_vjp(grad_hidden)
     grad_in = grouped_gemm.ragged_dot(grad_up_rows, params.up.astype(config.dtype), sizes, rhs_transposed=True)
     grad_up = grouped_gemm.transposed_ragged_dot(dispatched.rows, grad_up_rows, sizes, num_groups=groups,
-                                                 preferred_element_type=_F32)
+                                                 preferred_element_type=_weight_grad_dtype(params.up, config))
     return grad_in, grad_up, grad_down
+
+
+def _weight_grad_dtype(weight, config: MoEConfig):
+    """The kernels accumulate in float32 and write the weight's own dtype when
+    they can: a float32 copy of a large bfloat16 gradient, then cast, would
+    move three times its bytes."""
+    return weight.dtype if weight.dtype in (jnp.dtype(_F32), config.dtype) else _F32
 
 
 # -- combine -----------------------------------------------------------------------------
