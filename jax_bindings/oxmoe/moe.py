@@ -787,6 +787,15 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
     P = jax.sharding.PartitionSpec
     split_tokens, split_experts = P(token_axes or None), P(expert_axis)
     param_specs = MoEParams(P(), split_experts, split_experts, None if params.expert_bias is None else P())
+    if jax.sharding.AxisType.Explicit in mesh.axis_types:
+        # shard_map takes arrays of an explicit-axes mesh as they are sharded.
+        place = functools.partial(_reshard, mesh=mesh)
+        x, params = place(x, split_tokens), jax.tree.map(place, params, param_specs)
     layer = functools.partial(moe, config=config, expert_axis=expert_axis, data_axes=data_axes)
     return jax.shard_map(layer, mesh=mesh, in_specs=(split_tokens, param_specs),
                          out_specs=(split_tokens, MoEAux(P(), P(), P())))(x, params)
+
+
+def _reshard(x, spec, *, mesh):
+    target = jax.sharding.NamedSharding(mesh, spec) if isinstance(mesh, jax.sharding.Mesh) else spec
+    return jax.sharding.reshard(x, target)
