@@ -1,0 +1,182 @@
+"""The MoE layer as a Flax Linen module: :class:`MoEBlock`.
+
+``MoEBlock`` owns the parameters of :func:`oxmoe.moe.moe` and calls it (or
+:func:`oxmoe.moe.shard_map_moe` when it is given mesh axes). Its parameters
+carry logical axis names, so a model's sharding is written once as rules::
+
+    rules = (("exp", "expert"), ("embed", None), ("mlp", None))
+    specs = nn.get_partition_spec(jax.eval_shape(block.init, key, x))
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
+    variables = jax.jit(block.init, out_shardings=shardings)(key, x)
+
+- ``params/gate``: ``[H, E]``, axes ``("embed", None)``;
+- ``params/up``: ``[E, H, 2F]`` (``[E, H, F]`` without a GLU), axes
+  ``("exp", "embed", "mlp")``;
+- ``params/down``: ``[E, F, H]``, axes ``("exp", "mlp", "embed")``;
+- ``moe_state/expert_bias``: ``[E]`` float32 zeros, axes ``(None,)``, only
+  with ``config.use_expert_bias``.
+
+The gate's expert dimension has no name: every token shard routes over all
+experts, so :func:`~oxmoe.moe.shard_map_moe` wants the gate whole. ``"exp"``
+should map to the block's ``expert_axis`` (the experts' weights are split
+over it inside the shard map; any other layout is resharded at its edge).
+
+The expert bias (aux-loss-free balancing) is state, not a trained parameter:
+it lives in the ``"moe_state"`` collection, receives no gradient, and is moved
+by :func:`update_expert_bias` from the ``tokens_per_expert`` the block returns.
+
+This module needs ``flax`` (the ``oxmoe[flax]`` extra); ``import oxmoe`` alone
+does not import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from oxmoe import moe as _moe
+from oxmoe.moe import MoEAux, MoEConfig, MoEParams
+
+__all__ = ["MoEBlock", "update_expert_bias", "GATE_AXES", "UP_AXES", "DOWN_AXES", "EXPERT_BIAS_AXES",
+           "STATE_COLLECTION"]
+
+GATE_AXES = ("embed", None)
+UP_AXES = ("exp", "embed", "mlp")
+DOWN_AXES = ("exp", "mlp", "embed")
+EXPERT_BIAS_AXES = (None,)
+
+STATE_COLLECTION = "moe_state"
+
+Initializer = Callable[..., jax.Array]
+
+# Fan-in is the contracted dimension: H for the gate [H, E] and up [E, H, 2F], F for down
+# [E, F, H]; the leading expert dimension is a batch of independent matrices, not fan-in.
+default_gate_init = nn.initializers.lecun_normal()
+default_expert_init = nn.initializers.lecun_normal(in_axis=-2, out_axis=-1, batch_axis=(0,))
+
+
+def expert_shapes(config: MoEConfig, hidden: int, ffn: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The shapes ``(up, down)`` of the expert weights: ``[E, H, 2F]`` (GLU) or ``[E, H, F]``, and ``[E, F, H]``."""
+    e = config.num_experts
+    return (e, hidden, 2 * ffn if config.glu else ffn), (e, ffn, hidden)
+
+
+def check_hidden(x, hidden: int | None) -> int:
+    """The hidden size of ``x`` (its last dimension), checked against ``hidden`` when given."""
+    if getattr(x, "ndim", 0) not in (2, 3):
+        raise ValueError(f"x must be [tokens, hidden] or [batch, seq, hidden], got shape {getattr(x, 'shape', x)}")
+    if hidden is not None and x.shape[-1] != hidden:
+        raise ValueError(f"x's last dimension must be the layer's hidden size {hidden}, got shape {x.shape}")
+    return x.shape[-1]
+
+
+def call_moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None, data_axes: Sequence[str],
+             mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, MoEAux]:
+    """Runs :func:`oxmoe.moe.moe` on global arrays: directly without mesh axes, else through
+    :func:`oxmoe.moe.shard_map_moe` on ``mesh`` (``None``: the context mesh of ``jax.set_mesh``)."""
+    data_axes = tuple(data_axes)
+    if expert_axis is None and not data_axes:
+        return _moe.moe(x, params, config)
+    if mesh is None:
+        # The abstract mesh, not jax.sharding.get_mesh(): the layer is usually traced under jit.
+        mesh = jax.sharding.get_abstract_mesh()
+        if mesh.empty:
+            raise ValueError(f"expert_axis={expert_axis!r} and data_axes={data_axes!r} name mesh axes, but the layer "
+                             "has no mesh: pass mesh=... or call it under `with jax.set_mesh(mesh):`")
+    return _moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis=expert_axis, data_axes=data_axes)
+
+
+class MoEBlock(nn.Module, kw_only=True):
+    """A Mixture-of-Experts feed-forward layer (Flax Linen); fields are keyword-only.
+
+    ``block.apply(variables, x)`` returns ``(y, aux)`` as :func:`oxmoe.moe.moe`:
+    ``x`` is ``[B, S, H]`` or ``[T, H]`` (global arrays; the block shards them
+    itself when given mesh axes), ``y`` has ``x``'s shape and dtype
+    ``config.dtype``, ``aux`` is an :class:`oxmoe.moe.MoEAux` whose losses the
+    caller adds to its own. With ``config.use_expert_bias`` the variables must
+    include the ``"moe_state"`` collection (see the module docstring).
+
+    Attributes:
+      config: the routing and expert configuration.
+      ffn: each expert's intermediate size F.
+      hidden: the model's hidden size H; ``None`` takes it from ``x``.
+      expert_axis: the mesh axis the experts are split over (expert parallelism),
+        or ``None``.
+      data_axes: further mesh axes the tokens are split over (data parallelism).
+      mesh: the mesh of those axes; ``None``: the context mesh (``jax.set_mesh``).
+      param_dtype: the parameters' dtype (cast to ``config.dtype`` for compute).
+      gate_init, up_init, down_init: initialisers ``(key, shape, dtype)`` of the
+        ``[H, E]``, ``[E, H, 2F]`` and ``[E, F, H]`` weights (default: LeCun
+        normal, fan-in H, H and F).
+    """
+
+    config: MoEConfig
+    ffn: int
+    hidden: int | None = None
+    expert_axis: str | None = None
+    data_axes: tuple[str, ...] = ()
+    mesh: jax.sharding.Mesh | None = None
+    param_dtype: Any = jnp.float32
+    gate_init: Initializer = default_gate_init
+    up_init: Initializer = default_expert_init
+    down_init: Initializer = default_expert_init
+
+    @nn.compact
+    def __call__(self, x) -> tuple[jax.Array, MoEAux]:
+        config = self.config
+        hidden = check_hidden(x, self.hidden)
+        up_shape, down_shape = expert_shapes(config, hidden, self.ffn)
+
+        def param(name, init, shape, axes):
+            init = nn.with_logical_partitioning(init, axes, mesh=self.mesh)
+            return self.param(name, init, shape, self.param_dtype)
+
+        gate = param("gate", self.gate_init, (hidden, config.num_experts), GATE_AXES)
+        up = param("up", self.up_init, up_shape, UP_AXES)
+        down = param("down", self.down_init, down_shape, DOWN_AXES)
+        expert_bias = None
+        if config.use_expert_bias:
+            zeros = nn.with_logical_partitioning(jnp.zeros, EXPERT_BIAS_AXES, mesh=self.mesh)
+            expert_bias = self.variable(STATE_COLLECTION, "expert_bias", zeros, (config.num_experts,),
+                                        jnp.float32).value
+        params = MoEParams(gate=gate, up=up, down=down, expert_bias=expert_bias)
+        return call_moe(x, params, config, expert_axis=self.expert_axis, data_axes=self.data_axes, mesh=self.mesh)
+
+
+def update_expert_bias(variables: Mapping, tokens_per_expert, rate, *, path: Sequence[str] = ()) -> dict:
+    """Returns ``variables`` with one block's expert bias moved by :func:`oxmoe.moe.update_expert_bias`.
+
+    Args:
+      variables: a model's variables (as from ``init``), holding the block's
+        ``moe_state/.../expert_bias``; left unchanged.
+      tokens_per_expert: ``[E]`` int32, ``aux.tokens_per_expert`` of that block's call.
+      rate: the bias update rate (DeepSeek-V3's gamma).
+      path: the block's module path inside the model, e.g. ``("layers_3", "moe")``;
+        ``()`` when ``variables`` are the block's own.
+
+    Returns:
+      A new variables dict (plain dicts along the path) with ``expert_bias``
+      replaced by ``expert_bias + rate * sign(mean(tokens) - tokens)``.
+    """
+    keys = (STATE_COLLECTION, *path, "expert_bias")
+
+    def replace(tree, depth):
+        if not isinstance(tree, Mapping) or keys[depth] not in tree:
+            raise KeyError(f"the variables have no {'/'.join(keys)} (is config.use_expert_bias set, and is the "
+                           f"block's path {tuple(path)!r}?)")
+        child = tree[keys[depth]]
+        if depth + 1 < len(keys):
+            new = replace(child, depth + 1)
+        else:
+            # init's variables box the bias with its logical axes; keep the box, move the value.
+            value = nn.meta.unbox(child)
+            new = _moe.update_expert_bias(value, tokens_per_expert, rate)
+            if isinstance(child, nn.meta.AxisMetadata):
+                new = child.replace_boxed(new)
+        return {**tree, keys[depth]: new}
+
+    return replace(variables, 0)

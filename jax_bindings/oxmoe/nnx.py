@@ -1,0 +1,132 @@
+"""The MoE layer as a Flax NNX module: :class:`MoE`.
+
+The NNX twin of :class:`oxmoe.flax.MoEBlock`: the same parameters, logical
+axis names and call (see :mod:`oxmoe.flax`), held as ``nnx.Param`` variables whose
+``out_sharding`` metadata is the logical names. Under a mesh (``jax.set_mesh``
+or the module's ``mesh``) and flax's eager sharding (its default), the
+parameters are placed as they are created, so the names must then resolve
+through ``nnx.logical_axis_rules``::
+
+    rules = (("exp", "expert"), ("embed", None), ("mlp", None))
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        layer = MoE(config, hidden, ffn, rngs=nnx.Rngs(0), expert_axis="expert", data_axes=("data",))
+
+Without a mesh the parameters are created whole and keep their names for
+``nnx.get_partition_spec`` / ``nnx.get_named_sharding``.
+
+The expert bias is an :class:`ExpertBias`, a variable that is not an
+``nnx.Param``: optimisers and ``nnx.grad`` over ``nnx.Param`` leave it alone,
+and :meth:`MoE.update_expert_bias` moves it.
+
+This module needs ``flax`` (the ``oxmoe[flax]`` extra).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from oxmoe import moe as _moe
+from oxmoe.flax import (DOWN_AXES, EXPERT_BIAS_AXES, GATE_AXES, UP_AXES, Initializer, call_moe, check_hidden,
+                        default_expert_init, default_gate_init, expert_shapes)
+from oxmoe.moe import MoEAux, MoEConfig, MoEParams
+
+__all__ = ["MoE", "ExpertBias"]
+
+
+class ExpertBias(nnx.Variable):
+    """The ``[E]`` float32 expert bias of aux-loss-free balancing: state, not a trained parameter."""
+
+
+def _mesh_in_scope(mesh) -> bool:
+    return mesh is not None or not jax.sharding.get_abstract_mesh().empty
+
+
+def _check_rules(mesh) -> None:
+    # Without a rule, flax would pass "exp" to jax as a mesh axis and fail far from the cause.
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    ruled = {name for name, _ in nn.get_logical_axis_rules()}
+    missing = sorted({a for a in (*GATE_AXES, *UP_AXES) if a is not None} - ruled - set(mesh.axis_names))
+    if missing:
+        raise ValueError(
+            f"MoE's parameters are created sharded under a mesh (axes {mesh.axis_names}), but the logical axes "
+            f"{missing} have no rule: create the module under nnx.logical_axis_rules(...), e.g. "
+            '(("exp", <expert axis>), ("embed", None), ("mlp", None)), or under nnx.use_eager_sharding(False)')
+
+
+class MoE(nnx.Module):
+    """A Mixture-of-Experts feed-forward layer (Flax NNX).
+
+    ``layer(x)`` returns ``(y, aux)`` as :func:`oxmoe.moe.moe`: ``x`` is
+    ``[B, S, H]`` or ``[T, H]`` (global arrays; the layer shards them itself
+    when given mesh axes), ``y`` has ``x``'s shape and dtype ``config.dtype``,
+    ``aux`` is an :class:`oxmoe.moe.MoEAux` whose losses the caller adds to its own.
+
+    Args:
+      config: the routing and expert configuration.
+      hidden: the model's hidden size H.
+      ffn: each expert's intermediate size F.
+      rngs: the ``params`` stream initialises the weights.
+      expert_axis: the mesh axis the experts are split over, or ``None``.
+      data_axes: further mesh axes the tokens are split over.
+      mesh: the mesh of those axes; ``None``: the context mesh (``jax.set_mesh``).
+      param_dtype: the parameters' dtype (cast to ``config.dtype`` for compute).
+      gate_init, up_init, down_init: initialisers ``(key, shape, dtype)`` of the
+        ``[H, E]``, ``[E, H, 2F]`` and ``[E, F, H]`` weights (default: LeCun
+        normal, fan-in H, H and F).
+
+    Attributes:
+      gate, up, down: the ``nnx.Param`` weights (see :mod:`oxmoe.flax` for
+        shapes and logical axes).
+      expert_bias: an :class:`ExpertBias` of zeros with ``config.use_expert_bias``,
+        else ``None``.
+    """
+
+    def __init__(self, config: MoEConfig, hidden: int, ffn: int, *, rngs: nnx.Rngs,
+                 expert_axis: str | None = None, data_axes: tuple[str, ...] = (),
+                 mesh: jax.sharding.Mesh | None = None, param_dtype: Any = jnp.float32,
+                 gate_init: Initializer = default_gate_init, up_init: Initializer = default_expert_init,
+                 down_init: Initializer = default_expert_init):
+        self.config = config
+        self.hidden = hidden
+        self.expert_axis = expert_axis
+        self.data_axes = tuple(data_axes)
+        self.mesh = mesh
+        # Eager sharding needs a mesh; without one the names are kept for later placement.
+        eager = nnx.using_eager_sharding() and _mesh_in_scope(mesh)
+        if eager:
+            _check_rules(mesh)
+        placement = dict(eager_sharding=eager, **({} if mesh is None else {"mesh": mesh}))
+
+        def param(init, shape, axes):
+            return nnx.Param(init(rngs.params(), shape, param_dtype), out_sharding=axes, **placement)
+
+        up_shape, down_shape = expert_shapes(config, hidden, ffn)
+        self.gate = param(gate_init, (hidden, config.num_experts), GATE_AXES)
+        self.up = param(up_init, up_shape, UP_AXES)
+        self.down = param(down_init, down_shape, DOWN_AXES)
+        self.expert_bias = (ExpertBias(jnp.zeros((config.num_experts,), jnp.float32), out_sharding=EXPERT_BIAS_AXES,
+                                       **placement)
+                            if config.use_expert_bias else None)
+
+    def __call__(self, x) -> tuple[jax.Array, MoEAux]:
+        check_hidden(x, self.hidden)
+        params = MoEParams(gate=self.gate[...], up=self.up[...], down=self.down[...],
+                           expert_bias=None if self.expert_bias is None else self.expert_bias[...])
+        return call_moe(x, params, self.config, expert_axis=self.expert_axis, data_axes=self.data_axes,
+                        mesh=self.mesh)
+
+    def update_expert_bias(self, tokens_per_expert, rate) -> None:
+        """Moves the expert bias in place by :func:`oxmoe.moe.update_expert_bias`.
+
+        Args:
+          tokens_per_expert: ``[E]`` int32, ``aux.tokens_per_expert`` of a call.
+          rate: the bias update rate (DeepSeek-V3's gamma).
+        """
+        if self.expert_bias is None:
+            raise ValueError("this MoE has no expert bias (config.use_expert_bias is False)")
+        self.expert_bias[...] = _moe.update_expert_bias(self.expert_bias[...], tokens_per_expert, rate)

@@ -1,0 +1,359 @@
+"""The Flax front ends of the MoE layer: oxmoe.flax.MoEBlock (Linen) and oxmoe.nnx.MoE (NNX).
+
+The modules own parameters and call oxmoe.moe; these tests check that they add nothing else:
+
+- forward (y and every field of aux) and gradients (of x, gate, up, down) equal oxmoe.moe.moe
+  called directly with the module's parameters (random weights handed to the module through
+  its initialisers), bit for bit: on one device, and with expert and data axes on a
+  data=2 x expert=4 mesh of the eight CPU devices, where the direct call is the contract's
+  shard map written out here (tokens split over (data, expert), gate and expert bias
+  replicated, up and down split over expert). The Linen block gets its mesh as an
+  attribute, the NNX module from `jax.set_mesh` at the call;
+- sharded initialisation with the default initialisers: the logical axis names resolve
+  through rules to the expected PartitionSpecs, `jax.jit(init, out_shardings=...)` (and NNX's
+  eager sharding when the module has a mesh) places every variable so, and the values equal
+  the unsharded initialisation with the same key; under a mesh without rules, NNX names the
+  logical axes that lack one;
+- the expert-bias update (Linen helper on a nested model's variables, NNX method, eager and
+  under nnx.jit) against the NumPy formula bias + rate * sign(mean(tokens) - tokens);
+- `import oxmoe` does not import flax.
+"""
+
+import contextlib
+import functools
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+pytest.importorskip("flax", minversion="0.12", reason="oxmoe.flax and oxmoe.nnx need the oxmoe[flax] extra")
+
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import devices  # noqa: E402
+from oxmoe import moe  # noqa: E402
+from oxmoe.flax import MoEBlock, update_expert_bias  # noqa: E402
+from oxmoe.moe import MoEConfig, MoEParams  # noqa: E402
+from oxmoe.nnx import MoE  # noqa: E402
+
+H, F = 16, 8
+MESH_AXES = ("data", "expert")
+# "mlp" -> "data" as well as "exp" -> "expert", so that every logical name is seen to resolve.
+RULES = (("exp", "expert"), ("embed", None), ("mlp", "data"))
+EXPECTED_SPECS = {"gate": P(None, None), "up": P("expert", None, "data"), "down": P("expert", "data", None),
+                  "expert_bias": P(None)}
+
+CONFIGS = {
+    # softmax routing, fused [E, H, 2F] up, both losses, float32 compute.
+    "softmax_swiglu": MoEConfig(num_experts=8, topk=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3,
+                                dtype=jnp.float32),
+    # sigmoid routing steered by a (random, non-zero) expert bias, plain [E, H, F] up, bfloat16.
+    "sigmoid_bias_gelu": MoEConfig(num_experts=8, topk=3, score_function="sigmoid", use_expert_bias=True,
+                                   activation="gelu", aux_loss_coeff=1e-2, dtype=jnp.bfloat16),
+}
+CONFIG_PARAMS = pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return jax.sharding.Mesh(np.array(devices.mesh_devices(8)).reshape(2, 4), MESH_AXES)
+
+
+def total_loss(y, aux, y_weight):
+    return jnp.sum(y.astype(jnp.float32) * y_weight) + aux.load_balancing_loss + aux.z_loss
+
+
+def draw_inputs(rng, config):
+    """x [8, 4, H] (8 rows: one per token shard of the mesh), the loss's weight of y, a bias."""
+    x = jnp.asarray(rng.standard_normal((8, 4, H)), jnp.float32)
+    y_weight = jnp.asarray(rng.standard_normal((8, 4, H)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(config.num_experts) * 0.05, jnp.float32) if config.use_expert_bias else None
+    return x, y_weight, bias
+
+
+def draw_weights(rng, config) -> dict:
+    """Random gate [H, E], up [E, H, 2F or F] and down [E, F, H] of the layer's scale."""
+    e, up_cols = config.num_experts, 2 * F if config.glu else F
+    normal = lambda shape, fan_in: jnp.asarray(rng.standard_normal(shape) / np.sqrt(fan_in), jnp.float32)  # noqa: E731
+    return {"gate": normal((H, e), H), "up": normal((e, H, up_cols), H), "down": normal((e, F, H), F)}
+
+
+def given(array):
+    """An initialiser that returns `array`, checking the shape and dtype it is asked for. The
+    forward tests give the modules random weights this way: cheaper than compiling the default
+    initialisers' random draws in every test, and it checks which weight goes where."""
+
+    def init(key, shape, dtype):
+        assert (tuple(shape), jnp.dtype(dtype)) == (array.shape, array.dtype), (shape, dtype, array.shape)
+        return array
+
+    return init
+
+
+def given_inits(weights) -> dict:
+    return {f"{name}_init": given(array) for name, array in weights.items()}
+
+
+@functools.cache
+def direct_value_and_grads(config, mesh=None):
+    """jit of (x, params, y_weight) -> ((y, aux), (d x, d params)) of oxmoe.moe.moe itself: plain, or
+    in the contract's shard map over MESH_AXES. Cached: the Linen and NNX tests share it."""
+    layer = functools.partial(moe.moe, config=config)
+    if mesh is not None:
+        specs = MoEParams(gate=P(), up=P("expert"), down=P("expert"),
+                          expert_bias=P() if config.use_expert_bias else None)
+        layer = jax.shard_map(functools.partial(layer, expert_axis="expert", data_axes=("data",)), mesh=mesh,
+                              in_specs=(P(MESH_AXES), specs), out_specs=(P(MESH_AXES), P()))
+
+    def loss(x, params, y_weight):
+        y, aux = layer(x, params)
+        return total_loss(y, aux, y_weight), (y, aux)
+
+    def value_and_grads(x, params, y_weight):
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params, y_weight)
+        return out, grads
+
+    return jax.jit(value_and_grads)
+
+
+def assert_identical(got, want, what):
+    got, want = np.asarray(jnp.asarray(got).astype(jnp.float32)), np.asarray(jnp.asarray(want).astype(jnp.float32))
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, expected {want.shape}"
+    np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+def assert_same_as_direct(module_out, module_grads, direct_out, direct_grads, context):
+    """Module and direct call agree on y, aux and the gradients of x, gate, up and down."""
+    (y, aux), (dx, dweights) = module_out, module_grads
+    (y_ref, aux_ref), (dx_ref, dparams_ref) = direct_out, direct_grads
+    assert y.dtype == y_ref.dtype, f"y dtype ({context})"
+    assert_identical(y, y_ref, f"y ({context})")
+    for field in ("load_balancing_loss", "z_loss", "tokens_per_expert"):
+        assert_identical(getattr(aux, field), getattr(aux_ref, field), f"aux.{field} ({context})")
+    assert_identical(dx, dx_ref, f"d x ({context})")
+    for name in ("gate", "up", "down"):
+        assert_identical(dweights[name], getattr(dparams_ref, name), f"d {name} ({context})")
+
+
+# ---------------------------------------------------------------- Linen
+
+
+def linen_block(config, mesh=None, **inits):
+    if mesh is None:
+        return MoEBlock(config=config, ffn=F, **inits)
+    return MoEBlock(config=config, ffn=F, expert_axis="expert", data_axes=("data",), mesh=mesh, **inits)
+
+
+def linen_value_and_grads(block, variables, x, y_weight):
+    state = {k: v for k, v in variables.items() if k != "params"}
+
+    def loss(x, weights):
+        y, aux = block.apply({"params": weights, **state}, x)
+        return total_loss(y, aux, y_weight), (y, aux)
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, variables["params"])
+    return out, grads
+
+
+def linen_params(variables) -> MoEParams:
+    return MoEParams(**variables["params"], expert_bias=variables.get("moe_state", {}).get("expert_bias"))
+
+
+@CONFIG_PARAMS
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh_data2_expert4"])
+def test_linen_block_is_moe_with_its_params(config, sharded, mesh, rng, seed):
+    mesh = mesh if sharded else None
+    x, y_weight, bias = draw_inputs(rng, config)
+    weights = draw_weights(rng, config)
+    block = linen_block(config, mesh, **given_inits(weights))
+    # Initialised eagerly on one device (the sharded block's variables are the same).
+    variables = nn.meta.unbox(linen_block(config, **given_inits(weights)).init(jax.random.key(seed), x))
+    assert jax.tree.map(jnp.shape, variables) == {
+        "params": {name: w.shape for name, w in weights.items()},
+        **({"moe_state": {"expert_bias": (config.num_experts,)}} if config.use_expert_bias else {})}
+    if bias is not None:
+        assert_identical(variables["moe_state"]["expert_bias"], np.zeros(config.num_experts), "initial bias")
+        variables["moe_state"]["expert_bias"] = bias
+    out, grads = linen_value_and_grads(block, variables, x, y_weight)
+    direct_out, direct_grads = direct_value_and_grads(config, mesh)(x, linen_params(variables), y_weight)
+    assert_same_as_direct(out, grads, direct_out, direct_grads, f"Linen, mesh={mesh is not None}")
+
+
+# ------------------------------------------------------------------ NNX
+
+
+def nnx_value_and_grads(module, x, y_weight):
+    graphdef, weights, rest = nnx.split(module, nnx.Param, ...)
+
+    def loss(x, weights):
+        y, aux = nnx.merge(graphdef, weights, rest)(x)
+        return total_loss(y, aux, y_weight), (y, aux)
+
+    (_, out), (dx, dweights) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(x, weights)
+    return out, (dx, {name: dweights[name][...] for name in ("gate", "up", "down")})
+
+
+def nnx_params(module) -> MoEParams:
+    return MoEParams(gate=module.gate[...], up=module.up[...], down=module.down[...],
+                     expert_bias=None if module.expert_bias is None else module.expert_bias[...])
+
+
+@CONFIG_PARAMS
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "set_mesh_data2_expert4"])
+def test_nnx_module_is_moe_with_its_params(config, sharded, mesh, rng, seed):
+    x, y_weight, bias = draw_inputs(rng, config)
+    weights = draw_weights(rng, config)
+    axes = dict(expert_axis="expert", data_axes=("data",)) if sharded else {}
+    # Created outside the mesh (so not placed: the eager-sharding tests below do that); the
+    # sharded module finds the mesh of its shard map in the context at the call.
+    module = MoE(config, H, F, rngs=nnx.Rngs(params=seed), **axes, **given_inits(weights))
+    if bias is not None:
+        assert_identical(module.expert_bias[...], np.zeros(config.num_experts), "initial bias")
+        module.expert_bias[...] = bias
+    with jax.set_mesh(mesh) if sharded else contextlib.nullcontext():
+        out, grads = nnx_value_and_grads(module, x, y_weight)
+    direct_out, direct_grads = direct_value_and_grads(config, mesh if sharded else None)(x, nnx_params(module),
+                                                                                     y_weight)
+    assert_same_as_direct(out, grads, direct_out, direct_grads, f"NNX, mesh={sharded}")
+
+
+# ------------------------------------------------------------ sharded init
+
+INIT_CONFIG = CONFIGS["sigmoid_bias_gelu"]  # has all four variables
+
+
+def assert_placed(array, mesh, name, what):
+    expected = NamedSharding(mesh, EXPECTED_SPECS[name])
+    assert array.sharding.is_equivalent_to(expected, array.ndim), (
+        f"{what} {name}: sharding {array.sharding}, expected {expected.spec}")
+
+
+def test_linen_init_under_jit_shards_by_logical_names(mesh, seed, rng):
+    x, _, _ = draw_inputs(rng, INIT_CONFIG)
+    block = linen_block(INIT_CONFIG, mesh)
+    key = jax.random.key(seed)
+    specs = nn.get_partition_spec(jax.eval_shape(block.init, key, x))
+    shardings = nn.logical_to_mesh_sharding(specs, mesh, RULES)
+    for collection, name in [("params", "gate"), ("params", "up"), ("params", "down"), ("moe_state", "expert_bias")]:
+        assert shardings[collection][name].spec == EXPECTED_SPECS[name], f"{collection}/{name}"
+
+    sharded = nn.meta.unbox(jax.jit(block.init, out_shardings=shardings)(key, x))
+    plain = nn.meta.unbox(linen_block(INIT_CONFIG).init(key, x))
+    for collection, name in [("params", "gate"), ("params", "up"), ("params", "down"), ("moe_state", "expert_bias")]:
+        assert_placed(sharded[collection][name], mesh, name, "Linen init")
+        assert_identical(sharded[collection][name], plain[collection][name], f"Linen {collection}/{name}")
+
+
+def test_nnx_init_under_jit_shards_by_logical_names(mesh, seed):
+    def create():
+        return nnx.state(MoE(INIT_CONFIG, H, F, rngs=nnx.Rngs(params=seed)))
+
+    with nnx.logical_axis_rules(RULES):
+        abstract = jax.eval_shape(create)
+        for name, spec in EXPECTED_SPECS.items():
+            assert nnx.get_partition_spec(abstract)[name].get_value() == spec, name
+        shardings = nnx.get_named_sharding(abstract, mesh)
+    sharded = jax.jit(create, out_shardings=shardings)()
+    plain = create()
+    for name in EXPECTED_SPECS:
+        assert_placed(sharded[name][...], mesh, name, "NNX jit init")
+        assert_identical(sharded[name][...], plain[name][...], f"NNX {name}")
+
+
+def test_nnx_init_with_a_mesh_places_params_eagerly(mesh, seed):
+    # The module's own mesh (not jax.set_mesh, under which every eager random draw compiles anew).
+    with nnx.logical_axis_rules(RULES):
+        sharded = MoE(INIT_CONFIG, H, F, rngs=nnx.Rngs(params=seed), expert_axis="expert", data_axes=("data",),
+                      mesh=mesh)
+    plain = MoE(INIT_CONFIG, H, F, rngs=nnx.Rngs(params=seed))
+    for name in EXPECTED_SPECS:
+        assert_placed(getattr(sharded, name)[...], mesh, name, "NNX eager init")
+        assert_identical(getattr(sharded, name)[...], getattr(plain, name)[...], f"NNX {name}")
+
+
+def test_nnx_init_under_a_mesh_without_rules_names_the_missing_axes(mesh):
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match=r"\['embed', 'exp', 'mlp'\] have no rule"):
+        MoE(INIT_CONFIG, H, F, rngs=nnx.Rngs(0))
+
+
+# ------------------------------------------------------------ expert bias
+
+RATE = 1e-3
+
+
+def expected_bias(bias, tokens):
+    bias, tokens = np.asarray(bias, np.float32), np.asarray(tokens, np.float64)
+    return bias + np.float32(RATE) * np.sign(tokens.mean() - tokens).astype(np.float32)
+
+
+# mean 4: experts at the mean keep their bias, those above lose RATE, those below gain it.
+TOKENS = np.array([3, 5, 4, 4, 0, 8, 4, 4], np.int32)
+
+
+class _Model(nn.Module):
+    """A projection (the identity), then the block: the block's variables sit at .../moe."""
+
+    config: MoEConfig
+    weights: dict
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(H, kernel_init=lambda key, shape, dtype: jnp.eye(H, dtype=dtype), name="proj")(x)
+        return MoEBlock(config=self.config, ffn=F, **given_inits(self.weights), name="moe")(x)
+
+
+def test_linen_bias_update_moves_the_nested_blocks_bias_by_the_formula(rng, seed):
+    x, _, bias = draw_inputs(rng, INIT_CONFIG)
+    model = _Model(INIT_CONFIG, draw_weights(rng, INIT_CONFIG))
+    boxed = model.init(jax.random.key(seed), x)  # as users keep them: the bias boxed with its logical axes
+    state = boxed["moe_state"]["moe"]
+    state["expert_bias"] = state["expert_bias"].replace_boxed(bias)
+    _, aux = model.apply(boxed, x)
+
+    for variables in (boxed, nn.meta.unbox(boxed)):
+        for tokens in (TOKENS, aux.tokens_per_expert):
+            updated = update_expert_bias(variables, tokens, RATE, path=("moe",))
+            new = updated["moe_state"]["moe"]["expert_bias"]
+            if variables is boxed:
+                assert isinstance(new, nn.LogicallyPartitioned) and new.names == (None,), new
+            np.testing.assert_allclose(nn.meta.unbox(new), expected_bias(bias, tokens), rtol=0, atol=1e-7)
+            assert updated["params"] is variables["params"]
+        assert_identical(nn.meta.unbox(variables["moe_state"]["moe"]["expert_bias"]), bias,
+                         "the input variables' bias (unchanged)")
+
+    with pytest.raises(KeyError, match="moe_state/nope/expert_bias"):
+        update_expert_bias(boxed, TOKENS, RATE, path=("nope",))
+
+
+def test_nnx_bias_update_moves_the_bias_by_the_formula_eagerly_and_under_jit(rng, seed):
+    _, _, bias = draw_inputs(rng, INIT_CONFIG)
+    module = MoE(INIT_CONFIG, H, F, rngs=nnx.Rngs(params=seed), **given_inits(draw_weights(rng, INIT_CONFIG)))
+    module.expert_bias[...] = bias
+    module.update_expert_bias(jnp.asarray(TOKENS), RATE)
+    once = expected_bias(bias, TOKENS)
+    np.testing.assert_allclose(module.expert_bias[...], once, rtol=0, atol=1e-7)
+
+    tokens2 = rng.integers(0, 20, INIT_CONFIG.num_experts).astype(np.int32)
+    nnx.jit(lambda m, t: m.update_expert_bias(t, RATE))(module, jnp.asarray(tokens2))
+    np.testing.assert_allclose(module.expert_bias[...], expected_bias(once, tokens2), rtol=0, atol=1e-7)
+
+    with pytest.raises(ValueError, match="use_expert_bias"):
+        no_bias = CONFIGS["softmax_swiglu"]
+        MoE(no_bias, H, F, rngs=nnx.Rngs(0), **given_inits(draw_weights(rng, no_bias))).update_expert_bias(
+            jnp.asarray(TOKENS), RATE)
+
+
+# ----------------------------------------------------------------- imports
+
+
+def test_importing_oxmoe_does_not_import_flax():
+    code = ("import sys, oxmoe, oxmoe.moe; "
+            "assert 'flax' not in sys.modules, sorted(m for m in sys.modules if 'flax' in m)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
