@@ -1,6 +1,6 @@
 """Prints the Markdown tables, one per family, of a benchmark JSON (`python -m oxmoe.bench --json`):
 bytes against the copy ceiling for router and permutation, TFLOP/s against a dense GEMM for
-grouped_gemm.
+grouped_gemm and the MoE layer (with the expert-parallel cases' breakdown).
 
     python3 bench/results_table.py bench/h200.json
 """
@@ -57,9 +57,48 @@ def gemm_table(results: dict, family: str) -> str:
     return "\n".join(lines)
 
 
+def layer_table(results: dict, family: str) -> str:
+    """The MoE layer's steps against the dense GEMMs of the same FLOPs and the plain-JAX layer,
+    then where the time of each expert-parallel step goes."""
+    goals = results["families"][family]["goals"]
+    lines = [
+        f"| case | oxmoe step ms | expert GEMM TFLOP/s | dense TFLOP/s | % of dense (goal ≥ "
+        f"{100 * goals['min_fraction_of_dense']:g}%) | plain JAX step ms | × plain JAX (≥ {goals['min_speedup']:g}) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    breakdowns = []
+    for case in results["cases"]:
+        if case["family"] != family:
+            continue
+        if case["skipped"] or case["failure"]:
+            lines.append(f"| {case['name']} | {'skipped: ' + case['skipped'] if case['skipped'] else 'FAILED'} "
+                         "| | | | | |")
+            continue
+        met = "✅" if case["ratio_to_dense"] >= goals["min_fraction_of_dense"] else "❌"
+        plain = case["plain_jax"]
+        plain_cell = (f"{plain['median_us'] / 1e3:.2f}" if plain else case["plain_jax_error"] or "–")
+        speedup = f"{case['speedup']:.1f}×" if case["speedup"] is not None else "–"
+        goal_cell = f"{100 * case['ratio_to_dense']:.0f}% {met}" if case["devices"] == 1 else \
+            f"{100 * case['ratio_to_dense']:.0f}% (no goal: {case['devices']} devices)"
+        lines.append(f"| {case['name']} | {case['oxmoe']['median_us'] / 1e3:.2f} | {case['tflops']:.0f} "
+                     f"| {case['dense_tflops']:.0f} | {goal_cell} | {plain_cell} | {speedup} |")
+        if case["breakdown"]:
+            step_us = case["oxmoe"]["median_us"]
+            rows = [f"| {p['part']} | {p['median_us'] / 1e3:.2f} | {p['per_step'] or '–'} "
+                    f"| {100 * p['median_us'] * (p['per_step'] or 1) / step_us:.0f}% |" for p in case["breakdown"]]
+            breakdowns.append(f"\n\n{case['name']}: where a step's time goes (per device)\n\n"
+                              "| part | ms | times per step | share of the EP step |\n| --- | --- | --- | --- |\n"
+                              + "\n".join(rows))
+    return "\n".join(lines) + "".join(breakdowns)
+
+
 if __name__ == "__main__":
     results = json.load(open(sys.argv[1]))
-    print("\n\n".join(
-        f"### {family}\n\n"
-        + (gemm_table if "min_fraction_of_dense" in entry["goals"] else table)(results, family)
-        for family, entry in results["families"].items()))
+    tables = []
+    for family, entry in results["families"].items():
+        if family == "moe_layer":
+            tables.append(f"### {family}\n\n" + layer_table(results, family))
+        else:
+            kind = gemm_table if "min_fraction_of_dense" in entry["goals"] else table
+            tables.append(f"### {family}\n\n" + kind(results, family))
+    print("\n\n".join(tables))

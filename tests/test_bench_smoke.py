@@ -1,13 +1,14 @@
 """`python -m oxmoe.bench --smoke` runs every case of every family (router, permutation,
-grouped_gemm), finds oxmoe in agreement with plain JAX (grouped_gemm: with the float32
-reference) on each, times it and its baselines, writes every number to its JSON report and
-prints one table per family.
+grouped_gemm, moe_layer), finds oxmoe in agreement with plain JAX (grouped_gemm: with the
+float32 reference) on each, times it and its baselines, writes every number to its JSON report
+and prints one table per family.
 
 The benchmark runs in a subprocess, as CI and a user run it: from this checkout's
 `jax_bindings` (the benchmark is not part of an installed package), with the native
 library this test process loaded, on the default device (on a CPU machine one host
-device, not the eight that conftest.py sets up for the sharding tests; on a GPU
-machine the GPU).
+device, not the eight that conftest.py sets up for the sharding tests, so the moe_layer
+family's expert-parallel case is skipped there and run by a test of its own on eight; on a
+GPU machine the GPU).
 """
 
 import dataclasses
@@ -26,6 +27,7 @@ import pytest
 import oxmoe
 from oxmoe import _library
 from oxmoe.bench import grouped_gemm as bench_gemm
+from oxmoe.bench import moe as bench_moe
 from oxmoe.bench import timing
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -57,11 +59,16 @@ PRIMITIVES = {
 }
 
 
-def run_bench(*args: str) -> subprocess.CompletedProcess:
+def run_bench(*args: str, host_devices: int | None = None) -> subprocess.CompletedProcess:
+    """The benchmark in a subprocess; ``host_devices``: on that many CPU devices, the CPU the
+    default backend even on a GPU machine (default: one CPU device)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "jax_bindings"), env.get("PYTHONPATH")) if p)
     env["OXMOE_LIBRARY"] = str(_library.library_path().resolve())
     env["XLA_FLAGS"] = re.sub(r"--xla_force_host_platform_device_count=\S*", "", env.get("XLA_FLAGS", "")).strip()
+    if host_devices is not None:
+        env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={host_devices}"
+        env["JAX_PLATFORMS"] = "cpu"
     # On a GPU machine this test process may hold most of the GPU's memory already.
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     return subprocess.run([sys.executable, "-m", "oxmoe.bench", *args],
@@ -85,7 +92,7 @@ def test_smoke_run_checks_and_times_every_case(tmp_path):
     assert report["device"] and report["date"]
     assert report["copy"]["gb_per_s"] > 0 and report["copy"]["bytes"] > 0
 
-    assert list(report["families"]) == [*EXPECTED_CASES, "grouped_gemm"]
+    assert list(report["families"]) == [*EXPECTED_CASES, "grouped_gemm", "moe_layer"]
     for family, expected in EXPECTED_CASES.items():
         entry = report["families"][family]
         assert sorted(entry["cases"]) == sorted(expected), family
@@ -97,7 +104,7 @@ def test_smoke_run_checks_and_times_every_case(tmp_path):
 
     for case in report["cases"]:
         name, family = case["name"], case["family"]
-        if family == "grouped_gemm":  # check_grouped_gemm_cases
+        if family in ("grouped_gemm", "moe_layer"):  # check_grouped_gemm_cases, check_moe_layer_cases
             continue
         assert name in EXPECTED_CASES[family], name
         assert case["failure"] is None, f"{name}: {case['failure']}"
@@ -125,9 +132,13 @@ def test_smoke_run_checks_and_times_every_case(tmp_path):
         assert lines[0].startswith(f"{family}: "), lines[0]
         assert lines[1].startswith(f"{family} goals met: "), lines[1]
         assert lines[2].split()[:3] == ["case", "oxmoe", "us"]
-        assert [line.split("  ")[0].strip() for line in lines[4:]] == entry["cases"]
+        rows = lines[4:4 + len(entry["cases"])]
+        assert [line.split("  ")[0].strip() for line in rows] == entry["cases"]
+        if family != "moe_layer":  # whose expert-parallel case's breakdown follows its table
+            assert len(lines) == 4 + len(entry["cases"])
 
     check_grouped_gemm_cases(report)
+    check_moe_layer_cases(report, blocks[-1], MOE_LAYER_CASES)
 
 
 def _sizes(case: dict) -> list[np.ndarray]:
@@ -245,4 +256,217 @@ def test_ragged_dot_out_of_memory_is_reported_not_failed():
     assert case["ragged_dot"] == case["ragged_dot_tflops"] == "OOM" and case["tflops"] > 0
     assert case["dense_tflops"] > 0 and case["ratio_to_ragged_dot"] is None
     assert report.to_json()["ragged_dot_oom"] == [case["name"]]
+    assert "(OOM 1, error 0)" in report.goals_line()
+
+
+# -- the moe_layer family --------------------------------------------------------------
+
+MOE_LAYER_CASES = ["mixtral fwd+bwd", "qwen3_30b_a3b fwd+bwd", "deepseek_v3 ep=4 fwd+bwd"]
+MOE_EP_CASE = "deepseek_v3 ep=4 fwd+bwd"
+#: What the moe_layer check compares: both losses, the routing, y and every gradient.
+MOE_LAYER_ERRORS = {"load_balancing_loss_rel_err", "z_loss_rel_err", "routing_mismatch",
+                    "y_rel_err", "dx_rel_err", "dgate_rel_err", "dup_rel_err", "ddown_rel_err"}
+#: The expert-parallel case's breakdown; its exchange as "auto" makes it, by platform.
+MOE_EP_PARTS = ["step (fwd+bwd)", "forward", "routing forward (gate GEMM, oxmoe.router.topk)", "exchange",
+                "1 device, E=64: step (fwd+bwd)", "1 device, E=64: forward"]
+MOE_EP_EXCHANGE = {"cpu": "all_to_all: 512 x 64 bfloat16 rows in 4 x 512 slots",
+                   "gpu": "ragged_all_to_all: 512 x 64 bfloat16 rows into 4 x 512"}
+
+
+def _expert_flops(case: dict) -> int:
+    rows, h, f = case["tokens_per_device"] * case["topk"], case["hidden"], case["ffn"]
+    return 3 * (2 * rows * h * 2 * f + 2 * rows * f * h)
+
+
+def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
+    """The moe_layer cases ``names`` of a smoke run's report and printed block: each one run
+    is checked against the plain-JAX layer (every error measured and within a bf16 limit),
+    timed next to its dense GEMMs (and on one device the plain-JAX layer), its TFLOP/s and
+    ratios consistent; the expert-parallel one is skipped without 4 devices."""
+    entry = report["families"]["moe_layer"]
+    assert entry["cases"] == names
+    assert entry["failed"] == [] and entry["plain_jax_oom"] == []
+    assert entry["goals"] == {"min_fraction_of_dense": 0.6, "min_speedup": 5.0}
+    cases = [case for case in report["cases"] if case["family"] == "moe_layer"]
+    assert [case["name"] for case in cases] == names
+    assert entry["skipped"] == [case["name"] for case in cases if case["skipped"]]
+    single = [case for case in cases if case["devices"] == 1]
+    assert entry["goals_met"]["dense"] == [sum(case["goals"]["dense"] for case in single), len(single)]
+
+    lines = block.splitlines()
+    assert lines[1].startswith("moe_layer goals met: >= 60% of the dense bf16 GEMMs' TFLOP/s "), lines[1]
+    assert ">= 5x the plain-JAX layer" in lines[1]
+    assert lines[2].split("  ")[:1] == ["case"] and ">=60% dense" in lines[2] and "x plain JAX" in lines[2]
+    rows = dict(zip(names, lines[4:4 + len(names)]))
+
+    for case in cases:
+        name, check, cells = case["name"], case["check"], rows[case["name"]].split()
+        assert case["failure"] is None, f"{name}: {case['failure']}"
+        if case["skipped"]:
+            assert name == MOE_EP_CASE and case["skipped"].startswith("needs 4 devices"), case["skipped"]
+            assert case["oxmoe"] is None and cells[-1] == "skipped"
+            continue
+        assert check["passed"], name
+        expected = MOE_LAYER_ERRORS | ({"dexpert_bias_max_abs"} if case["use_expert_bias"] else set())
+        assert set(check["errors"]) == set(check["limits"]) == expected, name
+        for error, value in check["errors"].items():
+            assert 0 <= value <= check["limits"][error] <= 2e-2, f"{name}: {error} = {value}"
+        if case["use_expert_bias"]:
+            assert check["limits"]["dexpert_bias_max_abs"] == 0
+        # Single device: every token of every input set (plain JAX ran at full size); EP: a sample.
+        tokens = case["tokens_per_device"] * case["devices"] if case["devices"] == 1 else 256
+        assert check["tokens"] == tokens, name
+        assert check["primitives_per_step"]["oxmoe_ragged_dot_fwd"] >= 1, name
+        assert check["primitives_per_step"]["oxmoe_ragged_dot_bwd"] >= 1, name
+
+        assert case["flops"] == _expert_flops(case), name
+        ox, dense = case["oxmoe"], case["dense"]
+        assert 0 < ox["min_us"] <= ox["median_us"] <= ox["max_us"], name
+        assert sorted(dense["products"]) == sorted(f"{p} {d}" for p in ("up", "down") for d in ("fwd", "dlhs", "drhs"))
+        assert dense["median_us"] == pytest.approx(sum(t["median_us"] for t in dense["products"].values()))
+        assert case["tflops"] == pytest.approx(case["flops"] / (ox["median_us"] * 1e-6) / 1e12), name
+        assert case["dense_tflops"] == pytest.approx(case["flops"] / (dense["median_us"] * 1e-6) / 1e12), name
+        assert case["ratio_to_dense"] == pytest.approx(case["tflops"] / case["dense_tflops"]), name
+        assert f"{100 * case['ratio_to_dense']:.0f}%" in cells, (name, cells)
+        assert case["device_bytes_per_set"] > 0, name
+
+        if case["devices"] == 1:
+            plain = case["plain_jax"]
+            assert isinstance(plain, dict), f"{name}: {plain}"  # a smoke size never runs out of memory
+            assert 0 < plain["min_us"] <= plain["median_us"] <= plain["max_us"], name
+            assert case["speedup"] == pytest.approx(plain["median_us"] / ox["median_us"]), name
+            assert case["goals"]["dense"] == (case["ratio_to_dense"] >= 0.6), name
+            assert cells[-4] == ("ok" if case["goals"]["dense"] else "MISS"), (name, cells)
+            assert case["breakdown"] == [], name
+        else:
+            assert case["plain_jax"] is None and case["speedup"] is None and case["goals"]["dense"] is None, name
+            parts = case["breakdown"]
+            expected_parts = [MOE_EP_EXCHANGE[report["platform"]] if p == "exchange" else p for p in MOE_EP_PARTS]
+            assert [p["part"] for p in parts] == expected_parts, name
+            assert [p["per_step"] for p in parts] == [1, 1, 1, 4, None, None], name
+            assert parts[0]["median_us"] == ox["median_us"], name
+            for part in parts:
+                assert 0 < part["min_us"] <= part["median_us"] <= part["max_us"], (name, part)
+            breakdown = lines[4 + len(names):]
+            assert breakdown[0] == f"{name}: where a step's time goes"
+            assert breakdown[1].split()[:3] == ["part", "(per", "device)"]
+            assert [line.split("  ")[0] for line in breakdown[3:]] == expected_parts
+
+
+def test_moe_layer_expert_parallel_case_on_four_devices(tmp_path):
+    """With 8 host devices the expert-parallel case runs (over the first 4, exchange "auto":
+    all_to_all on a CPU): checked against plain JAX on one device, timed with its breakdown."""
+    json_path = tmp_path / "bench.json"
+    result = run_bench("--smoke", "--only", MOE_EP_CASE, "--json", str(json_path), host_devices=8)
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
+    report = json.loads(json_path.read_text())
+    assert list(report["families"]) == ["moe_layer"]
+    check_moe_layer_cases(report, result.stdout.rstrip().split("\n\n")[-1], [MOE_EP_CASE])
+
+
+def test_only_moe_layer_lists_its_cases():
+    result = run_bench("--only", "moe_layer", "--list")
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.splitlines() == MOE_LAYER_CASES
+
+
+def _step_outputs(rng: np.random.Generator, tokens=64, hidden=16, ffn=8, experts=4, topk=2):
+    """Outputs of a step of the expert-parallel smoke layer's kind, ``((loss, (y, aux)), (dx, dparams))``,
+    random, with ``tokens * topk`` copies routed."""
+    def normal(*shape):
+        return jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+
+    counts = rng.multinomial(tokens * topk - experts, np.full(experts, 1 / experts)) + 1
+    aux = bench_moe.moe.MoEAux(load_balancing_loss=jnp.float32(0.31), z_loss=jnp.float32(0.02),
+                               tokens_per_expert=jnp.asarray(counts, jnp.int32))
+    grads = bench_moe.moe.MoEParams(gate=normal(hidden, experts), up=normal(experts, hidden, 2 * ffn),
+                                    down=normal(experts, ffn, hidden), expert_bias=jnp.zeros(experts, jnp.float32))
+    return (jnp.float32(12.5), (normal(tokens, hidden), aux)), (normal(tokens, hidden), grads)
+
+
+def _one_ulp_off(x):
+    """``x`` with about half its elements one bf16 ulp away (a different float32 summation order)."""
+    bits = jax.lax.bitcast_convert_type(x, jnp.uint16)
+    flip = jax.random.bernoulli(jax.random.key(1), 0.5, x.shape).astype(jnp.uint16)
+    return jax.lax.bitcast_convert_type(bits ^ flip, jnp.bfloat16)
+
+
+def _wrong(what: str):
+    """A step output that a broken layer could produce, from a right one."""
+    def y(out, f):
+        (loss, (y, aux)), grads = out
+        return (loss, (f(y), aux)), grads
+
+    def aux(out, **changes):
+        (loss, (y, aux)), grads = out
+        return (loss, (y, dataclasses.replace(aux, **changes))), grads
+
+    def grad(out, name, f):
+        (value, (dx, dparams)) = out
+        return value, (dx, dataclasses.replace(dparams, **{name: f(getattr(dparams, name))}))
+
+    return {
+        "y 5% too large": lambda out: y(out, lambda v: v * 1.05),
+        "one token's y zero": lambda out: y(out, lambda v: v.at[3].set(0)),
+        "z-loss 1% off": lambda out: aux(out, z_loss=out[0][1][1].z_loss * 1.01),
+        "load-balancing loss missing": lambda out: aux(out, load_balancing_loss=jnp.float32(0)),
+        "one copy routed elsewhere": lambda out: aux(
+            out, tokens_per_expert=out[0][1][1].tokens_per_expert.at[0].add(1).at[1].add(-1)),
+        "d up NaN at one element": lambda out: grad(out, "up", lambda g: g.at[1, 2, 3].set(jnp.nan)),
+        "d gate 10% off": lambda out: grad(out, "gate", lambda g: g * 0.9),
+        "d expert bias not zero": lambda out: grad(out, "expert_bias", lambda g: g.at[0].set(1e-3)),
+    }[what]
+
+
+MOE_WRONG_OUTPUTS = ["y 5% too large", "one token's y zero", "z-loss 1% off", "load-balancing loss missing",
+                     "one copy routed elsewhere", "d up NaN at one element", "d gate 10% off",
+                     "d expert bias not zero"]
+
+
+@pytest.mark.parametrize("wrong", MOE_WRONG_OUTPUTS)
+def test_moe_layer_check_catches_wrong_outputs(rng, wrong):
+    """The moe_layer check passes outputs that differ from plain JAX's by bf16 rounding (one ulp
+    in about half the elements) and fails each kind of wrong output."""
+    layer = bench_moe.SMOKE_LAYERS[2]  # sigmoid routing with an expert bias: every error applies
+    plain = _step_outputs(rng)
+    rounded = jax.tree.map(lambda x: _one_ulp_off(x) if x.dtype == jnp.bfloat16 else x, plain)
+    errors = bench_moe.worst_errors(layer, [(rounded, plain)])
+    assert set(errors) == set(bench_moe.limits_of(layer)) == MOE_LAYER_ERRORS | {"dexpert_bias_max_abs"}
+    assert 1e-3 < errors["y_rel_err"] < 1e-2, errors
+    with pytest.raises(bench_moe.CheckFailed, match="oxmoe and plain JAX disagree"):
+        bench_moe.worst_errors(layer, [(rounded, plain), (_wrong(wrong)(rounded), plain)])
+
+
+def test_moe_layer_plain_jax_out_of_memory_is_reported_not_failed(monkeypatch):
+    """When the plain-JAX layer runs out of memory at full size, the case reports OOM and checks
+    oxmoe against it at a smaller sample of tokens instead."""
+    layer = bench_moe.SMOKE_LAYERS[0]
+    sample = layer.tokens // 4
+    monkeypatch.setattr(bench_moe, "CHECK_TOKENS", sample)
+    plain_layer = bench_moe.plain_layer
+
+    def out_of_memory_past_the_sample(config):
+        def run(x, params):
+            y, aux = plain_layer(config)(x, params)
+            if x.shape[0] > sample:  # fails at run time as XLA does
+                y = y + jax.pure_callback(_raises_out_of_memory, jax.ShapeDtypeStruct((), y.dtype),
+                                          jax.lax.stop_gradient(y[0, 0]))
+            return y, aux
+        return run
+
+    monkeypatch.setattr(bench_moe, "plain_layer", out_of_memory_past_the_sample)
+    report = bench_moe.Report(bench_moe.FAMILY, smoke=True)
+    logged = []
+    report.run(bench_moe.LayerCase(layer), timing.SMOKE, logged.append)
+    (summary,) = report.summaries
+    assert report.failed == [] and summary.result.plain == "OOM", summary.result.plain_error
+    assert "RESOURCE_EXHAUSTED" in summary.result.plain_error and "plain JAX OOM" in logged[0]
+    assert summary.result.check_tokens == sample and summary.result.errors["y_rel_err"] <= 2e-2
+    row = summary.row()
+    assert row[1] != "FAILED" and row[6:8] == ["OOM", "-"]
+    case = summary.to_json()
+    assert case["plain_jax"] == "OOM" and case["speedup"] is None and case["tflops"] > 0
+    assert case["check"]["passed"] and case["check"]["tokens"] == sample
+    assert report.to_json()["plain_jax_oom"] == [case["name"]]
     assert "(OOM 1, error 0)" in report.goals_line()

@@ -3,9 +3,11 @@
     python -m oxmoe.bench [--smoke] [--json PATH] [--only NAME ...] [--list]
 
 Measures, in one run on one device: the copy bandwidth (the ceiling), then per
-case of each family (router, permutation) oxmoe's time and plain JAX's, and per
+case of each family (router, permutation) oxmoe's time and plain JAX's, per
 case of the grouped GEMM family oxmoe's TFLOP/s, a dense GEMM's and
-jax.lax.ragged_dot's.
+jax.lax.ragged_dot's, and per case of the MoE layer family (moe_layer) a training
+step's TFLOP/s, the dense GEMMs' and the plain-JAX layer's (its expert-parallel
+case runs over 4 devices when JAX has them).
 Progress goes to stderr; the results tables are the last thing on stdout, one
 per family, each after its goals line. The exit status is 1 if any case failed
 (an error, or oxmoe disagreeing with plain JAX or with the reference); a missed
@@ -26,10 +28,10 @@ import jaxlib
 
 import oxmoe
 from oxmoe.bench import cases as bench_cases
-from oxmoe.bench import grouped_gemm, permutation, router, timing
+from oxmoe.bench import grouped_gemm, moe, permutation, router, timing
 
 #: The benchmark families, in the order they run.
-FAMILIES = (router.FAMILY, permutation.FAMILY, grouped_gemm.FAMILY)
+FAMILIES = (router.FAMILY, permutation.FAMILY, grouped_gemm.FAMILY, moe.FAMILY)
 
 
 def _log(message: str) -> None:
@@ -151,7 +153,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write every number to PATH")
     parser.add_argument("--only", action="append", metavar="NAME", default=[],
                         help="run the cases whose name (or family) contains NAME (repeatable), "
-                             "e.g. 'deepseek', 'topk bwd', 'permutation', 'grouped_gemm'")
+                             "e.g. 'deepseek', 'topk bwd', 'permutation', 'grouped_gemm', 'moe_layer'")
     parser.add_argument("--list", action="store_true", help="list the case names and exit")
     args = parser.parse_args(argv)
 

@@ -1,0 +1,842 @@
+"""The MoE layer benchmark: a training step of oxmoe.moe against the same layer in plain JAX.
+
+A step is ``jax.value_and_grad`` of ``sum(y * w) + load_balancing_loss + z_loss`` with
+respect to the tokens ``x`` and every parameter, jitted (bf16 tokens and weights, SwiGLU
+experts, ``aux_loss_coeff`` :data:`AUX_LOSS_COEFF`, ``z_loss_coeff`` :data:`Z_LOSS_COEFF`).
+Cases:
+
+- ``mixtral fwd+bwd``: T=32768 tokens, H=1024, F=4096, 8 experts, top-2 softmax;
+- ``qwen3_30b_a3b fwd+bwd``: T=16384, H=2048, F=768, 128 experts, top-8 softmax;
+- ``deepseek_v3 ep=2 fwd+bwd``, ``deepseek_v3 ep=4 fwd+bwd``: expert parallelism over 2
+  and 4 devices (each listed as skipped when JAX has fewer): 8192 tokens per device,
+  H=7168, F=2048, 256 experts (128 or 64 per device),
+  top-8 of sigmoid scores in the best 4 of 8 groups, scaling 2.5, expert bias;
+  :func:`oxmoe.moe.shard_map_moe` with ``expert_axis``, exchange ``"auto"``.
+
+FLOPs of a step are those of its expert GEMMs on one device: 3 x the forward's (forward,
+d lhs, d rhs), forward ``= 2 T k H (2F) + 2 T k F H`` (with expert parallelism T is a
+device's tokens: its experts multiply ``T k`` rows on average). The router's GEMM, the
+activation and the permutations are not counted. Each case times, on the default device:
+
+- oxmoe's step (:func:`oxmoe.moe.moe`; the EP case: :func:`oxmoe.moe.shard_map_moe`);
+- the dense ceiling: the step's six expert GEMMs (forward, d lhs and d rhs of the up and
+  the down projection) as dense bf16 ``jnp.dot`` of the same shapes, each timed as the
+  grouped GEMM family times its dense GEMMs (:class:`oxmoe.bench.grouped_gemm.DenseTimes`);
+  dense TFLOP/s = the step's FLOPs / the sum of the six times;
+- one device: the step of :func:`plain_moe`, the layer in plain JAX as MaxText writes it
+  (``jax.lax.top_k`` routing, the token copies sorted by expert with ``argsort``,
+  ``jax.lax.ragged_dot`` for the fused ``[E, H, 2F]`` up and the ``[E, F, H]`` down
+  projection, unsorted with ``argsort`` and weight-summed), differentiated by JAX. If it
+  runs out of device memory that is reported as ``OOM``, not as a failure; a slow one is
+  timed with fewer samples (about :data:`PLAIN_BUDGET_S` seconds);
+- the EP case: where a step's time goes, per device: the step and its forward alone,
+  the routing (gate GEMM and :func:`oxmoe.router.topk`) alone, one exchange of the
+  dispatched rows alone as the layer makes it with exchange ``"auto"`` (``T k`` rows of
+  ``H`` per device, an equal share to every device, into the layer's receive buffer of
+  ``devices x capacity`` rows: ``jax.lax.ragged_all_to_all`` on a GPU, slots and
+  ``jax.lax.all_to_all`` on a CPU; a step has four: dispatch and combine, and their
+  transposes), and the step and forward of the same layer on one device with as many
+  experts as a device owns (no exchange; not checked again: its semantics are the EP
+  layer's). Each piece runs alone, with only its own arrays alive.
+
+The goal: each single-device step at >= :data:`MIN_FRACTION_OF_DENSE` of the dense
+ceiling's TFLOP/s (about :data:`MIN_SPEEDUP` x the plain-JAX layer, which the goals line
+counts too). The EP case reports its share of the dense ceiling without a goal: its step
+includes the exchanges.
+
+Before anything is timed, oxmoe's step is checked against :func:`plain_moe`'s: ``y``, the
+load-balancing and z-losses, the tokens per expert and the gradients of ``x`` and every parameter
+(:func:`compare`; a disagreement past :func:`limits_of` fails the case, which is then not
+timed). One device: on every input set at full size, or, if plain JAX fails there (out of
+memory, as XLA's dense lowering of jax.lax.ragged_dot may at Qwen3's 128 experts), at a
+small sample of fresh tokens (:func:`sample_tokens`). The EP case: at such a sample, against
+:func:`plain_moe` on one device with all the experts. The timed functions' jaxprs
+are checked too: oxmoe's step holds oxmoe's grouped GEMMs and no ``ragged_dot_general``;
+plain JAX's holds ``ragged_dot_general`` and no oxmoe primitive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import zlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from oxmoe import moe, permutation, router
+from oxmoe.bench import grouped_gemm, timing
+from oxmoe.bench.cases import CheckFailed, Family, rel_err, text_table
+from oxmoe.bench.grouped_gemm import OOM, DenseTimes, Shape
+from oxmoe.bench.router import _best_groups_only
+from oxmoe.model_shapes import DEEPSEEK_V3, MIXTRAL, QWEN3_MOE, RouterConfig
+
+DTYPE = jnp.dtype(jnp.bfloat16)
+F32 = jnp.float32
+AUX_LOSS_COEFF, Z_LOSS_COEFF = 1e-2, 1e-3
+#: The goal: oxmoe's step at least this fraction of the dense ceiling's TFLOP/s ...
+MIN_FRACTION_OF_DENSE = 0.6
+#: ... which is about this many times the plain-JAX layer's (counted, not a column).
+MIN_SPEEDUP = 5.0
+#: The check's sample, where it takes one (split over the devices of an EP case): at most
+#: this many tokens, and few enough that the ``[E, rows, max(H, 2F)]`` bf16 operand XLA's GPU
+#: lowering of jax.lax.ragged_dot materializes (the rows masked once per expert) stays within
+#: this many bytes (e.g. 144 tokens at DeepSeek-V3's 256 experts of width 7168).
+CHECK_TOKENS, CHECK_EXPANSION_BYTES = 2048, 4 << 30
+#: Largest ||oxmoe - plain JAX|| / ||plain JAX|| of y and of each gradient: two bf16 layers
+#: whose float32 sums run in different orders (each rounding to bf16 is 2^-9 relative).
+MAX_REL_ERR = 2e-2
+#: Largest relative difference of the load-balancing loss and of the z-loss: float32 sums of
+#: positive terms. (The step's loss, ``sum(y * w)`` plus those, is not compared: its terms
+#: cancel, so its relative error says nothing that y's does not.)
+MAX_AUX_LOSS_REL_ERR = 1e-3
+#: Largest share of the routed token copies counted at another expert: near-ties of float32
+#: logits that two GEMMs summed in different orders (about one token in 10^5 at these sizes).
+MAX_ROUTING_MISMATCH = 1e-3
+#: Device seconds the plain-JAX layer's timing may take: a slower one gets fewer samples.
+PLAIN_BUDGET_S = grouped_gemm.RAGGED_DOT_BUDGET_S
+#: The mesh axis of the EP case, and how many exchanges of the dispatched rows a step has
+#: (dispatch and combine in the forward, their transposes in the backward).
+EXPERT_AXIS, EXCHANGES_PER_STEP = "expert", 4
+
+#: The random stream of the check's tokens (input set ``n`` draws from stream ``n``).
+CHECK_SET = 1 << 16
+
+JAX_PRIMITIVE = "ragged_dot_general"
+OXMOE_PRIMITIVES = ("oxmoe_ragged_dot_fwd", "oxmoe_ragged_dot_bwd")
+
+
+def _config(model: RouterConfig, **changes) -> moe.MoEConfig:
+    return moe.MoEConfig(num_experts=model.num_experts, topk=model.topk, use_expert_bias=model.use_expert_bias,
+                         aux_loss_coeff=AUX_LOSS_COEFF, z_loss_coeff=Z_LOSS_COEFF, activation="swiglu",
+                         dtype=DTYPE, **model.topk_kwargs(), **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One MoE layer: a device's tokens, the sizes, the routing, the devices it is split over."""
+
+    name: str
+    tokens: int
+    """Tokens per device."""
+    hidden: int
+    ffn: int
+    config: moe.MoEConfig
+    devices: int = 1
+    """Devices of expert parallelism (each owns ``num_experts / devices`` experts)."""
+
+    @property
+    def local_experts(self) -> int:
+        return self.config.num_experts // self.devices
+
+    @property
+    def up_width(self) -> int:
+        return 2 * self.ffn if self.config.glu else self.ffn
+
+    @property
+    def rows(self) -> int:
+        """The token copies a device's experts multiply (on average, with expert parallelism)."""
+        return self.tokens * self.config.topk
+
+    @property
+    def flops(self) -> int:
+        """The expert GEMMs of a step on one device: forward, d lhs and d rhs of up and down."""
+        return 3 * (2 * self.rows * self.hidden * self.up_width + 2 * self.rows * self.ffn * self.hidden)
+
+    def gemms(self) -> tuple[Shape, Shape]:
+        """The up and down projections of a device as grouped GEMMs (for the dense ceiling)."""
+        e = self.local_experts
+        return (Shape(f"{self.name} up", m=self.rows, k=self.hidden, n=self.up_width, groups=e),
+                Shape(f"{self.name} down", m=self.rows, k=self.ffn, n=self.hidden, groups=e))
+
+    def param_bytes(self) -> int:
+        """A device's parameters at their dtypes."""
+        h, e = self.hidden, self.config.num_experts
+        bias = 4 * e if self.config.use_expert_bias else 0
+        return DTYPE.itemsize * (h * e + self.local_experts * (h * self.up_width + self.ffn * h)) + bias
+
+    def one_device(self) -> Layer:
+        """A device's share of an expert-parallel layer on one device: its tokens, as many
+        experts as it owns, no exchange (group-limited routing kept where still valid)."""
+        c, e = self.config, self.local_experts
+        changes = {}
+        if c.num_groups is not None and (e % c.num_groups or c.topk > c.group_topk * (e // c.num_groups)):
+            changes = dict(num_groups=None, group_topk=None)
+        config = dataclasses.replace(c, num_experts=e, **changes)
+        return Layer(f"{self.name.split()[0]} 1 device E={e}", self.tokens, self.hidden, self.ffn, config)
+
+    def describe(self) -> str:
+        c = self.config
+        routing = c.score_function + (f" (best {c.group_topk} of {c.num_groups} groups)" if c.num_groups else "")
+        routing += f" x{c.scaling_factor:g}" if c.scaling_factor is not None else ""
+        routing += " +bias" if c.use_expert_bias else ""
+        tokens = f"T={self.tokens}" + (" per device" if self.devices > 1 else "")
+        return f"{tokens} H={self.hidden} F={self.ffn} E={c.num_experts} k={c.topk} {routing}"
+
+    def info(self) -> dict:
+        c = self.config
+        return dict(model=self.name, tokens_per_device=self.tokens, hidden=self.hidden, ffn=self.ffn,
+                    num_experts=c.num_experts, topk=c.topk, score_function=c.score_function,
+                    num_groups=c.num_groups, group_topk=c.group_topk, scaling_factor=c.scaling_factor,
+                    use_expert_bias=c.use_expert_bias, activation=c.activation, dtype=DTYPE.name,
+                    aux_loss_coeff=c.aux_loss_coeff, z_loss_coeff=c.z_loss_coeff, devices=self.devices,
+                    exchange=c.exchange if self.devices > 1 else None, rows_per_device=self.rows)
+
+
+LAYERS = (
+    Layer("mixtral", tokens=32768, hidden=1024, ffn=4096, config=_config(MIXTRAL)),
+    Layer("qwen3_30b_a3b", tokens=16384, hidden=2048, ffn=768, config=_config(QWEN3_MOE)),
+    Layer("deepseek_v3 ep=2", tokens=8192, hidden=7168, ffn=2048, config=_config(DEEPSEEK_V3), devices=2),
+    Layer("deepseek_v3 ep=4", tokens=8192, hidden=7168, ffn=2048, config=_config(DEEPSEEK_V3), devices=4),
+)
+#: The smoke run: the same routing (experts, top-k, groups), tiny T, H and F (multiples of 8).
+SMOKE_LAYERS = (
+    Layer("mixtral", tokens=256, hidden=64, ffn=128, config=_config(MIXTRAL)),
+    Layer("qwen3_30b_a3b", tokens=64, hidden=64, ffn=32, config=_config(QWEN3_MOE)),
+    Layer("deepseek_v3 ep=4", tokens=64, hidden=64, ffn=32, config=_config(DEEPSEEK_V3), devices=4),
+)
+
+
+# -- the layer in plain JAX ---------------------------------------------------------
+
+def plain_route(logits, expert_bias, config: moe.MoEConfig):
+    """Top-k routing of float32 ``logits [T, E]``: ``(weights [T, k] float32, experts [T, k])``,
+    differentiable in ``logits`` (the choice of experts is not)."""
+    if config.score_function == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        selection = scores + expert_bias if config.use_expert_bias else scores
+    elif config.use_pre_softmax:
+        scores = selection = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = selection = logits
+    if config.num_groups is not None:
+        selection = _best_groups_only(selection, config.num_groups, config.group_topk, config.topk)
+    _, experts = jax.lax.top_k(selection, config.topk)  # ties: the lower expert
+    weights = jnp.take_along_axis(scores, experts, axis=-1)
+    if config.score_function == "softmax" and not config.use_pre_softmax:
+        weights = jax.nn.softmax(weights, axis=-1)  # over the chosen logits
+    elif config.score_function == "sigmoid" and config.topk > 1:
+        weights = weights / weights.sum(-1, keepdims=True)
+    if config.scaling_factor is not None:
+        weights = weights * config.scaling_factor
+    return weights, experts
+
+
+def _load_balancing_loss(logits, config: moe.MoEConfig):
+    """``coeff * E / (k T^2) * sum_e P_e f_e`` over the plain top-k of the scores (no groups, no bias)."""
+    t, e = logits.shape
+    if config.score_function == "softmax":
+        scores = jax.nn.softmax(logits, axis=-1)
+    else:
+        scores = jax.nn.sigmoid(logits)
+        scores = scores / scores.sum(-1, keepdims=True)
+    _, chosen = jax.lax.top_k(scores, config.topk)
+    counts = jnp.bincount(chosen.reshape(-1), length=e).astype(F32)
+    scale = config.aux_loss_coeff * e / (config.topk * float(t) ** 2)
+    return scale * jnp.sum(scores.sum(0) * counts)
+
+
+def _z_loss(logits, config: moe.MoEConfig):
+    return config.z_loss_coeff * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+
+
+def _swiglu(u):
+    """``silu(gate half) * up half`` in float32, rounded to the compute dtype."""
+    f = u.shape[-1] // 2
+    u = u.astype(F32)
+    return (jax.nn.silu(u[:, :f]) * u[:, f:]).astype(DTYPE)
+
+
+def plain_moe(x, params: moe.MoEParams, config: moe.MoEConfig):
+    """:func:`oxmoe.moe.moe` on one device in plain JAX, as MaxText writes it: ``(y, MoEAux)``."""
+    if config.activation != "swiglu":
+        raise ValueError(f"plain_moe implements activation='swiglu' only, got {config.activation!r}")
+    h, e, k = x.shape[-1], config.num_experts, config.topk
+    xs = x.reshape(-1, h).astype(DTYPE)
+    t = xs.shape[0]
+    logits = jnp.dot(xs, params.gate.astype(DTYPE), preferred_element_type=F32)
+    weights, experts = plain_route(logits, params.expert_bias, config)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat)  # the token copies grouped by expert
+    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    rows = jnp.take(xs, order // k, axis=0)
+    hidden = _swiglu(jax.lax.ragged_dot(rows, params.up.astype(DTYPE), group_sizes))
+    out = jax.lax.ragged_dot(hidden, params.down.astype(DTYPE), group_sizes)
+    out = jnp.take(out, jnp.argsort(order), axis=0).reshape(t, k, h)
+    # An elementwise sum, not an einsum: a float32 dot could run in TF32 on a GPU.
+    y = (out.astype(F32) * weights[..., None]).sum(1).astype(DTYPE)
+    aux = moe.MoEAux(load_balancing_loss=_load_balancing_loss(logits, config), z_loss=_z_loss(logits, config),
+                     tokens_per_expert=group_sizes)
+    return y.reshape(x.shape), aux
+
+
+# -- the steps ------------------------------------------------------------------------
+
+def _loss(layer: Callable):
+    """``(x, params, w) -> (sum(y * w) + both losses, (y, aux))`` of ``layer(x, params) -> (y, aux)``."""
+    def loss(x, params, w):
+        y, aux = layer(x, params)
+        total = jnp.sum(y.astype(F32) * w.astype(F32)) + aux.load_balancing_loss + aux.z_loss
+        return total, (y, aux)
+    return loss
+
+
+def step(layer: Callable) -> Callable:
+    """``(x, params, w) -> ((loss, (y, aux)), (dx, dparams))``: the timed training step (y and
+    aux go on to the next layer and the logs; the check compares all of it)."""
+    return jax.value_and_grad(_loss(layer), argnums=(0, 1), has_aux=True)
+
+
+def forward(layer: Callable) -> Callable:
+    """``(x, params, w) -> y``: the layer's forward alone."""
+    return lambda x, params, w: layer(x, params)[0]
+
+
+def oxmoe_layer(config: moe.MoEConfig) -> Callable:
+    return lambda x, params: moe.moe(x, params, config)
+
+
+def oxmoe_ep_layer(config: moe.MoEConfig, mesh: Mesh) -> Callable:
+    return lambda x, params: moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis=EXPERT_AXIS)
+
+
+def plain_layer(config: moe.MoEConfig) -> Callable:
+    return lambda x, params: plain_moe(x, params, config)
+
+
+def ep_routing(config: moe.MoEConfig, mesh: Mesh) -> Callable:
+    """``(x, params, w) -> (probs, routing_map)``: each device's gate GEMM and top-k."""
+    def route(x, gate, expert_bias):
+        logits = jnp.dot(x.astype(DTYPE), gate.astype(DTYPE), preferred_element_type=F32)
+        return router.topk(logits, config.topk, expert_bias=expert_bias, score_function=config.score_function,
+                           use_pre_softmax=config.use_pre_softmax, num_groups=config.num_groups,
+                           group_topk=config.group_topk, scaling_factor=config.scaling_factor)
+
+    routed = jax.shard_map(route, mesh=mesh, in_specs=(P(EXPERT_AXIS), P(), P()), out_specs=P(EXPERT_AXIS))
+    return lambda x, params, w: routed(x, params.gate, params.expert_bias)
+
+
+def exchange_op(mesh: Mesh) -> str:
+    """What exchange "auto" takes on the mesh's devices."""
+    return "all_to_all" if mesh.devices.flat[0].platform == "cpu" else "ragged_all_to_all"
+
+
+def exchange_capacity(layer: Layer) -> int:
+    """The rows one device can send another, as :func:`oxmoe.moe.moe` sizes its receive buffer
+    (``devices`` slots of it): each token reaches at most ``min(k, El)`` of its experts."""
+    c = layer.config
+    return permutation.dispatched_rows(layer.tokens * min(c.topk, layer.local_experts), layer.local_experts,
+                                       c.align_size)
+
+
+def exchange_name(layer: Layer, mesh: Mesh) -> str:
+    rows, cap = f"{layer.rows} x {layer.hidden} {DTYPE.name} rows", exchange_capacity(layer)
+    if exchange_op(mesh) == "all_to_all":
+        return f"all_to_all: {rows} in {layer.devices} x {cap} slots"
+    return f"ragged_all_to_all: {rows} into {layer.devices} x {cap}"
+
+
+def ep_exchange(layer: Layer, mesh: Mesh) -> Callable:
+    """``rows -> received``: one exchange of each device's ``[R, H]`` dispatched rows, an equal
+    share to every device (itself included), into the layer's receive buffer: ``devices``
+    slots of :func:`exchange_capacity` rows (zeros past what arrives)."""
+    n, capacity = layer.devices, exchange_capacity(layer)
+
+    def ragged(rows):
+        share = rows.shape[0] // n
+        offsets = jnp.arange(n, dtype=jnp.int32) * share
+        sizes = jnp.full((n,), share, jnp.int32)
+        landing = jnp.full((n,), jax.lax.axis_index(EXPERT_AXIS) * capacity, jnp.int32)  # this device's slot
+        # As the layer's: zeros that vary over the axis like the rows sent into them.
+        buffer = jax.lax.pcast(jnp.zeros((n * capacity, rows.shape[1]), rows.dtype), (EXPERT_AXIS,), to="varying")
+        return jax.lax.ragged_all_to_all(rows, buffer, offsets, sizes, landing, sizes, axis_name=EXPERT_AXIS)
+
+    def slotted(rows):
+        shares = rows.reshape(n, -1, rows.shape[1])
+        slots = jnp.pad(shares, ((0, 0), (0, capacity - shares.shape[1]), (0, 0)))
+        return jax.lax.all_to_all(slots, EXPERT_AXIS, 0, 0).reshape(n * capacity, rows.shape[1])
+
+    local = slotted if exchange_op(mesh) == "all_to_all" else ragged
+    return jax.shard_map(local, mesh=mesh, in_specs=P(EXPERT_AXIS), out_specs=P(EXPERT_AXIS))
+
+
+# -- inputs -------------------------------------------------------------------------
+
+class Placement:
+    """Where a case's arrays live: the default device, or split over an expert-parallel mesh
+    (tokens and experts on their first dimension, the gate and the expert bias replicated)."""
+
+    def __init__(self, mesh: Mesh | None):
+        self.mesh = mesh
+
+    def split(self, seed: tuple, local_shape, dtype, scale: float = 1.0) -> jax.Array:
+        """Standard normal values times ``scale``; with a mesh ``[devices * local_shape[0], ...]``,
+        each device's block drawn on that device (nothing whole ever exists on one device)."""
+        if self.mesh is None:
+            return timing.RandomArrays(*seed).normal(local_shape, dtype, scale)
+        blocks = []
+        for i, device in enumerate(self.mesh.devices.flat):
+            with jax.default_device(device):
+                blocks.append(timing.RandomArrays(*seed, i).normal(local_shape, dtype, scale))
+        shape = (len(blocks) * local_shape[0], *local_shape[1:])
+        return jax.make_array_from_single_device_arrays(shape, NamedSharding(self.mesh, P(EXPERT_AXIS)), blocks)
+
+    def replicated(self, seed: tuple, shape, dtype, scale: float = 1.0) -> jax.Array:
+        x = timing.RandomArrays(*seed).normal(shape, dtype, scale)
+        return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, P()))
+
+
+def draw_params(layer: Layer, place: Placement, seed: tuple) -> moe.MoEParams:
+    """Weights that keep the activations near unit scale: logits, u and y about N(0, 1)."""
+    h, f, e, c = layer.hidden, layer.ffn, layer.local_experts, layer.config
+    bias = place.replicated((*seed, 3), (c.num_experts,), F32, 0.1) if c.use_expert_bias else None
+    return moe.MoEParams(gate=place.replicated((*seed, 0), (h, c.num_experts), DTYPE, h ** -0.5),
+                         up=place.split((*seed, 1), (e, h, layer.up_width), DTYPE, h ** -0.5),
+                         down=place.split((*seed, 2), (e, f, h), DTYPE, f ** -0.5),
+                         expert_bias=bias)
+
+
+def draw_tokens(layer: Layer, place: Placement, seed: tuple, tokens: int) -> tuple[jax.Array, jax.Array]:
+    """``(x, w)``: ``tokens`` per device, and the weights of the loss ``sum(y * w)``."""
+    return (place.split((*seed, 4), (tokens, layer.hidden), DTYPE),
+            place.split((*seed, 5), (tokens, layer.hidden), DTYPE))
+
+
+# -- the check ----------------------------------------------------------------------
+
+def _scalar_rel_err(actual, expected):
+    return jnp.abs(actual - expected) / jnp.maximum(jnp.abs(expected), 1e-30)
+
+
+@jax.jit
+def compare(ox, plain) -> dict:
+    """The errors of oxmoe's :func:`step` outputs against plain JAX's (limits: :func:`limits_of`)."""
+    (_, (ox_y, ox_aux)), (ox_dx, ox_dp) = ox
+    (_, (y, aux)), (dx, dp) = plain
+    errors = dict(load_balancing_loss_rel_err=_scalar_rel_err(ox_aux.load_balancing_loss, aux.load_balancing_loss),
+                  z_loss_rel_err=_scalar_rel_err(ox_aux.z_loss, aux.z_loss),
+                  routing_mismatch=(jnp.abs(ox_aux.tokens_per_expert - aux.tokens_per_expert).sum()
+                                    / jnp.maximum(2 * aux.tokens_per_expert.sum(), 1)).astype(F32),
+                  y_rel_err=rel_err(ox_y, y), dx_rel_err=rel_err(ox_dx, dx),
+                  dgate_rel_err=rel_err(ox_dp.gate, dp.gate), dup_rel_err=rel_err(ox_dp.up, dp.up),
+                  ddown_rel_err=rel_err(ox_dp.down, dp.down))
+    if dp.expert_bias is not None:
+        errors["dexpert_bias_max_abs"] = jnp.max(jnp.abs(ox_dp.expert_bias.astype(F32)))
+    return errors
+
+
+def worst_errors(layer: Layer, pairs) -> dict[str, float]:
+    """The worst value of each error of :func:`compare` over ``(oxmoe, plain JAX)`` output
+    pairs; raises :class:`CheckFailed` if one is past :func:`limits_of`."""
+    worst: dict[str, float] = {}
+    for ox, plain in pairs:
+        for name, value in compare(ox, plain).items():
+            value = float(value)
+            if name not in worst or math.isnan(value) or value > worst[name]:  # NaN is the worst
+                worst[name] = value
+    limits = limits_of(layer)
+    bad = [f"{name} = {value:.3g} (limit {limits[name]:.3g})" for name, value in worst.items()
+           if not value <= limits[name]]
+    if bad:
+        raise CheckFailed(f"oxmoe and plain JAX disagree ({layer.name}): " + "; ".join(bad))
+    return worst
+
+
+def sample_tokens(layer: Layer) -> int:
+    """A device's tokens in the check's sample (see :data:`CHECK_EXPANSION_BYTES`)."""
+    c = layer.config
+    expansion = c.num_experts * c.topk * max(layer.hidden, layer.up_width) * DTYPE.itemsize  # per token
+    return max(1, min(CHECK_TOKENS, CHECK_EXPANSION_BYTES // expansion, layer.tokens * layer.devices)
+               // layer.devices)
+
+
+def check_at_sample(ox_layer: Callable, layer: Layer, place: Placement, params: moe.MoEParams, seed: tuple):
+    """oxmoe's step against :func:`plain_moe`'s on one device, at a sample of fresh tokens
+    (:func:`sample_tokens` per device) with ``params``: ``(sample tokens, errors)``."""
+    tokens = sample_tokens(layer)
+    x, w = draw_tokens(layer, place, (*seed, CHECK_SET), tokens)
+    ox = jax.jit(step(ox_layer))(x, params, w)
+    if place.mesh is None:
+        plain = jax.jit(step(plain_layer(layer.config)))(x, params, w)
+    else:  # every expert on the first device, then each result where oxmoe's is
+        whole = jax.device_put((x, params, w), place.mesh.devices.flat[0])
+        del x, w
+        plain = jax.jit(step(plain_layer(layer.config)))(*whole)
+        del whole
+        plain = jax.device_put(plain, jax.tree.map(lambda a: a.sharding, ox))
+    return tokens * layer.devices, worst_errors(layer, [(ox, plain)])
+
+
+def limits_of(layer: Layer) -> dict[str, float]:
+    """The largest acceptable value of each error of :func:`compare`."""
+    limits = dict(load_balancing_loss_rel_err=MAX_AUX_LOSS_REL_ERR, z_loss_rel_err=MAX_AUX_LOSS_REL_ERR,
+                  routing_mismatch=MAX_ROUTING_MISMATCH)
+    limits.update({f"{name}_rel_err": MAX_REL_ERR for name in ("y", "dx", "dgate", "dup", "ddown")})
+    if layer.config.use_expert_bias:
+        limits["dexpert_bias_max_abs"] = 0.0
+    return limits
+
+
+def _count_primitives(label: str, run, arg_sets, wanted: tuple[str, ...], unwanted: tuple[str, ...]) -> dict:
+    """Checks a timed jit's jaxpr: each of ``wanted`` at least once per input set, nothing of
+    ``unwanted`` (a prefix); returns the counts of ``wanted`` per input set."""
+    counts = timing.primitive_counts(run, arg_sets)
+    missing = [p for p in wanted if counts[p] < len(arg_sets)]
+    if missing:
+        raise CheckFailed(f"the timed {label} step calls {', '.join(missing)} fewer than once per input set")
+    found = sorted(p for p in counts if any(p.startswith(u) for u in unwanted))
+    if found:
+        raise CheckFailed(f"the timed {label} step contains {', '.join(found)}")
+    return {p: counts[p] / len(arg_sets) for p in wanted}
+
+
+# -- running a case -----------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class LayerCase:
+    """One layer's training step."""
+
+    layer: Layer
+
+    @property
+    def name(self) -> str:
+        return f"{self.layer.name} fwd+bwd"
+
+    @property
+    def flops(self) -> int:
+        return self.layer.flops
+
+    @property
+    def limits(self) -> dict[str, float]:
+        return limits_of(self.layer)
+
+    def info(self) -> dict:
+        return self.layer.info()
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One row of the EP case's breakdown: a timed piece and how often a step has it."""
+
+    name: str
+    timing: timing.Timing
+    per_step: int | None
+    """None: not a piece of the EP step (the one-device layer)."""
+
+
+@dataclasses.dataclass
+class LayerResult:
+    case: LayerCase
+    oxmoe: timing.Timing | None = None
+    plain: timing.Timing | str | None = None
+    """The plain-JAX layer's timing, ``"OOM"``, or None (not run: EP, or an error: :attr:`plain_error`)."""
+    plain_error: str | None = None
+    dense: dict[str, grouped_gemm.Dense] = dataclasses.field(default_factory=dict)
+    """The dense GEMMs of the ceiling, by ``"<up|down> <product>"``."""
+    check_tokens: int | None = None
+    errors: dict[str, float] = dataclasses.field(default_factory=dict)
+    primitives: dict[str, float] = dataclasses.field(default_factory=dict)
+    """oxmoe's grouped GEMM primitives per step in the timed jaxpr."""
+    set_bytes: int | None = None
+    breakdown: list[Part] = dataclasses.field(default_factory=list)
+    skipped: str | None = None
+    failure: str | None = None
+
+    @property
+    def dense_s(self) -> float | None:
+        return sum(d.timing.median_s for d in self.dense.values()) if self.dense else None
+
+
+def _num_sets(settings: timing.Settings, layer: Layer) -> tuple[int, int]:
+    """``(R, device bytes of one input set)``: its x, w and parameters, and twice a step's
+    outputs (the check holds oxmoe's and plain JAX's of every set at once)."""
+    tokens = layer.tokens * layer.hidden * DTYPE.itemsize
+    inputs = 2 * tokens + layer.param_bytes()
+    outputs = 2 * tokens + layer.param_bytes()  # y, d x, d params
+    set_bytes = inputs + 2 * outputs
+    return min(settings.num_sets(inputs + outputs), max(1, settings.memory_bytes // set_bytes)), set_bytes
+
+
+def _draw_sets(layer: Layer, place: Placement, seed: tuple, num_sets: int) -> list[tuple]:
+    """``num_sets`` input sets ``(x, params, w)``, each drawn from its own stream."""
+    sets = []
+    for n in range(num_sets):
+        x, w = draw_tokens(layer, place, (*seed, n), layer.tokens)
+        sets.append((x, draw_params(layer, place, (*seed, n)), w))
+    return sets
+
+
+def _dense(result: LayerResult, layer: Layer, settings: timing.Settings, dense: DenseTimes, seed: int) -> None:
+    for shape in layer.gemms():
+        for product in ("fwd", "dlhs", "drhs"):
+            result.dense[f"{shape.name.split()[-1]} {product}"] = dense.get(shape, product, settings, seed)
+
+
+def _time_plain(run, arg_sets, settings: timing.Settings) -> tuple[timing.Timing | str | None, str | None]:
+    """The plain-JAX layer's timing within :data:`PLAIN_BUDGET_S`, or ``OOM`` / None and its error."""
+    try:
+        return grouped_gemm.measure_within(run, arg_sets, settings, PLAIN_BUDGET_S), None
+    except Exception as e:  # noqa: BLE001 - the baseline's failure is a result, not the case's
+        return grouped_gemm.baseline_failure(e)
+
+
+def run_one_device(case: LayerCase, settings: timing.Settings, dense: DenseTimes, seed: int = 0) -> LayerResult:
+    """Checks oxmoe's step against plain JAX's on every input set (at a sample of fresh tokens
+    if plain JAX fails at full size), then times both and the dense GEMMs. A failure is
+    returned in the result, not raised."""
+    result = LayerResult(case)
+    layer, place = case.layer, Placement(None)
+    base = (seed, zlib.crc32(case.name.encode()))
+    try:
+        num_sets, result.set_bytes = _num_sets(settings, layer)
+        arg_sets = _draw_sets(layer, place, base, num_sets)
+        ox_run = timing.rotated(step(oxmoe_layer(layer.config)))
+        plain_run = timing.rotated(step(plain_layer(layer.config)))
+        result.primitives = _count_primitives("oxmoe", ox_run, arg_sets, OXMOE_PRIMITIVES, (JAX_PRIMITIVE,))
+        _count_primitives("plain JAX", plain_run, arg_sets, (JAX_PRIMITIVE,), ("oxmoe_",))
+
+        try:
+            plain_outs = jax.block_until_ready(plain_run(arg_sets))
+        except Exception as e:  # noqa: BLE001 - see grouped_gemm.baseline_failure
+            result.plain, result.plain_error = grouped_gemm.baseline_failure(e)
+            plain_outs = None
+        ox_outs = ox_run(arg_sets)
+        if plain_outs is None:
+            del ox_outs
+            result.check_tokens, result.errors = check_at_sample(
+                oxmoe_layer(layer.config), layer, place, arg_sets[0][1], base)
+        else:
+            result.check_tokens, result.errors = layer.tokens, worst_errors(layer, zip(ox_outs, plain_outs))
+            del ox_outs, plain_outs
+
+        result.oxmoe = timing.measure(ox_run, arg_sets, settings)
+        if result.plain_error is None:
+            result.plain, result.plain_error = _time_plain(plain_run, arg_sets, settings)
+        del arg_sets
+        _dense(result, layer, settings, dense, seed)
+    except CheckFailed as e:
+        result.failure = f"check failed: {e}"
+    except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
+        result.failure = grouped_gemm._error_text(e)
+    return result
+
+
+def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: DenseTimes,
+                        seed: int = 0) -> LayerResult:
+    """The EP case, skipped without enough devices: checked at a sample against plain JAX on one
+    device with every expert, then its step timed with the breakdown. The pieces are timed one
+    after another, each with only its own arrays alive."""
+    result = LayerResult(case)
+    layer = case.layer
+    devices = jax.devices()
+    if len(devices) < layer.devices:
+        result.skipped = f"needs {layer.devices} devices, JAX has {len(devices)}"
+        return result
+    mesh = Mesh(np.array(devices[:layer.devices]), (EXPERT_AXIS,))
+    place = Placement(mesh)
+    base = (seed, zlib.crc32(case.name.encode()))
+    ep = oxmoe_ep_layer(layer.config, mesh)
+    try:
+        num_sets, result.set_bytes = _num_sets(settings, layer)
+        arg_sets = _draw_sets(layer, place, base, num_sets)
+        result.check_tokens, result.errors = check_at_sample(ep, layer, place, arg_sets[0][1], base)
+        step_run = timing.rotated(step(ep))
+        result.primitives = _count_primitives("oxmoe", step_run, arg_sets, OXMOE_PRIMITIVES, (JAX_PRIMITIVE,))
+        result.oxmoe = timing.measure(step_run, arg_sets, settings)
+        parts = [Part("step (fwd+bwd)", result.oxmoe, 1),
+                 Part("forward", timing.measure(timing.rotated(forward(ep)), arg_sets, settings), 1),
+                 Part("routing forward (gate GEMM, oxmoe.router.topk)",
+                      timing.measure(timing.rotated(ep_routing(layer.config, mesh)), arg_sets, settings), 1)]
+        del arg_sets
+
+        rows = [(place.split((*base, n, 6), (layer.rows, layer.hidden), DTYPE),) for n in range(num_sets)]
+        parts.append(Part(exchange_name(layer, mesh), timing.measure(timing.rotated(ep_exchange(layer, mesh)),
+                                                                     rows, settings), EXCHANGES_PER_STEP))
+        del rows
+
+        # Its semantics are the EP layer's (checked above) on fewer experts: not checked again.
+        single = layer.one_device()
+        arg_sets = _draw_sets(single, Placement(None), (seed, zlib.crc32(single.name.encode())),
+                              _num_sets(settings, single)[0])
+        ox = oxmoe_layer(single.config)
+        e = single.config.num_experts
+        parts += [Part(f"1 device, E={e}: step (fwd+bwd)", timing.measure(timing.rotated(step(ox)), arg_sets, settings),
+                       None),
+                  Part(f"1 device, E={e}: forward", timing.measure(timing.rotated(forward(ox)), arg_sets, settings),
+                       None)]
+        del arg_sets
+        result.breakdown = parts
+        _dense(result, layer, settings, dense, seed)
+    except CheckFailed as e:
+        result.failure = f"check failed: {e}"
+    except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
+        result.failure = grouped_gemm._error_text(e)
+    return result
+
+
+def run_case(case: LayerCase, settings: timing.Settings, dense: DenseTimes, seed: int = 0) -> LayerResult:
+    run = run_expert_parallel if case.layer.devices > 1 else run_one_device
+    return run(case, settings, dense, seed)
+
+
+# -- the report ---------------------------------------------------------------------
+
+_us, _tflops = grouped_gemm._us, grouped_gemm._tflops
+
+
+class Summary:
+    """The derived numbers of one case: TFLOP/s, the ratios, the goal."""
+
+    def __init__(self, result: LayerResult):
+        self.result = result
+        case, ox, plain = result.case, result.oxmoe, result.plain
+        timed = result.failure is None and ox is not None and result.dense_s is not None
+        self.tflops = case.flops / ox.median_s / 1e12 if timed else None
+        self.dense_tflops = case.flops / result.dense_s / 1e12 if timed else None
+        self.ratio = self.tflops / self.dense_tflops if timed else None
+        one_device = case.layer.devices == 1
+        self.goal_met = self.ratio >= MIN_FRACTION_OF_DENSE if timed and one_device else None
+        plain_timed = timed and isinstance(plain, timing.Timing)
+        self.plain_tflops = case.flops / plain.median_s / 1e12 if plain_timed else None
+        self.speedup = plain.median_s / ox.median_s if plain_timed else None
+        self.max_rel_err = max((v for k, v in result.errors.items() if k.startswith("d") and k.endswith("rel_err")
+                                or k == "y_rel_err"), default=None)
+
+    def plain_cell(self) -> str:
+        plain = self.result.plain
+        if isinstance(plain, timing.Timing):
+            return _us(plain.median_s)
+        return plain or ("-" if self.result.case.layer.devices > 1 else "error")
+
+    def row(self) -> list[str]:
+        r = self.result
+        if r.skipped:
+            return [r.case.name, "skipped"] + [""] * 7
+        if r.failure:
+            return [r.case.name, "FAILED"] + [""] * 7
+        return [r.case.name, _us(r.oxmoe.median_s), _tflops(r.case.flops, r.oxmoe.median_s),
+                _tflops(r.case.flops, r.dense_s), f"{100 * self.ratio:.0f}%",
+                "-" if self.goal_met is None else "ok" if self.goal_met else "MISS", self.plain_cell(),
+                f"{self.speedup:.1f}x" if self.speedup is not None else "-", f"{self.max_rel_err:.1e}"]
+
+    def breakdown_table(self) -> str:
+        """The EP case's parts, per device, against its step."""
+        r = self.result
+        step_s = r.oxmoe.median_s
+        rows = [["part (per device)", "us", "x step", "% of step"]]
+        for part in r.breakdown:
+            t = part.timing.median_s
+            rows.append([part.name, _us(t), "-" if part.per_step is None else str(part.per_step),
+                         f"{100 * t * (part.per_step or 1) / step_s:.0f}%"])
+        return text_table(rows)
+
+    def log_line(self) -> str:
+        r = self.result
+        if r.skipped:
+            return f"    skipped: {r.skipped}"
+        plain = r.plain
+        if isinstance(plain, timing.Timing):
+            plain_text = (f"plain JAX {_us(plain.median_s)} us ({_tflops(r.case.flops, plain.median_s)} TFLOP/s, "
+                          f"{len(plain.samples_s)} samples), ")
+        elif r.plain_error:
+            plain_text = f"plain JAX {self.plain_cell()}: {r.plain_error[:300]}, "
+        else:
+            plain_text = ""
+        return (f"    oxmoe {_us(r.oxmoe.median_s)} us ({_tflops(r.case.flops, r.oxmoe.median_s)} TFLOP/s, "
+                f"{100 * self.ratio:.0f}% of dense {_tflops(r.case.flops, r.dense_s)}), {plain_text}"
+                f"check at {r.check_tokens} tokens: max rel err {self.max_rel_err:.1e}, "
+                f"R={r.oxmoe.num_sets}, {r.oxmoe.calls_per_sample} call(s) x {len(r.oxmoe.samples_s)} samples, "
+                f"{r.set_bytes / 1e6:.1f} MB per set")
+
+    def to_json(self) -> dict:
+        r, case = self.result, self.result.case
+        plain_json = r.plain.to_json() if isinstance(r.plain, timing.Timing) else r.plain
+        return dict(
+            name=case.name, family=FAMILY_NAME, **case.info(), flops=case.flops,
+            oxmoe=r.oxmoe.to_json() if r.oxmoe else None, tflops=self.tflops,
+            dense=dict(median_us=r.dense_s * 1e6,
+                       products={name: dict(**d.timing.to_json(), kernel=d.kernel) for name, d in r.dense.items()})
+            if r.dense else None,
+            dense_tflops=self.dense_tflops, ratio_to_dense=self.ratio, goals=dict(dense=self.goal_met),
+            plain_jax=plain_json, plain_jax_tflops=self.plain_tflops, plain_jax_error=r.plain_error,
+            speedup=self.speedup,
+            check=dict(passed=r.failure is None and r.skipped is None, tokens=r.check_tokens, errors=r.errors,
+                       limits=case.limits, primitives_per_step=r.primitives),
+            breakdown=[dict(part=p.name, per_step=p.per_step, **p.timing.to_json()) for p in r.breakdown],
+            device_bytes_per_set=r.set_bytes, skipped=r.skipped, failure=r.failure)
+
+
+_HEADER = ["case", "oxmoe us", "TFLOP/s", "dense TFLOP/s", "% dense", f">={100 * MIN_FRACTION_OF_DENSE:g}% dense",
+           "plain JAX us", "x plain JAX", "max rel err"]
+
+
+class Report:
+    """The family's runner and results: one :class:`Summary` per case, its goals line and
+    tables (what :mod:`oxmoe.bench.__main__` prints and writes)."""
+
+    def __init__(self, family: Family, smoke: bool):
+        self.family, self.smoke = family, smoke
+        self.summaries: list[Summary] = []
+        self._dense = DenseTimes()
+
+    def run(self, case: LayerCase, settings: timing.Settings, log: Callable[[str], None]) -> None:
+        result = run_case(case, settings, self._dense)
+        summary = Summary(result)
+        self.summaries.append(summary)
+        log(f"    FAILED: {result.failure}" if result.failure else summary.log_line())
+
+    @property
+    def failed(self) -> list[LayerResult]:
+        return [s.result for s in self.summaries if s.result.failure]
+
+    def _count(self, keep) -> list[Summary]:
+        return [s for s in self.summaries if not s.result.failure and not s.result.skipped and keep(s)]
+
+    def heading(self) -> str:
+        return f"{self.family.name}: {self.family.sizes(self.smoke)}{' (smoke)' if self.smoke else ''}"
+
+    def goals_line(self) -> str:
+        goals = [s.goal_met for s in self._count(lambda s: s.goal_met is not None)]
+        timed = self._count(lambda s: s.speedup is not None)
+        oom = self._count(lambda s: s.result.plain == OOM)
+        errors = self._count(lambda s: s.result.plain is None and s.result.plain_error is not None)
+        skipped = [s.result.case.name for s in self.summaries if s.result.skipped]
+        return (f"{self.family.name} goals met: >= {100 * MIN_FRACTION_OF_DENSE:g}% of the dense bf16 GEMMs' "
+                f"TFLOP/s {sum(goals)}/{len(goals)}; >= {MIN_SPEEDUP:g}x the plain-JAX layer "
+                f"{sum(s.speedup >= MIN_SPEEDUP for s in timed)}/{len(timed)} (OOM {len(oom)}, error {len(errors)}); "
+                f"skipped {len(skipped)}{' (' + ', '.join(skipped) + ')' if skipped else ''}; "
+                f"failed cases {len(self.failed)}")
+
+    def table(self) -> str:
+        """The cases' table, then each EP case's breakdown (no blank line: one block per family)."""
+        lines = [text_table([_HEADER] + [s.row() for s in self.summaries])]
+        for s in self.summaries:
+            if s.result.breakdown:
+                lines += [f"{s.result.case.name}: where a step's time goes", s.breakdown_table()]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict:
+        goals = [s.goal_met for s in self._count(lambda s: s.goal_met is not None)]
+        return dict(sizes=self.family.sizes(self.smoke),
+                    goals=dict(min_fraction_of_dense=MIN_FRACTION_OF_DENSE, min_speedup=MIN_SPEEDUP),
+                    goals_met=dict(dense=[sum(goals), len(goals)]),
+                    plain_jax_oom=[s.result.case.name for s in self._count(lambda s: s.result.plain == OOM)],
+                    skipped=[s.result.case.name for s in self.summaries if s.result.skipped],
+                    failed=[r.case.name for r in self.failed],
+                    cases=[s.result.case.name for s in self.summaries])
+
+
+def _sizes(smoke: bool) -> str:
+    layers = SMOKE_LAYERS if smoke else LAYERS
+    return ("; ".join(f"{layer.name} {layer.describe()}" for layer in layers)
+            + f"; bf16, SwiGLU, a step = value_and_grad of sum(y * w) + losses")
+
+
+FAMILY_NAME = "moe_layer"
+FAMILY = Family(name=FAMILY_NAME, goals=None,
+                cases=lambda smoke: [LayerCase(layer) for layer in (SMOKE_LAYERS if smoke else LAYERS)],
+                sizes=_sizes, report=lambda smoke: Report(FAMILY, smoke))
