@@ -198,12 +198,13 @@ def init_params(key, config: MoEConfig, hidden: int, ffn: int, dtype=jnp.float32
         expert_bias=jnp.zeros((e,), _F32) if config.use_expert_bias else None)
 
 
-def update_expert_bias(expert_bias, tokens_per_expert, rate: float):
+def update_expert_bias(expert_bias, tokens_per_expert, rate):
     """Auxiliary-loss-free balancing (DeepSeek-V3): raises the bias of the
     experts that got fewer tokens than the mean and lowers the others'.
 
     Returns ``expert_bias + rate * sign(mean(tokens_per_expert) - tokens_per_expert)``
-    as float32. Call it between steps with :attr:`MoEAux.tokens_per_expert`.
+    as float32. Call it between steps with :attr:`MoEAux.tokens_per_expert`;
+    ``rate`` may be a traced scalar (a schedule).
     """
     check_array("expert_bias", expert_bias)
     check_array("tokens_per_expert", tokens_per_expert)
@@ -211,7 +212,7 @@ def update_expert_bias(expert_bias, tokens_per_expert, rate: float):
         raise ValueError(f"expert_bias and tokens_per_expert must both have shape [num_experts], got "
                          f"{tuple(expert_bias.shape)} and {tuple(tokens_per_expert.shape)}")
     counts = tokens_per_expert.astype(_F32)
-    return expert_bias.astype(_F32) + check_real("rate", rate) * jnp.sign(counts.mean() - counts)
+    return expert_bias.astype(_F32) + jnp.asarray(rate, _F32) * jnp.sign(counts.mean() - counts)
 
 
 # -- the mesh as the layer sees it -------------------------------------------------
@@ -280,6 +281,12 @@ class Routing:
     """float32 scalar, times ``z_loss_coeff``."""
 
 
+def _router_dot(a, b):
+    """The router's products in float32, at full precision on every backend
+    (XLA's default on a GPU would round float32 operands to TF32)."""
+    return jnp.dot(a, b, preferred_element_type=_F32, precision=jax.lax.Precision.HIGHEST)
+
+
 def _aux_loss_config(config: MoEConfig, axes: _Axes, tokens: int) -> router.AuxLossConfig:
     return router.AuxLossConfig(total_num_tokens=tokens * axes.token_shards, topk=config.topk,
                                 coeff=config.aux_loss_coeff)
@@ -300,7 +307,7 @@ def route(tokens, params: MoEParams, config: MoEConfig, *, expert_axis=None, dat
 
 
 def _route(tokens, params: MoEParams, config: MoEConfig, axes: _Axes) -> Routing:
-    logits = jnp.dot(tokens, params.gate.astype(config.dtype), preferred_element_type=_F32)
+    logits = _router_dot(tokens, params.gate.astype(config.dtype))
     bias = (params.expert_bias,) if config.use_expert_bias else ()
     probs, routing_map = router._topk_fwd(logits, *bias, **config.topk_config.fwd_attrs())
     counts = routing_map.sum(0, dtype=jnp.int32)
@@ -731,8 +738,8 @@ def _layer_bwd(config: MoEConfig, axes: _Axes, res: Residuals, cotangents):
         grad_probs = _scatter_expert_columns(grad_probs, config, axes)
     grad_logits = _route_bwd(res.routing, grad_probs, grad_aux, config, axes)
     gate = params.gate.astype(config.dtype)
-    grad_x = grad_tokens.astype(_F32) + jnp.dot(grad_logits, gate.T, preferred_element_type=_F32)
-    grad_gate = _sum_over(jnp.dot(res.tokens.T, grad_logits, preferred_element_type=_F32), axes.token_axes)
+    grad_x = grad_tokens.astype(_F32) + _router_dot(grad_logits, gate.T)
+    grad_gate = _sum_over(_router_dot(res.tokens.T, grad_logits), axes.token_axes)
     grad_up, grad_down = _sum_over((grad_up, grad_down), axes.data_axes)
     bias = None if params.expert_bias is None else jnp.zeros_like(params.expert_bias)
     grads = MoEParams(grad_gate.astype(params.gate.dtype), grad_up.astype(params.up.dtype),
