@@ -1,0 +1,165 @@
+"""Bad configurations of the MoE layer fail early with a message that names the offending value:
+MoEConfig on construction, moe and shard_map_moe while tracing (jax.eval_shape on abstract
+arrays: nothing runs), inside and outside shard_map."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import devices
+from oxmoe import moe as moe_lib
+from oxmoe.moe import MoEConfig, MoEParams
+
+T, H, F, E = 16, 32, 8, 8
+
+
+def spec(shape, dtype=jnp.float32, sharding=None):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def params_spec(*, experts=E, hidden=H, up_width=2 * F, ffn=F, gate=None, bias=None):
+    return MoEParams(gate=spec(gate or (hidden, E)), up=spec((experts, hidden, up_width)),
+                     down=spec((experts, ffn, hidden)), expert_bias=bias)
+
+
+def trace(x, params, config, **kwargs):
+    """Traces moe on abstract arrays (shapes and dtypes only)."""
+    return jax.eval_shape(functools.partial(moe_lib.moe, config=config, **kwargs), x, params)
+
+
+# ------------------------------------------------------------------------ MoEConfig
+
+# name: (MoEConfig fields, pattern the ValueError's message must match)
+CONFIG_CASES = {
+    "topk_above_num_experts": (dict(num_experts=8, topk=9), r"topk.*8.*9"),
+    "topk_zero": (dict(num_experts=8, topk=0), r"topk.*0"),
+    "unknown_activation": (dict(num_experts=8, topk=2, activation="relu2"), r"activation.*'relu2'"),
+    "unknown_exchange": (dict(num_experts=8, topk=2, exchange="all_gather"), r"exchange.*'all_gather'"),
+    "unknown_score_function": (dict(num_experts=8, topk=2, score_function="tanh"), r"score_function.*'tanh'"),
+    "expert_bias_with_softmax": (dict(num_experts=8, topk=2, use_expert_bias=True), r"expert_bias.*softmax"),
+    "groups_not_dividing_experts": (dict(num_experts=8, topk=2, num_groups=3, group_topk=1), r"num_groups.*3"),
+    "num_groups_without_group_topk": (dict(num_experts=8, topk=2, num_groups=4), r"group_topk"),
+    "align_size_zero": (dict(num_experts=8, topk=2, align_size=0), r"align_size.*0"),
+    "negative_aux_loss_coeff": (dict(num_experts=8, topk=2, aux_loss_coeff=-0.1), r"aux_loss_coeff.*-0\.1"),
+}
+
+
+@pytest.mark.parametrize("case", CONFIG_CASES)
+def test_bad_config_raises_on_construction(case):
+    fields, pattern = CONFIG_CASES[case]
+    with pytest.raises(ValueError, match=pattern):
+        MoEConfig(**fields)
+
+
+# ------------------------------------------------------------- moe without shard_map
+
+CONFIG = MoEConfig(num_experts=E, topk=2, dtype=jnp.float32)
+SIGMOID_BIAS = MoEConfig(num_experts=E, topk=2, score_function="sigmoid", use_expert_bias=True, dtype=jnp.float32)
+X = spec((T, H))
+
+# name: (x, params, config, pattern)
+LAYER_CASES = {
+    "gate_wrong_hidden": (X, params_spec(gate=(H + 1, E)), CONFIG, rf"params\.gate.*{H + 1}, {E}"),
+    "gate_wrong_experts": (X, params_spec(gate=(H, E - 1)), CONFIG, rf"params\.gate.*{H}, {E - 1}"),
+    "up_not_fused_for_swiglu": (X, params_spec(up_width=F), CONFIG, rf"params\.up.*{E}, {H}, {F}\]"),
+    "up_wrong_hidden": (X, MoEParams(spec((H, E)), spec((E, H - 1, 2 * F)), spec((E, F, H))), CONFIG,
+                        rf"params\.up.*{E}, {H - 1}, {2 * F}"),
+    "up_wrong_experts": (X, MoEParams(spec((H, E)), spec((E - 2, H, 2 * F)), spec((E, F, H))), CONFIG,
+                         rf"params\.up.*{E - 2}, {H}, {2 * F}"),
+    "down_wrong_hidden": (X, MoEParams(spec((H, E)), spec((E, H, 2 * F)), spec((E, F, H + 3))), CONFIG,
+                          rf"params\.down.*{E}, {F}, {H + 3}"),
+    "down_wrong_experts": (X, MoEParams(spec((H, E)), spec((E, H, 2 * F)), spec((E + 1, F, H))), CONFIG,
+                           rf"params\.down.*{E + 1}, {F}, {H}"),
+    "up_and_down_disagree_on_ffn": (X, MoEParams(spec((H, E)), spec((E, H, 2 * F)), spec((E, F + 1, H))), CONFIG,
+                                    rf"params\.up.*{2 * F}"),
+    "expert_bias_missing": (X, params_spec(), SIGMOID_BIAS, r"use_expert_bias.*expert_bias.*None"),
+    "expert_bias_without_use_expert_bias": (X, params_spec(bias=spec((E,))), CONFIG,
+                                            r"expert_bias.*use_expert_bias.*False"),
+    "expert_bias_wrong_shape": (X, params_spec(bias=spec((E + 1,))), SIGMOID_BIAS, rf"expert_bias.*{E + 1}"),
+    "expert_bias_not_float32": (X, params_spec(bias=spec((E,), jnp.bfloat16)), SIGMOID_BIAS,
+                                r"expert_bias.*bfloat16"),
+    "x_rank_1": (spec((H,)), params_spec(), CONFIG, rf"x.*\({H},\)"),
+    "x_rank_4": (spec((2, 2, 4, H)), params_spec(), CONFIG, rf"x.*\(2, 2, 4, {H}\)"),
+    "x_hidden_differs_from_gate": (spec((T, H + 2)), params_spec(), CONFIG, rf"params\.gate.*{H + 2}"),
+}
+
+
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_bad_arguments_raise_while_tracing(case):
+    x, params, config, pattern = LAYER_CASES[case]
+    with pytest.raises(ValueError, match=pattern):
+        trace(x, params, config)
+
+
+def test_integer_tokens_raise_a_type_error():
+    with pytest.raises(TypeError, match=r"x.*int32"):
+        trace(spec((T, H), jnp.int32), params_spec(), CONFIG)
+
+
+def test_an_expert_axis_outside_shard_map_is_named():
+    with pytest.raises(ValueError, match=r"'expert'.*shard_map"):
+        trace(X, params_spec(), CONFIG, expert_axis="expert")
+
+
+# ---------------------------------------------------------------- inside shard_map
+
+
+def mesh_of(shape, names):
+    count = 1
+    for s in shape:
+        count *= s
+    return jax.make_mesh(shape, names, devices=devices.mesh_devices(count))
+
+
+def expert_split_inputs(mesh, tokens, experts):
+    """Abstract x [tokens, H] and params with `experts` experts' weights, placed as the layer's
+    shard_map splits them."""
+    split, whole = NamedSharding(mesh, P("expert")), NamedSharding(mesh, P())
+    return spec((tokens, H), sharding=split), MoEParams(
+        spec((H, E), sharding=whole), spec((experts, H, 2 * F), sharding=split),
+        spec((experts, F, H), sharding=split))
+
+
+def expert_parallel(mesh):
+    return jax.shard_map(functools.partial(moe_lib.moe, config=CONFIG, expert_axis="expert"), mesh=mesh,
+                         in_specs=(P("expert"), MoEParams(P(), P("expert"), P("expert"), None)),
+                         out_specs=(P("expert"), P()))
+
+
+def test_num_experts_not_divisible_by_the_expert_axis_inside_shard_map():
+    # 9 experts' weights split over 3 shards (3 each), but the config has 8 experts.
+    mesh = mesh_of((3,), ("expert",))
+    with pytest.raises(ValueError, match=r"num_experts \(8\).*'expert'.*\(3\)"):
+        jax.eval_shape(expert_parallel(mesh), *expert_split_inputs(mesh, 3 * T, 9))
+
+
+def test_local_experts_that_do_not_match_the_expert_axis_inside_shard_map():
+    # 8 experts over 4 shards: 2 each, but the weights given hold 16 (4 per shard).
+    mesh = mesh_of((4,), ("expert",))
+    with pytest.raises(ValueError, match=r"params\.down.*2 \(num_experts 8 / expert_axis size 4\).*\[4, 8, 32\]"):
+        jax.eval_shape(expert_parallel(mesh), *expert_split_inputs(mesh, 4 * T, 16))
+
+
+def test_shard_map_moe_names_the_axes_when_the_batch_does_not_divide():
+    mesh = mesh_of((2, 4), ("data", "expert"))
+    with pytest.raises(ValueError, match=r"\(6\).*8 token shards.*data=2, expert=4"):
+        jax.eval_shape(functools.partial(moe_lib.shard_map_moe, config=CONFIG, mesh=mesh, expert_axis="expert",
+                                         data_axes=("data",)), spec((6, 4, H)), params_spec())
+
+
+def test_shard_map_moe_names_the_expert_axis_when_num_experts_does_not_divide():
+    mesh = mesh_of((3,), ("expert",))
+    with pytest.raises(ValueError, match=r"num_experts \(8\).*'expert'.*\(3\)"):
+        jax.eval_shape(functools.partial(moe_lib.shard_map_moe, config=CONFIG, mesh=mesh, expert_axis="expert"),
+                       spec((3 * T, H)), params_spec())
+
+
+def test_shard_map_moe_names_an_axis_the_mesh_lacks():
+    mesh = mesh_of((2, 4), ("data", "expert"))
+    with pytest.raises(ValueError, match=r"'model'.*\('data', 'expert'\)"):
+        jax.eval_shape(functools.partial(moe_lib.shard_map_moe, config=CONFIG, mesh=mesh, expert_axis="model"),
+                       spec((8, H)), params_spec())

@@ -1,0 +1,342 @@
+"""Values and gradients of the MoE layer oxmoe.moe.moe against the dense plain-JAX reference
+(moe_reference.py), on the host's eight CPU devices and fresh random data:
+
+- inside jax.shard_map with the experts split over 1, 2, 4 and 8 devices and the tokens over
+  those and 1 or 2 data shards, for each exchange the CPU runs ("all_to_all", "ring", "auto"),
+  both align sizes, softmax top-2 and DeepSeek-style sigmoid routing (groups, expert bias,
+  scaling), float32 and bfloat16;
+- without shard_map (every expert local), for every activation, pre-softmax routing, top-1,
+  tokens as [B, S, H] and [T, H], weights and tokens in float32 or bfloat16, zero loss
+  coefficients;
+- through shard_map_moe, whose gradients keep the params' sharding;
+- update_expert_bias against its NumPy formula, init_params' shapes;
+- the reference itself: its router and losses against the float64 router reference of the
+  router tests, its layer against a float64 loop over each token's chosen experts.
+
+Each case checks y, both losses, tokens_per_expert (exactly) and the gradients of the tokens
+and of gate, up and down for the loss sum(y * w) + losses (expert_bias's must be zero). The
+layer's result does not depend on the sharding, exchange or padding, so every case has the
+same reference; tokens whose routing is a near-tie are redrawn (moe_reference.draw_tokens).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import devices
+import moe_reference as ref
+import router_reference as router_ref
+from oxmoe import moe as moe_lib
+from oxmoe.moe import MoEConfig, MoEParams
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+
+
+def host_devices(count: int) -> list:
+    """The first `count` host CPU devices: this file checks the layer's semantics on the host
+    (on a GPU, XLA's default float32 matmul precision is TF32, which a float32 check at 1e-5
+    does not admit; test_moe_gpu.py checks the GPU)."""
+    return devices.choose_mesh_devices([], devices.cpu_devices(), count)
+
+
+# Routings of real models, with experts enough for eight expert shards: Mixtral's softmax
+# top-2, and DeepSeek-V3's sigmoid routing (4 of 32 experts, from the best 2 of 4 groups,
+# steered by the expert bias, weights scaled).
+ROUTINGS = {
+    "softmax_top2": dict(num_experts=16, topk=2),
+    "sigmoid_groups": dict(num_experts=32, topk=4, score_function="sigmoid", num_groups=4, group_topk=2,
+                           scaling_factor=2.5, use_expert_bias=True),
+}
+
+
+def make_config(routing: str, **kwargs) -> MoEConfig:
+    fields = dict(ROUTINGS[routing], aux_loss_coeff=ref.AUX_LOSS_COEFF, z_loss_coeff=ref.Z_LOSS_COEFF)
+    fields.update(kwargs)
+    return MoEConfig(**fields)
+
+
+def describe(config: MoEConfig) -> str:
+    defaults = MoEConfig(num_experts=config.num_experts, topk=config.topk)
+    changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+               if getattr(config, f.name) != getattr(defaults, f.name) or f.name in ("num_experts", "topk")}
+    changed["dtype"] = jnp.dtype(config.dtype).name
+    return ", ".join(f"{k}={v}" for k, v in changed.items())
+
+
+_reference = jax.jit(ref.value_and_grads, static_argnums=2)
+
+
+def reference(x, params, config, y_weight):
+    """((y, aux), (d x, d params)) of the reference, jitted. The tokens go in as [T, H] and the
+    config without the fields the reference ignores, so that the cases of one routing, dtype
+    and token count share one compilation."""
+    plain = dataclasses.replace(config, align_size=None, exchange="auto")
+    h = x.shape[-1]
+    (y, aux), (dx, dparams) = _reference(x.reshape(-1, h), params, plain, y_weight.reshape(-1, h))
+    return (y.reshape(x.shape), aux), (dx.reshape(x.shape), dparams)
+
+
+def value_and_grads(layer, x, params, y_weight):
+    """((y, aux), (d x, d params)) of `layer(x, params) -> (y, aux)` for the reference's loss."""
+
+    def loss(x, params):
+        y, aux = layer(x, params)
+        return ref.total_loss(y, aux, y_weight), (y, aux)
+
+    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
+    return out, grads
+
+
+# ------------------------------------------------------------------ the reference itself
+
+# (routing fields, with expert bias): the router of the reference against the float64 NumPy one
+# of the router tests (router_reference.py), which shares no code with it.
+REFERENCE_ROUTINGS = {
+    "softmax_top2": dict(num_experts=16, topk=2, scaling_factor=1.5),
+    "pre_softmax_top4": dict(num_experts=32, topk=4, use_pre_softmax=True),
+    "sigmoid_groups_bias": ROUTINGS["sigmoid_groups"],
+    "sigmoid_top1": dict(num_experts=16, topk=1, score_function="sigmoid"),
+}
+
+
+@pytest.mark.parametrize("routing", REFERENCE_ROUTINGS)
+def test_reference_router_and_loss_equal_the_float64_router_reference(routing, seed, rng):
+    config = MoEConfig(**REFERENCE_ROUTINGS[routing], aux_loss_coeff=0.3, z_loss_coeff=0.02, dtype=F32)
+    e, t = config.num_experts, 256
+    logits = (rng.standard_normal((t, e)) * 2).astype(np.float32)
+    bias = (rng.standard_normal(e) * 0.05).astype(np.float32) if config.use_expert_bias else None
+    keep = ref.selection_margin(logits, config, bias) > 1e-5  # float32 may order a near-tie either way
+    context = f"{routing}, {int((~keep).sum())} near-ties left out, seed={seed}"
+    probs, chosen = ref.route(jnp.asarray(logits), config, None if bias is None else jnp.asarray(bias))
+    expected = router_ref.topk(logits, config.topk, expert_bias=bias, score_function=config.score_function,
+                               use_pre_softmax=config.use_pre_softmax, num_groups=config.num_groups,
+                               group_topk=config.group_topk, scaling_factor=config.scaling_factor)
+    np.testing.assert_array_equal(np.asarray(chosen)[keep], expected.routing_map[keep], err_msg=context)
+    np.testing.assert_allclose(np.asarray(probs)[keep], expected.probs[keep], rtol=1e-5, atol=1e-6, err_msg=context)
+    scores = router_ref.aux_loss_scores(logits, config.topk, score_function=config.score_function)
+    loss = router_ref.aux_loss(scores.scores, scores.routing_map.sum(0), total_num_tokens=t, topk=config.topk,
+                               coeff=config.aux_loss_coeff)
+    np.testing.assert_allclose(float(ref.load_balancing_loss(jnp.asarray(logits), config)), loss, rtol=1e-5,
+                               err_msg=context)
+    x = logits.astype(np.float64)
+    lse = x.max(-1) + np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1))
+    np.testing.assert_allclose(float(ref.z_loss(jnp.asarray(logits), config)), 0.02 * np.mean(lse**2), rtol=1e-5,
+                               err_msg=context)
+
+
+def silu64(u):
+    return u / (1.0 + np.exp(-u))
+
+
+def gelu64(u):
+    return 0.5 * u * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (u + 0.044715 * u**3)))
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "silu"])
+def test_reference_layer_equals_a_loop_over_tokens_and_their_experts(activation, seed, rng):
+    # y[t] = sum over t's chosen experts e of probs[t, e] * act(x[t] @ up[e]) @ down[e], in float64,
+    # the gate half of a fused up weight first.
+    config = MoEConfig(num_experts=6, topk=2, activation=activation, dtype=F32)
+    x, params, _ = ref.draw_inputs(rng, config, (2, 5, 24), 8)
+    y, aux = ref.moe(x, params, config)
+    xs = np.asarray(x, np.float64).reshape(-1, 24)
+    probs, chosen = (np.asarray(a) for a in ref.route(ref.router_logits(x, params.gate, F32), config))
+    up, down = np.asarray(params.up, np.float64), np.asarray(params.down, np.float64)
+    act = {"swiglu": lambda u: silu64(u[:8]) * u[8:], "geglu": lambda u: gelu64(u[:8]) * u[8:], "gelu": gelu64,
+           "silu": silu64}[activation]
+    expected = np.zeros_like(xs)
+    for t in range(len(xs)):
+        assert chosen[t].sum() == 2
+        for e in np.flatnonzero(chosen[t]):
+            expected[t] += probs[t, e] * (act(xs[t] @ up[e]) @ down[e])
+    np.testing.assert_allclose(np.asarray(y).reshape(-1, 24), expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max(),
+                               err_msg=f"{activation}, seed={seed}")
+    np.testing.assert_array_equal(np.asarray(aux.tokens_per_expert), chosen.sum(0))
+
+
+# ------------------------------------------------------------------ inside shard_map
+
+# (data shards, expert shards, exchange, align_size, routing, dtype, tokens as [B, S, H]):
+# every mesh of the eight devices with 1 or 2 data shards and 1, 2, 4 or 8 expert shards, once
+# per exchange; each mesh sees both align sizes, both routings and both dtypes over its two
+# cases, and the pairings rotate from mesh to mesh.
+SHARDED_CASES = [
+    (1, 1, "all_to_all", None, "softmax_top2", F32, False),
+    (1, 1, "ring", 128, "sigmoid_groups", BF16, True),
+    (1, 2, "all_to_all", 128, "sigmoid_groups", F32, True),
+    (1, 2, "ring", None, "softmax_top2", BF16, False),
+    (1, 4, "all_to_all", None, "sigmoid_groups", BF16, False),
+    (1, 4, "ring", 128, "softmax_top2", F32, True),
+    (1, 8, "all_to_all", 128, "softmax_top2", BF16, True),
+    (1, 8, "ring", None, "sigmoid_groups", F32, False),
+    (2, 1, "all_to_all", None, "softmax_top2", BF16, True),
+    (2, 1, "ring", 128, "sigmoid_groups", F32, False),
+    (2, 2, "all_to_all", 128, "softmax_top2", F32, False),
+    (2, 2, "ring", None, "sigmoid_groups", BF16, True),
+    (2, 4, "all_to_all", None, "sigmoid_groups", F32, True),
+    (2, 4, "ring", 128, "softmax_top2", BF16, False),
+    (2, 4, "auto", 128, "sigmoid_groups", BF16, False),  # ragged_all_to_all is GPU-only: all_to_all
+]
+# 128 tokens in all: 16 to 64 per shard (128 on one device).
+HIDDEN, FFN, TOKENS = 128, 64, 128
+
+
+def sharded_case_id(case):
+    data, ep, exchange, align, routing, dtype, bsh = case
+    return (f"data{data}-ep{ep}-{exchange}-align{align}-{routing}-{jnp.dtype(dtype).name}"
+            f"-{'BSH' if bsh else 'TH'}")
+
+
+def mesh_of(data: int, ep: int):
+    return jax.make_mesh((data, ep), ("data", "expert"), devices=host_devices(data * ep))
+
+
+def layer_in_shard_map(config, mesh, *, has_bias: bool, data_axes=("data",), expert_axis="expert"):
+    """layer(x, params) -> (y, aux): moe inside jax.shard_map, the tokens split over (*data_axes,
+    expert_axis), gate and expert_bias replicated, up and down split over expert_axis."""
+    tokens, experts = P((*data_axes, expert_axis)), P(expert_axis)
+    specs = MoEParams(gate=P(), up=experts, down=experts, expert_bias=P() if has_bias else None)
+
+    def per_shard(x, params):
+        return moe_lib.moe(x, params, config, expert_axis=expert_axis, data_axes=data_axes)
+
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(tokens, specs), out_specs=(tokens, P()))
+
+
+def put_on_mesh(mesh, x, params, y_weight, *, data_axes=("data",), expert_axis="expert"):
+    tokens = NamedSharding(mesh, P((*data_axes, expert_axis)))
+    whole, experts = NamedSharding(mesh, P()), NamedSharding(mesh, P(expert_axis))
+    params = MoEParams(gate=jax.device_put(params.gate, whole), up=jax.device_put(params.up, experts),
+                       down=jax.device_put(params.down, experts),
+                       expert_bias=None if params.expert_bias is None else jax.device_put(params.expert_bias, whole))
+    return jax.device_put(x, tokens), params, jax.device_put(y_weight, tokens)
+
+
+@pytest.mark.parametrize("case", SHARDED_CASES, ids=[sharded_case_id(c) for c in SHARDED_CASES])
+def test_layer_inside_shard_map_matches_the_dense_reference(case, cpu, seed, rng):
+    data, ep, exchange, align, routing, dtype, bsh = case
+    config = make_config(routing, dtype=dtype, exchange=exchange, align_size=align)
+    x_shape = (16, TOKENS // 16, HIDDEN) if bsh else (TOKENS, HIDDEN)
+    x, params, y_weight = jax.device_put(ref.draw_inputs(rng, config, x_shape, FFN, make=MoEParams), cpu)
+    context = f"{describe(config)}, data={data}, expert={ep}, x {x_shape}, seed={seed}"
+    mesh = mesh_of(data, ep)
+    layer = layer_in_shard_map(config, mesh, has_bias=params.expert_bias is not None)
+    got = jax.jit(lambda x, p, w: value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
+    ref.compare(got, reference(x, params, config, y_weight), config, context=context)
+
+
+# --------------------------------------------------------------- without shard_map
+
+# (name, routing fields, activation, x shape, ffn, dtype, weights' dtype, tokens' dtype,
+# align_size, loss coefficients): every activation, pre-softmax and sigmoid top-1 routing,
+# [B, S, H] and [T, H] tokens, float32 master weights for bfloat16 compute and bfloat16 weights
+# and tokens, zero loss coefficients (both losses exactly 0).
+LOCAL_CASES = [
+    ("mixtral_like_swiglu", dict(num_experts=8, topk=2), "swiglu", (4, 16, 256), 128, F32, F32, F32, None, True),
+    ("qwen_like_pre_softmax_geglu", dict(num_experts=32, topk=4, use_pre_softmax=True), "geglu", (64, 128), 32,
+     BF16, F32, BF16, 128, True),
+    ("deepseek_like_gelu", ROUTINGS["sigmoid_groups"], "gelu", (2, 24, 64), 64, BF16, BF16, BF16, None, True),
+    ("llama4_like_sigmoid_top1_silu", dict(num_experts=16, topk=1, score_function="sigmoid"), "silu", (48, 192),
+     96, F32, F32, F32, 128, True),
+    ("softmax_top3_no_losses", dict(num_experts=12, topk=3, scaling_factor=0.5), "swiglu", (40, 96), 48, BF16, F32,
+     F32, None, False),
+]
+
+
+@pytest.mark.parametrize("case", LOCAL_CASES, ids=[c[0] for c in LOCAL_CASES])
+def test_layer_without_shard_map_matches_the_dense_reference(case, cpu, seed, rng):
+    _, routing, activation, x_shape, ffn, dtype, param_dtype, x_dtype, align, losses = case
+    coeffs = dict(aux_loss_coeff=ref.AUX_LOSS_COEFF, z_loss_coeff=ref.Z_LOSS_COEFF) if losses else {}
+    config = MoEConfig(**routing, **coeffs, activation=activation, dtype=dtype, align_size=align)
+    x, params, y_weight = jax.device_put(ref.draw_inputs(rng, config, x_shape, ffn, make=MoEParams,
+                                                         param_dtype=param_dtype, x_dtype=x_dtype), cpu)
+    context = f"{describe(config)}, x {x.dtype}{list(x_shape)}, weights {jnp.dtype(param_dtype).name}, seed={seed}"
+    got = jax.jit(lambda x, p, w: value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
+        x, params, y_weight)
+    errors = ref.compare(got, reference(x, params, config, y_weight), config, context=context)
+    if not losses:
+        assert "load_balancing_loss" not in errors and "z_loss" not in errors
+
+
+# ---------------------------------------------------------------------- shard_map_moe
+
+# (mesh shape, axis names, expert_axis, data_axes, x shape)
+SHARD_MAP_MOE_CASES = {
+    "data2_expert4_BSH": ((2, 4), ("data", "expert"), "expert", ("data",), (8, 8, 64)),
+    "expert8_TH": ((8,), ("expert",), "expert", (), (128, 64)),
+}
+
+
+@pytest.mark.parametrize("case", SHARD_MAP_MOE_CASES)
+def test_shard_map_moe_matches_the_reference_and_keeps_the_shardings(case, cpu, seed, rng):
+    shape, names, expert_axis, data_axes, x_shape = SHARD_MAP_MOE_CASES[case]
+    config = make_config("sigmoid_groups", dtype=F32, exchange="all_to_all", align_size=128)
+    x, params, y_weight = jax.device_put(ref.draw_inputs(rng, config, x_shape, 32, make=MoEParams), cpu)
+    mesh = jax.make_mesh(shape, names, devices=host_devices(int(np.prod(shape))))
+    x_d, params_d, w_d = put_on_mesh(mesh, x, params, y_weight, data_axes=data_axes, expert_axis=expert_axis)
+
+    def layer(x, params):
+        return moe_lib.shard_map_moe(x, params, config, mesh=mesh, expert_axis=expert_axis, data_axes=data_axes)
+
+    got = jax.jit(lambda x, p, w: value_and_grads(layer, x, p, w))(x_d, params_d, w_d)
+    context = f"{case}, {describe(config)}, seed={seed}"
+    ref.compare(got, reference(x, params, config, y_weight), config, context=context)
+    (y, aux), (dx, dparams) = got
+    for name, value, like in (("y", y, x_d), ("d x", dx, x_d), ("d gate", dparams.gate, params_d.gate),
+                              ("d up", dparams.up, params_d.up), ("d down", dparams.down, params_d.down),
+                              ("d expert_bias", dparams.expert_bias, params_d.expert_bias)):
+        assert value.sharding.is_equivalent_to(like.sharding, value.ndim), (
+            f"{name}: sharding {value.sharding}, expected {like.sharding} ({context})")
+    for name, value in (("load_balancing_loss", aux.load_balancing_loss), ("z_loss", aux.z_loss),
+                        ("tokens_per_expert", aux.tokens_per_expert)):
+        assert value.sharding.is_fully_replicated, f"{name}: sharding {value.sharding}, expected replicated"
+
+
+# ------------------------------------------------------------ update_expert_bias, init
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_update_expert_bias_follows_the_formula(jit, seed, rng):
+    # bias + rate * sign(mean(counts) - counts), in float32: experts below the mean load go up,
+    # above it down, at it (the counts below include one) stay.
+    e = 16
+    counts = rng.integers(0, 200, e)
+    counts[3] = 0  # an idle expert
+    counts[0] += -np.delete(counts, 7).sum() % (e - 1)
+    counts[7] = np.delete(counts, 7).sum() // (e - 1)  # exactly the mean
+    counts = counts.astype(np.int32)
+    assert counts[7] == counts.mean()
+    bias = (rng.standard_normal(e) * 0.01).astype(np.float32)
+    rate = 1e-3
+    fn = lambda b, c: moe_lib.update_expert_bias(b, c, rate)  # noqa: E731
+    got = (jax.jit(fn) if jit else fn)(jnp.asarray(bias), jnp.asarray(counts))
+    expected = (bias.astype(np.float64) + rate * np.sign(counts.mean() - counts.astype(np.float64))).astype(np.float32)
+    assert got.dtype == jnp.float32 and got.shape == (e,)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=0, atol=1e-7, err_msg=f"counts={counts}, seed={seed}")
+
+
+@pytest.mark.parametrize("activation, use_expert_bias", [("swiglu", True), ("gelu", False)])
+def test_init_params_draws_each_matrix_with_variance_one_over_its_fan_in(activation, use_expert_bias, seed):
+    config = MoEConfig(num_experts=8, topk=2, activation=activation, score_function="sigmoid",
+                       use_expert_bias=use_expert_bias)
+    hidden, ffn = 256, 128
+    params = moe_lib.init_params(jax.random.key(seed), config, hidden, ffn)
+    up_width = 2 * ffn if config.glu else ffn
+    for name, array, shape, fan_in in (("gate", params.gate, (hidden, 8), hidden),
+                                       ("up", params.up, (8, hidden, up_width), hidden),
+                                       ("down", params.down, (8, ffn, hidden), ffn)):
+        values = np.asarray(array, np.float64) * np.sqrt(fan_in)
+        assert array.shape == shape, name
+        # Standard normal after scaling: the sample mean and std of n draws are within
+        # 6 / sqrt(n) of 0 and 1 (n >= 2048 here).
+        assert abs(values.mean()) < 6 / np.sqrt(values.size), (name, values.mean())
+        assert abs(values.std() - 1) < 6 / np.sqrt(values.size), (name, values.std())
+    if use_expert_bias:
+        np.testing.assert_array_equal(np.asarray(params.expert_bias), np.zeros(8, np.float32))
+    else:
+        assert params.expert_bias is None
