@@ -8,7 +8,7 @@ when jax has no GPU device.
   bias and scaling) at reduced widths; y, the losses, the counts and the gradients.
 - One GPU, float32 (small): float32 products throughout, the router's included.
 - Two and four GPUs (skipped when jax sees fewer): experts split over them inside
-  jax.shard_map with the ragged_all_to_all exchange and "auto" (which picks it on GPU), and 2
+  jax.shard_map with the ragged_all_to_all exchange and "auto" (the slotted all_to_all), and 2
   data x 2 expert shards; the results gathered onto the first GPU and checked there.
 
 With OXMOE_TEST_GPU_STAND_IN=cpu (devices.py) the one-GPU tests run on a CPU device at a

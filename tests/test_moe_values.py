@@ -180,7 +180,7 @@ SHARDED_CASES = [
     (2, 2, "ring", None, "sigmoid_groups", BF16, True),
     (2, 4, "all_to_all", None, "sigmoid_groups", F32, True),
     (2, 4, "ring", 128, "softmax_top2", BF16, False),
-    (2, 4, "auto", 128, "sigmoid_groups", BF16, False),  # ragged_all_to_all is GPU-only: all_to_all
+    (2, 4, "auto", 128, "sigmoid_groups", BF16, False),  # auto: the slotted all_to_all
 ]
 # 128 tokens in all: 16 to 64 per shard (128 on one device).
 HIDDEN, FFN, TOKENS = 128, 64, 128

@@ -33,9 +33,9 @@ activation and the permutations are not counted. Each case times, on the default
   the routing (gate GEMM and :func:`oxmoe.router.topk`) alone, one exchange of the
   dispatched rows alone as the layer makes it with exchange ``"auto"`` (``T k`` rows of
   ``H`` per device, an equal share to every device, into the layer's receive buffer of
-  ``devices x capacity`` rows: ``jax.lax.ragged_all_to_all`` on a GPU, slots and
-  ``jax.lax.all_to_all`` on a CPU; a step has four: dispatch and combine, and their
-  transposes), and the step and forward of the same layer on one device with as many
+  ``devices x capacity`` rows, in slots by ``jax.lax.all_to_all``; a step has four:
+  dispatch and combine, and their transposes), off a CPU the same exchange by
+  ``jax.lax.ragged_all_to_all`` (exchange ``"ragged_all_to_all"``), and the step and forward of the same layer on one device with as many
   experts as a device owns (no exchange; not checked again: its semantics are the EP
   layer's). Each piece runs alone, with only its own arrays alive.
 
@@ -320,11 +320,6 @@ def ep_routing(config: moe.MoEConfig, mesh: Mesh) -> Callable:
     return lambda x, params, w: routed(x, params.gate, params.expert_bias)
 
 
-def exchange_op(mesh: Mesh) -> str:
-    """What exchange "auto" takes on the mesh's devices."""
-    return "all_to_all" if mesh.devices.flat[0].platform == "cpu" else "ragged_all_to_all"
-
-
 def exchange_capacity(layer: Layer) -> int:
     """The rows one device can send another, as :func:`oxmoe.moe.moe` sizes its receive buffer
     (``devices`` slots of it): each token reaches at most ``min(k, El)`` of its experts."""
@@ -333,14 +328,14 @@ def exchange_capacity(layer: Layer) -> int:
                                        c.align_size)
 
 
-def exchange_name(layer: Layer, mesh: Mesh) -> str:
+def exchange_name(layer: Layer, method: str) -> str:
     rows, cap = f"{layer.rows} x {layer.hidden} {DTYPE.name} rows", exchange_capacity(layer)
-    if exchange_op(mesh) == "all_to_all":
+    if method == "all_to_all":
         return f"all_to_all: {rows} in {layer.devices} x {cap} slots"
-    return f"ragged_all_to_all: {rows} into {layer.devices} x {cap}"
+    return f"ragged_all_to_all (not used by 'auto'): {rows} into {layer.devices} x {cap}"
 
 
-def ep_exchange(layer: Layer, mesh: Mesh) -> Callable:
+def ep_exchange(layer: Layer, mesh: Mesh, method: str) -> Callable:
     """``rows -> received``: one exchange of each device's ``[R, H]`` dispatched rows, an equal
     share to every device (itself included), into the layer's receive buffer: ``devices``
     slots of :func:`exchange_capacity` rows (zeros past what arrives)."""
@@ -360,7 +355,7 @@ def ep_exchange(layer: Layer, mesh: Mesh) -> Callable:
         slots = jnp.pad(shares, ((0, 0), (0, capacity - shares.shape[1]), (0, 0)))
         return jax.lax.all_to_all(slots, EXPERT_AXIS, 0, 0).reshape(n * capacity, rows.shape[1])
 
-    local = slotted if exchange_op(mesh) == "all_to_all" else ragged
+    local = slotted if method == "all_to_all" else ragged
     return jax.shard_map(local, mesh=mesh, in_specs=P(EXPERT_AXIS), out_specs=P(EXPERT_AXIS))
 
 
@@ -654,8 +649,11 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
         del arg_sets
 
         rows = [(place.split((*base, n, 6), (layer.rows, layer.hidden), DTYPE),) for n in range(num_sets)]
-        parts.append(Part(exchange_name(layer, mesh), timing.measure(timing.rotated(ep_exchange(layer, mesh)),
-                                                                     rows, settings), EXCHANGES_PER_STEP))
+        methods = ["all_to_all"] + (["ragged_all_to_all"] if devices[0].platform != "cpu" else [])
+        for method in methods:
+            per_step = EXCHANGES_PER_STEP if method == "all_to_all" else None
+            exchange = timing.rotated(ep_exchange(layer, mesh, method))
+            parts.append(Part(exchange_name(layer, method), timing.measure(exchange, rows, settings), per_step))
         del rows
 
         # Its semantics are the EP layer's (checked above) on fewer experts: not checked again.
