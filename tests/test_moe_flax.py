@@ -270,10 +270,11 @@ def test_nnx_init_under_jit_shards_by_logical_names(mesh, seed):
 
 def test_nnx_init_with_a_mesh_places_params_eagerly(mesh, seed):
     # The module's own mesh (not jax.set_mesh, under which every eager random draw compiles anew).
-    with nnx.logical_axis_rules(RULES):
-        sharded = MoE(INIT_CONFIG, H, F, rngs=nnx.Rngs(params=seed), expert_axis="expert", data_axes=("data",),
-                      mesh=mesh)
+    # Both draw on the mesh's platform: a GPU rounds the draws differently.
     with jax.default_device(mesh.devices.flat[0]):
+        with nnx.logical_axis_rules(RULES):
+            sharded = MoE(INIT_CONFIG, H, F, rngs=nnx.Rngs(params=seed), expert_axis="expert", data_axes=("data",),
+                          mesh=mesh)
         plain = MoE(INIT_CONFIG, H, F, rngs=nnx.Rngs(params=seed))
     for name in EXPECTED_SPECS:
         assert_placed(getattr(sharded, name)[...], mesh, name, "NNX eager init")
