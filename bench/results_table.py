@@ -76,7 +76,7 @@ def layer_table(results: dict, family: str) -> str:
             continue
         met = "✅" if case["ratio_to_dense"] >= goals["min_fraction_of_dense"] else "❌"
         plain = case["plain_jax"]
-        plain_cell = (f"{plain['median_us'] / 1e3:.2f}" if plain else case["plain_jax_error"] or "–")
+        plain_cell = f"{plain['median_us'] / 1e3:.2f}" if isinstance(plain, dict) else plain or "–"
         speedup = f"{case['speedup']:.1f}×" if case["speedup"] is not None else "–"
         goal_cell = f"{100 * case['ratio_to_dense']:.0f}% {met}" if case["devices"] == 1 else \
             f"{100 * case['ratio_to_dense']:.0f}% (no goal: {case['devices']} devices)"
