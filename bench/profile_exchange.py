@@ -5,24 +5,14 @@ H = 7168, bf16): what the interconnect gives each of them.
     NCCL_DEBUG=INFO python3 bench/profile_exchange.py    # NCCL's transports too
 """
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from profile_moe import seconds  # bench/ is the script's directory
 
 TOKENS, TOPK, HIDDEN = 8192, 8, 7168
-
-
-def seconds(fn, *args, iters=10):
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    for _ in range(iters):
-        out = fn(*args)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / iters
 
 
 def main():

@@ -167,15 +167,20 @@ def total_loss(y, aux, y_weight):
     return jnp.sum(y.astype(F32) * y_weight) + aux.load_balancing_loss + aux.z_loss
 
 
-def value_and_grads(x, params, config, y_weight):
-    """((y, Aux), (d x, d params)) of the reference for the loss `total_loss`."""
+def layer_value_and_grads(layer, x, params, y_weight):
+    """((y, aux), (d x, d params)) of `layer(x, params) -> (y, aux)` for the loss `total_loss`."""
 
     def loss(x, params):
-        y, aux = moe(x, params, config)
+        y, aux = layer(x, params)
         return total_loss(y, aux, y_weight), (y, aux)
 
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
     return out, grads
+
+
+def value_and_grads(x, params, config, y_weight):
+    """:func:`layer_value_and_grads` of the reference."""
+    return layer_value_and_grads(lambda x, params: moe(x, params, config), x, params, y_weight)
 
 
 # ----------------------------------------------------------------- random inputs

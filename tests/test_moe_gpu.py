@@ -78,15 +78,6 @@ def draw_inputs(rng, seed, config, tokens, hidden, ffn, device):
     return jax.device_put(jnp.asarray(x, BF16), device), params, jax.device_put(y_weight, device)
 
 
-def value_and_grads(layer, x, params, y_weight):
-    def loss(x, params):
-        y, aux = layer(x, params)
-        return ref.total_loss(y, aux, y_weight), (y, aux)
-
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
-    return out, grads
-
-
 reference = jax.jit(ref.value_and_grads, static_argnums=2)
 
 
@@ -111,7 +102,7 @@ def test_model_layer_on_one_gpu_matches_the_dense_reference(case, gpu, seed, rng
     tokens, hidden, ffn = scaled(tokens, hidden, ffn)
     config = config_of(router, align_size=align)
     x, params, y_weight = draw_inputs(rng, seed, config, tokens, hidden, ffn, gpu)
-    got = jax.jit(lambda x, p, w: value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
         x, params, y_weight)
     for leaf in jax.tree.leaves(got):
         assert leaf.devices() == {gpu}, f"an output is on {leaf.devices()}, expected {gpu}"
@@ -129,7 +120,7 @@ def test_float32_layer_on_one_gpu_matches_the_dense_reference_at_float32_precisi
     x = ref.draw_tokens(rng, (tokens, hidden), np.asarray(params.gate), config)
     y_weight = (rng.standard_normal((tokens, hidden)) * ref.Y_WEIGHT_SCALE).astype(np.float32)
     x, y_weight = jax.device_put((x, y_weight), gpu)
-    got = jax.jit(lambda x, p, w: value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
         x, params, y_weight)
     ref.compare(got, reference(x, params, config, y_weight), config,
                 context=describe("mixtral_float32", config, tokens, hidden, ffn, seed))
@@ -173,7 +164,7 @@ def test_expert_parallel_layer_over_gpus_matches_the_dense_reference(case, seed,
                       expert_bias=None if params.expert_bias is None else P())
     layer = jax.shard_map(lambda x, p: moe_lib.moe(x, p, config, expert_axis="expert", data_axes=("data",)),
                           mesh=mesh, in_specs=(P(("data", "expert")), specs), out_specs=(P(("data", "expert")), P()))
-    got = jax.jit(lambda x, p, w: value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
     got = jax.device_put(got, first)
     expected = reference(x, params, config, y_weight)
     ref.compare(got, expected, config,

@@ -81,17 +81,6 @@ def reference(x, params, config, y_weight):
     return (y.reshape(x.shape), aux), (dx.reshape(x.shape), dparams)
 
 
-def value_and_grads(layer, x, params, y_weight):
-    """((y, aux), (d x, d params)) of `layer(x, params) -> (y, aux)` for the reference's loss."""
-
-    def loss(x, params):
-        y, aux = layer(x, params)
-        return ref.total_loss(y, aux, y_weight), (y, aux)
-
-    (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, params)
-    return out, grads
-
-
 # ------------------------------------------------------------------ the reference itself
 
 # (routing fields, with expert bias): the router of the reference against the float64 NumPy one
@@ -226,7 +215,7 @@ def test_layer_inside_shard_map_matches_the_dense_reference(case, cpu, seed, rng
     context = f"{describe(config)}, data={data}, expert={ep}, x {x_shape}, seed={seed}"
     mesh = mesh_of(data, ep)
     layer = layer_in_shard_map(config, mesh, has_bias=params.expert_bias is not None)
-    got = jax.jit(lambda x, p, w: value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
     ref.compare(got, reference(x, params, config, y_weight), config, context=context)
 
 
@@ -256,7 +245,7 @@ def test_layer_without_shard_map_matches_the_dense_reference(case, cpu, seed, rn
     x, params, y_weight = jax.device_put(ref.draw_inputs(rng, config, x_shape, ffn, make=MoEParams,
                                                          param_dtype=param_dtype, x_dtype=x_dtype), cpu)
     context = f"{describe(config)}, x {x.dtype}{list(x_shape)}, weights {jnp.dtype(param_dtype).name}, seed={seed}"
-    got = jax.jit(lambda x, p, w: value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
         x, params, y_weight)
     errors = ref.compare(got, reference(x, params, config, y_weight), config, context=context)
     if not losses:
@@ -283,7 +272,7 @@ def test_shard_map_moe_matches_the_reference_and_keeps_the_shardings(case, cpu, 
     def layer(x, params):
         return moe_lib.shard_map_moe(x, params, config, mesh=mesh, expert_axis=expert_axis, data_axes=data_axes)
 
-    got = jax.jit(lambda x, p, w: value_and_grads(layer, x, p, w))(x_d, params_d, w_d)
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(x_d, params_d, w_d)
     context = f"{case}, {describe(config)}, seed={seed}"
     ref.compare(got, reference(x, params, config, y_weight), config, context=context)
     (y, aux), (dx, dparams) = got
