@@ -402,9 +402,8 @@ class Exchange:
         return self._transfer(slots, back=True, num_rows=num_rows)
 
     def _transfer(self, rows, *, back: bool, num_rows: int | None = None):
-        ragged = functools.partial(self._ragged, back=back, num_rows=num_rows)
-        slotted = functools.partial(self._slotted, back=back, num_rows=num_rows)
-        return ragged(rows) if self.method == "ragged_all_to_all" else slotted(rows)
+        transfer = self._ragged if self.method == "ragged_all_to_all" else self._slotted
+        return transfer(rows, back=back, num_rows=num_rows)
 
     def _ragged(self, rows, *, back: bool, num_rows):
         me = jax.lax.axis_index(self.axis)
@@ -417,7 +416,8 @@ class Exchange:
             slots = jnp.arange(self.shards, dtype=jnp.int32) * self.capacity
             args = (slots, self.recv_sizes, self.return_offsets, self.send_sizes)
         # The receive buffer starts as zeros that vary like the rows sent into it.
-        out = jax.lax.pcast(out, tuple(_varying(rows)), to="varying") if _varying(rows) else out
+        axes = tuple(_varying_axes(jax.typeof(rows)))
+        out = jax.lax.pcast(out, axes, to="varying") if axes else out
         return jax.lax.ragged_all_to_all(rows, out, *args, axis_name=self.axis)
 
     def _slotted(self, rows, *, back: bool, num_rows):
@@ -433,10 +433,6 @@ class Exchange:
         shard = jnp.minimum(jnp.searchsorted(ends, row, side="right"), n - 1).astype(jnp.int32)
         index = shard * cap + row - self.send_offsets[shard]
         return jnp.where((row < ends[-1])[:, None], returned[jnp.clip(index, 0, n * cap - 1)], 0)
-
-
-def _varying(x) -> frozenset:
-    return _varying_axes(jax.typeof(x))
 
 
 def _exclusive_cumsum(x, axis=-1):
