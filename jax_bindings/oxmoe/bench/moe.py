@@ -72,7 +72,7 @@ from oxmoe import moe, permutation, router
 from oxmoe.bench import grouped_gemm, timing
 from oxmoe.bench.cases import CheckFailed, Family, rel_err, text_table
 from oxmoe.bench.grouped_gemm import OOM, DenseTimes, Shape
-from oxmoe.bench.router import _best_groups_only
+from oxmoe.bench.router import plain_top_experts
 from oxmoe.model_shapes import DEEPSEEK_V3, MIXTRAL, QWEN3_MOE, RouterConfig
 
 DTYPE = jnp.dtype(jnp.bfloat16)
@@ -203,29 +203,6 @@ SMOKE_LAYERS = (
 
 # -- the layer in plain JAX ---------------------------------------------------------
 
-def plain_route(logits, expert_bias, config: moe.MoEConfig):
-    """Top-k routing of float32 ``logits [T, E]``: ``(weights [T, k] float32, experts [T, k])``,
-    differentiable in ``logits`` (the choice of experts is not)."""
-    if config.score_function == "sigmoid":
-        scores = jax.nn.sigmoid(logits)
-        selection = scores + expert_bias if config.use_expert_bias else scores
-    elif config.use_pre_softmax:
-        scores = selection = jax.nn.softmax(logits, axis=-1)
-    else:
-        scores = selection = logits
-    if config.num_groups is not None:
-        selection = _best_groups_only(selection, config.num_groups, config.group_topk, config.topk)
-    _, experts = jax.lax.top_k(selection, config.topk)  # ties: the lower expert
-    weights = jnp.take_along_axis(scores, experts, axis=-1)
-    if config.score_function == "softmax" and not config.use_pre_softmax:
-        weights = jax.nn.softmax(weights, axis=-1)  # over the chosen logits
-    elif config.score_function == "sigmoid" and config.topk > 1:
-        weights = weights / weights.sum(-1, keepdims=True)
-    if config.scaling_factor is not None:
-        weights = weights * config.scaling_factor
-    return weights, experts
-
-
 def _load_balancing_loss(logits, config: moe.MoEConfig):
     """``coeff * E / (k T^2) * sum_e P_e f_e`` over the plain top-k of the scores (no groups, no bias)."""
     t, e = logits.shape
@@ -259,7 +236,7 @@ def plain_moe(x, params: moe.MoEParams, config: moe.MoEConfig):
     xs = x.reshape(-1, h).astype(DTYPE)
     t = xs.shape[0]
     logits = jnp.dot(xs, params.gate.astype(DTYPE), preferred_element_type=F32)
-    weights, experts = plain_route(logits, params.expert_bias, config)
+    weights, experts = plain_top_experts(logits, params.expert_bias if config.use_expert_bias else None, config)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat)  # the token copies grouped by expert
     group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)

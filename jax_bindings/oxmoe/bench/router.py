@@ -73,8 +73,10 @@ def _best_groups_only(selection, num_groups: int, group_topk: int, topk: int):
     return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
 
 
-def plain_topk(logits, expert_bias, config: RouterConfig):
-    """:func:`oxmoe.router.topk` in plain JAX: ``(probs [T, E] logits' dtype, routing_map bool)``."""
+def plain_top_experts(logits, expert_bias, config: RouterConfig):
+    """The choice of :func:`oxmoe.router.topk` in plain JAX: ``(weights [T, k] float32,
+    experts [T, k])``, differentiable in ``logits`` (the choice itself is not). ``config``
+    is any object with the routing fields of :class:`RouterConfig` (e.g. a ``MoEConfig``)."""
     x = logits.astype(jnp.float32)
     if config.score_function == "sigmoid":
         scores = jax.nn.sigmoid(x)
@@ -96,8 +98,14 @@ def plain_topk(logits, expert_bias, config: RouterConfig):
         weights = jax.nn.softmax(jnp.take_along_axis(x, chosen, axis=-1), axis=-1)
     if config.scaling_factor is not None:
         weights = weights * config.scaling_factor
-    probs = _scatter_rows(x.shape, chosen, weights, logits.dtype)
-    routing_map = _scatter_rows(x.shape, chosen, jnp.ones_like(chosen), jnp.bool_)
+    return weights, chosen
+
+
+def plain_topk(logits, expert_bias, config: RouterConfig):
+    """:func:`oxmoe.router.topk` in plain JAX: ``(probs [T, E] logits' dtype, routing_map bool)``."""
+    weights, chosen = plain_top_experts(logits, expert_bias, config)
+    probs = _scatter_rows(logits.shape, chosen, weights, logits.dtype)
+    routing_map = _scatter_rows(logits.shape, chosen, jnp.ones_like(chosen), jnp.bool_)
     return probs, routing_map
 
 
