@@ -38,11 +38,6 @@ def _log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def _us(seconds: float) -> str:
-    us = seconds * 1e6
-    return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 10_000 else f"{us:,.0f}"
-
-
 def _mb(num_bytes: int) -> str:
     mb = num_bytes / 1e6
     return f"{mb:.3f}" if mb < 1 else f"{mb:.2f}" if mb < 100 else f"{mb:.0f}"
@@ -78,8 +73,8 @@ class Summary:
         r, case = self.result, self.result.case
         if r.failure:
             return [case.name, "FAILED", _mb(case.bytes)] + [""] * 7
-        return [case.name, _us(r.oxmoe.median_s), _mb(case.bytes), _gbps(self.bytes_per_s),
-                f"{100 * self.fraction_of_copy:.0f}%", f"{self.x_floor:.2f}x", _us(r.plain.median_s),
+        return [case.name, bench_cases.format_us(r.oxmoe.median_s), _mb(case.bytes), _gbps(self.bytes_per_s),
+                f"{100 * self.fraction_of_copy:.0f}%", f"{self.x_floor:.2f}x", bench_cases.format_us(r.plain.median_s),
                 f"{self.speedup:.1f}x", _mark(self.floor_met), _mark(self.speedup_met)]
 
     def to_json(self) -> dict:
@@ -179,7 +174,7 @@ def main(argv=None) -> int:
 
     _log(f"[copy] {settings.copy_bytes >> 20} MiB float32 x * 2 ...")
     copy = timing.copy_ceiling(settings)
-    copy_line = (f"copy ceiling: {_mb(copy.bytes)} MB read + written in {_us(copy.timing.median_s)} us = "
+    copy_line = (f"copy ceiling: {_mb(copy.bytes)} MB read + written in {bench_cases.format_us(copy.timing.median_s)} us = "
                  f"{_gbps(copy.bytes_per_s)} GB/s (median of {len(copy.timing.samples_s)}, "
                  f"{_gbps(copy.bytes / copy.timing.max_s)}..{_gbps(copy.bytes / copy.timing.min_s)})")
     _log("    " + copy_line)
@@ -202,8 +197,8 @@ def main(argv=None) -> int:
                 if result.failure:
                     _log(f"    FAILED: {result.failure}")
                 else:
-                    _log(f"    oxmoe {_us(result.oxmoe.median_s)} us ({summary.x_floor:.2f}x floor), "
-                         f"plain JAX {_us(result.plain.median_s)} us, R={result.oxmoe.num_sets}, "
+                    _log(f"    oxmoe {bench_cases.format_us(result.oxmoe.median_s)} us ({summary.x_floor:.2f}x floor), "
+                         f"plain JAX {bench_cases.format_us(result.plain.median_s)} us, R={result.oxmoe.num_sets}, "
                          f"{result.oxmoe.calls_per_sample} call(s) x {len(result.oxmoe.samples_s)} samples"
                          + (f", {_mb(result.set_bytes)} MB per set" if result.set_bytes else ""))
             peak = _peak_bytes(device)

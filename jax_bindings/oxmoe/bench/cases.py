@@ -223,9 +223,8 @@ def run_case(case: Case, settings: timing.Settings, seed: int = 0) -> CaseResult
         return CaseResult(case, errors=errors, primitive_calls=primitive_calls, set_bytes=set_bytes,
                           failure=f"check failed: {e}")
     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
-        lines = traceback.format_exception_only(type(e), e)
         return CaseResult(case, errors=errors, primitive_calls=primitive_calls, set_bytes=set_bytes,
-                          failure=" ".join(line.strip() for line in lines)[:2000])
+                          failure=error_text(e))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,6 +244,24 @@ class Family:
     ``run(case, settings, log)`` and what ``__main__.FamilyReport`` has (``summaries``,
     ``failed``, ``heading()``, ``goals_line()``, ``table()``, ``to_json()``).
     None: :func:`run_case` runs each case, ``__main__`` prints the byte-floor table."""
+
+
+def error_text(error: BaseException, limit: int = 2000) -> str:
+    """The error in one line, its start and end if long (an XLA error ends with its cause)."""
+    lines = traceback.format_exception_only(type(error), error)
+    text = " ".join(line.strip() for line in lines)
+    return text if len(text) <= limit else f"{text[:limit // 2]} ... {text[-limit // 2:]}"
+
+
+def format_us(seconds: float) -> str:
+    """Microseconds with about four significant digits."""
+    us = seconds * 1e6
+    return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 10_000 else f"{us:,.0f}"
+
+
+def format_tflops(flops: int, seconds: float) -> str:
+    value = flops / seconds / 1e12
+    return f"{value:.3g}" if value < 1 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
 
 
 def text_table(rows: list[list[str]]) -> str:

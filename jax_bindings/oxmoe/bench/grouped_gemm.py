@@ -52,7 +52,6 @@ import dataclasses
 import functools
 import math
 import time
-import traceback
 import zlib
 from collections.abc import Callable
 
@@ -62,7 +61,7 @@ import numpy as np
 
 from oxmoe import grouped_gemm
 from oxmoe.bench import timing
-from oxmoe.bench.cases import CheckFailed, Family, rel_err, text_table
+from oxmoe.bench.cases import CheckFailed, Family, error_text, format_tflops, format_us, rel_err, text_table
 
 DTYPE = jnp.dtype(jnp.bfloat16)
 #: The Dirichlet concentration of the group sizes, and the empty groups' share of the second draw.
@@ -407,13 +406,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
 
 
-def _error_text(error: BaseException, limit: int = 2000) -> str:
-    """The error in one line, its start and end if long (an XLA error ends with its cause)."""
-    lines = traceback.format_exception_only(type(error), error)
-    text = " ".join(line.strip() for line in lines)
-    return text if len(text) <= limit else f"{text[:limit // 2]} ... {text[-limit // 2:]}"
-
-
 def _num_sets(settings: timing.Settings, bytes_per_call: int, set_bytes: int) -> int:
     """R as :func:`oxmoe.bench.cases.run_case` takes it: for the L2 cache, within the memory cap."""
     return min(settings.num_sets(bytes_per_call), max(1, settings.memory_bytes // set_bytes))
@@ -449,7 +441,7 @@ OOM = "OOM"
 def baseline_failure(error: BaseException) -> tuple[str | None, str]:
     """jax.lax.ragged_dot's error as ``(result, text)``: ``"OOM"`` when it ran out of
     device memory, else None (an error). Neither fails the case."""
-    return (OOM if is_out_of_memory(error) else None), _error_text(error)
+    return (OOM if is_out_of_memory(error) else None), error_text(error)
 
 
 def time_baseline(run, arg_sets, settings: timing.Settings) -> tuple[timing.Timing | str | None, str | None]:
@@ -575,21 +567,11 @@ def run_case(case: GemmCase, settings: timing.Settings, dense: DenseTimes, seed:
     except CheckFailed as e:
         result.failure = f"check failed: {e}"
     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
-        result.failure = _error_text(e)
+        result.failure = error_text(e)
     return result
 
 
 # -- the report ---------------------------------------------------------------------
-
-def _us(seconds: float) -> str:
-    us = seconds * 1e6
-    return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 10_000 else f"{us:,.0f}"
-
-
-def _tflops(flops: int, seconds: float) -> str:
-    value = flops / seconds / 1e12
-    return f"{value:.3g}" if value < 1 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
-
 
 class Summary:
     """The derived numbers of one case: TFLOP/s, the ratios, the goal."""
@@ -610,26 +592,26 @@ class Summary:
     def jax_cell(self) -> str:
         r = self.result
         if isinstance(r.jax, timing.Timing):
-            return _tflops(r.case.flops, r.jax.median_s)
+            return format_tflops(r.case.flops, r.jax.median_s)
         return r.jax or "error"
 
     def row(self) -> list[str]:
         r = self.result
         if r.failure:
             return [r.case.name, "FAILED"] + [""] * 6
-        return [r.case.name, _us(r.oxmoe.median_s), _tflops(r.case.flops, r.oxmoe.median_s),
-                _tflops(r.case.flops, r.dense.timing.median_s), f"{100 * self.ratio:.0f}%",
+        return [r.case.name, format_us(r.oxmoe.median_s), format_tflops(r.case.flops, r.oxmoe.median_s),
+                format_tflops(r.case.flops, r.dense.timing.median_s), f"{100 * self.ratio:.0f}%",
                 "ok" if self.goal_met else "MISS", self.jax_cell(),
                 f"{self.jax_ratio:.1f}x" if self.jax_ratio is not None else "-"]
 
     def log_line(self) -> str:
         r = self.result
-        jax_text = (f"jax.lax.ragged_dot {_us(r.jax.median_s)} us ({self.jax_cell()} TFLOP/s, "
+        jax_text = (f"jax.lax.ragged_dot {format_us(r.jax.median_s)} us ({self.jax_cell()} TFLOP/s, "
                     f"{len(r.jax.samples_s)} samples)" if isinstance(r.jax, timing.Timing)
                     else f"jax.lax.ragged_dot {self.jax_cell()}"
                     + (f": {r.jax_error[:300]}" if r.jax_error else ""))
-        return (f"    oxmoe {_us(r.oxmoe.median_s)} us ({_tflops(r.case.flops, r.oxmoe.median_s)} TFLOP/s, "
-                f"{100 * self.ratio:.0f}% of dense {_tflops(r.case.flops, r.dense.timing.median_s)}), {jax_text}, "
+        return (f"    oxmoe {format_us(r.oxmoe.median_s)} us ({format_tflops(r.case.flops, r.oxmoe.median_s)} TFLOP/s, "
+                f"{100 * self.ratio:.0f}% of dense {format_tflops(r.case.flops, r.dense.timing.median_s)}), {jax_text}, "
                 f"R={r.oxmoe.num_sets}, {r.oxmoe.calls_per_sample} call(s) x {len(r.oxmoe.samples_s)} samples, "
                 f"{r.set_bytes / 1e6:.1f} MB per set")
 

@@ -70,7 +70,7 @@ from jax.sharding import PartitionSpec as P
 
 from oxmoe import moe, permutation, router
 from oxmoe.bench import grouped_gemm, timing
-from oxmoe.bench.cases import CheckFailed, Family, rel_err, text_table
+from oxmoe.bench.cases import CheckFailed, Family, error_text, format_tflops, format_us, rel_err, text_table
 from oxmoe.bench.grouped_gemm import OOM, DenseTimes, Shape
 from oxmoe.bench.router import plain_top_experts
 from oxmoe.model_shapes import DEEPSEEK_V3, MIXTRAL, QWEN3_MOE, RouterConfig
@@ -593,7 +593,7 @@ def run_one_device(case: LayerCase, settings: timing.Settings, dense: DenseTimes
     except CheckFailed as e:
         result.failure = f"check failed: {e}"
     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
-        result.failure = grouped_gemm._error_text(e)
+        result.failure = error_text(e)
     return result
 
 
@@ -649,7 +649,7 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
     except CheckFailed as e:
         result.failure = f"check failed: {e}"
     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
-        result.failure = grouped_gemm._error_text(e)
+        result.failure = error_text(e)
     return result
 
 
@@ -660,7 +660,6 @@ def run_case(case: LayerCase, settings: timing.Settings, dense: DenseTimes, seed
 
 # -- the report ---------------------------------------------------------------------
 
-_us, _tflops = grouped_gemm._us, grouped_gemm._tflops
 
 
 class Summary:
@@ -684,7 +683,7 @@ class Summary:
     def plain_cell(self) -> str:
         plain = self.result.plain
         if isinstance(plain, timing.Timing):
-            return _us(plain.median_s)
+            return format_us(plain.median_s)
         return plain or ("-" if self.result.case.layer.devices > 1 else "error")
 
     def row(self) -> list[str]:
@@ -693,8 +692,8 @@ class Summary:
             return [r.case.name, "skipped"] + [""] * 7
         if r.failure:
             return [r.case.name, "FAILED"] + [""] * 7
-        return [r.case.name, _us(r.oxmoe.median_s), _tflops(r.case.flops, r.oxmoe.median_s),
-                _tflops(r.case.flops, r.dense_s), f"{100 * self.ratio:.0f}%",
+        return [r.case.name, format_us(r.oxmoe.median_s), format_tflops(r.case.flops, r.oxmoe.median_s),
+                format_tflops(r.case.flops, r.dense_s), f"{100 * self.ratio:.0f}%",
                 "-" if self.goal_met is None else "ok" if self.goal_met else "MISS", self.plain_cell(),
                 f"{self.speedup:.1f}x" if self.speedup is not None else "-", f"{self.max_rel_err:.1e}"]
 
@@ -705,7 +704,7 @@ class Summary:
         rows = [["part (per device)", "us", "x step", "% of step"]]
         for part in r.breakdown:
             t = part.timing.median_s
-            rows.append([part.name, _us(t), "-" if part.per_step is None else str(part.per_step),
+            rows.append([part.name, format_us(t), "-" if part.per_step is None else str(part.per_step),
                          f"{100 * t * (part.per_step or 1) / step_s:.0f}%"])
         return text_table(rows)
 
@@ -715,14 +714,14 @@ class Summary:
             return f"    skipped: {r.skipped}"
         plain = r.plain
         if isinstance(plain, timing.Timing):
-            plain_text = (f"plain JAX {_us(plain.median_s)} us ({_tflops(r.case.flops, plain.median_s)} TFLOP/s, "
+            plain_text = (f"plain JAX {format_us(plain.median_s)} us ({format_tflops(r.case.flops, plain.median_s)} TFLOP/s, "
                           f"{len(plain.samples_s)} samples), ")
         elif r.plain_error:
             plain_text = f"plain JAX {self.plain_cell()}: {r.plain_error[:300]}, "
         else:
             plain_text = ""
-        return (f"    oxmoe {_us(r.oxmoe.median_s)} us ({_tflops(r.case.flops, r.oxmoe.median_s)} TFLOP/s, "
-                f"{100 * self.ratio:.0f}% of dense {_tflops(r.case.flops, r.dense_s)}), {plain_text}"
+        return (f"    oxmoe {format_us(r.oxmoe.median_s)} us ({format_tflops(r.case.flops, r.oxmoe.median_s)} TFLOP/s, "
+                f"{100 * self.ratio:.0f}% of dense {format_tflops(r.case.flops, r.dense_s)}), {plain_text}"
                 f"check at {r.check_tokens} tokens: max rel err {self.max_rel_err:.1e}, "
                 f"R={r.oxmoe.num_sets}, {r.oxmoe.calls_per_sample} call(s) x {len(r.oxmoe.samples_s)} samples, "
                 f"{r.set_bytes / 1e6:.1f} MB per set")
