@@ -9,6 +9,10 @@ import json
 import sys
 
 
+def _cases(results: dict, family: str) -> list[dict]:
+    return [case for case in results["cases"] if case["family"] == family]
+
+
 def table(results: dict, family: str) -> str:
     goals = results["families"][family]["goals"]
     lines = [
@@ -16,9 +20,7 @@ def table(results: dict, family: str) -> str:
         f"| plain JAX µs | speedup (goal ≥ {goals['min_speedup']:g}) |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for case in results["cases"]:
-        if case["family"] != family:
-            continue
+    for case in _cases(results, family):
         ours, plain = case["oxmoe"], case["plain_jax"]
         if ours is None:
             lines.append(f"| {case['name']} | FAILED | | | | | | | |")
@@ -39,9 +41,7 @@ def gemm_table(results: dict, family: str) -> str:
         "| jax.lax.ragged_dot TFLOP/s | × ragged_dot |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for case in results["cases"]:
-        if case["family"] != family:
-            continue
+    for case in _cases(results, family):
         ours = case["oxmoe"]
         if ours is None or case["dense"] is None:
             lines.append(f"| {case['name']} | FAILED | | | | | | |")
@@ -67,9 +67,7 @@ def layer_table(results: dict, family: str) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     breakdowns = []
-    for case in results["cases"]:
-        if case["family"] != family:
-            continue
+    for case in _cases(results, family):
         if case["skipped"] or case["failure"]:
             lines.append(f"| {case['name']} | {'skipped: ' + case['skipped'] if case['skipped'] else 'FAILED'} "
                          "| | | | | |")
