@@ -1,0 +1,194 @@
+"""The training job (python -m oxmoe.train): its data, its model against a plain-JAX
+forward written here, its expert-bias step, its command line, and one short run end to end
+whose summary and plots are checked against the shipped text and the run's own numbers."""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import pathlib
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("flax")
+pytest.importorskip("matplotlib")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+
+import moe_reference  # noqa: E402
+from oxmoe import train  # noqa: E402
+from oxmoe.moe import MoEConfig  # noqa: E402
+
+HIGHEST = jax.lax.Precision.HIGHEST
+PLAYS = pathlib.Path(train.__file__).parent / "data" / "shakespeare"
+
+
+def test_corpus_is_every_play_split_ninety_ten():
+    corpus = train.load_corpus()
+    plays = sorted(PLAYS.glob("*.txt"))
+    assert len(plays) == 8 and corpus.sources == tuple(p.name for p in plays)
+    texts = [p.read_bytes() for p in plays]
+    cuts = [int(len(t) * 0.9) for t in texts]
+    assert corpus.train.tobytes() == b"".join(t[:c] for t, c in zip(texts, cuts))
+    assert corpus.validation.tobytes() == b"".join(t[c:] for t, c in zip(texts, cuts))
+
+
+def test_unigram_baseline_is_the_entropy_of_the_byte_frequencies():
+    validation = train.load_corpus().validation
+    counts = collections.Counter(validation.tobytes())
+    n = len(validation)
+    expected = -sum(c / n * math.log(c / n) for c in counts.values())
+    assert train.unigram_entropy(validation) == pytest.approx(expected, rel=1e-12)
+    assert 3.0 < expected < 3.6  # English letters, spaces and newlines: about 4.7 bits
+
+
+def test_windows_are_consecutive_bytes(rng):
+    data = (np.arange(10_000) % 251).astype(np.uint8)
+    windows = train.sample_windows(data, rng, batch=64, length=33)
+    assert windows.shape == (64, 34) and windows.dtype == np.int32
+    np.testing.assert_array_equal(np.diff(windows, axis=1) % 251, 1)
+
+
+def test_running_mean_and_imbalance(rng):
+    values = rng.normal(size=(50, 3))
+    expected = np.stack([values[max(0, i - 6):i + 1].mean(0) for i in range(50)])
+    np.testing.assert_allclose(train.running_mean(values, 7), expected, rtol=1e-12)
+    counts = rng.integers(0, 100, size=(4, 8))
+    np.testing.assert_allclose(train.imbalance(counts), counts.max(1) / counts.mean(1), rtol=1e-12)
+
+
+def _mesh(size):
+    return jax.make_mesh((size,), (train.EXPERT_AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
+                         devices=jax.devices("cpu")[:size])
+
+
+def _model(rng, moe_config, *, devices=2, layers=2, hidden=64, heads=4, ffn=32, seq_len=32):
+    config = train.ModelConfig(layers=layers, hidden=hidden, heads=heads, ffn=ffn, seq_len=seq_len, moe=moe_config)
+    model, optimizer = train.create_model(config, _mesh(devices), int(rng.integers(1 << 30)), optax.sgd(0.1))
+    return config, model, optimizer
+
+
+def _rms_norm(x, scale):
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def _reference_logits(model, config, tokens):
+    """The model's forward written out: byte and position embeddings, per block RMS-normed
+    causal attention and the dense MoE reference, a final norm, the embedding transposed."""
+    heads, (b, s) = config.heads, tokens.shape
+    embedding = model.embed.embedding[...]
+    x = embedding[tokens] + model.positions.embedding[...][:s]
+    for block in model.blocks:
+        h = _rms_norm(x, block.attention_norm.scale[...])
+        qkv = jnp.dot(h, block.attention.qkv.kernel[...], precision=HIGHEST).reshape(b, s, 3, heads, -1)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+        scores = jnp.einsum("bqhd,bkhd->bhqk", q, k, precision=HIGHEST) / math.sqrt(q.shape[-1])
+        scores = jnp.where(jnp.tril(jnp.ones((s, s), bool)), scores, -jnp.inf)
+        attended = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v, precision=HIGHEST)
+        x = x + jnp.dot(attended.reshape(b, s, -1), block.attention.out.kernel[...], precision=HIGHEST)
+        moe = block.moe
+        params = moe_reference.Params(gate=moe.gate[...], up=moe.up[...], down=moe.down[...],
+                                      expert_bias=None if moe.expert_bias is None else moe.expert_bias[...])
+        y, _ = moe_reference.moe(_rms_norm(x, block.moe_norm.scale[...]), params, config.moe)
+        x = x + y
+    return jnp.dot(_rms_norm(x, model.final_norm.scale[...]), embedding.T, precision=HIGHEST)
+
+
+@pytest.mark.parametrize("routing", ["softmax", "sigmoid"])
+def test_model_matches_a_plain_jax_forward(rng, routing):
+    moe_config = MoEConfig(num_experts=8, topk=2, score_function=routing, use_expert_bias=routing == "sigmoid",
+                           num_groups=4 if routing == "sigmoid" else None, group_topk=2 if routing == "sigmoid" else None,
+                           dtype=jnp.float32)
+    config, model, _ = _model(rng, moe_config)
+    if routing == "sigmoid":  # a bias that changes the choice of experts
+        for block in model.blocks:
+            block.moe.expert_bias[...] = jnp.asarray(rng.normal(0, 0.5, 8), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 256, (4, 32)), jnp.int32)
+    logits, auxes = model(tokens)
+    expected = _reference_logits(model, config, tokens)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=2e-4, atol=2e-4)
+    assert len(auxes) == 2 and all(int(a.tokens_per_expert.sum()) == 4 * 32 * 2 for a in auxes)
+
+
+def test_train_step_moves_the_expert_bias_by_the_returned_counts(rng):
+    moe_config = MoEConfig(num_experts=8, topk=2, score_function="sigmoid", use_expert_bias=True, dtype=jnp.float32)
+    _, model, optimizer = _model(rng, moe_config, devices=4)
+    windows = jnp.asarray(rng.integers(0, 256, (8, 33)), jnp.int32)
+    before = [np.asarray(block.moe.expert_bias[...]) for block in model.blocks]
+    byte_loss, moe_loss, counts = train.train_step(model, optimizer, windows, jnp.float32(0.01))
+    counts = np.asarray(counts)
+    assert counts.shape == (2, 8) and (counts.sum(1) == 8 * 32 * 2).all()
+    for block, old, layer_counts in zip(model.blocks, before, counts):
+        expected = old + 0.01 * np.sign(layer_counts.mean() - layer_counts)
+        np.testing.assert_allclose(np.asarray(block.moe.expert_bias[...]), expected, rtol=1e-6)
+    assert float(moe_loss) == 0.0  # sigmoid routing defaults to no aux loss, and z-loss is off here
+    assert 5.0 < float(byte_loss) < 6.5  # untrained: about log(256) = 5.55
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--heads", "3"], "--heads 3 must divide --hidden 128"),
+    (["--steps", "0"], "--steps must be at least 1"),
+])
+def test_bad_flags_are_named(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        train.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_devices_must_divide_experts_and_batch():
+    with pytest.raises(SystemExit, match="--experts 6 is not a multiple of the 4 devices"):
+        train.make_mesh(4, 6, 8)
+    with pytest.raises(SystemExit, match="--batch 6 is not a multiple of the 4 devices"):
+        train.make_mesh(4, 8, 6)
+
+
+def test_bad_routing_is_named():
+    args = train.parse_args(["--groups", "3", "--group-topk", "1"])
+    with pytest.raises(SystemExit, match="bad routing options: .*groups"):
+        train.moe_config(args, jnp.float32)
+
+
+def _png_size(path: pathlib.Path) -> tuple[int, int]:
+    header = path.read_bytes()[:24]
+    assert header[:8] == b"\x89PNG\r\n\x1a\n" and header[12:16] == b"IHDR"
+    return struct.unpack(">II", header[16:24])
+
+
+def test_a_short_run_learns_and_reports_it(tmp_path):
+    """Sigmoid routing with groups, experts split over 4 virtual CPU devices, 60 steps."""
+    out = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the job picks its own device count
+    env["JAX_PLATFORMS"] = "cpu"
+    command = [sys.executable, "-m", "oxmoe.train", "--steps", "60", "--batch", "16", "--seq-len", "64",
+               "--eval-every", "30", "--experts", "8", "--topk", "2", "--routing", "sigmoid", "--groups", "4",
+               "--group-topk", "2", "--devices", "4", "--out", str(out)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+
+    validation = train.load_corpus().validation
+    loss = summary["loss"]
+    assert loss["unigram_baseline"] == pytest.approx(train.unigram_entropy(validation), rel=1e-12)
+    assert [step for step, _ in loss["validation"]] == [0, 30, 60]
+    assert loss["validation"][0][1] == pytest.approx(math.log(256), abs=0.5)  # untrained
+    assert loss["final_validation"] < loss["unigram_baseline"] - 0.1, loss["validation"]
+    assert len(loss["train"]) == 60 and loss["final_train"] == pytest.approx(np.mean(loss["train"][-6:]))
+    assert summary["devices"] == 4 and summary["model"]["routing"] == "sigmoid"
+    assert summary["training"]["tokens_per_step"] == 16 * 64 and summary["training"]["tokens_per_second"] > 0
+
+    share = np.asarray(summary["load_balance"]["expert_share_final"])
+    assert share.shape == (2, 8)
+    np.testing.assert_allclose(share.sum(1), 1, rtol=1e-12)
+    np.testing.assert_allclose(summary["load_balance"]["imbalance_final"], share.max(1) * 8, rtol=1e-9)
+    assert f"{loss['final_validation']:.3f}" in run.stderr and "below the unigram baseline" in run.stderr
+
+    assert _png_size(out / "loss.png") == (960, 540)
+    assert _png_size(out / "expert_share.png") == (1320, int((2.6 * 2 + 0.6) * 120))
