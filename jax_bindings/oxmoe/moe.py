@@ -376,12 +376,17 @@ class Exchange:
     group_sizes: jax.Array
     """``[El]`` int32: the received rows of each local expert (the grouped GEMM's sizes)."""
     axis: str
+    """The ``shard_map`` axis the experts are split over."""
     shards: int
+    """``n``, the size of that axis."""
     capacity: int
+    """The rows of one slot: the most one shard can send another."""
     method: str
+    """``"all_to_all"`` or ``"ragged_all_to_all"``: the collective that moves the rows."""
 
     @property
     def local_experts(self) -> int:
+        """``El``, the experts this shard owns."""
         return self.group_sizes.shape[0]
 
     def _sorted_chunks(self):
@@ -627,7 +632,9 @@ class Residuals:
     """``[R, H]``: the expert rows in this shard's own dispatch layout, the ones
     the weights multiplied (not the rows of the experts this shard computed)."""
     x_shape: tuple[int, ...]
+    """The layer input's shape, to give its gradient."""
     x_dtype: Any
+    """The layer input's dtype, to give its gradient."""
 
 
 def _check_params(params, config: MoEConfig, axes: _Axes, hidden: int) -> None:
