@@ -1,4 +1,4 @@
-"""Prints the Markdown tables, one per family, of a benchmark JSON (`python -m oxmoe.bench --json`):
+"""Prints the Markdown tables, one per family, of a benchmark's results.json (`python -m oxmoe.bench`):
 bytes against the copy ceiling for router and permutation, TFLOP/s against a dense GEMM for
 grouped_gemm and the MoE layer (with the expert-parallel cases' breakdown).
 

@@ -1,7 +1,8 @@
 """`python -m oxmoe.bench --smoke` runs every case of every family (router, permutation,
 grouped_gemm, moe_layer), finds oxmoe in agreement with plain JAX (grouped_gemm: with the
-float32 reference) on each, times it and its baselines, writes every number to its JSON report
-and prints one table per family.
+float32 reference) on each, times it and its baselines, writes every number (results.json) and a
+chart of each case against the device's ceiling (chart.png) to its output folder, and prints
+one table per family.
 
 The benchmark runs in a subprocess, as CI and a user run it: from this checkout's
 `jax_bindings` (the benchmark is not part of an installed package), with the native
@@ -12,10 +13,12 @@ GPU machine the GPU).
 """
 
 import dataclasses
+import io
 import json
 import os
 import pathlib
 import re
+import struct
 import subprocess
 import sys
 
@@ -26,6 +29,8 @@ import pytest
 
 import oxmoe
 from oxmoe import _library
+from oxmoe.bench import __main__ as bench_main
+from oxmoe.bench import chart
 from oxmoe.bench import grouped_gemm as bench_gemm
 from oxmoe.bench import moe as bench_moe
 from oxmoe.bench import timing
@@ -75,17 +80,31 @@ def run_bench(*args: str, host_devices: int | None = None) -> subprocess.Complet
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
-def run_smoke(json_path: pathlib.Path) -> subprocess.CompletedProcess:
-    return run_bench("--smoke", "--json", str(json_path))
-
-
-def test_smoke_run_checks_and_times_every_case(tmp_path):
-    json_path = tmp_path / "bench.json"
-    result = run_smoke(json_path)
+def read_report(result: subprocess.CompletedProcess, out: pathlib.Path) -> dict:
+    """The results.json of a benchmark run that succeeded."""
     assert result.returncode == 0, (
         f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
+    return json.loads((out / "results.json").read_text())
 
-    report = json.loads(json_path.read_text())
+
+@dataclasses.dataclass(frozen=True)
+class SmokeRun:
+    result: subprocess.CompletedProcess
+    out: pathlib.Path
+    """The --out folder."""
+    report: dict
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> SmokeRun:
+    """The whole smoke run, once for the tests that read it; --out a folder not yet there."""
+    out = tmp_path_factory.mktemp("bench") / "runs" / "smoke"
+    result = run_bench("--smoke", "--out", str(out))
+    return SmokeRun(result, out, read_report(result, out))
+
+
+def test_smoke_run_checks_and_times_every_case(smoke_run):
+    result, report = smoke_run.result, smoke_run.report
     assert report["smoke"] is True
     assert report["oxmoe_build_id"] == oxmoe.build_id()
     assert report["jax_version"] == jax.__version__
@@ -139,6 +158,97 @@ def test_smoke_run_checks_and_times_every_case(tmp_path):
 
     check_grouped_gemm_cases(report)
     check_moe_layer_cases(report, blocks[-1], MOE_LAYER_CASES)
+
+    # stderr is not a terminal here: plain log lines (no live bar), one per case in order,
+    # and last the paths of what the run wrote.
+    log = result.stderr.splitlines()
+    assert "\x1b" not in result.stderr
+    names = [case["name"] for case in report["cases"]]
+    assert [line for line in log if re.match(r"\[\d+/\d+\] ", line)] == [
+        f"[{n}/{len(names)}] {name} ..." for n, name in enumerate(names, 1)]
+    assert log[-2:] == [f"wrote {smoke_run.out / 'results.json'}", f"wrote {smoke_run.out / 'chart.png'}"]
+
+
+#: The goals of the issue, as fractions of each family's ceiling (router: within 2x the byte floor).
+GOALS = {"router": 0.5, "permutation": 0.75, "grouped_gemm": 0.8, "moe_layer": 0.6}
+
+
+def _expected_chart_rows(report: dict) -> list[tuple]:
+    """(family, case, oxmoe, baseline, goal) from a report's raw numbers: GB/s over the copy's
+    GB/s, or TFLOP/s over the dense GEMMs' TFLOP/s; None where nothing was timed."""
+    copy_gbps = report["copy"]["bytes"] / report["copy"]["median_us"] / 1e3
+    rows = []
+    for case in report["cases"]:
+        family = case["family"]
+        baseline = case["ragged_dot" if family == "grouped_gemm" else "plain_jax"]
+        timings = [case["oxmoe"], baseline if isinstance(baseline, dict) else None]
+        if family in ("router", "permutation"):
+            fractions = [t and case["bytes"] / t["median_us"] / 1e3 / copy_gbps for t in timings]
+        elif case["oxmoe"] is None:
+            fractions = [None, None]
+        else:
+            dense_tflops = case["flops"] / case["dense"]["median_us"] / 1e6
+            fractions = [t and case["flops"] / t["median_us"] / 1e6 / dense_tflops for t in timings]
+        rows.append((family, case["name"], *fractions, GOALS[family]))
+    return rows
+
+
+def test_smoke_run_charts_each_case_against_its_ceiling(smoke_run):
+    """chart.png: per case oxmoe's and the baseline's speed over the ceiling of the same run, the
+    numbers of chart_rows; a PNG of the figure's size at its dpi, with room for every case."""
+    report = smoke_run.report
+    rows = chart.chart_rows(report)
+    expected = _expected_chart_rows(report)
+    assert [(row.family, row.case, row.goal) for row in rows] == [(f, c, goal) for f, c, _, _, goal in expected]
+    for row, (_, _, *fractions, _) in zip(rows, expected):
+        for got, want in zip((row.oxmoe_fraction, row.plain_fraction), fractions):
+            assert got == (None if want is None else pytest.approx(want, rel=1e-9)), row.case
+    assert all(row.oxmoe_fraction > 0 for row in rows if row.case != MOE_EP_CASE)
+
+    png = (smoke_run.out / "chart.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", png[16:24])
+    width_in, height_in = chart.figure_size(rows)
+    assert abs(width - width_in * chart.DPI) < 1 and abs(height - height_in * chart.DPI) < 1
+    assert height / len(rows) >= 36  # pixels per case's two bars: legible
+
+
+def test_without_matplotlib_the_error_names_the_extra(monkeypatch, tmp_path):
+    """No chart without matplotlib, and no run: the benchmark stops before it measures."""
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)  # import fails
+    with pytest.raises(ImportError, match=r"pip install 'oxmoe\[tools\]'"):
+        chart.write_chart({}, tmp_path / "chart.png")
+    with pytest.raises(SystemExit, match=r"matplotlib: pip install 'oxmoe\[tools\]'"):
+        bench_main.main(["--smoke", "--only", "aux_loss", "--out", str(tmp_path / "out")])
+    assert list(tmp_path.iterdir()) == []
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_a_live_bar_under_the_log_lines(monkeypatch, tmp_path):
+    """On a terminal the log lines print above a live bar of the cases done; the run writes to
+    ./oxmoe-bench by default."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "160")  # the terminal's width: room for the bar and the case's name
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    name = "aux_loss E=256 bf16 fwd"
+    assert bench_main.main(["--smoke", "--only", name]) == 0
+
+    report = json.loads((tmp_path / "oxmoe-bench" / "results.json").read_text())
+    assert [case["name"] for case in report["cases"]] == [name]
+    assert (tmp_path / "oxmoe-bench" / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    screen = terminal.getvalue()
+    assert "\x1b[" in screen  # drawn with escape codes
+    lines = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", line).strip() for line in re.split(r"[\r\n]+", screen)]
+    logged = [f"[1/1] {name} ...", "wrote oxmoe-bench/results.json", "wrote oxmoe-bench/chart.png"]
+    assert [line for line in lines if line in logged] == logged
+    bars = [line for line in lines if re.search(r"\d/1 cases", line)]  # cases done, elapsed, what runs
+    assert any(re.search(rf"0/1 cases \d:\d\d:\d\d left \S+ {re.escape(name)}$", line) for line in bars), bars
+    assert re.search(r"1/1 cases \d:\d\d:\d\d left \S+ done$", bars[-1]), bars[-1]
 
 
 def _sizes(case: dict) -> list[np.ndarray]:
@@ -360,11 +470,8 @@ def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
 def test_moe_layer_expert_parallel_case_on_four_devices(tmp_path):
     """With 8 host devices the expert-parallel case runs (over the first 4, exchange "auto":
     all_to_all on a CPU): checked against plain JAX on one device, timed with its breakdown."""
-    json_path = tmp_path / "bench.json"
-    result = run_bench("--smoke", "--only", MOE_EP_CASE, "--json", str(json_path), host_devices=8)
-    assert result.returncode == 0, (
-        f"exit {result.returncode}\nstdout:\n{result.stdout[-4000:]}\nstderr:\n{result.stderr[-4000:]}")
-    report = json.loads(json_path.read_text())
+    result = run_bench("--smoke", "--only", MOE_EP_CASE, "--out", str(tmp_path), host_devices=8)
+    report = read_report(result, tmp_path)
     assert list(report["families"]) == ["moe_layer"]
     check_moe_layer_cases(report, result.stdout.rstrip().split("\n\n")[-1], [MOE_EP_CASE])
 

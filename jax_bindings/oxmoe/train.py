@@ -36,6 +36,7 @@ import optax
 from flax import nnx
 
 import oxmoe
+from oxmoe._progress import Progress
 from oxmoe.moe import MoEConfig
 from oxmoe.nnx import MoE
 
@@ -278,42 +279,6 @@ def imbalance(tokens_per_expert: np.ndarray) -> np.ndarray:
     return counts.max(-1) / np.maximum(counts.mean(-1), 1e-9)
 
 
-class ProgressBar:
-    """A rich progress bar on a terminal; on anything else (a log file, CI) a line every 5% of steps."""
-
-    def __init__(self, steps: int):
-        from rich.console import Console
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, \
-            TimeRemainingColumn
-
-        self.steps = steps
-        self.console = Console(stderr=True)
-        self.every = max(1, steps // 20)
-        self.bar = None
-        if self.console.is_terminal:
-            self.bar = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                                TextColumn("eta"), TimeRemainingColumn(), TextColumn("{task.fields[stats]}"),
-                                console=self.console)
-            self.task = self.bar.add_task("training", total=steps, stats="compiling")
-            self.bar.start()
-
-    def log(self, message: str) -> None:
-        if self.bar is not None:
-            self.console.print(message, highlight=False)
-        else:  # unwrapped, one line per message
-            print(message, file=sys.stderr, flush=True)
-
-    def update(self, done: int, stats: str) -> None:
-        if self.bar is not None:
-            self.bar.update(self.task, completed=done, stats=stats)
-        elif done % self.every == 0 or done == self.steps:
-            self.log(f"step {done}/{self.steps}  {stats}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 def parameter_counts(model: MoELanguageModel, config: ModelConfig) -> tuple[int, int]:
     """The parameters in all, and those a token uses (its top-k experts of each layer)."""
     total = sum(p.size for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
@@ -343,53 +308,57 @@ def train(args: argparse.Namespace) -> dict:
         jax.NamedSharding(mesh, jax.P(None, EXPERT_AXIS)))
     tokens_per_step = args.batch * args.seq_len
     device = jax.devices()[0]
-    progress = ProgressBar(args.steps)
-    progress.log(f"oxmoe {oxmoe.build_id()}: {config.layers} blocks, H={config.hidden}, {args.experts} experts "
-                 f"(top-{args.topk}, {args.routing}) of F={config.ffn} over {mesh.size} {device.device_kind} "
-                 f"device(s), {total_params / 1e6:.2f}M parameters ({active_params / 1e6:.2f}M per token), "
-                 f"{dtype.name}; {len(corpus.train) / 1e6:.2f} MB of Shakespeare, unigram baseline "
-                 f"{baseline:.3f} nats/byte")
-
+    log_every = max(1, args.steps // 20)  # without a live bar: a line every 5% of the steps
     losses, moe_losses, step_seconds = [], [], []
     tokens_per_expert = np.zeros((args.steps, args.layers, args.experts), np.int64)
     validation_losses = []  # (step, loss)
-    clock = time.perf_counter()
 
-    def evaluate(step):
-        nonlocal clock
-        validation_losses.append((step, float(validation_loss(model, validation))))
-        clock = time.perf_counter()  # the evaluation is not training time
+    with Progress(args.steps, "steps") as progress:
+        progress.log(f"oxmoe {oxmoe.build_id()}: {config.layers} blocks, H={config.hidden}, {args.experts} experts "
+                     f"(top-{args.topk}, {args.routing}) of F={config.ffn} over {mesh.size} {device.device_kind} "
+                     f"device(s), {total_params / 1e6:.2f}M parameters ({active_params / 1e6:.2f}M per token), "
+                     f"{dtype.name}; {len(corpus.train) / 1e6:.2f} MB of Shakespeare, unigram baseline "
+                     f"{baseline:.3f} nats/byte")
+        progress.running("compiling")
+        clock = time.perf_counter()
 
-    def record(step, result):
-        nonlocal clock
-        byte_loss, moe_loss, counts = jax.device_get(result)
-        now = time.perf_counter()
-        step_seconds.append(now - clock)
-        clock = now
-        losses.append(float(byte_loss))
-        moe_losses.append(float(moe_loss))
-        tokens_per_expert[step] = counts
-        recent = slice(max(1, len(step_seconds) - 20), None)  # the first step compiles
-        rate = tokens_per_step / np.mean(step_seconds[recent]) if len(step_seconds) > 1 else 0.0
-        progress.update(step + 1, f"loss {np.mean(losses[-10:]):.3f}  val {validation_losses[-1][1]:.3f} "
-                                  f"(unigram {baseline:.3f})  {rate / 1e3:.1f}k tok/s  "
-                                  f"load max/mean {imbalance(counts).max():.2f}")
+        def evaluate(step):
+            nonlocal clock
+            validation_losses.append((step, float(validation_loss(model, validation))))
+            clock = time.perf_counter()  # the evaluation is not training time
 
-    evaluate(0)
-    pending = None  # the previous step's result, read after the next step is queued
-    bias_rate = jnp.float32(args.bias_rate)
-    step_model = nnx.cached_partial(train_step, model, optimizer)  # walks the module graph once, not every step
-    for step in range(args.steps):
-        windows = jax.device_put(sample_windows(corpus.train, rng, args.batch, args.seq_len), batch_sharding)
-        result = step_model(windows, bias_rate)
-        if pending is not None:
-            record(*pending)
-        pending = (step, result)
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
-            record(*pending)
-            pending = None
-            evaluate(step + 1)
-    progress.close()
+        def record(step, result):
+            nonlocal clock
+            byte_loss, moe_loss, counts = jax.device_get(result)
+            now = time.perf_counter()
+            step_seconds.append(now - clock)
+            clock = now
+            losses.append(float(byte_loss))
+            moe_losses.append(float(moe_loss))
+            tokens_per_expert[step] = counts
+            recent = slice(max(1, len(step_seconds) - 20), None)  # the first step compiles
+            rate = tokens_per_step / np.mean(step_seconds[recent]) if len(step_seconds) > 1 else 0.0
+            stats = (f"loss {np.mean(losses[-10:]):.3f}  val {validation_losses[-1][1]:.3f} "
+                     f"(unigram {baseline:.3f})  {rate / 1e3:.1f}k tok/s  load max/mean {imbalance(counts).max():.2f}")
+            progress.running(stats)
+            progress.advance()
+            if not progress.live and ((step + 1) % log_every == 0 or step + 1 == args.steps):
+                progress.log(f"step {step + 1}/{args.steps}  {stats}")
+
+        evaluate(0)
+        pending = None  # the previous step's result, read after the next step is queued
+        bias_rate = jnp.float32(args.bias_rate)
+        step_model = nnx.cached_partial(train_step, model, optimizer)  # walks the module graph once, not every step
+        for step in range(args.steps):
+            windows = jax.device_put(sample_windows(corpus.train, rng, args.batch, args.seq_len), batch_sharding)
+            result = step_model(windows, bias_rate)
+            if pending is not None:
+                record(*pending)
+            pending = (step, result)
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+                record(*pending)
+                pending = None
+                evaluate(step + 1)
 
     tail = slice(-max(1, args.steps // 10), None)
     steady_seconds = sum(step_seconds[1:])

@@ -1,6 +1,6 @@
 """oxmoe's benchmarks: each kernel family timed against plain JAX and the device's ceiling.
 
-    python -m oxmoe.bench [--smoke] [--json PATH] [--only NAME] [--list]
+    python -m oxmoe.bench [--smoke] [--out DIR] [--only NAME] [--list]
 
 :mod:`oxmoe.bench.timing` holds what every benchmark shares for timing (device
 work from Python, the copy ceiling, byte counts, random inputs);
@@ -8,5 +8,6 @@ work from Python, the copy ceiling, byte counts, random inputs);
 :mod:`oxmoe.bench.router`, :mod:`oxmoe.bench.permutation`,
 :mod:`oxmoe.bench.grouped_gemm` and :mod:`oxmoe.bench.moe` (the whole layer's
 training step, and expert parallelism where there are several devices) the
-families' cases and goals.
+families' cases and goals; :mod:`oxmoe.bench.chart` the chart of a run's results
+(matplotlib); its progress on stderr is :mod:`oxmoe._progress` (rich).
 """

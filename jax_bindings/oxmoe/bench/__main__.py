@@ -1,6 +1,6 @@
-"""Runs oxmoe's benchmarks on the default JAX device and prints one table per family.
+"""Runs oxmoe's benchmarks on the default JAX device: tables, every number and a chart.
 
-    python -m oxmoe.bench [--smoke] [--json PATH] [--only NAME ...] [--list]
+    python -m oxmoe.bench [--smoke] [--out DIR] [--only NAME ...] [--list]
 
 Measures, in one run on one device: the copy bandwidth (the ceiling), then per
 case of each family (router, permutation) oxmoe's time and plain JAX's, per
@@ -8,10 +8,16 @@ case of the grouped GEMM family oxmoe's TFLOP/s, a dense GEMM's and
 jax.lax.ragged_dot's, and per case of the MoE layer family (moe_layer) a training
 step's TFLOP/s, the dense GEMMs' and the plain-JAX layer's (its expert-parallel
 case runs over 4 devices when JAX has them).
-Progress goes to stderr; the results tables are the last thing on stdout, one
-per family, each after its goals line. The exit status is 1 if any case failed
-(an error, or oxmoe disagreeing with plain JAX or with the reference); a missed
-goal is a result, not a failure.
+Progress goes to stderr: a log line per step, and on a terminal a live bar of the
+cases done under them. The run writes every number to DIR/results.json and a chart
+to DIR/chart.png (DIR: ./oxmoe-bench unless --out): per case oxmoe's and the
+plain-JAX baseline's speed as a fraction of the ceiling measured in the same run
+(copy bandwidth; dense GEMM of the same FLOPs), with each family's goal. The chart
+needs matplotlib, the bar rich: pip install 'oxmoe[tools]'.
+The results tables are the last thing on stdout, one per family, each after its
+goals line. The exit status is 1 if any case failed (an error, or oxmoe
+disagreeing with plain JAX or with the reference); a missed goal is a result, not
+a failure.
 """
 
 from __future__ import annotations
@@ -28,24 +34,18 @@ import jaxlib
 
 import oxmoe
 from oxmoe.bench import cases as bench_cases
-from oxmoe.bench import grouped_gemm, moe, permutation, router, timing
+from oxmoe.bench import chart, grouped_gemm, moe, permutation, router, timing
+from oxmoe._progress import Progress
 
 #: The benchmark families, in the order they run.
 FAMILIES = (router.FAMILY, permutation.FAMILY, grouped_gemm.FAMILY, moe.FAMILY)
-
-
-def _log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
+#: What a run writes to its --out folder.
+RESULTS_FILE, CHART_FILE = "results.json", "chart.png"
 
 
 def _mb(num_bytes: int) -> str:
     mb = num_bytes / 1e6
     return f"{mb:.3f}" if mb < 1 else f"{mb:.2f}" if mb < 100 else f"{mb:.0f}"
-
-
-def _gbps(bytes_per_s: float) -> str:
-    gb = bytes_per_s / 1e9
-    return f"{gb:.2f}" if gb < 10 else f"{gb:.0f}"
 
 
 def _mark(met: bool | None) -> str:
@@ -73,9 +73,17 @@ class Summary:
         r, case = self.result, self.result.case
         if r.failure:
             return [case.name, "FAILED", _mb(case.bytes)] + [""] * 7
-        return [case.name, bench_cases.format_us(r.oxmoe.median_s), _mb(case.bytes), _gbps(self.bytes_per_s),
+        return [case.name, bench_cases.format_us(r.oxmoe.median_s), _mb(case.bytes),
+                bench_cases.format_gbps(self.bytes_per_s),
                 f"{100 * self.fraction_of_copy:.0f}%", f"{self.x_floor:.2f}x", bench_cases.format_us(r.plain.median_s),
                 f"{self.speedup:.1f}x", _mark(self.floor_met), _mark(self.speedup_met)]
+
+    def log_line(self) -> str:
+        r = self.result
+        return (f"    oxmoe {bench_cases.format_us(r.oxmoe.median_s)} us ({self.x_floor:.2f}x floor), "
+                f"plain JAX {bench_cases.format_us(r.plain.median_s)} us, R={r.oxmoe.num_sets}, "
+                f"{r.oxmoe.calls_per_sample} call(s) x {len(r.oxmoe.samples_s)} samples"
+                + (f", {_mb(r.set_bytes)} MB per set" if r.set_bytes else ""))
 
     def to_json(self) -> dict:
         r, case = self.result, self.result.case
@@ -127,6 +135,13 @@ class FamilyReport:
                     cases=[s.result.case.name for s in self.summaries])
 
 
+def _copy_line(copy: timing.CopyCeiling) -> str:
+    gbps, t = bench_cases.format_gbps, copy.timing
+    return (f"copy ceiling: {_mb(copy.bytes)} MB read + written in {bench_cases.format_us(t.median_s)} us = "
+            f"{gbps(copy.bytes_per_s)} GB/s (median of {len(t.samples_s)}, "
+            f"{gbps(copy.bytes / t.max_s)}..{gbps(copy.bytes / t.min_s)})")
+
+
 def _describe_device(device) -> str:
     return f"{device.device_kind} ({device.platform})"
 
@@ -145,7 +160,9 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes (" + "; ".join(f"{f.name}: {f.sizes(True)}" for f in FAMILIES)
                         + ") and few repetitions: checks that it runs")
-    parser.add_argument("--json", type=pathlib.Path, metavar="PATH", help="write every number to PATH")
+    parser.add_argument("--out", type=pathlib.Path, metavar="DIR", default=pathlib.Path("oxmoe-bench"),
+                        help=f"write every number to DIR/{RESULTS_FILE} and the chart to DIR/{CHART_FILE} "
+                             "(default: %(default)s)")
     parser.add_argument("--only", action="append", metavar="NAME", default=[],
                         help="run the cases whose name (or family) contains NAME (repeatable), "
                              "e.g. 'deepseek', 'topk bwd', 'permutation', 'grouped_gemm', 'moe_layer'")
@@ -166,47 +183,50 @@ def main(argv=None) -> int:
         print("\n".join(c.name for _, cases in selected for c in cases))
         return 0
 
+    total = sum(len(cases) for _, cases in selected)
+    try:
+        chart.matplotlib_figure()  # missing: fail now, not after the measurements
+        progress = Progress(total, "cases")
+    except ImportError as e:
+        sys.exit(f"python -m oxmoe.bench: {e}")
+
     device = jax.devices()[0]
     started = datetime.datetime.now(datetime.timezone.utc)
     environment = (f"oxmoe {oxmoe.build_id()} on {_describe_device(device)}, jax {jax.__version__}"
                    f"{', smoke' if args.smoke else ''}, {started:%Y-%m-%d %H:%M} UTC")
-    _log(f"oxmoe benchmark: {environment}")
+    with progress:
+        log = progress.log
+        log(f"oxmoe benchmark: {environment}")
 
-    _log(f"[copy] {settings.copy_bytes >> 20} MiB float32 x * 2 ...")
-    copy = timing.copy_ceiling(settings)
-    copy_line = (f"copy ceiling: {_mb(copy.bytes)} MB read + written in {bench_cases.format_us(copy.timing.median_s)} us = "
-                 f"{_gbps(copy.bytes_per_s)} GB/s (median of {len(copy.timing.samples_s)}, "
-                 f"{_gbps(copy.bytes / copy.timing.max_s)}..{_gbps(copy.bytes / copy.timing.min_s)})")
-    _log("    " + copy_line)
+        progress.running("copy ceiling")
+        log(f"[copy] {settings.copy_bytes >> 20} MiB float32 x * 2 ...")
+        copy = timing.copy_ceiling(settings)
+        copy_line = _copy_line(copy)
+        log("    " + copy_line)
 
-    reports = []
-    total, n = sum(len(cases) for _, cases in selected), 0
-    for family, cases in selected:
-        _log(f"{family.name} ({family.sizes(args.smoke)}): {len(cases)} cases")
-        own = family.report(args.smoke) if family.report is not None else None
-        summaries = []
-        for case in cases:
-            n += 1
-            _log(f"[{n}/{total}] {case.name} ...")
-            if own is not None:  # a family with its own runner, progress lines and table
-                own.run(case, settings, _log)
-            else:
-                result = bench_cases.run_case(case, settings)
-                summary = Summary(family, result, copy)
-                summaries.append(summary)
-                if result.failure:
-                    _log(f"    FAILED: {result.failure}")
+        reports = []
+        n = 0
+        for family, cases in selected:
+            log(f"{family.name} ({family.sizes(args.smoke)}): {len(cases)} cases")
+            own = family.report(args.smoke) if family.report is not None else None
+            summaries = []
+            for case in cases:
+                n += 1
+                progress.running(case.name)
+                log(f"[{n}/{total}] {case.name} ...")
+                if own is not None:  # a family with its own runner, progress lines and table
+                    own.run(case, settings, log)
                 else:
-                    _log(f"    oxmoe {bench_cases.format_us(result.oxmoe.median_s)} us ({summary.x_floor:.2f}x floor), "
-                         f"plain JAX {bench_cases.format_us(result.plain.median_s)} us, R={result.oxmoe.num_sets}, "
-                         f"{result.oxmoe.calls_per_sample} call(s) x {len(result.oxmoe.samples_s)} samples"
-                         + (f", {_mb(result.set_bytes)} MB per set" if result.set_bytes else ""))
-            peak = _peak_bytes(device)
-            if peak is not None:
-                _log(f"    peak device memory so far {peak / 1e9:.1f} GB")
-        reports.append(own if own is not None else FamilyReport(family, args.smoke, summaries))
+                    result = bench_cases.run_case(case, settings)
+                    summary = Summary(family, result, copy)
+                    summaries.append(summary)
+                    log(f"    FAILED: {result.failure}" if result.failure else summary.log_line())
+                peak = _peak_bytes(device)
+                if peak is not None:
+                    log(f"    peak device memory so far {peak / 1e9:.1f} GB")
+                progress.advance()
+            reports.append(own if own is not None else FamilyReport(family, args.smoke, summaries))
 
-    if args.json:
         report = dict(
             benchmark="oxmoe", device=device.device_kind, platform=device.platform,
             jax_version=jax.__version__, jaxlib_version=jaxlib.__version__,
@@ -214,9 +234,13 @@ def main(argv=None) -> int:
             settings=dataclasses.asdict(settings), copy=copy.to_json(), device_peak_bytes=_peak_bytes(device),
             families={r.family.name: r.to_json() for r in reports},
             cases=[s.to_json() for r in reports for s in r.summaries])
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(report, indent=1) + "\n")
-        _log(f"wrote {args.json}")
+        args.out.mkdir(parents=True, exist_ok=True)
+        results_path, chart_path = args.out / RESULTS_FILE, args.out / CHART_FILE
+        results_path.write_text(json.dumps(report, indent=1) + "\n")
+        log(f"wrote {results_path}")
+        progress.running("chart")
+        chart.write_chart(report, chart_path)
+        log(f"wrote {chart_path}")
 
     print(f"oxmoe benchmark: {environment}")
     print(copy_line)

@@ -259,6 +259,12 @@ def format_us(seconds: float) -> str:
     return f"{us:.2f}" if us < 10 else f"{us:.1f}" if us < 10_000 else f"{us:,.0f}"
 
 
+def format_gbps(bytes_per_s: float) -> str:
+    """GB/s with two decimals below 10, none above."""
+    gb = bytes_per_s / 1e9
+    return f"{gb:.2f}" if gb < 10 else f"{gb:.0f}"
+
+
 def format_tflops(flops: int, seconds: float) -> str:
     value = flops / seconds / 1e12
     return f"{value:.3g}" if value < 1 else f"{value:.1f}" if value < 100 else f"{value:.0f}"
