@@ -24,7 +24,6 @@ import dataclasses
 import datetime
 import importlib.resources
 import json
-import math
 import pathlib
 import sys
 import time
@@ -200,6 +199,7 @@ def validation_loss(model: MoELanguageModel, windows):
 # --- the run ------------------------------------------------------------------------------------------------------
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked: a bad flag exits with argparse's usage and the reason."""
     parser = argparse.ArgumentParser(prog="python -m oxmoe.train", description=__doc__.split("\n\n")[0],
                                      epilog=__doc__.split("\n\n", 2)[2],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -263,6 +263,7 @@ def make_mesh(requested: int | None, num_experts: int, batch: int) -> jax.shardi
 
 
 def moe_config(args, dtype) -> MoEConfig:
+    """The MoE blocks' configuration from the routing flags (sigmoid routing: the expert bias)."""
     sigmoid = args.routing == "sigmoid"
     aux = args.aux_loss_coeff if args.aux_loss_coeff is not None else 0.0 if sigmoid else 1e-2
     try:
@@ -455,6 +456,7 @@ def write_plots(out: pathlib.Path, summary: dict, tokens_per_expert: np.ndarray)
 
 
 def main(argv=None) -> int:
+    """``python -m oxmoe.train``: exit status 0 when the validation loss ended below the baseline."""
     args = parse_args(argv)
     # Only the CPU backend reads this (before any backend starts): virtual devices to split the experts over.
     jax.config.update("jax_num_cpu_devices", args.devices or 2)

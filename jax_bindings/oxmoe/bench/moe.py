@@ -807,7 +807,7 @@ class Report:
 def _sizes(smoke: bool) -> str:
     layers = SMOKE_LAYERS if smoke else LAYERS
     return ("; ".join(f"{layer.name} {layer.describe()}" for layer in layers)
-            + f"; bf16, SwiGLU, a step = value_and_grad of sum(y * w) + losses")
+            + "; bf16, SwiGLU, a step = value_and_grad of sum(y * w) + losses")
 
 
 FAMILY_NAME = "moe_layer"
