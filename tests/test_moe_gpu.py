@@ -46,11 +46,8 @@ def scaled(tokens: int, hidden: int, ffn: int) -> tuple[int, int, int]:
 
 def config_of(router: model_shapes.RouterConfig, **kwargs) -> MoEConfig:
     """The MoEConfig of a model's routing, bfloat16, with both losses."""
-    fields = dict(num_experts=router.num_experts, topk=router.topk, use_expert_bias=router.use_expert_bias,
-                  **router.topk_kwargs())
-    fields.update(aux_loss_coeff=ref.AUX_LOSS_COEFF, z_loss_coeff=ref.Z_LOSS_COEFF, dtype=BF16)
-    fields.update(kwargs)
-    return MoEConfig(**fields)
+    return router.moe_config(**{**dict(aux_loss_coeff=ref.AUX_LOSS_COEFF, z_loss_coeff=ref.Z_LOSS_COEFF,
+                                       dtype=BF16), **kwargs})
 
 
 @functools.partial(jax.jit, static_argnames=("config", "hidden", "ffn"))

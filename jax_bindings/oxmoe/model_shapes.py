@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from oxmoe.moe import MoEConfig
+
 
 @dataclasses.dataclass(frozen=True)
 class RouterConfig:
@@ -32,6 +34,12 @@ class RouterConfig:
             group_topk=self.group_topk,
             scaling_factor=self.scaling_factor,
         )
+
+    def moe_config(self, **fields) -> MoEConfig:
+        """The :class:`oxmoe.moe.MoEConfig` of this routing, with ``fields`` for the rest (losses,
+        activation, dtype, ...)."""
+        return MoEConfig(num_experts=self.num_experts, topk=self.topk, use_expert_bias=self.use_expert_bias,
+                         **self.topk_kwargs(), **fields)
 
 
 MIXTRAL = RouterConfig("mixtral", num_experts=8, topk=2)

@@ -111,9 +111,8 @@ OXMOE_PRIMITIVES = ("oxmoe_ragged_dot_fwd", "oxmoe_ragged_dot_bwd")
 
 
 def _config(model: RouterConfig, **changes) -> moe.MoEConfig:
-    return moe.MoEConfig(num_experts=model.num_experts, topk=model.topk, use_expert_bias=model.use_expert_bias,
-                         aux_loss_coeff=AUX_LOSS_COEFF, z_loss_coeff=Z_LOSS_COEFF, activation="swiglu",
-                         dtype=DTYPE, **model.topk_kwargs(), **changes)
+    return model.moe_config(**{**dict(aux_loss_coeff=AUX_LOSS_COEFF, z_loss_coeff=Z_LOSS_COEFF,
+                                      activation="swiglu", dtype=DTYPE), **changes})
 
 
 @dataclasses.dataclass(frozen=True)
