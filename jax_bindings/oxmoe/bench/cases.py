@@ -219,12 +219,9 @@ def run_case(case: Case, settings: timing.Settings, seed: int = 0) -> CaseResult
         ox_timing = timing.measure(ox_run, ox_sets, settings)
         plain_timing = timing.measure(plain_run, plain_sets, settings)
         return CaseResult(case, ox_timing, plain_timing, errors, primitive_calls, set_bytes)
-    except CheckFailed as e:
-        return CaseResult(case, errors=errors, primitive_calls=primitive_calls, set_bytes=set_bytes,
-                          failure=f"check failed: {e}")
     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
         return CaseResult(case, errors=errors, primitive_calls=primitive_calls, set_bytes=set_bytes,
-                          failure=error_text(e))
+                          failure=failure_text(e))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +248,11 @@ def error_text(error: BaseException, limit: int = 2000) -> str:
     lines = traceback.format_exception_only(type(error), error)
     text = " ".join(line.strip() for line in lines)
     return text if len(text) <= limit else f"{text[:limit // 2]} ... {text[-limit // 2:]}"
+
+
+def failure_text(error: BaseException) -> str:
+    """How a case that stopped reads in its result: a failed check, or the error that stopped it."""
+    return f"check failed: {error}" if isinstance(error, CheckFailed) else error_text(error)
 
 
 def format_us(seconds: float) -> str:
