@@ -117,7 +117,7 @@ class FamilyReport:
         self.speedup = [s.speedup_met for s in summaries if s.speedup_met is not None]
 
     def heading(self) -> str:
-        return f"{self.family.name}: {self.family.sizes(self.smoke)}{' (smoke)' if self.smoke else ''}"
+        return bench_cases.family_heading(self.family, self.smoke)
 
     def goals_line(self) -> str:
         goals = self.family.goals

@@ -237,10 +237,46 @@ class Family:
     """``smoke -> the sizes in words`` (e.g. ``T=65536``), for the table's heading."""
     report: Callable[[bool], Any] | None = None
     """A family whose cases are not timed against a byte floor and plain JAX (e.g.
-    :mod:`oxmoe.bench.grouped_gemm`) runs them itself: ``smoke ->`` an object with
+    :mod:`oxmoe.bench.grouped_gemm`) runs them itself: ``smoke ->`` an :class:`OwnCasesReport`, with
     ``run(case, settings, log)`` and what ``__main__.FamilyReport`` has (``summaries``,
     ``failed``, ``heading()``, ``goals_line()``, ``table()``, ``to_json()``).
     None: :func:`run_case` runs each case, ``__main__`` prints the byte-floor table."""
+
+
+def family_heading(family: Family, smoke: bool) -> str:
+    """The line above a family's goals and table: its name and sizes."""
+    return f"{family.name}: {family.sizes(smoke)}{' (smoke)' if smoke else ''}"
+
+
+class OwnCasesReport:
+    """Base of the report of a family that runs its own cases (:attr:`Family.report`).
+
+    :meth:`run` runs a case with the subclass's ``run_case(case, settings, shared)``, keeps its
+    ``summary(result)`` and logs its line; ``shared``, made by the subclass's ``new_shared()``,
+    lives for the whole run (the GEMM families' dense timings, measured once per shape).
+    Subclasses add ``goals_line()``, ``table()`` and ``to_json()``.
+    """
+
+    run_case: Callable
+    summary: Callable
+    new_shared: Callable
+
+    def __init__(self, family: Family, smoke: bool):
+        self.family, self.smoke, self.shared = family, smoke, self.new_shared()
+        self.summaries: list = []
+
+    def run(self, case, settings: timing.Settings, log: Callable[[str], None]) -> None:
+        result = self.run_case(case, settings, self.shared)
+        summary = self.summary(result)
+        self.summaries.append(summary)
+        log(f"    FAILED: {result.failure}" if result.failure else summary.log_line())
+
+    @property
+    def failed(self) -> list:
+        return [s.result for s in self.summaries if s.result.failure]
+
+    def heading(self) -> str:
+        return family_heading(self.family, self.smoke)
 
 
 def error_text(error: BaseException, limit: int = 2000) -> str:

@@ -61,7 +61,7 @@ import numpy as np
 
 from oxmoe import grouped_gemm
 from oxmoe.bench import timing
-from oxmoe.bench.cases import CheckFailed, Family, error_text, failure_text, format_tflops, format_us, rel_err, text_table
+from oxmoe.bench.cases import CheckFailed, Family, OwnCasesReport, error_text, failure_text, format_tflops, format_us, rel_err, text_table
 
 DTYPE = jnp.dtype(jnp.bfloat16)
 #: The Dirichlet concentration of the group sizes, and the empty groups' share of the second draw.
@@ -635,33 +635,19 @@ _HEADER = ["case", "oxmoe us", "TFLOP/s", "dense TFLOP/s", "% dense", f">={100 *
            "ragged_dot TFLOP/s", "x ragged_dot"]
 
 
-class Report:
+class Report(OwnCasesReport):
     """The family's runner and results: one :class:`Summary` per case run, its goals line
     and table (what :mod:`oxmoe.bench.__main__` prints and writes)."""
 
-    def __init__(self, family: Family, smoke: bool):
-        self.family, self.smoke = family, smoke
-        self.summaries: list[Summary] = []
-        self._dense = DenseTimes()
-
-    def run(self, case: GemmCase, settings: timing.Settings, log: Callable[[str], None]) -> None:
-        result = run_case(case, settings, self._dense)
-        summary = Summary(result)
-        self.summaries.append(summary)
-        log(f"    FAILED: {result.failure}" if result.failure else summary.log_line())
-
-    @property
-    def failed(self) -> list[GemmResult]:
-        return [s.result for s in self.summaries if s.result.failure]
+    run_case = staticmethod(run_case)
+    summary = Summary
+    new_shared = DenseTimes
 
     def _goals(self) -> list[bool]:
         return [s.goal_met for s in self.summaries if s.goal_met is not None]
 
     def _jax(self, outcome) -> list[Summary]:
         return [s for s in self.summaries if not s.result.failure and outcome(s)]
-
-    def heading(self) -> str:
-        return f"{self.family.name}: {self.family.sizes(self.smoke)}{' (smoke)' if self.smoke else ''}"
 
     def goals_line(self) -> str:
         goals = self._goals()

@@ -70,7 +70,7 @@ from jax.sharding import PartitionSpec as P
 
 from oxmoe import moe, permutation, router
 from oxmoe.bench import grouped_gemm, timing
-from oxmoe.bench.cases import CheckFailed, Family, failure_text, format_tflops, format_us, rel_err, text_table
+from oxmoe.bench.cases import CheckFailed, Family, OwnCasesReport, failure_text, format_tflops, format_us, rel_err, text_table
 from oxmoe.bench.grouped_gemm import OOM, DenseTimes, Shape
 from oxmoe.bench.router import plain_top_experts
 from oxmoe.model_shapes import DEEPSEEK_V3, MIXTRAL, QWEN3_MOE, RouterConfig
@@ -743,30 +743,16 @@ _HEADER = ["case", "oxmoe us", "TFLOP/s", "dense TFLOP/s", "% dense", f">={100 *
            "plain JAX us", "x plain JAX", "max rel err"]
 
 
-class Report:
+class Report(OwnCasesReport):
     """The family's runner and results: one :class:`Summary` per case, its goals line and
     tables (what :mod:`oxmoe.bench.__main__` prints and writes)."""
 
-    def __init__(self, family: Family, smoke: bool):
-        self.family, self.smoke = family, smoke
-        self.summaries: list[Summary] = []
-        self._dense = DenseTimes()
-
-    def run(self, case: LayerCase, settings: timing.Settings, log: Callable[[str], None]) -> None:
-        result = run_case(case, settings, self._dense)
-        summary = Summary(result)
-        self.summaries.append(summary)
-        log(f"    FAILED: {result.failure}" if result.failure else summary.log_line())
-
-    @property
-    def failed(self) -> list[LayerResult]:
-        return [s.result for s in self.summaries if s.result.failure]
+    run_case = staticmethod(run_case)
+    summary = Summary
+    new_shared = DenseTimes
 
     def _count(self, keep) -> list[Summary]:
         return [s for s in self.summaries if not s.result.failure and not s.result.skipped and keep(s)]
-
-    def heading(self) -> str:
-        return f"{self.family.name}: {self.family.sizes(self.smoke)}{' (smoke)' if self.smoke else ''}"
 
     def goals_line(self) -> str:
         goals = [s.goal_met for s in self._count(lambda s: s.goal_met is not None)]
