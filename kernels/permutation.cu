@@ -28,8 +28,9 @@ struct RowShape {
   static constexpr int PER = Vec::N;      // elements per vector
   static constexpr int VECTORS = H / PER; // vectors per row
   // Vectors per thread per pass over a row: all of a row when it is short,
-  // else in chunks that keep the registers bounded.
-  static constexpr int PER_THREAD_ALL = (VECTORS + ROW_BLOCK - 1) / ROW_BLOCK;
+  // else in chunks that keep the registers bounded (at least one, so that a
+  // row of no elements, H = 0, compiles and moves nothing).
+  static constexpr int PER_THREAD_ALL = VECTORS > ROW_BLOCK ? (VECTORS + ROW_BLOCK - 1) / ROW_BLOCK : 1;
   static constexpr int PER_THREAD = PER_THREAD_ALL < MAX_PER_THREAD ? PER_THREAD_ALL : MAX_PER_THREAD;
   static constexpr int CHUNK = PER_THREAD * ROW_BLOCK;
 };
@@ -154,7 +155,7 @@ assign_rows(const unsigned char* __restrict__ routing_map, const float* __restri
       const long long room = max(0ll, rows - start);
       tokens_per_expert[e] = static_cast<int>(min(room, padded));
       real_tokens_per_expert[e] = static_cast<int>(min(room, count));
-      pad_offsets[e] = static_cast<int>(start - unpadded_start[e]);
+      pad_offsets[e] = static_cast<int>(min(start - unpadded_start[e], 0x7fffffffll));
     }
   }
 
@@ -189,6 +190,21 @@ struct Routes {
   int count;
   bool invalid;  // an entry that is neither -1 nor a row of the output
 };
+
+// Combine's backward takes its maps from the caller, who may hand it maps no
+// dispatch made: a copy's gradient row is written only by the token that
+// source_tokens names for that row, once (a token listing one row for several
+// experts writes it with their weights summed). scale[i]: the weight of copy
+// i's row; writes[i]: whether copy i writes it.
+template <int E>
+struct CheckedRoutes : Routes<E> {
+  float scale[E];
+  bool writes[E];
+};
+
+// Either<C, A, B>::type is A if C, else B (NVRTC has no <type_traits>).
+template <bool C, typename A, typename B> struct Either { using type = A; };
+template <typename A, typename B> struct Either<false, A, B> { using type = B; };
 
 // Tokens a row-kernel block moves: the copies of up to 4 tokens are listed at
 // once (a warp each), so that only one wait on dest_rows starts their work.
@@ -226,9 +242,9 @@ __device__ __forceinline__ void list_routes(const int* __restrict__ dest_row, in
 }
 
 // Warp w lists the copies of token first + w (for the block's tokens); the block waits.
-template <int E, int TOKENS>
+template <int E, int TOKENS, typename BlockRoutes>
 __device__ __forceinline__ void list_block_routes(const int* __restrict__ dest_rows, int first, int tokens, int rows,
-                                                  Routes<E> (&routes)[TOKENS]) {
+                                                  BlockRoutes (&routes)[TOKENS]) {
   static_assert(TOKENS <= ROW_BLOCK / 32, "a warp per token");
   const int warp = threadIdx.x / 32;
   if (warp < TOKENS && first + warp < tokens)
@@ -236,53 +252,110 @@ __device__ __forceinline__ void list_block_routes(const int* __restrict__ dest_r
   __syncthreads();
 }
 
-// Zeroes the rows of [first, first + ZERO_ROWS) that hold no token.
+// Fills each row r of `mask` (bit i: row first + i) with `value`.
 template <typename T, int H>
-__device__ __forceinline__ void zero_unused_rows(T* __restrict__ out, const int* __restrict__ source_tokens,
-                                                 int rows, long long first) {
+__device__ __forceinline__ void fill_rows(T* __restrict__ out, long long first, unsigned mask, float value) {
   using Shape = RowShape<T, H>;
-  __shared__ unsigned unused;
-  if (threadIdx.x < 32) {
-    const long long r = first + threadIdx.x;
-    const bool empty = threadIdx.x < ZERO_ROWS && r < rows && source_tokens[r] < 0;
-    const unsigned mask = __ballot_sync(0xffffffffu, empty);
-    if (threadIdx.x == 0) unused = mask;
-  }
-  __syncthreads();
-  typename Shape::Vec zero;
+  typename Shape::Vec fill;
 #pragma unroll
-  for (int i = 0; i < Shape::PER; ++i) zero.elems[i] = from_float<T>(0.f);
-  for (unsigned mask = unused; mask; mask &= mask - 1) {
+  for (int i = 0; i < Shape::PER; ++i) fill.elems[i] = from_float<T>(value);
+  for (; mask; mask &= mask - 1) {
     T* row = out + (first + __ffs(mask) - 1) * H;
-    for (int v = threadIdx.x; v < Shape::VECTORS; v += ROW_BLOCK) store_vector<T, H>(row, v, zero);
+    for (int v = threadIdx.x; v < Shape::VECTORS; v += ROW_BLOCK) store_vector<T, H>(row, v, fill);
   }
 }
 
+// Writes the rows of [first, first + ZERO_ROWS) that no token writes: zero
+// where source_tokens is negative. With CHECK_MAP (maps from the caller), zero
+// where it is -1 and NaN where the maps do not agree: a token out of range,
+// or one whose dest_rows row does not list the row.
+template <typename T, int H, int E, bool CHECK_MAP>
+__device__ __forceinline__ void fill_unwritten_rows(T* __restrict__ out, const int* __restrict__ source_tokens,
+                                                    const int* __restrict__ dest_rows, int tokens, int rows,
+                                                    long long first) {
+  __shared__ unsigned zero_mask, nan_mask;
+  if constexpr (!CHECK_MAP) {
+    if (threadIdx.x < 32) {
+      const long long r = first + threadIdx.x;
+      const bool empty = threadIdx.x < ZERO_ROWS && r < rows && source_tokens[r] < 0;
+      const unsigned mask = __ballot_sync(0xffffffffu, empty);
+      if (threadIdx.x == 0) zero_mask = mask;
+    }
+    __syncthreads();
+    fill_rows<T, H>(out, first, zero_mask, 0.f);
+  } else {
+    if (threadIdx.x == 0) zero_mask = nan_mask = 0;
+    __syncthreads();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    for (int i = warp; i < ZERO_ROWS && first + i < rows; i += ROW_BLOCK / 32) {
+      const int r = static_cast<int>(first + i), s = source_tokens[r];
+      bool agrees = false;
+      if (s >= 0 && s < tokens) {
+        for (int e = lane; e < E; e += 32) agrees |= dest_rows[static_cast<size_t>(s) * E + e] == r;
+      }
+      agrees = __any_sync(0xffffffffu, agrees);
+      if (lane == 0 && s == -1) atomicOr(&zero_mask, 1u << i);
+      if (lane == 0 && s != -1 && !agrees) atomicOr(&nan_mask, 1u << i);
+    }
+    __syncthreads();
+    fill_rows<T, H>(out, first, zero_mask, 0.f);
+    fill_rows<T, H>(out, first, nan_mask, __int_as_float(0x7fc00000));
+  }
+}
+
+// With CHECK_MAP: each of the block's copies' scale and writes (see CheckedRoutes).
+template <int E, int TOKENS, bool WEIGHTED>
+__device__ __forceinline__ void check_block_routes(CheckedRoutes<E> (&routes)[TOKENS], const int* __restrict__ source_tokens,
+                                                   const float* __restrict__ weights, int first, int tokens) {
+  for (int k = 0; k < TOKENS && first + k < tokens; ++k) {
+    CheckedRoutes<E>& copies = routes[k];
+    const int t = first + k;
+    for (int i = threadIdx.x; i < copies.count; i += ROW_BLOCK) {
+      const int row = copies.rows[i];
+      bool writes = source_tokens[row] == t;
+      float scale = 0.f;
+      for (int j = 0; j < copies.count && writes; ++j) {
+        if (copies.rows[j] != row) continue;
+        if (j < i) writes = false;  // an earlier copy writes the row
+        else scale += WEIGHTED ? weights[static_cast<size_t>(t) * E + copies.experts[j]] : 1.f;
+      }
+      copies.scale[i] = scale;
+      copies.writes[i] = writes;
+    }
+  }
+  __syncthreads();
+}
+
 // The first blocks (tokens_per_block(E) tokens each): token t's row of `src`
-// to each of its copies' rows of `out`, scaled by weights[t, e] when
-// WEIGHTED; then, when WEIGHTED, the weights' gradient grad_weights[t, e] =
-// <src[t], expert_tokens[row]> (combine's backward). The blocks after them
-// zero the rows no copy uses.
-template <typename T, int H, int E, bool WEIGHTED>
+// to each of its copies' rows of `out` (dispatch); with CHECK_MAP (combine's
+// backward), to the rows it writes (see CheckedRoutes), scaled by its weights
+// when WEIGHTED, and then, when WEIGHTED, the weights' gradient
+// grad_weights[t, e] = <src[t], expert_tokens[row]>. The blocks after them
+// write the rows no token writes (fill_unwritten_rows).
+template <typename T, int H, int E, bool WEIGHTED, bool CHECK_MAP>
 __global__ void __launch_bounds__(ROW_BLOCK)
 scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const int* __restrict__ source_tokens,
              const float* __restrict__ weights, const T* __restrict__ expert_tokens,
              float* __restrict__ grad_weights, T* __restrict__ out, int tokens, int rows) {
+  static_assert(CHECK_MAP || !WEIGHTED, "weighted rows are combine's backward, whose maps are checked");
   using Shape = RowShape<T, H>;
+  using BlockRoutes = typename Either<CHECK_MAP, CheckedRoutes<E>, Routes<E>>::type;
   constexpr int TOKENS = tokens_per_block(E);
   const int token_blocks = (tokens + TOKENS - 1) / TOKENS;
   if (static_cast<int>(blockIdx.x) >= token_blocks) {
-    zero_unused_rows<T, H>(out, source_tokens, rows, static_cast<long long>(blockIdx.x - token_blocks) * ZERO_ROWS);
+    fill_unwritten_rows<T, H, E, CHECK_MAP>(out, source_tokens, dest_rows, tokens, rows,
+                                            static_cast<long long>(blockIdx.x - token_blocks) * ZERO_ROWS);
     return;
   }
-  __shared__ Routes<E> block_routes[TOKENS];
+  __shared__ BlockRoutes block_routes[TOKENS];
   __shared__ float dots[TOKENS][WEIGHTED ? E : 1];
   const int first = blockIdx.x * TOKENS;
-  list_block_routes<E, TOKENS>(dest_rows, first, tokens, rows, block_routes);
+  list_block_routes<E, TOKENS, BlockRoutes>(dest_rows, first, tokens, rows, block_routes);
+  if constexpr (CHECK_MAP) check_block_routes<E, TOKENS, WEIGHTED>(block_routes, source_tokens, weights, first, tokens);
 
   for (int k = 0; k < TOKENS && first + k < tokens; ++k) {
     const int t = first + k;
-    const Routes<E>& routes = block_routes[k];
+    const BlockRoutes& routes = block_routes[k];
     const T* in = src + static_cast<size_t>(t) * H;
     float dot[WEIGHTED ? E : 1];
     if (WEIGHTED) {
@@ -298,24 +371,24 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
       }
       for (int i = 0; i < routes.count; ++i) {
         T* dst = out + static_cast<size_t>(routes.rows[i]) * H;
-        const float w = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i]] : 1.f;
         const T* y = WEIGHTED ? expert_tokens + static_cast<size_t>(routes.rows[i]) * H : nullptr;
         float partial = 0.f;
 #pragma unroll
         for (int j = 0; j < Shape::PER_THREAD; ++j) {
           const int at = chunk + j * ROW_BLOCK + threadIdx.x;
           if (at >= Shape::VECTORS) continue;
-          if constexpr (WEIGHTED) {
-            typename Shape::Vec scaled, other = load_vector<T, H>(y, at);
+          if constexpr (CHECK_MAP) {
+            typename Shape::Vec scaled;
 #pragma unroll
-            for (int e = 0; e < Shape::PER; ++e) {
-              const float g = to_float(v[j].elems[e]);
-              scaled.elems[e] = from_float<T>(w * g);
-              partial += g * to_float(other.elems[e]);
-            }
-            store_vector<T, H>(dst, at, scaled);
+            for (int e = 0; e < Shape::PER; ++e) scaled.elems[e] = from_float<T>(routes.scale[i] * to_float(v[j].elems[e]));
+            if (routes.writes[i]) store_vector<T, H>(dst, at, scaled);
           } else {
             store_vector<T, H>(dst, at, v[j]);
+          }
+          if constexpr (WEIGHTED) {
+            const typename Shape::Vec other = load_vector<T, H>(y, at);
+#pragma unroll
+            for (int e = 0; e < Shape::PER; ++e) partial += to_float(v[j].elems[e]) * to_float(other.elems[e]);
           }
         }
         if (WEIGHTED) dot[i] += partial;
@@ -396,11 +469,12 @@ gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_ro
 // ---- chunk sort ----------------------------------------------------------------------
 
 // Chunk j is max(split_sizes[j], 0) rows of the unsorted layout, cut at
-// `rows`; the sorted layout lists chunk sorted_indices[p] at position p
-// (indices out of range list nothing). !INVERSE (sort_chunks): output row r
-// of the sorted layout copies its row of the unsorted input; INVERSE
+// `rows`; the sorted layout lists chunk sorted_indices[p] at position p, the
+// first position that names it (indices out of range, and repeats, list
+// nothing and take no rows). !INVERSE (sort_chunks): output row r of the
+// sorted layout copies its row of the unsorted input; INVERSE
 // (unsort_chunks): output row r of the unsorted layout copies its row of the
-// sorted input (a chunk listed twice: its first position). Unfilled rows are 0.
+// sorted input. Unfilled rows are 0.
 template <typename T, int H, bool INVERSE>
 __global__ void __launch_bounds__(ROW_BLOCK)
 sort_chunks(const T* __restrict__ in, const int* __restrict__ split_sizes, const int* __restrict__ sorted_indices,
@@ -422,9 +496,12 @@ sort_chunks(const T* __restrict__ in, const int* __restrict__ split_sizes, const
   __syncthreads();
   for (int p = threadIdx.x; p < chunks; p += ROW_BLOCK) {
     const int j = sorted_indices[p];
-    const bool listed = j >= 0 && j < chunks;
-    scan[p] = listed ? length[j] : 0;
-    if (listed) atomicMin(&position[j], p);
+    if (j >= 0 && j < chunks) atomicMin(&position[j], p);
+  }
+  __syncthreads();
+  for (int p = threadIdx.x; p < chunks; p += ROW_BLOCK) {
+    const int j = sorted_indices[p];
+    scan[p] = j >= 0 && j < chunks && position[j] == p ? length[j] : 0;
   }
   __syncthreads();
   block_exclusive_scan<ROW_BLOCK, 1>(scan, chunks);
@@ -451,7 +528,7 @@ sort_chunks(const T* __restrict__ in, const int* __restrict__ split_sizes, const
           if (offset < length[found] && p != 0x7fffffff && sorted_start[p] + offset < rows) from = sorted_start[p] + offset;
         } else {
           const int j = sorted_indices[found];
-          if (j >= 0 && j < chunks && offset < length[j]) from = source_start[j] + offset;
+          if (j >= 0 && j < chunks && position[j] == found && offset < length[j]) from = source_start[j] + offset;
         }
       }
     }

@@ -21,3 +21,10 @@ use std::ffi::c_char;
 pub extern "C" fn oxmoe_build_id() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "+", env!("OXMOE_GIT_COMMIT"), "\0").as_ptr().cast()
 }
+
+/// Whether this process's handlers poison their results before computing them
+/// (`OXMOE_POISON_RESULTS=1`), so a test can check it is testing what it means to.
+#[no_mangle]
+pub extern "C" fn oxmoe_poisons_results() -> bool {
+    ffi::poisons_results()
+}

@@ -145,6 +145,62 @@ CASES = {
         [r"rank|scalar|dim|\[2\]|\(2,?\)"]),
 }
 
+# -- calls no Python wrapper makes: aliased results, extra results, unknown attributes, no
+# experts, offsets past int32 (the handlers' own checks, for callers other than oxmoe). A
+# call whose results are all empty never reaches a handler: XLA skips it.
+
+
+def aliased(target, rets, *args, **attrs):
+    """The call with result 0 in argument 0's memory (input_output_aliases on a donated argument)."""
+    call = jax.ffi.ffi_call(target, rets, input_output_aliases={0: 0})
+    return jax.jit(lambda *a: call(*a, **attrs), donate_argnums=0)(*(jnp.asarray(a) for a in args))
+
+
+ROWS = np.arange(6 * E, dtype=np.float32).reshape(6, E)  # [M, K] = [6, 8]
+SIZES, OFFSET = np.array([2, 4], np.int32), np.zeros((1,), np.int32)
+SPLITS, ORDER = np.array([2, 4], np.int32), np.array([1, 0], np.int32)
+NO_EXPERTS = np.zeros((T, 0), bool)
+
+
+def dispatch_fwd(tokens, routing_map, rows, **attrs):
+    t, e = routing_map.shape
+    per_expert = _spec((e,), jnp.int32)
+    rets = (_spec((rows, tokens.shape[1]), tokens.dtype), _spec((t, e), jnp.int32), _spec((rows,), jnp.int32),
+            per_expert, per_expert, per_expert)
+    return _call("oxmoe_dispatch_fwd", rets, tokens, routing_map, **attrs)
+
+
+CASES.update({
+    "ragged_dot_fwd_result_aliasing_lhs": (
+        lambda: aliased("oxmoe_ragged_dot_fwd", _spec(ROWS.shape, jnp.float32), ROWS, np.ones((2, E, E), np.float32),
+                        SIZES, OFFSET, rhs_transposed=np.bool_(False)),
+        "oxmoe_ragged_dot_fwd", [r"result 0 shares memory with argument 0", r"in place"]),
+    "sort_chunks_result_aliasing_tokens": (
+        lambda: aliased("oxmoe_sort_chunks", _spec(ROWS.shape, jnp.float32), ROWS, SPLITS, ORDER,
+                        inverse=np.bool_(False)),
+        "oxmoe_sort_chunks", [r"result 0 shares memory with argument 0"]),
+    "topk_fwd_extra_result": (
+        lambda: _call("oxmoe_topk_fwd", (_spec((T, E), jnp.float32), _spec((T, E), jnp.bool_),
+                                         _spec((T, E), jnp.float32)), LOGITS, **_attrs()),
+        "oxmoe_topk_fwd", [r"3 results, expected 2"]),
+    "topk_fwd_unknown_attribute": (
+        lambda: topk_fwd(LOGITS, bogus_attr=np.int64(7)), "oxmoe_topk_fwd", [r"unknown attribute `bogus_attr`"]),
+    "dispatch_fwd_align_size_past_int32": (
+        lambda: dispatch_fwd(LOGITS, MAP, T * E, align_size=np.int64(2**62)), "oxmoe_dispatch_fwd",
+        [r"align_size is 4611686018427387904", r"2147483647"]),
+    "dispatch_fwd_no_experts": (
+        lambda: dispatch_fwd(LOGITS, NO_EXPERTS, 4, align_size=np.int64(1)), "oxmoe_dispatch_fwd",
+        [r"routing_map", r"no experts"]),
+    "combine_fwd_no_experts": (
+        lambda: _call("oxmoe_combine_fwd", _spec((T, 3), jnp.float32), np.ones((2, 3), np.float32),
+                      np.zeros((T, 0), np.int32)),
+        "oxmoe_combine_fwd", [r"dest_rows", r"no experts"]),
+    "combine_bwd_no_experts": (
+        lambda: _call("oxmoe_combine_bwd", _spec((2, 3), jnp.float32), np.ones((T, 3), np.float32),
+                      np.zeros((T, 0), np.int32), np.zeros((2,), np.int32)),
+        "oxmoe_combine_bwd", [r"dest_rows", r"no experts"]),
+})
+
 # After all the errors, the same process still computes a valid call correctly.
 VALID_CALL = "valid_topk_fwd_after_the_errors"
 

@@ -133,8 +133,9 @@ def dispatch_backward(grad_tokens, grad_probs, dest_rows) -> tuple[np.ndarray, n
         d_tokens[routed] += g[dest_rows[routed, e]]
     if grad_probs is None:
         return d_tokens, None
-    gp = as_f64(grad_probs)
-    d_probs = np.where(dest_rows >= 0, gp[np.maximum(dest_rows, 0)], 0.0)
+    d_probs = np.zeros(dest_rows.shape)
+    routed = dest_rows >= 0
+    d_probs[routed] = as_f64(grad_probs)[dest_rows[routed]]
     return d_tokens, d_probs
 
 
@@ -186,6 +187,40 @@ def combine_backward(grad_out, expert_tokens, dest_rows, merging_probs=None) -> 
     return d_expert_tokens, d_probs
 
 
+def combine_of_any_maps(expert_tokens, dest_rows, merging_probs=None) -> np.ndarray:
+    """combine for row maps that need not come from a dispatch: a token whose dest_rows row has
+    an entry out of range (neither -1 nor a row of expert_tokens) gives a NaN row."""
+    dest_rows = np.asarray(dest_rows)
+    valid = (dest_rows >= -1) & (dest_rows < len(expert_tokens))
+    out = combine(expert_tokens, np.where(valid, dest_rows, -1), merging_probs)
+    out[~valid.all(axis=1)] = np.nan
+    return out
+
+
+def combine_backward_of_any_maps(grad_out, expert_tokens, dest_rows, source_tokens, merging_probs=None):
+    """combine's (d expert_tokens, d merging_probs) for row maps that need not come from a
+    dispatch (the contract of combine's backward): row r of d expert_tokens comes from the token
+    t = source_tokens[r] names, as s * g[t] with s the sum of w[t, e] over the e whose
+    dest_rows[t, e] is r; zero where t is -1; NaN where the maps disagree (t out of range, or no
+    dest_rows[t, e] is r). d merging_probs[t, e] = g[t] . y[dest_rows[t, e]], 0 where the entry
+    is -1, NaN where it is out of range."""
+    g, y = as_f64(grad_out), as_f64(expert_tokens)
+    dest_rows, source_tokens = np.asarray(dest_rows), np.asarray(source_tokens)
+    w = _weights(merging_probs, dest_rows)
+    num_tokens = len(dest_rows)
+    d_rows = np.zeros_like(y)
+    for r, t in enumerate(source_tokens.tolist()):
+        if t == -1:
+            continue
+        copies = np.flatnonzero(dest_rows[t] == r) if 0 <= t < num_tokens else []
+        d_rows[r] = w[t, copies].sum() * g[t] if len(copies) else np.nan
+    d_probs = np.zeros(dest_rows.shape)
+    for (t, e), r in np.ndenumerate(dest_rows):
+        if r != -1:
+            d_probs[t, e] = g[t] @ y[r] if 0 <= r < len(y) else np.nan
+    return d_rows, d_probs
+
+
 def combine_backward_abs_terms(grad_out, expert_tokens, dest_rows) -> np.ndarray:
     """sum_h |d_out[t, h] * expert_tokens[row, h]| per (t, e): the error scale of d merging_probs."""
     _, terms = combine_backward(np.abs(as_f64(grad_out)), np.abs(as_f64(expert_tokens)), dest_rows)
@@ -205,29 +240,35 @@ def chunk_bounds(num_rows: int, split_sizes) -> list[tuple[int, int]]:
     return bounds
 
 
+def listed_chunks(num_chunks: int, sorted_indices) -> list[int]:
+    """The chunks sorted_indices lists, in order: each index in [0, C) at its first position
+    (an index out of range, or listed again, lists nothing)."""
+    listed = []
+    for i in np.asarray(sorted_indices).tolist():
+        if 0 <= i < num_chunks and i not in listed:
+            listed.append(i)
+    return listed
+
+
 def sort_chunks_sources(num_rows: int, split_sizes, sorted_indices) -> np.ndarray:
     """For each row of sort_chunks' output, the input row it copies (-1: a zero row)."""
     bounds = chunk_bounds(num_rows, split_sizes)
-    pieces = [np.arange(*bounds[i]) for i in np.asarray(sorted_indices).tolist() if 0 <= i < len(bounds)]
-    moved = np.concatenate(pieces + [np.zeros(0, np.int64)])[:num_rows]
+    pieces = [np.arange(*bounds[i]) for i in listed_chunks(len(bounds), sorted_indices)]
+    moved = np.concatenate(pieces + [np.zeros(0, np.int64)])
     return np.concatenate([moved, np.full(num_rows - len(moved), -1)]).astype(np.int64)
 
 
 def unsort_chunks_sources(num_rows: int, split_sizes, sorted_indices) -> np.ndarray:
-    """For each row of unsort_chunks' output, the input row it copies (-1: a zero row). The
-    inverse of sort_chunks for a permutation sorted_indices (with sum(split_sizes) <= N): the
-    k-th chunk of the sorted order goes back to the place of chunk sorted_indices[k]."""
-    sizes = [max(int(s), 0) for s in np.asarray(split_sizes).tolist()]
-    bounds = chunk_bounds(num_rows, sizes)
+    """For each row of unsort_chunks' output, the input row it copies (-1: a zero row): the
+    k-th listed chunk of the sorted order goes back to its own place. The inverse of
+    sort_chunks on the rows of the listed chunks, and its transpose."""
+    bounds = chunk_bounds(num_rows, split_sizes)
     sources = np.full(num_rows, -1, dtype=np.int64)
     position = 0
-    for i in np.asarray(sorted_indices).tolist():
-        if not 0 <= i < len(sizes):
-            continue
+    for i in listed_chunks(len(bounds), sorted_indices):
         start, end = bounds[i]
-        length = min(end - start, max(num_rows - position, 0))
-        sources[start : start + length] = np.arange(position, position + length)
-        position += sizes[i]
+        sources[start:end] = np.arange(position, position + end - start)
+        position += end - start
     return sources
 
 
@@ -242,8 +283,8 @@ def unsort_chunks(tokens, split_sizes, sorted_indices) -> np.ndarray:
 
 
 def sort_chunks_backward(grad_out, split_sizes, sorted_indices) -> np.ndarray:
-    """d tokens of sort_chunks: the cotangent unsorted (for a permutation with sum(split_sizes) <= N,
-    where sort_chunks is a permutation of the first rows and the gradient is its transpose)."""
+    """d tokens of sort_chunks: the cotangent unsorted (sort_chunks moves each row at most once,
+    so its gradient is its transpose)."""
     return unsort_chunks(grad_out, split_sizes, sorted_indices)
 
 

@@ -192,6 +192,68 @@ def test_combine_vjp_after_a_capacity_drop(seed, rng):
     check_combine_grads(d_rows, d_probs, g_out, expert_tokens, merging_probs, layout, context=context)
 
 
+def maps_no_dispatch_made(rng, num_tokens: int, num_experts: int, num_rows: int):
+    """A RowIdMap of a top-2 dispatch, then broken: dest_rows entries past the rows and below
+    -1, source_tokens entries past the tokens and below -1, rows that name a token whose
+    dest_rows do not list them, and a token that lists one row for two experts."""
+    routing_map = ref.random_topk_map(rng, num_tokens, num_experts, 2)
+    layout = ref.dispatch_layout(routing_map, num_out_tokens=num_rows)
+    dest_rows, source_tokens = layout.dest_rows.copy(), layout.source_tokens.copy()
+    picks = rng.permutation(num_tokens)
+    dest_rows[picks[0], rng.integers(num_experts)] = num_rows + 3
+    dest_rows[picks[1], rng.integers(num_experts)] = -5
+    routed = np.flatnonzero(dest_rows[picks[2]] >= 0)
+    dest_rows[picks[2], routed[1]] = dest_rows[picks[2], routed[0]]  # one row for two experts
+    source_tokens[rng.integers(num_rows)] = num_tokens + 1
+    source_tokens[rng.integers(num_rows)] = -2
+    source_tokens[rng.integers(num_rows)] = picks[3]
+    return permutation.RowIdMap(jnp.asarray(dest_rows, jnp.int32), jnp.asarray(source_tokens, jnp.int32))
+
+
+def combine_of_any_maps_and_vjp(row_id_map, y, w, g):
+    out, vjp = jax.vjp(lambda y, w: permutation.combine(y, row_id_map, merging_probs=w), y, w)
+    return (out, *vjp(g))
+
+
+def check_combine_of_any_maps(out, d_rows, d_probs, row_id_map, y, w, g, *, context: str) -> None:
+    """combine and its vjp on maps no dispatch made against the float64 reference: NaN exactly
+    where the contract says, the rest within float32 rounding."""
+    dest_rows, source_tokens = np.asarray(row_id_map.dest_rows), np.asarray(row_id_map.source_tokens)
+    expected_out = ref.combine_of_any_maps(y, dest_rows, w)
+    expected_rows, expected_probs = ref.combine_backward_of_any_maps(g, y, dest_rows, source_tokens, w)
+    for what, actual, expected in (("combine", out, expected_out), ("d expert_tokens", d_rows, expected_rows),
+                                   ("d merging_probs", d_probs, expected_probs)):
+        actual = np.asarray(actual, np.float64)
+        np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected), err_msg=f"NaN of {what} ({context})")
+        np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5, err_msg=f"{what} ({context})")
+
+
+def test_combine_and_its_vjp_on_maps_no_dispatch_made_follow_the_contract(seed, rng):
+    num_tokens, num_experts, hidden, num_rows = 64, 8, 32, 160
+    row_id_map = maps_no_dispatch_made(rng, num_tokens, num_experts, num_rows)
+    y, g = draw(rng, (num_rows, hidden), jnp.float32), draw(rng, (num_tokens, hidden), jnp.float32)
+    w = draw(rng, (num_tokens, num_experts), jnp.float32)
+    outs = jax.jit(combine_of_any_maps_and_vjp)(row_id_map, y, w, g)
+    check_combine_of_any_maps(*outs, row_id_map, y, w, g, context=f"seed={seed}")
+
+
+def test_combine_merging_probs_gradient_in_float32_is_within_1e_6_of_float64(seed, rng):
+    # TransformerEngine's permutation tests' shape and bound: 4096 tokens of hidden 4096.
+    num_tokens, num_experts, hidden = 4096, 8, 4096
+    routing_map = ref.random_topk_map(rng, num_tokens, num_experts, 2)
+    d = permutation.dispatch(jnp.zeros((num_tokens, hidden), jnp.float32), routing_map, topk=2)
+    y = draw(rng, (num_tokens * 2, hidden), jnp.float32)
+    w, g = draw(rng, routing_map.shape, jnp.float32), draw(rng, (num_tokens, hidden), jnp.float32)
+    _, vjp = jax.vjp(lambda w: permutation.combine(y, d.row_id_map, merging_probs=w), w)
+    (d_probs,) = jax.jit(vjp)(g)
+    dest_rows = np.asarray(d.row_id_map.dest_rows)
+    t, e = np.nonzero(dest_rows >= 0)
+    expected = np.einsum("ij,ij->i", np.asarray(g, np.float64)[t], np.asarray(y, np.float64)[dest_rows[t, e]])
+    error = np.abs(np.asarray(d_probs)[t, e] - expected) / np.abs(expected)
+    assert error.max() <= 1e-6, f"worst relative error {error.max():.3g} at (token, expert) " \
+                                f"{(int(t[error.argmax()]), int(e[error.argmax()]))} (seed={seed})"
+
+
 # ------------------------------------------------------------------ sort_chunks
 
 
@@ -209,6 +271,25 @@ def test_sort_and_unsort_chunks_vjps_are_each_other(num_rows, hidden, num_chunks
                              what="d sort_chunks", context=context)
     ref.assert_bitwise_equal(unsort_vjp(g)[0], ref.unsort_chunks_backward(g, sizes, order).astype(x.dtype),
                              what="d unsort_chunks", context=context)
+
+
+def test_sort_chunks_vjp_under_jit_with_repeated_and_foreign_indices_is_its_transpose(seed, rng):
+    # Under jit a repeated index (and one out of range) lists nothing, so sort_chunks still
+    # moves each row at most once: its gradient is unsort_chunks, the transpose.
+    num_rows, hidden = 200, 16
+    x, g = draw(rng, (num_rows, hidden), jnp.float32), draw(rng, (num_rows, hidden), jnp.float32)
+    sizes = rng.integers(0, 40, 6).astype(np.int32)
+    order = rng.choice([0, 1, 2, 3, 4, 5, 5, 1, -1, 9], 6, replace=False).astype(np.int32)
+    context = f"sizes={sizes.tolist()}, order={order.tolist()}, seed={seed}"
+    for forward, backward, name in ((permutation.sort_chunks, ref.sort_chunks_backward, "sort"),
+                                    (permutation.unsort_chunks, ref.unsort_chunks_backward, "unsort")):
+        d_x = jax.jit(lambda x, g: jax.vjp(lambda x: forward(x, sizes, order), x)[1](g)[0])(x, g)
+        ref.assert_bitwise_equal(d_x, backward(g, sizes, order).astype(np.float32), what=f"d {name}_chunks",
+                                 context=context)
+        # The transpose, checked as one: <forward(x), g> == <x, d_x>.
+        forward_x = np.asarray(jax.jit(forward)(x, sizes, order), np.float64)
+        np.testing.assert_allclose(np.vdot(forward_x, g), np.vdot(np.asarray(x, np.float64), d_x), rtol=1e-9,
+                                   err_msg=context)
 
 
 # ------------------------------------ the reference's formulas vs finite differences

@@ -200,12 +200,14 @@ def _dispatch_vjp_bwd(static, dest_rows, cotangents):
     (grad_tokens,) = _combine_fwd(grad_out, dest_rows)
     if probs_dtype is None:
         return grad_tokens, None, None
-    # On an explicit-sharding mesh the gather's result sharding must be named.
+    # Entries that were not dispatched (-1) pick a zero appended past the rows
+    # (which may be none). On an explicit-sharding mesh the gather's result
+    # sharding must be named.
     sharding = jax.typeof(dest_rows).sharding
-    picked = grad_out_probs.at[jnp.maximum(dest_rows, 0)].get(
-        out_sharding=sharding if sharding.mesh.axis_names else None)
-    grad_probs = jnp.where(dest_rows >= 0, picked, 0).astype(probs_dtype)
-    return grad_tokens, None, grad_probs
+    rows = grad_out_probs.shape[0]
+    picked = jnp.append(grad_out_probs, jnp.zeros((1,), grad_out_probs.dtype)).at[
+        jnp.where(dest_rows >= 0, dest_rows, rows)].get(out_sharding=sharding if sharding.mesh.axis_names else None)
+    return grad_tokens, None, picked.astype(probs_dtype)
 
 
 _dispatch.defvjp(_dispatch_vjp_fwd, _dispatch_vjp_bwd)

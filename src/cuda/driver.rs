@@ -2,7 +2,7 @@
 
 use super::nvrtc::{cubin, Architecture};
 use super::{driver_error, Source};
-use crate::ffi::{Error, Result};
+use crate::ffi::{byte_range, poison_byte, poisons_results, DataType, Error, Result};
 use cudarc::driver::sys::{self, CUcontext, CUdevice_attribute, CUfunction, CUmodule, CUstream};
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -62,10 +62,22 @@ impl Drop for ContextGuard {
 pub struct Stream(CUstream);
 
 impl Stream {
-    /// The stream XLA hands a CUDA handler's call.
-    pub fn of(call: &crate::ffi::Call) -> Result<Self> {
+    /// The stream XLA hands a CUDA handler's call, which its work goes on.
+    /// When results are poisoned (`OXMOE_POISON_RESULTS=1`, for tests), fills
+    /// each result with its poison byte on the stream first.
+    pub fn begin(call: &crate::ffi::Call) -> Result<Self> {
         // SAFETY: CUDA handlers run on the CUDA platform, where XLA's stream is a CUstream.
-        Ok(unsafe { Self::from_raw(call.stream()?) })
+        let stream = unsafe { Self::from_raw(call.stream()?) };
+        if poisons_results() {
+            for result in call.result_buffers() {
+                let Some(bytes) = byte_range(result) else { continue };
+                let byte = poison_byte(DataType(result.dtype));
+                let _current = ContextGuard::push(stream.context()?)?;
+                // SAFETY: the result's device memory, `bytes.len()` bytes, on XLA's stream.
+                check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(bytes.start as u64, byte, bytes.len(), stream.0) })?;
+            }
+        }
+        Ok(stream)
     }
 
     /// # Safety

@@ -44,8 +44,10 @@ impl<'a> View<'a> {
         }
     }
 
+    /// The number of elements; `usize::MAX` for dimensions whose product
+    /// overflows (no such buffer exists, and `data` refuses it).
     fn len(&self) -> usize {
-        self.dims().iter().map(|&d| d.max(0) as usize).product()
+        element_count(self.dims())
     }
 
     fn shape_string(&self) -> String {
@@ -90,6 +92,25 @@ impl<'a> View<'a> {
     }
 }
 
+/// The product of `dims` (negative ones count as 0), saturating at `usize::MAX`.
+fn element_count(dims: &[i64]) -> usize {
+    let dims = dims.iter().map(|&d| d.max(0) as usize);
+    if dims.clone().any(|d| d == 0) {
+        return 0;
+    }
+    dims.fold(1usize, usize::saturating_mul)
+}
+
+/// The bytes a buffer's data spans, `None` when it spans none (or its element
+/// type has no known size).
+pub(crate) fn byte_range(raw: &sys::XLA_FFI_Buffer) -> Option<std::ops::Range<usize>> {
+    let view = View { raw, name: "" };
+    let bits = view.dtype().bits()?;
+    let bytes = view.len().saturating_mul(bits).div_ceil(8);
+    let start = raw.data as usize;
+    (bytes > 0).then(|| start..start.saturating_add(bytes))
+}
+
 /// An argument buffer: read-only.
 pub struct Arg<'a>(View<'a>);
 
@@ -99,8 +120,15 @@ pub struct Ret<'a>(View<'a>);
 macro_rules! shared_accessors {
     ($ty:ident) => {
         impl<'a> $ty<'a> {
-            pub(crate) fn new(raw: &'a sys::XLA_FFI_Buffer, name: &'static str) -> Self {
-                Self(View { raw, name })
+            /// The buffer, unless its dimensions claim more bytes than any
+            /// buffer can hold (a slice spans at most `isize::MAX` bytes).
+            pub(crate) fn new(raw: &'a sys::XLA_FFI_Buffer, name: &'static str) -> Result<Self> {
+                let view = View { raw, name };
+                let bits = view.dtype().bits().unwrap_or(8);
+                if view.len().checked_mul(bits).is_none_or(|bits| bits / 8 > isize::MAX as usize) {
+                    invalid!("{name} has shape {}: more bytes than any buffer can hold", view.shape_string())
+                }
+                Ok(Self(view))
             }
 
             /// The element type.
@@ -178,19 +206,49 @@ impl<'a> Arg<'a> {
 
 impl<'a> Ret<'a> {
     /// The elements to write, if the buffer holds `T`. Consumes the handle, so
-    /// one result is never borrowed twice.
+    /// one result is never borrowed twice. Holds [`poison_byte`]s when
+    /// [`poisons_results`].
     pub fn slice_mut<T: Element>(self) -> Result<&'a mut [T]> {
         let data = self.0.data::<T>(T::DTYPE)?;
+        let len = self.len();
+        poison_host(data.cast(), len * std::mem::size_of::<T>(), T::DTYPE);
         // SAFETY: XLA owns the result for the call and nothing else touches it;
-        // `Call::ret` hands each result out once.
-        Ok(unsafe { slice_or_empty_mut(data, self.len()) })
+        // `Call::ret` hands each result out once, and `Call::check_complete`
+        // refused results that share memory with an argument.
+        Ok(unsafe { slice_or_empty_mut(data, len) })
     }
 
     /// A `bool` result as bytes; write 0 or 1.
     pub fn mask_mut(self) -> Result<&'a mut [u8]> {
         let data = self.0.data::<u8>(DataType::PRED)?;
+        poison_host(data, self.len(), DataType::PRED);
         // SAFETY: as in `slice_mut`.
         Ok(unsafe { slice_or_empty_mut(data, self.len()) })
+    }
+}
+
+/// Whether handlers fill their results with [`poison_byte`]s before computing
+/// them (the environment variable `OXMOE_POISON_RESULTS=1`, read once): a
+/// test then sees every element a handler leaves unwritten as NaN or garbage.
+pub fn poisons_results() -> bool {
+    static POISON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *POISON.get_or_init(|| std::env::var_os("OXMOE_POISON_RESULTS").is_some_and(|v| v == "1"))
+}
+
+/// The byte a poisoned result of `dtype` is filled with: 0xFF (NaN in every
+/// float type, 255 in a bool), 0x80 in integers (no valid index or count).
+pub fn poison_byte(dtype: DataType) -> u8 {
+    if matches!(dtype, DataType::S32 | DataType::S64) {
+        0x80
+    } else {
+        0xFF
+    }
+}
+
+fn poison_host(data: *mut u8, bytes: usize, dtype: DataType) {
+    if poisons_results() && bytes > 0 {
+        // SAFETY: `data` holds `bytes` bytes of the result, not yet borrowed.
+        unsafe { std::ptr::write_bytes(data, poison_byte(dtype), bytes) };
     }
 }
 

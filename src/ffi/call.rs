@@ -1,8 +1,11 @@
+use super::buffer::byte_range;
 use super::{Arg, Attr, Error, Result, Ret};
 use crate::invalid;
 use std::cell::Cell;
 use std::ffi::{c_void, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Once;
 use xla_ffi_sys as sys;
 
 /// Properties a handler promises XLA (reported in its metadata).
@@ -18,8 +21,14 @@ impl Traits {
 /// One call of a handler at the execute stage: its arguments, results and attributes.
 pub struct Call<'a> {
     frame: &'a sys::XLA_FFI_CallFrame,
+    /// Bit `i`: result `i` was handed out.
     rets_taken: Cell<u64>,
+    /// Bit `i`: attribute `i` was read.
+    attrs_read: Cell<u64>,
 }
+
+/// The most results and attributes a call may have (one bit each above).
+const MAX_RETS_OR_ATTRS: usize = 64;
 
 impl<'a> Call<'a> {
     /// The number of arguments passed.
@@ -55,7 +64,7 @@ impl<'a> Call<'a> {
             invalid!("argument {index} ({name}) is not a buffer")
         }
         // SAFETY: a BUFFER argument points at an `XLA_FFI_Buffer`.
-        Ok(Some(Arg::new(unsafe { &*ptr.cast::<sys::XLA_FFI_Buffer>() }, name)))
+        Ok(Some(Arg::new(unsafe { &*ptr.cast::<sys::XLA_FFI_Buffer>() }, name)?))
     }
 
     /// Result `index`, called `name` in error messages; each result is handed out once.
@@ -75,7 +84,7 @@ impl<'a> Call<'a> {
             invalid!("result {index} ({name}) is not a buffer")
         }
         // SAFETY: a BUFFER result points at an `XLA_FFI_Buffer`.
-        Ok(Ret::new(unsafe { &*ptr.cast::<sys::XLA_FFI_Buffer>() }, name))
+        Ret::new(unsafe { &*ptr.cast::<sys::XLA_FFI_Buffer>() }, name)
     }
 
     /// The platform stream (a `CUstream` on CUDA) the handler must launch on.
@@ -136,13 +145,74 @@ impl<'a> Call<'a> {
             // SAFETY: XLA passes `size` attribute names, types and values.
             let (span, kind, value) = unsafe { (&**attrs.names.add(i), *attrs.types.add(i), *attrs.attrs.add(i)) };
             // SAFETY: a byte span of `len` bytes.
-            let key = unsafe { std::slice::from_raw_parts(span.ptr.cast::<u8>(), span.len) };
+            let key = unsafe { byte_span(span) };
             if key == name.as_bytes() {
+                self.attrs_read.set(self.attrs_read.get() | 1u64 << i.min(MAX_RETS_OR_ATTRS - 1));
                 // SAFETY: `value` is the attribute that `kind` describes.
                 return unsafe { T::decode(name, kind, value.cast_const()) };
             }
         }
         invalid!("attribute `{name}` ({}) is missing", T::EXPECTED)
+    }
+
+    /// Checks, once a handler has decoded its call, that the call holds
+    /// nothing the handler did not take (every result is one it writes, every
+    /// attribute one it reads) and that no result shares memory with an
+    /// argument: a handler reads its arguments as shared slices while it
+    /// writes its results, so aliases (`input_output_aliases`) are refused.
+    pub fn check_complete(&self) -> Result<()> {
+        let (rets, attrs) = (self.frame.rets.size.max(0) as usize, self.frame.attrs.size.max(0) as usize);
+        if rets > MAX_RETS_OR_ATTRS || attrs > MAX_RETS_OR_ATTRS {
+            invalid!("the call has {rets} results and {attrs} attributes, more than any oxmoe handler takes")
+        }
+        let taken = self.rets_taken.get().count_ones() as usize;
+        if taken != rets {
+            invalid!("the call has {rets} results, expected {taken}")
+        }
+        let unknown: Vec<String> = (0..attrs)
+            .filter(|&i| self.attrs_read.get() & (1u64 << i) == 0)
+            // SAFETY: XLA passes `size` attribute names.
+            .map(|i| format!("`{}`", String::from_utf8_lossy(unsafe { byte_span(&**self.frame.attrs.names.add(i)) })))
+            .collect();
+        if !unknown.is_empty() {
+            invalid!("unknown attribute{} {}", if unknown.len() == 1 { "" } else { "s" }, unknown.join(", "))
+        }
+        let args = &self.frame.args;
+        for (r, written) in self.result_buffers().enumerate() {
+            let Some(written) = byte_range(written) else { continue };
+            for a in 0..self.num_args() {
+                // SAFETY: as for the results.
+                let read = unsafe { (*args.types.add(a) == sys::XLA_FFI_ArgType_BUFFER).then(|| &*(*args.args.add(a)).cast()) };
+                if read.and_then(byte_range).is_some_and(|read| read.start < written.end && written.start < read.end) {
+                    invalid!("result {r} shares memory with argument {a}: oxmoe handlers do not compute in place (no input_output_aliases)")
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<'a> Call<'a> {
+    /// The result buffers, for a device handler to poison when
+    /// [`poisons_results`](super::poisons_results).
+    pub fn result_buffers(&self) -> impl Iterator<Item = &'a sys::XLA_FFI_Buffer> + '_ {
+        let rets = &self.frame.rets;
+        (0..rets.size.max(0) as usize).filter_map(move |r| {
+            // SAFETY: XLA passes `size` result types and pointers; a BUFFER result points at an `XLA_FFI_Buffer`.
+            unsafe { (*rets.types.add(r) == sys::XLA_FFI_RetType_BUFFER).then(|| &*(*rets.rets.add(r)).cast()) }
+        })
+    }
+}
+
+/// The bytes of an XLA byte span.
+///
+/// # Safety
+/// `span` must describe `len` readable bytes (or have `len` 0).
+unsafe fn byte_span(span: &sys::XLA_FFI_ByteSpan) -> &[u8] {
+    if span.len == 0 {
+        &[]
+    } else {
+        std::slice::from_raw_parts(span.ptr.cast::<u8>(), span.len)
     }
 }
 
@@ -229,7 +299,10 @@ pub unsafe fn run_handler(
         return std::ptr::null_mut();
     };
     let api = frame.api;
-    let outcome = catch_unwind(AssertUnwindSafe(|| dispatch(frame, traits, body)));
+    let outcome = {
+        let _quiet = QuietPanics::begin();
+        catch_unwind(AssertUnwindSafe(|| dispatch(frame, traits, body)))
+    };
     let error = match outcome {
         Ok(Ok(())) => return std::ptr::null_mut(),
         Ok(Err(error)) => error,
@@ -254,7 +327,47 @@ fn dispatch(frame: &mut sys::XLA_FFI_CallFrame, traits: Traits, body: fn(&Call) 
     if frame.stage != sys::XLA_FFI_ExecutionStage_EXECUTE {
         invalid!("called at execution stage {}, but oxmoe handlers run at the execute stage (3) only", frame.stage)
     }
-    body(&Call { frame, rets_taken: Cell::new(0) })
+    body(&Call { frame, rets_taken: Cell::new(0), attrs_read: Cell::new(0) })
+}
+
+thread_local! {
+    /// Whether this thread is inside a handler call.
+    static IN_HANDLER: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Handler calls under way, in any thread.
+static ACTIVE_CALLS: AtomicUsize = AtomicUsize::new(0);
+
+/// While alive, a panic of the handler's own thread, or of a rayon worker
+/// doing a handler's parallel work, prints nothing: its message travels in
+/// the error the handler returns. Other panics go to the hook that was there
+/// before (Rust's default: a message on stderr).
+struct QuietPanics;
+
+impl QuietPanics {
+    fn begin() -> Self {
+        static INSTALL: Once = Once::new();
+        INSTALL.call_once(|| {
+            let previous = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                let in_handler = IN_HANDLER.get()
+                    || (rayon::current_thread_index().is_some() && ACTIVE_CALLS.load(Ordering::SeqCst) > 0);
+                if !in_handler {
+                    previous(info);
+                }
+            }));
+        });
+        IN_HANDLER.set(true);
+        ACTIVE_CALLS.fetch_add(1, Ordering::SeqCst);
+        Self
+    }
+}
+
+impl Drop for QuietPanics {
+    fn drop(&mut self) {
+        ACTIVE_CALLS.fetch_sub(1, Ordering::SeqCst);
+        IN_HANDLER.set(false);
+    }
 }
 
 unsafe fn find_metadata(mut extension: *mut sys::XLA_FFI_Extension_Base) -> Option<&'static mut sys::XLA_FFI_Metadata_Extension> {

@@ -16,19 +16,22 @@ mod error;
 mod tests;
 
 pub use attrs::Attr;
-pub use buffer::{Arg, Element, Ret};
+pub use buffer::{poison_byte, poisons_results, Arg, Element, Ret};
+pub(crate) use buffer::byte_range;
 pub use call::{run_handler, Call, Scratch, Traits};
 pub use dtype::DataType;
 pub use error::{Error, Result};
 
-/// Exports `$body` (a `fn(&Call) -> Result<()>` or a closure that captures
-/// nothing) as the C symbol `$symbol`, an XLA FFI handler for the execute stage.
+/// Exports the C symbol `$symbol`, an XLA FFI handler for the execute stage:
+/// it decodes the call into `$decoded` (its `decode(&Call) -> Result<Self>`),
+/// checks the call holds nothing else ([`Call::check_complete`]), then runs
+/// `$run(&Call, $decoded) -> Result<()>` (a closure that captures nothing).
 #[macro_export]
 macro_rules! export_handler {
-    ($symbol:ident, $body:expr) => {
-        $crate::export_handler!($symbol, $body, $crate::ffi::Traits::NONE);
+    ($symbol:ident, $decoded:ty, $run:expr) => {
+        $crate::export_handler!($symbol, $decoded, $run, $crate::ffi::Traits::NONE);
     };
-    ($symbol:ident, $body:expr, $traits:expr) => {
+    ($symbol:ident, $decoded:ty, $run:expr, $traits:expr) => {
         /// XLA FFI handler; register it with `jax.ffi.register_ffi_target`.
         ///
         /// # Safety
@@ -37,7 +40,12 @@ macro_rules! export_handler {
         pub unsafe extern "C" fn $symbol(
             frame: *mut ::xla_ffi_sys::XLA_FFI_CallFrame,
         ) -> *mut ::xla_ffi_sys::XLA_FFI_Error {
-            $crate::ffi::run_handler(stringify!($symbol), $traits, frame, $body)
+            $crate::ffi::run_handler(stringify!($symbol), $traits, frame, |call| {
+                let run: fn(&$crate::ffi::Call, $decoded) -> $crate::ffi::Result<()> = $run;
+                let decoded = <$decoded>::decode(call)?;
+                call.check_complete()?;
+                run(call, decoded)
+            })
         }
     };
 }

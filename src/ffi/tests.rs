@@ -233,10 +233,16 @@ fn other_stages_are_refused() {
     assert!(error.message.contains("called at execution stage 1"), "{}", error.message);
 }
 
-fn panicking_body(_: &Call) -> Result<()> {
-    panic!("deliberate")
+/// A handler that takes nothing.
+struct Nothing;
+
+impl Nothing {
+    fn decode(_: &Call) -> Result<Self> {
+        Ok(Self)
+    }
 }
-crate::export_handler!(oxmoe_test_panics, panicking_body);
+
+crate::export_handler!(oxmoe_test_panics, Nothing, |_, _| panic!("deliberate"));
 
 #[test]
 fn a_panic_becomes_an_internal_error() {
@@ -244,4 +250,181 @@ fn a_panic_becomes_an_internal_error() {
     let error = frame.call(oxmoe_test_panics as Handler).unwrap();
     assert_eq!(error.code, sys::XLA_FFI_Error_Code_INTERNAL);
     assert_eq!(error.message, "oxmoe_test_panics: internal error (panic): deliberate");
+}
+
+#[test]
+fn a_result_the_handler_does_not_write_is_an_error() {
+    let mut logits = vec![0.5f32; 8];
+    let (mut probs, mut map, mut extra) = (vec![0.0f32; 8], vec![0u8; 8], vec![f32::NAN; 8]);
+    let (mut d0, mut d1, mut d2, mut d3) = ([2i64, 4], [2i64, 4], [2i64, 4], [2i64, 4]);
+    let mut frame = Frame::new(
+        vec![buffer(DataType::F32, &mut logits, &mut d0)],
+        vec![
+            buffer(DataType::F32, &mut probs, &mut d1),
+            buffer(DataType::PRED, &mut map, &mut d2),
+            buffer(DataType::F32, &mut extra, &mut d3),
+        ],
+        topk_attrs(2, "softmax"),
+    );
+    let error = frame.call(crate::router::handlers::oxmoe_topk_fwd as Handler).unwrap();
+    assert_eq!(error.message, "oxmoe_topk_fwd: the call has 3 results, expected 2");
+    assert!(map.iter().all(|&m| m == 0), "the handler computed before refusing");
+}
+
+#[test]
+fn an_unknown_attribute_is_an_error_naming_it() {
+    let mut attrs = topk_attrs(2, "softmax");
+    attrs.push(("bogus_attr", AttrValue::I64(7)));
+    let (error, _, map) = run_topk(DataType::F32, attrs);
+    assert_eq!(error.unwrap().message, "oxmoe_topk_fwd: unknown attribute `bogus_attr`");
+    assert_eq!(map, [7; 8], "the handler computed before refusing");
+    let mut attrs = topk_attrs(2, "softmax");
+    attrs.push(("alpha", AttrValue::F32(1.0)));
+    attrs.push(("beta", AttrValue::Str("x")));
+    let (error, ..) = run_topk(DataType::F32, attrs);
+    assert_eq!(error.unwrap().message, "oxmoe_topk_fwd: unknown attributes `alpha`, `beta`");
+}
+
+/// A copy of `buffer` with the same data: what `input_output_aliases` hands a handler.
+fn alias(buffer: &sys::XLA_FFI_Buffer) -> sys::XLA_FFI_Buffer {
+    sys::XLA_FFI_Buffer { ..*buffer }
+}
+
+#[test]
+fn a_result_sharing_memory_with_an_argument_is_refused() {
+    // ragged_dot with lhs [2, 4] and out [2, 4] in the same memory (K = N = 4).
+    let mut lhs: Vec<f32> = (0..8).map(|x| x as f32).collect();
+    let mut rhs = vec![1.0f32; 16];
+    let (mut sizes, mut offset) = (vec![2i32], vec![0i32]);
+    let (mut d0, mut d1, mut d2, mut d3) = ([2i64, 4], [1i64, 4, 4], [1i64], [1i64]);
+    let lhs_buffer = buffer(DataType::F32, &mut lhs, &mut d0);
+    let out_buffer = alias(&lhs_buffer);
+    let mut frame = Frame::new(
+        vec![
+            lhs_buffer,
+            buffer(DataType::F32, &mut rhs, &mut d1),
+            buffer(DataType::S32, &mut sizes, &mut d2),
+            buffer(DataType::S32, &mut offset, &mut d3),
+        ],
+        vec![out_buffer],
+        vec![("rhs_transposed", AttrValue::Bool(0))],
+    );
+    let error = frame.call(crate::grouped_gemm::handlers::oxmoe_ragged_dot_fwd as Handler).unwrap();
+    assert_eq!(
+        error.message,
+        "oxmoe_ragged_dot_fwd: result 0 shares memory with argument 0: oxmoe handlers do not compute in place (no input_output_aliases)"
+    );
+    assert_eq!(lhs, (0..8).map(|x| x as f32).collect::<Vec<_>>());
+}
+
+#[test]
+fn a_buffer_claiming_more_bytes_than_memory_holds_is_refused() {
+    let mut logits = vec![0.0f32; 8];
+    let (mut probs, mut map) = (vec![0.0f32; 8], vec![0u8; 8]);
+    let huge = 1i64 << 40;
+    let (mut d0, mut d1, mut d2) = ([huge, huge], [huge, huge], [huge, huge]);
+    let mut frame = Frame::new(
+        vec![buffer(DataType::F32, &mut logits, &mut d0)],
+        vec![buffer(DataType::F32, &mut probs, &mut d1), buffer(DataType::PRED, &mut map, &mut d2)],
+        topk_attrs(1, "softmax"),
+    );
+    let error = frame.call(crate::router::handlers::oxmoe_topk_fwd as Handler).unwrap();
+    assert_eq!(
+        error.message,
+        "oxmoe_topk_fwd: logits has shape float32[1099511627776, 1099511627776]: more bytes than any buffer can hold"
+    );
+}
+
+/// Runs `oxmoe_dispatch_fwd` on 3 tokens of 2 elements and a `[3, experts]`
+/// routing map with every entry set, room for every copy, the given `align_size`.
+fn run_dispatch(experts: usize, align_size: i64) -> Option<FakeError> {
+    let (t, h) = (3usize, 2usize);
+    let rows = t * experts;
+    let mut tokens = vec![1.0f32; t * h];
+    let mut map = vec![1u8; t * experts];
+    let (mut out, mut dest, mut source) = (vec![0.0f32; rows * h], vec![0i32; t * experts], vec![0i32; rows]);
+    let (mut per_expert, mut real, mut pads) = (vec![0i32; experts], vec![0i32; experts], vec![0i32; experts]);
+    let (e, r) = (experts as i64, rows as i64);
+    let (mut d0, mut d1, mut d2, mut d3, mut d4) = ([t as i64, h as i64], [t as i64, e], [r, h as i64], [t as i64, e], [r]);
+    let (mut d5, mut d6, mut d7) = ([e], [e], [e]);
+    let mut frame = Frame::new(
+        vec![buffer(DataType::F32, &mut tokens, &mut d0), buffer(DataType::PRED, &mut map, &mut d1)],
+        vec![
+            buffer(DataType::F32, &mut out, &mut d2),
+            buffer(DataType::S32, &mut dest, &mut d3),
+            buffer(DataType::S32, &mut source, &mut d4),
+            buffer(DataType::S32, &mut per_expert, &mut d5),
+            buffer(DataType::S32, &mut real, &mut d6),
+            buffer(DataType::S32, &mut pads, &mut d7),
+        ],
+        vec![("align_size", AttrValue::I64(align_size))],
+    );
+    frame.call(crate::permutation::handlers::oxmoe_dispatch_fwd as Handler)
+}
+
+#[test]
+fn dispatch_refuses_sizes_that_would_wrap_its_offsets_and_no_experts() {
+    assert!(run_dispatch(2, 4).is_none());
+    let error = run_dispatch(2, 1 << 62).unwrap();
+    assert_eq!(
+        error.message,
+        "oxmoe_dispatch_fwd: align_size is 4611686018427387904, expected 1 <= align_size <= 2147483647 (row indices are int32)"
+    );
+    let error = run_dispatch(0, 1).unwrap();
+    assert_eq!(error.message, "oxmoe_dispatch_fwd: routing_map has shape [3, 0]: no experts, expected at least 1");
+}
+
+/// The test binary runs this case again in a child process (see the next
+/// test), where a panic must print nothing, on the handler's thread or on a
+/// rayon worker, while the message still travels in the error.
+#[test]
+fn panicking_child() {
+    if std::env::var_os("OXMOE_PANIC_CHILD").is_none() {
+        return;
+    }
+    let mut frame = Frame::new(vec![], vec![], vec![]);
+    let error = frame.call(oxmoe_test_panics as Handler).unwrap();
+    assert_eq!(error.message, "oxmoe_test_panics: internal error (panic): deliberate");
+    let error = frame.call(oxmoe_test_panics_in_parallel as Handler).unwrap();
+    assert_eq!(error.message, "oxmoe_test_panics_in_parallel: internal error (panic): deliberate, in parallel");
+    // A panic outside any handler still reaches the hook that was there before.
+    let outside = std::panic::catch_unwind(|| panic!("outside a handler"));
+    assert!(outside.is_err());
+}
+
+crate::export_handler!(oxmoe_test_panics_in_parallel, Nothing, |_, _| {
+    use rayon::prelude::*;
+    (0..64).into_par_iter().for_each(|i| {
+        if i == 37 {
+            panic!("deliberate, in parallel")
+        }
+    });
+    Ok(())
+});
+
+#[test]
+fn a_caught_panic_prints_nothing() {
+    let child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "ffi::tests::panicking_child", "--nocapture", "--test-threads=1"])
+        .env("OXMOE_PANIC_CHILD", "1")
+        .env("RUST_BACKTRACE", "1")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&child.stderr);
+    assert!(child.status.success(), "the child failed: {stderr}");
+    assert!(!stderr.contains("deliberate"), "a caught panic printed: {stderr}");
+    assert!(stderr.contains("outside a handler"), "the previous hook no longer runs: {stderr}");
+}
+
+#[test]
+fn no_experts_is_an_error_not_a_panic() {
+    let (mut grad, mut logits, mut out) = (vec![0.0f32; 0], vec![0.0f32; 0], vec![0.0f32; 0]);
+    let (mut d0, mut d1, mut d2) = ([3i64, 0], [3i64, 0], [3i64, 0]);
+    let mut frame = Frame::new(
+        vec![buffer(DataType::F32, &mut grad, &mut d0), buffer(DataType::F32, &mut logits, &mut d1)],
+        vec![buffer(DataType::F32, &mut out, &mut d2)],
+        vec![("score_function", AttrValue::Str("softmax"))],
+    );
+    let error = frame.call(crate::router::handlers::oxmoe_aux_loss_scores_bwd as Handler).unwrap();
+    assert_eq!(error.message, "oxmoe_aux_loss_scores_bwd: logits has shape [3, 0]: no experts, expected at least 1");
 }

@@ -133,7 +133,7 @@ impl Groups {
 }
 
 pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
-    let stream = Stream::of(call)?;
+    let stream = Stream::begin(call)?;
     let shape = &a.shape;
     if shape.m == 0 || shape.n == 0 {
         return Ok(());
@@ -166,7 +166,7 @@ pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
 }
 
 pub fn transposed_ragged_dot(call: &Call, a: &TransposedRaggedDot) -> Result<()> {
-    let stream = Stream::of(call)?;
+    let stream = Stream::begin(call)?;
     let shape = &a.shape;
     if shape.local_groups == 0 || shape.k == 0 || shape.n == 0 {
         return Ok(());

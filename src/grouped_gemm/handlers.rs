@@ -10,11 +10,11 @@ use crate::ffi::{Arg, Call, DataType, Result, Ret};
 use crate::real::FLOAT_TYPES;
 use crate::{export_handler, invalid, with_real_type};
 
-export_handler!(oxmoe_ragged_dot_fwd, |call| RaggedDot::decode(call)?.run_cpu());
-export_handler!(oxmoe_ragged_dot_bwd, |call| TransposedRaggedDot::decode(call)?.run_cpu());
+export_handler!(oxmoe_ragged_dot_fwd, RaggedDot, |_, op| op.run_cpu());
+export_handler!(oxmoe_ragged_dot_bwd, TransposedRaggedDot, |_, op| op.run_cpu());
 
-export_handler!(oxmoe_ragged_dot_fwd_cuda, |call| cuda::ragged_dot(call, &RaggedDot::decode(call)?));
-export_handler!(oxmoe_ragged_dot_bwd_cuda, |call| cuda::transposed_ragged_dot(call, &TransposedRaggedDot::decode(call)?));
+export_handler!(oxmoe_ragged_dot_fwd_cuda, RaggedDot, |call, op| cuda::ragged_dot(call, &op));
+export_handler!(oxmoe_ragged_dot_bwd_cuda, TransposedRaggedDot, |call, op| cuda::transposed_ragged_dot(call, &op));
 
 /// The group sizes `[G]` and the window's first group `[1]`, both int32.
 fn decode_groups<'a>(call: &Call<'a>, first: usize) -> Result<(Arg<'a>, Arg<'a>)> {

@@ -1,5 +1,6 @@
 //! CPU implementations of the permutation primitives: the executable
-//! specification. Token rows are `hidden` elements long; arithmetic is f32.
+//! specification. Token rows are `hidden` elements long; arithmetic is f32
+//! (but for the merging weights' gradient, a dot product summed in f64).
 //!
 //! A dispatch is described by two maps: `dest_rows[t * E + e]`, the output
 //! row of token `t`'s copy for expert `e` (-1: not routed, or dropped), and
@@ -28,6 +29,8 @@ pub struct ExpertCounts<'a> {
 /// `layout.align`. Copies whose row would be `layout.rows` or more are
 /// dropped. Fills both maps, the counts, and (when given) the dispatched
 /// routing weights `out_probs[row] = probs[t * E + e]`, zero elsewhere.
+/// `pad_offsets[e]`, the padding rows before expert e's block, is at most
+/// `i32::MAX` (only a block far past the output's rows could have more).
 pub fn dispatch_map(
     layout: &DispatchLayout,
     routing_map: &[u8],
@@ -44,15 +47,16 @@ pub fn dispatch_map(
         }
     }
     // Each expert's first row; a block may start past the end (dropped).
+    // Offsets past `rows` all mean "dropped", so they saturate.
     let mut next_row = Vec::with_capacity(e);
     let (mut offset, mut unpadded_offset) = (0usize, 0usize);
     for (x, &count) in routed.iter().enumerate() {
-        let padded = count.div_ceil(align) * align;
+        let padded = count.div_ceil(align).saturating_mul(align);
         next_row.push(offset);
         counts.tokens_per_expert[x] = rows.saturating_sub(offset).min(padded) as i32;
         counts.real_tokens_per_expert[x] = rows.saturating_sub(offset).min(count) as i32;
-        counts.pad_offsets[x] = (offset - unpadded_offset) as i32;
-        offset += padded;
+        counts.pad_offsets[x] = (offset - unpadded_offset).min(i32::MAX as usize) as i32;
+        offset = offset.saturating_add(padded);
         unpadded_offset += count;
     }
 
@@ -68,7 +72,7 @@ pub fn dispatch_map(
                 continue;
             }
             let row = next_row[x];
-            next_row[x] += 1;
+            next_row[x] = row.saturating_add(1);
             if row < rows {
                 *dest = row as i32;
                 source_tokens[row] = t as i32;
@@ -149,16 +153,39 @@ pub fn combine<T: Real>(
     );
 }
 
-/// The backward of [`combine`]: `grad_expert_tokens[dest_rows[t, e]] = w[t, e] *
-/// grad_out[t]` (zero on rows no copy refers to), and with `weights`, the
-/// merging weights' gradient `grad_weights[t, e] = <grad_out[t],
-/// expert_tokens[dest_rows[t, e]]>` for the routed `e` (NaN when out of range).
+/// Where a `source_tokens` entry points: nowhere (-1), a token of the
+/// `tokens`, or out of range.
+enum Source {
+    None,
+    Token(usize),
+    Invalid,
+}
+
+fn source(entry: i32, tokens: usize) -> Source {
+    match entry {
+        -1 => Source::None,
+        t if t >= 0 && (t as usize) < tokens => Source::Token(t as usize),
+        _ => Source::Invalid,
+    }
+}
+
+/// The gradients of [`combine`]: with respect to the expert rows, and with
+/// `weighted`, to the merging weights.
 pub struct CombineGrads<'a, T> {
     pub grad_expert_tokens: &'a mut [T],
     /// `(weights, expert_tokens, grad_weights)`.
     pub weighted: Option<(&'a [f32], &'a [T], &'a mut [f32])>,
 }
 
+/// The backward of [`combine`]. Row `r` of the expert rows' gradient comes
+/// from the token `t = source_tokens[r]` names: `s * grad_out[t]`, where `s`
+/// sums the weights `w[t, e]` (1 without weights) of the experts `e` whose
+/// `dest_rows[t, e]` is `r`, in increasing order; zero where `t` is -1, NaN
+/// where the maps disagree (`t` out of range, or no `dest_rows[t, e]` is `r`).
+/// For the maps of a dispatch this is the transpose of the forward. With
+/// weights, `grad_weights[t, e] = <grad_out[t], expert_tokens[dest_rows[t, e]]>`
+/// (summed in f64) for the routed `e`, 0 where `dest_rows[t, e]` is -1, NaN
+/// where it is out of range.
 pub fn combine_backward<T: Real>(
     grad_out: &[T],
     hidden: usize,
@@ -167,28 +194,26 @@ pub fn combine_backward<T: Real>(
     experts: usize,
     grads: CombineGrads<T>,
 ) {
-    if hidden == 0 {
-        return;
-    }
-    let rows = source_tokens.len();
+    let (tokens, rows) = (dest_rows.len() / experts, source_tokens.len());
     let CombineGrads { grad_expert_tokens, weighted } = grads;
     let weights = weighted.as_ref().map(|(w, _, _)| *w);
-    grad_expert_tokens.par_chunks_mut(hidden).zip(source_tokens.par_iter()).enumerate()
-        .with_min_len(ROWS_PER_TASK).for_each(|(r, (out_row, &t))| {
-            // The copy of token t this row holds (a dispatch's maps agree).
-            let copy = usize::try_from(t).ok().and_then(|t| {
-                (0..experts).find(|&x| dest_rows[t * experts + x] == r as i32).map(|x| (t, x))
-            });
-            match copy {
-                Some((t, x)) => {
-                    let w = weights.map_or(1.0, |w| w[t * experts + x]);
-                    for (o, &g) in out_row.iter_mut().zip(&grad_out[t * hidden..(t + 1) * hidden]) {
-                        *o = T::from_f32(w * g.to_f32());
-                    }
+    if hidden > 0 {
+        grad_expert_tokens.par_chunks_mut(hidden).zip(source_tokens.par_iter()).enumerate()
+            .with_min_len(ROWS_PER_TASK).for_each(|(r, (out_row, &entry))| {
+                let t = match source(entry, tokens) {
+                    Source::None => return out_row.fill(T::from_f32(0.0)),
+                    Source::Invalid => return out_row.fill(T::from_f32(f32::NAN)),
+                    Source::Token(t) => t,
+                };
+                let copies = (0..experts).filter(|&x| dest_rows[t * experts + x] == r as i32);
+                let Some(scale) = copies.map(|x| weights.map_or(1.0, |w| w[t * experts + x])).reduce(|a, b| a + b) else {
+                    return out_row.fill(T::from_f32(f32::NAN));
+                };
+                for (o, &g) in out_row.iter_mut().zip(&grad_out[t * hidden..(t + 1) * hidden]) {
+                    *o = T::from_f32(scale * g.to_f32());
                 }
-                None => out_row.fill(T::from_f32(0.0)),
-            }
-        });
+            });
+    }
 
     let Some((_, expert_tokens, grad_weights)) = weighted else { return };
     grad_weights.par_chunks_mut(experts).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(t, grad_row)| {
@@ -198,8 +223,11 @@ pub fn combine_backward<T: Real>(
                 Dest::None => 0.0,
                 Dest::Invalid => f32::NAN,
                 Dest::Row(row) => {
+                    // Exact products, summed in f64 and rounded once: the
+                    // specification's error does not grow with `hidden`.
                     let y = &expert_tokens[row * hidden..(row + 1) * hidden];
-                    g.iter().zip(y).map(|(&a, &b)| a.to_f32() * b.to_f32()).sum()
+                    // (Summed from +0.0: an empty row's gradient is +0.0, as on the GPU.)
+                    g.iter().zip(y).fold(0.0f64, |sum, (&a, &b)| sum + f64::from(a.to_f32()) * f64::from(b.to_f32())) as f32
                 }
             };
         }
@@ -217,8 +245,10 @@ pub struct ChunkLayout {
 
 impl ChunkLayout {
     /// Chunk `j` has `max(split_sizes[j], 0)` rows, cut at `rows`; the sorted
-    /// layout lists chunk `sorted_indices[p]` at position `p`, skipping
-    /// indices out of range (a chunk listed twice keeps its first position).
+    /// layout lists chunk `sorted_indices[p]` at position `p`, the first
+    /// position that names it: indices out of range, and repeats, list
+    /// nothing and take no rows, so the sort always moves each row at most
+    /// once and its transpose is the inverse sort.
     pub fn new(split_sizes: &[i32], sorted_indices: &[i32], rows: usize) -> Self {
         let mut len = Vec::with_capacity(split_sizes.len());
         let mut source_start = Vec::with_capacity(split_sizes.len());
@@ -233,8 +263,10 @@ impl ChunkLayout {
         let mut start = 0usize;
         for &j in sorted_indices {
             let Some(j) = usize::try_from(j).ok().filter(|&j| j < len.len()) else { continue };
-            sorted_start[j].get_or_insert(start);
-            start += len[j];
+            if sorted_start[j].is_none() {
+                sorted_start[j] = Some(start);
+                start += len[j];
+            }
         }
         Self { len, source_start, sorted_start }
     }
@@ -258,20 +290,12 @@ pub fn sort_chunks<T: Real>(
     let layout = ChunkLayout::new(split_sizes, sorted_indices, rows);
     // source_row[r]: the input row that output row r copies.
     let mut source_row = vec![None; rows];
-    if inverse {
-        for (j, sorted) in layout.sorted_start.iter().enumerate() {
-            let Some(sorted) = *sorted else { continue };
-            for i in 0..layout.len[j].min(rows.saturating_sub(sorted)) {
-                source_row[layout.source_start[j] + i] = Some(sorted + i);
-            }
-        }
-    } else {
-        let mut start = 0usize;
-        for j in sorted_indices.iter().filter_map(|&j| usize::try_from(j).ok()).filter(|&j| j < layout.len.len()) {
-            for i in 0..layout.len[j].min(rows.saturating_sub(start)) {
-                source_row[start + i] = Some(layout.source_start[j] + i);
-            }
-            start += layout.len[j];
+    for (j, sorted) in layout.sorted_start.iter().enumerate() {
+        let Some(sorted) = *sorted else { continue };
+        for i in 0..layout.len[j] {
+            let (unsorted, sorted) = (layout.source_start[j] + i, sorted + i);
+            let (to, from) = if inverse { (unsorted, sorted) } else { (sorted, unsorted) };
+            source_row[to] = Some(from);
         }
     }
     out.par_chunks_mut(hidden).zip(source_row.par_iter()).with_min_len(ROWS_PER_TASK).for_each(
@@ -319,6 +343,74 @@ mod tests {
         assert_eq!(out, [0.5 * 10.0 + 2.0 * 1.0, 0.5 * 20.0 + 2.0 * 2.0, 10.0, 20.0]);
         combine(&expert_tokens, 2, &[2, -1, -1, -1], 2, None, &mut out);
         assert!(out[..2].iter().all(|x| x.is_nan()) && out[2..] == [0.0, 0.0]);
+    }
+
+    #[test]
+    fn combine_backward_writes_every_output_whatever_the_maps() {
+        // 2 tokens, 2 experts, 4 rows of 1 element. Row 0: token 0's copy for
+        // expert 1; row 1: padding; row 2 names token 5 (out of range); row 3
+        // names token 1, whose dest_rows do not list it; token 1 lists row 9.
+        let (dest_rows, source_tokens) = ([-1, 0, 9, -1], [0, -1, 5, 1]);
+        let (grad_out, weights, expert_tokens) = ([2.0f32, 3.0], [0.0f32, 0.5, 0.25, 0.0], [4.0f32, 1.0, 1.0, 1.0]);
+        let (mut grad_rows, mut grad_weights) = ([f32::INFINITY; 4], [f32::INFINITY; 4]);
+        let grads = CombineGrads { grad_expert_tokens: &mut grad_rows, weighted: Some((&weights, &expert_tokens, &mut grad_weights)) };
+        combine_backward(&grad_out, 1, &dest_rows, &source_tokens, 2, grads);
+        assert_eq!(grad_rows[..2], [0.5 * 2.0, 0.0]);
+        assert!(grad_rows[2].is_nan() && grad_rows[3].is_nan());
+        assert_eq!(grad_weights[..2], [0.0, 2.0 * 4.0]);
+        assert!(grad_weights[2].is_nan() && grad_weights[3] == 0.0);
+
+        // Rows of no elements: the weights' gradient is still written (zeros).
+        let mut grad_weights = [f32::NAN; 4];
+        let grads = CombineGrads { grad_expert_tokens: &mut [], weighted: Some((&weights, &[], &mut grad_weights)) };
+        combine_backward::<f32>(&[], 0, &[-1, 0, 1, -1], &[0, 1], 2, grads);
+        assert_eq!(grad_weights, [0.0; 4]);
+
+        // A token listing one row for two experts: their weights summed.
+        let mut grad_rows = [f32::NAN; 1];
+        let grads = CombineGrads { grad_expert_tokens: &mut grad_rows, weighted: None };
+        combine_backward(&[3.0f32], 1, &[0, 0], &[0], 2, grads);
+        assert_eq!(grad_rows, [6.0]);
+    }
+
+    #[test]
+    fn merging_weights_gradient_is_the_dot_product_rounded_once() {
+        // 2^24 + 1 + 1 + ...: a left-to-right f32 sum loses every 1.
+        let hidden = 1 << 12;
+        let mut g = vec![1.0f32; hidden];
+        g[0] = (1u32 << 24) as f32;
+        let mut grad_weights = [0.0f32];
+        let grads = CombineGrads { grad_expert_tokens: &mut vec![0.0; hidden], weighted: Some((&[1.0], &vec![1.0f32; hidden], &mut grad_weights)) };
+        combine_backward(&g, hidden, &[0], &[0], 1, grads);
+        assert_eq!(grad_weights[0], ((1u64 << 24) + hidden as u64 - 1) as f32);
+    }
+
+    #[test]
+    fn dispatch_offsets_saturate_instead_of_wrapping() {
+        // align 2^62: expert 0's block takes all rows, expert 1's starts
+        // past the end, after more padding than an int32 counts.
+        let map = [1u8, 1, 1, 1];
+        let (mut dest, mut source) = (vec![0; 4], vec![0; 4]);
+        let (mut padded, mut real, mut pads) = (vec![0; 2], vec![0; 2], vec![0; 2]);
+        let counts = ExpertCounts { tokens_per_expert: &mut padded, real_tokens_per_expert: &mut real, pad_offsets: &mut pads };
+        dispatch_map(&layout(2, 4, 1 << 62), &map, None, &mut dest, &mut source, counts);
+        assert_eq!(dest, [0, -1, 1, -1]);
+        assert_eq!(source, [0, 1, -1, -1]);
+        assert_eq!((padded, real, pads), (vec![4, 0], vec![2, 0], vec![0, i32::MAX]));
+    }
+
+    #[test]
+    fn a_repeated_or_out_of_range_index_lists_nothing() {
+        let tokens: Vec<f32> = (1..=5).map(|x| x as f32).collect();
+        let (sizes, order) = ([2, 3], [1, 1]);
+        let mut sorted = vec![0f32; 5];
+        sort_chunks(&tokens, 1, &sizes, &order, false, &mut sorted);
+        assert_eq!(sorted, [3.0, 4.0, 5.0, 0.0, 0.0]);
+        let mut back = vec![f32::NAN; 5];
+        sort_chunks(&sorted, 1, &sizes, &order, true, &mut back);
+        assert_eq!(back, [0.0, 0.0, 3.0, 4.0, 5.0]);
+        sort_chunks(&tokens, 1, &sizes, &[7, 0], false, &mut sorted);
+        assert_eq!(sorted, [1.0, 2.0, 0.0, 0.0, 0.0]);
     }
 
     #[test]

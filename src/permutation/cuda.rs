@@ -31,10 +31,24 @@ fn check_experts(experts: usize) -> Result<()> {
     Ok(())
 }
 
-/// `scatter_rows` (dispatch, and combine's backward) for rows of `hidden` elements.
-pub fn scatter_instance(dtype: DataType, hidden: usize, experts: usize, weighted: bool) -> Result<String> {
+/// What `scatter_rows` runs for.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Scatter {
+    /// A dispatch, on the maps it has just laid out.
+    Dispatch,
+    /// Combine's backward, on maps from the caller (checked), with or
+    /// without merging weights.
+    CombineBackward { weighted: bool },
+}
+
+/// `scatter_rows` for rows of `hidden` elements.
+pub fn scatter_instance(dtype: DataType, hidden: usize, experts: usize, scatter: Scatter) -> Result<String> {
     check_experts(experts)?;
-    Ok(format!("scatter_rows<{}, {hidden}, {experts}, {weighted}>", type_name(dtype)?))
+    let (weighted, check_map) = match scatter {
+        Scatter::Dispatch => (false, false),
+        Scatter::CombineBackward { weighted } => (weighted, true),
+    };
+    Ok(format!("scatter_rows<{}, {hidden}, {experts}, {weighted}, {check_map}>", type_name(dtype)?))
 }
 
 /// `gather_rows` (combine, and dispatch's backward).
@@ -52,8 +66,9 @@ fn grid(blocks: usize) -> Result<u32> {
     u32::try_from(blocks).ok().filter(|&b| b < 1 << 31).ok_or_else(|| Error::invalid_argument(format!("{blocks} blocks: too large a launch")))
 }
 
-fn int(value: usize) -> i32 {
-    i32::try_from(value).expect("sizes were checked to fit int32")
+/// A size the kernels take as `int` (the handlers check every size fits).
+fn int(value: usize) -> Result<i32> {
+    i32::try_from(value).map_err(|_| Error::invalid_argument(format!("{value}: the permutation kernels index with int32")))
 }
 
 /// Tokens a row-kernel block moves (`tokens_per_block` in the kernels).
@@ -77,10 +92,10 @@ fn token_and_zero_blocks(tokens: usize, experts: usize, rows: usize) -> Result<L
 }
 
 pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
-    let stream = Stream::of(call)?;
+    let stream = Stream::begin(call)?;
     let layout = &a.layout;
     let (t, e, rows) = (layout.tokens, layout.experts, layout.rows);
-    let scatter = Kernel::get(stream, &PERMUTATION, &scatter_instance(a.tokens.dtype(), a.hidden, e, false)?)?;
+    check_experts(e)?;
     let count = Kernel::get(stream, &PERMUTATION, "count_routed")?;
     let rank = Kernel::get(stream, &PERMUTATION, "rank_chunks")?;
     let assign = Kernel::get(stream, &PERMUTATION, "assign_rows")?;
@@ -90,8 +105,12 @@ pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
     let chunk_tokens = (t * e).div_ceil(MAP_THREADS).clamp(MIN_CHUNK_TOKENS, t.max(MIN_CHUNK_TOKENS));
     let num_chunks = t.div_ceil(chunk_tokens);
     // Scratch: each (expert, chunk)'s count, then first rank; each expert's routed count.
-    let ranks_bytes = (e * num_chunks * 4).next_multiple_of(16);
-    let scratch = call.scratch(ranks_bytes + e * 4)?;
+    let ranks_bytes = e.checked_mul(num_chunks * 4).map(|b| b.next_multiple_of(16));
+    let scratch_bytes = ranks_bytes.and_then(|b| b.checked_add(e * 4));
+    let (Some(ranks_bytes), Some(scratch_bytes)) = (ranks_bytes, scratch_bytes) else {
+        invalid!("{t} tokens and {e} experts: too large a dispatch")
+    };
+    let scratch = call.scratch(scratch_bytes)?;
     let ranks = scratch.ptr() as u64;
     let routed = ranks + ranks_bytes as u64;
 
@@ -101,7 +120,7 @@ pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
     let (per_expert, real, pads) =
         (a.tokens_per_expert.device_ptr(), a.real_tokens_per_expert.device_ptr(), a.pad_offsets.device_ptr());
     let (tokens_i, experts_i, rows_i, chunk_tokens_i, num_chunks_i, align_i) =
-        (int(t), int(e), int(rows), int(chunk_tokens), int(num_chunks), int(layout.align));
+        (int(t)?, int(e)?, int(rows)?, int(chunk_tokens)?, int(num_chunks)?, int(layout.align)?);
 
     let map_grid = grid((num_chunks * e).div_ceil(MAP_BLOCK as usize).max(1))?;
     launch(stream, count, LaunchConfig { grid: map_grid, block: MAP_BLOCK, shared_bytes: 0 }, &mut [
@@ -118,6 +137,10 @@ pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
         arg(&routed), arg(&align_i), arg(&rows_i), arg(&dest_rows), arg(&source_tokens), arg(&out_probs),
         arg(&per_expert), arg(&real), arg(&pads),
     ])?;
+    if a.hidden == 0 {
+        return Ok(()); // the maps are laid out; there are no row elements to move
+    }
+    let scatter = Kernel::get(stream, &PERMUTATION, &scatter_instance(a.tokens.dtype(), a.hidden, e, Scatter::Dispatch)?)?;
     let (src, out, null) = (a.tokens.device_ptr(), a.out_tokens.device_ptr(), 0u64);
     launch(stream, scatter, token_and_zero_blocks(t, e, rows)?, &mut [
         arg(&src), arg(&dest_rows), arg(&source_tokens), arg(&null), arg(&null), arg(&null), arg(&out),
@@ -126,27 +149,33 @@ pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
 }
 
 pub fn combine_fwd(call: &Call, a: &CombineFwd) -> Result<()> {
-    let stream = Stream::of(call)?;
+    if a.hidden == 0 {
+        return Ok(()); // the output has no elements
+    }
+    let stream = Stream::begin(call)?;
     let weighted = a.merging_probs.is_some();
     let kernel = Kernel::get(stream, &PERMUTATION, &gather_instance(a.expert_tokens.dtype(), a.hidden, a.experts, weighted)?)?;
     let (src, dest_rows, out) = (a.expert_tokens.device_ptr(), a.dest_rows.device_ptr(), a.out.device_ptr());
     let weights = a.merging_probs.as_ref().map_or(0, |w| w.device_ptr());
-    let (tokens, rows) = (int(a.tokens), int(a.rows));
+    let (tokens, rows) = (int(a.tokens)?, int(a.rows)?);
     let config = LaunchConfig { grid: grid(token_blocks(a.tokens, a.experts))?, block: ROW_BLOCK, shared_bytes: 0 };
     launch(stream, kernel, config, &mut [arg(&src), arg(&dest_rows), arg(&weights), arg(&out), arg(&tokens), arg(&rows)])
 }
 
 pub fn combine_bwd(call: &Call, a: &CombineBwd) -> Result<()> {
-    let stream = Stream::of(call)?;
-    let weighted = a.weighted.is_some();
-    let kernel = Kernel::get(stream, &PERMUTATION, &scatter_instance(a.grad_out.dtype(), a.hidden, a.experts, weighted)?)?;
+    if a.hidden == 0 && a.weighted.is_none() {
+        return Ok(()); // the output has no elements
+    }
+    let stream = Stream::begin(call)?;
+    let scatter = Scatter::CombineBackward { weighted: a.weighted.is_some() };
+    let kernel = Kernel::get(stream, &PERMUTATION, &scatter_instance(a.grad_out.dtype(), a.hidden, a.experts, scatter)?)?;
     let (grad, dest_rows, source_tokens, out) =
         (a.grad_out.device_ptr(), a.dest_rows.device_ptr(), a.source_tokens.device_ptr(), a.grad_expert_tokens.device_ptr());
     let (weights, expert_tokens, grad_weights) = match &a.weighted {
         Some((w, x, g)) => (w.device_ptr(), x.device_ptr(), g.device_ptr()),
         None => (0, 0, 0),
     };
-    let (tokens, rows) = (int(a.tokens), int(a.rows));
+    let (tokens, rows) = (int(a.tokens)?, int(a.rows)?);
     launch(stream, kernel, token_and_zero_blocks(a.tokens, a.experts, a.rows)?, &mut [
         arg(&grad), arg(&dest_rows), arg(&source_tokens), arg(&weights), arg(&expert_tokens), arg(&grad_weights),
         arg(&out), arg(&tokens), arg(&rows),
@@ -157,11 +186,14 @@ pub fn sort_chunks(call: &Call, a: &SortChunks) -> Result<()> {
     if a.chunks > MAX_CHUNKS {
         invalid!("{} chunks: the CUDA chunk sort takes at most {MAX_CHUNKS}", a.chunks)
     }
-    let stream = Stream::of(call)?;
+    if a.hidden == 0 {
+        return Ok(()); // the output has no elements
+    }
+    let stream = Stream::begin(call)?;
     let kernel = Kernel::get(stream, &PERMUTATION, &sort_instance(a.tokens.dtype(), a.hidden, a.inverse)?)?;
     let (src, sizes, order, out) =
         (a.tokens.device_ptr(), a.split_sizes.device_ptr(), a.sorted_indices.device_ptr(), a.out.device_ptr());
-    let (rows, chunks) = (int(a.rows), int(a.chunks));
+    let (rows, chunks) = (int(a.rows)?, int(a.chunks)?);
     let config = LaunchConfig { grid: grid(a.rows.div_ceil(SORT_ROWS))?, block: ROW_BLOCK, shared_bytes: 0 };
     launch(stream, kernel, config, &mut [arg(&src), arg(&sizes), arg(&order), arg(&out), arg(&rows), arg(&chunks)])
 }
@@ -179,14 +211,17 @@ mod tests {
         let mut out = vec!["count_routed".to_owned(), "rank_chunks".to_owned(), "assign_rows".to_owned()];
         for dtype in [DataType::F32, DataType::BF16, DataType::F16] {
             for (hidden, experts) in shapes {
+                out.push(scatter_instance(dtype, hidden, experts, Scatter::Dispatch).unwrap());
                 for weighted in [false, true] {
-                    out.push(scatter_instance(dtype, hidden, experts, weighted).unwrap());
+                    out.push(scatter_instance(dtype, hidden, experts, Scatter::CombineBackward { weighted }).unwrap());
                     out.push(gather_instance(dtype, hidden, experts, weighted).unwrap());
                 }
                 for inverse in [false, true] {
                     out.push(sort_instance(dtype, hidden, inverse).unwrap());
                 }
             }
+            // Rows of no elements: only the weights' gradient is written.
+            out.push(scatter_instance(dtype, 0, 8, Scatter::CombineBackward { weighted: true }).unwrap());
         }
         out
     }

@@ -11,15 +11,15 @@ use crate::ffi::{Arg, Call, DataType, Result, Ret};
 use crate::real::float_matrix;
 use crate::{export_handler, invalid, with_real_type};
 
-export_handler!(oxmoe_dispatch_fwd, |call| DispatchFwd::decode(call)?.run_cpu());
-export_handler!(oxmoe_combine_fwd, |call| CombineFwd::decode(call)?.run_cpu());
-export_handler!(oxmoe_combine_bwd, |call| CombineBwd::decode(call)?.run_cpu());
-export_handler!(oxmoe_sort_chunks, |call| SortChunks::decode(call)?.run_cpu());
+export_handler!(oxmoe_dispatch_fwd, DispatchFwd, |_, op| op.run_cpu());
+export_handler!(oxmoe_combine_fwd, CombineFwd, |_, op| op.run_cpu());
+export_handler!(oxmoe_combine_bwd, CombineBwd, |_, op| op.run_cpu());
+export_handler!(oxmoe_sort_chunks, SortChunks, |_, op| op.run_cpu());
 
-export_handler!(oxmoe_dispatch_fwd_cuda, |call| cuda::dispatch_fwd(call, &DispatchFwd::decode(call)?));
-export_handler!(oxmoe_combine_fwd_cuda, |call| cuda::combine_fwd(call, &CombineFwd::decode(call)?));
-export_handler!(oxmoe_combine_bwd_cuda, |call| cuda::combine_bwd(call, &CombineBwd::decode(call)?));
-export_handler!(oxmoe_sort_chunks_cuda, |call| cuda::sort_chunks(call, &SortChunks::decode(call)?));
+export_handler!(oxmoe_dispatch_fwd_cuda, DispatchFwd, |call, op| cuda::dispatch_fwd(call, &op));
+export_handler!(oxmoe_combine_fwd_cuda, CombineFwd, |call, op| cuda::combine_fwd(call, &op));
+export_handler!(oxmoe_combine_bwd_cuda, CombineBwd, |call, op| cuda::combine_bwd(call, &op));
+export_handler!(oxmoe_sort_chunks_cuda, SortChunks, |call, op| cuda::sort_chunks(call, &op));
 
 /// Row indices are int32 on both sides of the boundary.
 fn check_index_range(what: &str, count: usize) -> Result<()> {
@@ -27,6 +27,16 @@ fn check_index_range(what: &str, count: usize) -> Result<()> {
         invalid!("{count} {what}: row indices are int32, so at most {}", i32::MAX)
     }
     Ok(())
+}
+
+/// `(tokens, experts)` of a `[T, E]` map (`name`), with at least one expert.
+fn token_expert_map(map: &Arg, name: &str) -> Result<(usize, usize)> {
+    let (tokens, experts) = map.matrix()?;
+    if experts == 0 {
+        invalid!("{name} has shape {:?}: no experts, expected at least 1", map.dims())
+    }
+    check_index_range("tokens", tokens)?;
+    Ok((tokens, experts))
 }
 
 /// `oxmoe_dispatch_fwd`: tokens [T, H], routing_map [T, E] bool, optional
@@ -54,21 +64,20 @@ impl<'a> DispatchFwd<'a> {
         let tokens = call.arg(0, "tokens")?;
         let (num_tokens, hidden) = float_matrix(&tokens)?;
         let routing_map = call.arg(1, "routing_map")?;
-        let (_, experts) = routing_map.matrix()?;
+        let (_, experts) = token_expert_map(&routing_map, "routing_map")?;
         routing_map.expect(&[DataType::PRED], &[num_tokens, experts])?;
         let probs = call.optional_arg(2, "probs")?;
         if let Some(probs) = &probs {
             probs.expect(&[DataType::F32], &[num_tokens, experts])?;
         }
         let align = call.count("align_size")?;
-        if align == 0 {
-            invalid!("align_size is 0, expected at least 1")
+        if align == 0 || align > i32::MAX as usize {
+            invalid!("align_size is {align}, expected 1 <= align_size <= {} (row indices are int32)", i32::MAX)
         }
         let out_tokens = call.ret(0, "out_tokens")?;
         let (rows, _) = out_tokens.matrix()?;
         out_tokens.expect(&[tokens.dtype()], &[rows, hidden])?;
         check_index_range("output rows", rows)?;
-        check_index_range("tokens", num_tokens)?;
         let dest_rows = call.ret(1, "dest_rows")?;
         dest_rows.expect(&[DataType::S32], &[num_tokens, experts])?;
         let source_tokens = call.ret(2, "source_tokens")?;
@@ -143,8 +152,9 @@ impl<'a> CombineFwd<'a> {
         call.expect_num_args(2, 3)?;
         let expert_tokens = call.arg(0, "expert_tokens")?;
         let (rows, hidden) = float_matrix(&expert_tokens)?;
+        check_index_range("rows", rows)?;
         let dest_rows = call.arg(1, "dest_rows")?;
-        let (tokens, experts) = dest_rows.matrix()?;
+        let (tokens, experts) = token_expert_map(&dest_rows, "dest_rows")?;
         dest_rows.expect(&[DataType::S32], &[tokens, experts])?;
         let merging_probs = call.optional_arg(2, "merging_probs")?;
         if let Some(probs) = &merging_probs {
@@ -186,11 +196,12 @@ impl<'a> CombineBwd<'a> {
         let grad_out = call.arg(0, "grad_out")?;
         let (tokens, hidden) = float_matrix(&grad_out)?;
         let dest_rows = call.arg(1, "dest_rows")?;
-        let (_, experts) = dest_rows.matrix()?;
+        let (_, experts) = token_expert_map(&dest_rows, "dest_rows")?;
         dest_rows.expect(&[DataType::S32], &[tokens, experts])?;
         let source_tokens = call.arg(2, "source_tokens")?;
         let rows = source_tokens.len();
         source_tokens.expect(&[DataType::S32], &[rows])?;
+        check_index_range("rows", rows)?;
         let grad_expert_tokens = call.ret(0, "grad_expert_tokens")?;
         grad_expert_tokens.expect(&[grad_out.dtype()], &[rows, hidden])?;
         let weighted = match call.optional_arg(3, "merging_probs")? {

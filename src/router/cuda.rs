@@ -101,7 +101,7 @@ fn token_count(tokens: usize) -> Result<i32> {
 }
 
 pub fn topk_fwd(call: &Call, a: &TopkFwd) -> Result<()> {
-    let stream = Stream::of(call)?;
+    let stream = Stream::begin(call)?;
     let kernel = Kernel::get(stream, &ROUTER, &topk_fwd_instance(&a.config, a.logits.dtype(), a.bias.is_some())?)?;
     let (logits, probs, map) = (a.logits.device_ptr(), a.probs.device_ptr(), a.routing_map.device_ptr());
     let bias = a.bias.as_ref().map_or(0, |b| b.device_ptr());
@@ -111,7 +111,7 @@ pub fn topk_fwd(call: &Call, a: &TopkFwd) -> Result<()> {
 }
 
 pub fn topk_bwd(call: &Call, a: &TopkBwd) -> Result<()> {
-    let stream = Stream::of(call)?;
+    let stream = Stream::begin(call)?;
     let kernel = Kernel::get(stream, &ROUTER, &topk_bwd_instance(&a.config, a.logits.dtype())?)?;
     let (grad, logits, map, out) =
         (a.grad_probs.device_ptr(), a.logits.device_ptr(), a.routing_map.device_ptr(), a.grad_logits.device_ptr());
@@ -121,7 +121,7 @@ pub fn topk_bwd(call: &Call, a: &TopkBwd) -> Result<()> {
 }
 
 pub fn scores_fwd(call: &Call, a: &ScoresFwd) -> Result<()> {
-    let stream = Stream::of(call)?;
+    let stream = Stream::begin(call)?;
     let instance = scores_fwd_instance(a.score_function, a.topk, a.experts, a.logits.dtype())?;
     let kernel = Kernel::get(stream, &ROUTER, &instance)?;
     let (logits, map, scores) = (a.logits.device_ptr(), a.routing_map.device_ptr(), a.scores.device_ptr());
@@ -130,7 +130,7 @@ pub fn scores_fwd(call: &Call, a: &ScoresFwd) -> Result<()> {
 }
 
 pub fn scores_bwd(call: &Call, a: &ScoresBwd) -> Result<()> {
-    let stream = Stream::of(call)?;
+    let stream = Stream::begin(call)?;
     let kernel = Kernel::get(stream, &ROUTER, &scores_bwd_instance(a.score_function, a.experts, a.logits.dtype())?)?;
     let (grad, logits, out) = (a.grad_scores.device_ptr(), a.logits.device_ptr(), a.grad_logits.device_ptr());
     let tokens = token_count(a.tokens)?;
@@ -138,7 +138,7 @@ pub fn scores_bwd(call: &Call, a: &ScoresBwd) -> Result<()> {
 }
 
 pub fn aux_loss_fwd(call: &Call, a: &AuxLossFwd) -> Result<()> {
-    let stream = Stream::of(call)?;
+    let stream = Stream::begin(call)?;
     let [partials_instance, _] = aux_loss_instances(a.config.num_experts, a.probs.dtype(), a.counts.dtype())?;
     let partials_kernel = Kernel::get(stream, &ROUTER, &partials_instance)?;
     let total_kernel = Kernel::get(stream, &ROUTER, "aux_loss_total")?;
@@ -152,7 +152,7 @@ pub fn aux_loss_fwd(call: &Call, a: &AuxLossFwd) -> Result<()> {
 }
 
 pub fn aux_loss_bwd(call: &Call, a: &AuxLossBwd) -> Result<()> {
-    let stream = Stream::of(call)?;
+    let stream = Stream::begin(call)?;
     let [_, instance] = aux_loss_instances(a.config.num_experts, a.grad_probs.dtype(), a.counts.dtype())?;
     let kernel = Kernel::get(stream, &ROUTER, &instance)?;
     let (grad, counts, out) = (a.grad_loss.device_ptr(), a.counts.device_ptr(), a.grad_probs.device_ptr());

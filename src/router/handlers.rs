@@ -8,19 +8,19 @@ use crate::ffi::{Arg, Call, DataType, Result, Ret};
 use crate::real::{float_matrix, Real, FLOAT_TYPES};
 use crate::{export_handler, invalid, with_real_type};
 
-export_handler!(oxmoe_topk_fwd, |call| TopkFwd::decode(call)?.run_cpu());
-export_handler!(oxmoe_topk_bwd, |call| TopkBwd::decode(call)?.run_cpu());
-export_handler!(oxmoe_aux_loss_scores_fwd, |call| ScoresFwd::decode(call)?.run_cpu());
-export_handler!(oxmoe_aux_loss_scores_bwd, |call| ScoresBwd::decode(call)?.run_cpu());
-export_handler!(oxmoe_aux_loss_fwd, |call| AuxLossFwd::decode(call)?.run_cpu());
-export_handler!(oxmoe_aux_loss_bwd, |call| AuxLossBwd::decode(call)?.run_cpu());
+export_handler!(oxmoe_topk_fwd, TopkFwd, |_, op| op.run_cpu());
+export_handler!(oxmoe_topk_bwd, TopkBwd, |_, op| op.run_cpu());
+export_handler!(oxmoe_aux_loss_scores_fwd, ScoresFwd, |_, op| op.run_cpu());
+export_handler!(oxmoe_aux_loss_scores_bwd, ScoresBwd, |_, op| op.run_cpu());
+export_handler!(oxmoe_aux_loss_fwd, AuxLossFwd, |_, op| op.run_cpu());
+export_handler!(oxmoe_aux_loss_bwd, AuxLossBwd, |_, op| op.run_cpu());
 
-export_handler!(oxmoe_topk_fwd_cuda, |call| cuda::topk_fwd(call, &TopkFwd::decode(call)?));
-export_handler!(oxmoe_topk_bwd_cuda, |call| cuda::topk_bwd(call, &TopkBwd::decode(call)?));
-export_handler!(oxmoe_aux_loss_scores_fwd_cuda, |call| cuda::scores_fwd(call, &ScoresFwd::decode(call)?));
-export_handler!(oxmoe_aux_loss_scores_bwd_cuda, |call| cuda::scores_bwd(call, &ScoresBwd::decode(call)?));
-export_handler!(oxmoe_aux_loss_fwd_cuda, |call| cuda::aux_loss_fwd(call, &AuxLossFwd::decode(call)?));
-export_handler!(oxmoe_aux_loss_bwd_cuda, |call| cuda::aux_loss_bwd(call, &AuxLossBwd::decode(call)?));
+export_handler!(oxmoe_topk_fwd_cuda, TopkFwd, |call, op| cuda::topk_fwd(call, &op));
+export_handler!(oxmoe_topk_bwd_cuda, TopkBwd, |call, op| cuda::topk_bwd(call, &op));
+export_handler!(oxmoe_aux_loss_scores_fwd_cuda, ScoresFwd, |call, op| cuda::scores_fwd(call, &op));
+export_handler!(oxmoe_aux_loss_scores_bwd_cuda, ScoresBwd, |call, op| cuda::scores_bwd(call, &op));
+export_handler!(oxmoe_aux_loss_fwd_cuda, AuxLossFwd, |call, op| cuda::aux_loss_fwd(call, &op));
+export_handler!(oxmoe_aux_loss_bwd_cuda, AuxLossBwd, |call, op| cuda::aux_loss_bwd(call, &op));
 
 /// The routing configuration from the call's attributes, validated.
 /// The backward has no group attributes: its selection is given.
@@ -167,6 +167,9 @@ impl<'a> ScoresBwd<'a> {
         let grad_scores = call.arg(0, "grad_scores")?;
         let logits = call.arg(1, "logits")?;
         let (tokens, experts) = float_matrix(&logits)?;
+        if experts == 0 {
+            invalid!("logits has shape {:?}: no experts, expected at least 1", logits.dims())
+        }
         grad_scores.expect(&[DataType::F32], &[tokens, experts])?;
         let score_function = ScoreFunction::parse(call.attr("score_function")?)?;
         let grad_logits = call.ret(0, "grad_logits")?;
