@@ -44,6 +44,8 @@ CONFIG_CASES = {
     "groups_not_dividing_experts": (dict(num_experts=8, topk=2, num_groups=3, group_topk=1), r"num_groups.*3"),
     "num_groups_without_group_topk": (dict(num_experts=8, topk=2, num_groups=4), r"group_topk"),
     "align_size_zero": (dict(num_experts=8, topk=2, align_size=0), r"align_size.*0"),
+    "align_size_past_int32": (dict(num_experts=8, topk=2, align_size=2**62),
+                              r"align_size.*2147483647.*4611686018427387904"),
     "negative_aux_loss_coeff": (dict(num_experts=8, topk=2, aux_loss_coeff=-0.1), r"aux_loss_coeff.*-0\.1"),
 }
 
@@ -95,6 +97,14 @@ def test_bad_arguments_raise_while_tracing(case):
         trace(x, params, config)
 
 
+def test_padding_past_int32_rows_names_align_size_and_the_sizes():
+    # 16 tokens' 32 copies, each of 8 experts padded to a multiple of 2^30: 8 * 2^30 rows.
+    config = MoEConfig(num_experts=E, topk=2, align_size=2**30, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"the dispatch would hold 8589934592 rows, more than 2\*\*31 - 1.*"
+                                         r"16 tokens per shard, topk=2, 8 experts per shard, align_size=1073741824"):
+        trace(X, params_spec(), config)
+
+
 def test_integer_tokens_raise_a_type_error():
     with pytest.raises(TypeError, match=r"x.*int32"):
         trace(spec((T, H), jnp.int32), params_spec(), CONFIG)
@@ -142,6 +152,31 @@ def test_local_experts_that_do_not_match_the_expert_axis_inside_shard_map():
     mesh = mesh_of((4,), ("expert",))
     with pytest.raises(ValueError, match=r"params\.down.*2 \(num_experts 8 / expert_axis size 4\).*\[4, 8, 32\]"):
         jax.eval_shape(expert_parallel(mesh), *expert_split_inputs(mesh, 4 * T, 16))
+
+
+# One token per shard and 2 experts per shard over 4 shards. The exchanges' receive buffer has
+# 4 slots of the 2 copies a shard sends padded to 2 * align_size rows; the ring dispatches the
+# 4 gathered tokens' 8 copies for 2 experts: 2 * align_size rows.
+# exchange: (align_size, pattern)
+PAST_INT32_ROWS = {
+    "all_to_all": (2**29, r"the exchange's receive buffer \(4 slots of 1073741824 rows\) would hold 4294967296 rows"),
+    "ragged_all_to_all": (2**29, r"the exchange's receive buffer \(4 slots of 1073741824 rows\) would hold "
+                                 r"4294967296 rows"),
+    "ring": (2**30, r"the dispatch of the expert axis's 4 gathered tokens would hold 2147483648 rows"),
+}
+
+
+@pytest.mark.parametrize("exchange", PAST_INT32_ROWS)
+def test_an_exchange_past_int32_rows_names_align_size_and_the_sizes(exchange):
+    align_size, pattern = PAST_INT32_ROWS[exchange]
+    mesh = mesh_of((4,), ("expert",))
+    config = MoEConfig(num_experts=E, topk=2, align_size=align_size, dtype=jnp.float32, exchange=exchange)
+    layer = jax.shard_map(functools.partial(moe_lib.moe, config=config, expert_axis="expert"), mesh=mesh,
+                          in_specs=(P("expert"), MoEParams(P(), P("expert"), P("expert"), None)),
+                          out_specs=(P("expert"), P()))
+    with pytest.raises(ValueError, match=pattern + r", more than 2\*\*31 - 1.*1 tokens per shard, topk=2, "
+                                         rf"2 experts per shard, align_size={align_size}"):
+        jax.eval_shape(layer, *expert_split_inputs(mesh, 4, E))
 
 
 def test_shard_map_moe_names_the_axes_when_the_batch_does_not_divide():

@@ -75,6 +75,12 @@ CASES = {
                                      r"(?s)(?=.*align_size)(?=.*-3\b)"),
     "dispatch_align_size_float": (d(align_size=2.5), [TOKENS, MAP], ValueError,
                                   r"(?s)(?=.*align_size)(?=.*2\.5)"),
+    "dispatch_align_size_past_int32": (d(align_size=2**62), [TOKENS, MAP], ValueError,
+                                       r"(?s)(?=.*align_size)(?=.*2147483647)(?=.*4611686018427387904)"),
+    # 10 copies padded for 8 experts to a multiple of 2^30: 8 * 2^30 rows, past int32 row indices.
+    "dispatch_padding_past_int32_rows": (d(align_size=2**30), [TOKENS, MAP], ValueError,
+                                         r"(?s)(?=.*8589934592 rows)(?=.*align_size=1073741824)"
+                                         r"(?=.*num_out_tokens=10)"),
     # dispatch: topk / num_out_tokens
     "dispatch_neither_topk_nor_num_out_tokens": (d(neither=True), [TOKENS, MAP], ValueError,
                                                  "(?s)(?=.*topk)(?=.*num_out_tokens)"),
@@ -84,6 +90,8 @@ CASES = {
     "dispatch_topk_above_experts": (d(topk=E + 1), [TOKENS, MAP], ValueError, "topk"),
     "dispatch_num_out_tokens_negative": (d(num_out_tokens=-1), [TOKENS, MAP], ValueError,
                                         r"(?s)(?=.*num_out_tokens)(?=.*-1\b)"),
+    "dispatch_num_out_tokens_past_int32": (d(num_out_tokens=2**31), [TOKENS, MAP], ValueError,
+                                          r"(?s)(?=.*2147483648 rows)(?=.*num_out_tokens=2147483648)"),
     # combine
     "combine_int32_expert_tokens": (lambda y: combine(y, ROW_ID_MAP), [ROWS.astype(jnp.int32)], TypeError,
                                     "expert_tokens"),
@@ -172,6 +180,17 @@ def test_arguments_at_their_limits_are_accepted(kwargs):
     num_out_tokens = kwargs.get("num_out_tokens", T * kwargs.get("topk", 0))
     ref.check_dispatch(dispatched, np.asarray(TOKENS), routing_map, None, num_out_tokens=num_out_tokens,
                        align_size=kwargs.get("align_size"), context=str(kwargs))
+
+
+@pytest.mark.parametrize("args, rows", [((2**31 - 1, E), 2**31 - 1), ((1, E, 2**31 - 1), 2**31 - 1),
+                                        ((2**31 - 2**20, 1, 2**20), 2**31 - 2**20)],
+                         ids=["num_out_tokens", "align_size", "padded"])
+def test_dispatched_rows_reach_int32_s_limit_and_not_past_it(args, rows):
+    # Row indices are int32 in the handlers: 2^31 - 1 rows is the most a dispatch can have.
+    assert permutation.dispatched_rows(*args) == ref.dispatched_rows(*args) == rows
+    past = (args[0] + 1, *args[1:])  # one more copy
+    with pytest.raises(ValueError, match=rf"{ref.dispatched_rows(*past)} rows.*2\*\*31 - 1"):
+        permutation.dispatched_rows(*past)
 
 
 # ------------------------------------------------- a hand-made, broken row id map

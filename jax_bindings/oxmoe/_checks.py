@@ -8,6 +8,8 @@ import numbers
 import jax.numpy as jnp
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# The most rows of a dispatch or an exchange buffer: the handlers index rows with int32.
+MAX_ROWS = 2**31 - 1
 
 
 def check_array(name: str, x) -> None:

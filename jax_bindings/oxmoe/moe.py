@@ -50,7 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe import grouped_gemm, permutation, router
-from oxmoe._checks import FLOAT_DTYPES, check_array, check_count, check_real
+from oxmoe._checks import FLOAT_DTYPES, MAX_ROWS, check_array, check_count, check_real
 from oxmoe._primitive import _varying_axes
 
 __all__ = ["MoEConfig", "MoEParams", "MoEAux", "Routing", "Dispatched", "ExpertOutput", "Exchange", "Residuals",
@@ -91,7 +91,10 @@ class MoEConfig:
     with a fused ``[E, H, 2F]`` up weight whose first half is the gate) or
     ``"gelu"``/``"silu"`` (``[E, H, F]``); GELU is the tanh approximation.
     ``align_size`` pads each expert's rows to a multiple of it (for kernels
-    that want aligned groups; oxmoe's do not need it). ``dtype`` is the
+    that want aligned groups; oxmoe's do not need it). Row indices are
+    int32: ``align_size`` and the rows of every padded buffer of the layer
+    are at most ``2**31 - 1`` (the buffers are checked when the layer is
+    traced). ``dtype`` is the
     compute dtype of the token rows and expert weights (products accumulate in
     float32; the router's logits are float32).
 
@@ -124,7 +127,7 @@ class MoEConfig:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.align_size is not None:
-            check_count("align_size", self.align_size, 1)
+            check_count("align_size", self.align_size, 1, MAX_ROWS, " (row indices are int32)")
         try:
             dtype = jnp.dtype(self.dtype)
         except TypeError:
@@ -463,8 +466,24 @@ def _plan_exchange(tokens_per_expert, config: MoEConfig, axes: _Axes, num_tokens
 def _capacity(config: MoEConfig, num_tokens: int, local_experts: int) -> int:
     """The most rows one shard can send another: each token reaches at most
     ``min(topk, El)`` of its experts, each padded to ``align_size``."""
-    return permutation.dispatched_rows(num_tokens * min(config.topk, local_experts), local_experts,
-                                       config.align_size)
+    return permutation._padded_rows(num_tokens * min(config.topk, local_experts), local_experts, config.align_size)
+
+
+def _check_rows(config: MoEConfig, axes: _Axes, num_tokens: int, method: str | None) -> None:
+    """The layer's largest buffer of rows (which holds at least as many as the
+    others) must fit int32 row indices."""
+    n, el = axes.expert_shards, config.num_experts // axes.expert_shards
+    if method is None:
+        what, rows = "the dispatch", _capacity(config, num_tokens, el)
+    elif method == "ring":
+        what, rows = (f"the dispatch of the expert axis's {n * num_tokens} gathered tokens",
+                      _capacity(config, n * num_tokens, el))
+    else:
+        capacity = _capacity(config, num_tokens, el)
+        what, rows = f"the exchange's receive buffer ({n} slots of {capacity} rows)", n * capacity
+    if rows > MAX_ROWS:
+        raise ValueError(f"{what} would hold {rows} rows, more than 2**31 - 1 (row indices are int32): {num_tokens} "
+                         f"tokens per shard, topk={config.topk}, {el} experts per shard, align_size={config.align_size}")
 
 
 # -- dispatch --------------------------------------------------------------------------
@@ -509,6 +528,7 @@ def dispatch(tokens, routing: Routing, config: MoEConfig, *, expert_axis=None, d
 
 def _dispatch(tokens, routing: Routing, config: MoEConfig, axes: _Axes) -> Dispatched:
     method, align = _method(config, axes), config.align_size
+    _check_rows(config, axes, len(tokens), method)
     if method == "ring":
         n, el = axes.expert_shards, config.num_experts // axes.expert_shards
         first = jax.lax.axis_index(axes.expert_axis) * el

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxmoe._checks import check_array, check_count, check_float_dtype
+from oxmoe._checks import MAX_ROWS, check_array, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout
 
 __all__ = ["Dispatched", "RowIdMap", "dispatch", "combine", "sort_chunks", "unsort_chunks", "dispatched_rows"]
@@ -114,14 +114,23 @@ def dispatched_rows(num_out_tokens: int, num_experts: int, align_size: int | Non
     ``num_out_tokens`` without ``align_size``. With it, room for the worst-case
     padding: each of at most ``min(num_experts, num_out_tokens)`` non-empty
     experts adds fewer than ``align_size`` rows, and the total is a multiple of
-    ``align_size``.
+    ``align_size``. At most ``2**31 - 1`` (row indices are int32): a larger
+    count raises ``ValueError``.
     """
     n = check_count("num_out_tokens", num_out_tokens, 0)
     e = check_count("num_experts", num_experts, 1)
-    if align_size is None:
-        return n
-    a = check_count("align_size", align_size, 1)
-    return (n + min(e, n) * (a - 1)) // a * a
+    a = None if align_size is None else check_count("align_size", align_size, 1, MAX_ROWS, " (row indices are int32)")
+    rows = _padded_rows(n, e, a)
+    if rows > MAX_ROWS:
+        raise ValueError(f"dispatch would have {rows} rows, more than 2**31 - 1 (row indices are int32): "
+                         f"num_out_tokens={n}, num_experts={e}, align_size={a}")
+    return rows
+
+
+def _padded_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -> int:
+    """:func:`dispatched_rows`' formula, unchecked."""
+    n, a = num_out_tokens, align_size
+    return n if a is None else (n + min(num_experts, n) * (a - 1)) // a * a
 
 
 def _check_routed_count(routing_map, num_out_tokens: int) -> None:
