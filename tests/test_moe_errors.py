@@ -47,6 +47,16 @@ CONFIG_CASES = {
     "align_size_past_int32": (dict(num_experts=8, topk=2, align_size=2**62),
                               r"align_size.*2147483647.*4611686018427387904"),
     "negative_aux_loss_coeff": (dict(num_experts=8, topk=2, aux_loss_coeff=-0.1), r"aux_loss_coeff.*-0\.1"),
+    "nan_aux_loss_coeff": (dict(num_experts=8, topk=2, aux_loss_coeff=float("nan")),
+                           r"aux_loss_coeff must be a finite real number, got nan"),
+    "inf_z_loss_coeff": (dict(num_experts=8, topk=2, z_loss_coeff=float("inf")),
+                         r"z_loss_coeff must be a finite real number, got inf"),
+    "negative_z_loss_coeff": (dict(num_experts=8, topk=2, z_loss_coeff=-1e-3), r"z_loss_coeff must be >= 0, got -0\.001"),
+    "nan_scaling_factor": (dict(num_experts=8, topk=2, scaling_factor=float("nan")),
+                           r"scaling_factor must be a finite real number, got nan"),
+    "use_expert_bias_an_int": (dict(num_experts=8, topk=2, score_function="sigmoid", use_expert_bias=1),
+                               r"use_expert_bias must be a bool, got 1"),
+    "use_pre_softmax_an_int": (dict(num_experts=8, topk=2, use_pre_softmax=1), r"use_pre_softmax must be a bool, got 1"),
 }
 
 
@@ -154,14 +164,13 @@ def test_local_experts_that_do_not_match_the_expert_axis_inside_shard_map():
         jax.eval_shape(expert_parallel(mesh), *expert_split_inputs(mesh, 4 * T, 16))
 
 
-# One token per shard and 2 experts per shard over 4 shards. The exchanges' receive buffer has
-# 4 slots of the 2 copies a shard sends padded to 2 * align_size rows; the ring dispatches the
-# 4 gathered tokens' 8 copies for 2 experts: 2 * align_size rows.
+# One token per shard and 2 experts per shard over 4 shards. The all_to_all exchange's receive
+# buffer (ragged_all_to_all's is the same, but a CPU mesh refuses that exchange) has 4 slots of
+# the 2 copies a shard sends padded to 2 * align_size rows; the ring dispatches the 4 gathered
+# tokens' 8 copies for 2 experts: 2 * align_size rows.
 # exchange: (align_size, pattern)
 PAST_INT32_ROWS = {
     "all_to_all": (2**29, r"the exchange's receive buffer \(4 slots of 1073741824 rows\) would hold 4294967296 rows"),
-    "ragged_all_to_all": (2**29, r"the exchange's receive buffer \(4 slots of 1073741824 rows\) would hold "
-                                 r"4294967296 rows"),
     "ring": (2**30, r"the dispatch of the expert axis's 4 gathered tokens would hold 2147483648 rows"),
 }
 
@@ -191,6 +200,27 @@ def test_shard_map_moe_names_the_expert_axis_when_num_experts_does_not_divide():
     with pytest.raises(ValueError, match=r"num_experts \(8\).*'expert'.*\(3\)"):
         jax.eval_shape(functools.partial(moe_lib.shard_map_moe, config=CONFIG, mesh=mesh, expert_axis="expert"),
                        spec((3 * T, H)), params_spec())
+
+
+@pytest.mark.parametrize("data_axes, pattern", [
+    (("expert",), r"expert_axis 'expert' is also in data_axes \('expert',\)"),
+    (("data", "data"), r"data_axes \('data', 'data'\) names an axis twice"),
+], ids=["expert_axis_in_data_axes", "data_axis_twice"])
+def test_shard_map_moe_refuses_an_axis_named_twice(data_axes, pattern):
+    mesh = mesh_of((2, 4), ("data", "expert"))
+    with pytest.raises(ValueError, match=pattern):
+        jax.eval_shape(functools.partial(moe_lib.shard_map_moe, config=CONFIG, mesh=mesh, expert_axis="expert",
+                                         data_axes=data_axes), spec((8, H)), params_spec())
+
+
+def test_ragged_all_to_all_on_a_cpu_mesh_is_refused_while_tracing():
+    # XLA:CPU has no ragged all-to-all: without this check the layer fails when it runs.
+    mesh = jax.make_mesh((2,), ("expert",), devices=devices.cpu_devices()[:2])
+    config = MoEConfig(num_experts=E, topk=2, dtype=jnp.float32, exchange="ragged_all_to_all")
+    with pytest.raises(ValueError, match=r"exchange 'ragged_all_to_all' is not implemented on CPU.*"
+                                         r"use exchange 'auto', 'all_to_all' or 'ring'"):
+        jax.eval_shape(functools.partial(moe_lib.shard_map_moe, config=config, mesh=mesh, expert_axis="expert"),
+                       spec((2 * T, H)), params_spec())
 
 
 def test_shard_map_moe_names_an_axis_the_mesh_lacks():

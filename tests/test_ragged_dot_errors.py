@@ -95,6 +95,8 @@ CASES = {
     "group_offset_rank2": (rd_offset(), [LHS, RHS_WINDOW, SIZES, OFFSET[None]], ValueError, "group_offset"),
     "group_offset_f32": (rd_offset(), [LHS, RHS_WINDOW, SIZES, OFFSET.astype(jnp.float32)], ValueError,
                          "group_offset"),
+    "rhs_transposed_an_int": (rd(rhs_transposed=1), [LHS, RHS_T, SIZES], ValueError,
+                              r"rhs_transposed must be a bool, got 1"),
     "group_offset_int16": (rd_offset(), [LHS, RHS_WINDOW, SIZES, OFFSET.astype(jnp.int16)], ValueError,
                            "group_offset"),
     # transposed_ragged_dot
@@ -113,10 +115,11 @@ CASES = {
                         all_of("rhs", number(M), number(M + 2))),
     "t_group_sizes_rank2": (trd(), [LHS, GRAD, SIZES[None]], ValueError, "group_sizes"),
     "t_group_offset_without_num_groups": (trd_offset(), [LHS, GRAD, SIZES, OFFSET], ValueError, "num_groups"),
+    # (rhs has no groups here: the message names num_groups)
     "t_num_groups_not_g_without_offset": (trd(num_groups=G_LOCAL), [LHS, GRAD, SIZES], ValueError,
-                                          all_of(number(G_LOCAL), number(G))),
+                                          rf"num_groups is {G_LOCAL} but group_sizes has {G} groups"),
     "t_num_groups_above_g": (trd_offset(num_groups=G + 1), [LHS, GRAD, SIZES, OFFSET], ValueError,
-                             all_of(number(G + 1), number(G))),
+                             rf"num_groups is {G + 1}, more than the {G} groups of group_sizes"),
     "t_num_groups_negative": (trd_offset(num_groups=-1), [LHS, GRAD, SIZES, OFFSET], ValueError, "num_groups"),
     "t_group_offset_shape_2": (trd_offset(num_groups=2), [LHS, GRAD, SIZES, jnp.asarray([0, 1], jnp.int32)],
                                ValueError, "group_offset"),

@@ -22,7 +22,8 @@ Token exchange between expert shards (``MoEConfig.exchange``):
 
 - ``"ragged_all_to_all"``: each shard sends each other shard exactly the rows
   of its experts (``jax.lax.ragged_all_to_all``), with sizes and offsets
-  computed on the device from every shard's per-expert counts;
+  computed on the device from every shard's per-expert counts; not on a CPU
+  mesh (refused when the layer is traced);
 - ``"all_to_all"``: the same rows in fixed-size slots (``jax.lax.all_to_all``),
   which every platform has (XLA:CPU has no ragged collective);
 - ``"auto"`` (default): ``"all_to_all"``, the faster of the two wherever it
@@ -50,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe import grouped_gemm, permutation, router
-from oxmoe._checks import FLOAT_DTYPES, MAX_ROWS, check_array, check_count, check_real
+from oxmoe._checks import FLOAT_DTYPES, MAX_ROWS, check_array, check_bool, check_count, check_real
 from oxmoe._primitive import _varying_axes
 
 __all__ = ["MoEConfig", "MoEParams", "MoEAux", "Routing", "Dispatched", "ExpertOutput", "Exchange", "Residuals",
@@ -74,7 +75,8 @@ def _pytree(data: tuple[str, ...], meta: tuple[str, ...] = ()):
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """What the layer computes. Checked on construction.
+    """What the layer computes. Checked on construction: every real-valued
+    option must be finite, every flag a bool.
 
     Routing (see :func:`oxmoe.router.topk`): ``num_experts``, ``topk``,
     ``score_function`` (``"softmax"`` or ``"sigmoid"``), ``use_pre_softmax``,
@@ -120,10 +122,10 @@ class MoEConfig:
 
     def __post_init__(self):
         check_count("num_experts", self.num_experts, 1)
+        check_bool("use_expert_bias", self.use_expert_bias)
         self.topk_config  # checks the routing options
         for name in ("aux_loss_coeff", "z_loss_coeff"):
-            if check_real(name, getattr(self, name)) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            check_real(name, getattr(self, name), low=0)
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.align_size is not None:
@@ -247,10 +249,18 @@ def _axis_size(name, what: str) -> int:
                          "shard_map with that axis, or use shard_map_moe)") from None
 
 
-def _axes(config: MoEConfig, expert_axis, data_axes) -> _Axes:
+def _data_axes(expert_axis, data_axes) -> tuple[str, ...]:
+    """``data_axes`` as a tuple; each mesh axis may split the tokens once."""
     data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
     if expert_axis in data_axes:
         raise ValueError(f"expert_axis {expert_axis!r} is also in data_axes {data_axes}")
+    if len(set(data_axes)) != len(data_axes):
+        raise ValueError(f"data_axes {data_axes} names an axis twice")
+    return data_axes
+
+
+def _axes(config: MoEConfig, expert_axis, data_axes) -> _Axes:
+    data_axes = _data_axes(expert_axis, data_axes)
     sizes = [_axis_size(a, "data_axes entry") for a in data_axes]
     expert_shards = 1 if expert_axis is None else _axis_size(expert_axis, "expert_axis")
     if config.num_experts % expert_shards:
@@ -511,6 +521,11 @@ class Dispatched:
 def _method(config: MoEConfig, axes: _Axes) -> str | None:
     if axes.expert_shards == 1:
         return None
+    # Inside shard_map the mesh is abstract, but it knows its devices' platform.
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if config.exchange == "ragged_all_to_all" and getattr(device, "platform", None) == "cpu":
+        raise ValueError("exchange 'ragged_all_to_all' is not implemented on CPU (XLA:CPU has no ragged all-to-all; "
+                         "the layer would fail when it runs): use exchange 'auto', 'all_to_all' or 'ring' on a CPU mesh")
     return "all_to_all" if config.exchange == "auto" else config.exchange
 
 
@@ -799,7 +814,7 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
       expert_axis, data_axes: mesh axis names.
     """
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    data_axes = _data_axes(expert_axis, data_axes)
     token_axes = data_axes + ((expert_axis,) if expert_axis is not None else ())
     for axis in token_axes:
         if axis not in mesh.axis_names:
