@@ -158,6 +158,35 @@ def test_num_out_tokens_below_the_routed_count_is_a_silent_drop_under_jit():
     ref.check_dispatch_layout(dispatched, layout, context="jit, num_out_tokens=9 of 10")
 
 
+# name: dispatch(tokens, MAP as a constant, num_out_tokens=9) under a transformation -> its Dispatched
+CONSTANT_MAP_CALLS = {
+    "jit": lambda x: jax.jit(lambda x: dispatch(x, MAP, num_out_tokens=9))(x),
+    "jit_numpy_map": lambda x: jax.jit(lambda x: dispatch(x, np.asarray(MAP), num_out_tokens=9))(x),
+    "vmap": lambda x: jax.tree.map(lambda a: a[1], jax.vmap(lambda x: dispatch(x, MAP, num_out_tokens=9))(
+        jnp.stack([x + 1, x]))),
+}
+
+
+@pytest.mark.parametrize("call", CONSTANT_MAP_CALLS)
+def test_a_constant_map_below_num_out_tokens_is_a_silent_drop_under_a_transformation(call, seed, rng):
+    # Only an eager call counts the map; under a transformation (here a map closed over as a
+    # constant) the copies past the capacity are dropped as for a traced map.
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    dispatched = CONSTANT_MAP_CALLS[call](jnp.asarray(x))
+    layout = ref.check_dispatch(dispatched, x, np.asarray(MAP), None, num_out_tokens=9, align_size=None,
+                                context=f"{call}, num_out_tokens=9 of 10, seed={seed}")
+    assert layout.dropped.sum() == 1
+
+
+def test_a_constant_map_below_num_out_tokens_drops_the_copy_s_gradient_under_grad(seed, rng):
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    g = rng.standard_normal((9, H)).astype(np.float32)
+    grad = jax.grad(lambda x: jnp.sum(dispatch(x, MAP, num_out_tokens=9).tokens * g))(jnp.asarray(x))
+    layout = ref.dispatch_layout(np.asarray(MAP), num_out_tokens=9)
+    expected, _ = ref.dispatch_backward(g, None, layout.dest_rows)
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-6, atol=1e-6, err_msg=f"seed={seed}")
+
+
 def test_num_out_tokens_equal_to_the_routed_count_is_accepted_eagerly():
     dispatched = dispatch(TOKENS, MAP, num_out_tokens=10, align_size=4)
     ref.check_dispatch_layout(dispatched, ref.dispatch_layout(np.asarray(MAP), num_out_tokens=10, align_size=4),

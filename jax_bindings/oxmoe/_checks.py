@@ -8,6 +8,7 @@ import numbers
 
 import jax.numpy as jnp
 import numpy as np
+from jax._src import core as jax_core  # trace_state_clean: JAX has no public way to ask
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # The most rows of a dispatch or an exchange buffer: the handlers index rows with int32.
@@ -59,3 +60,10 @@ def check_bool(name: str, value) -> bool:
     if not isinstance(value, (bool, np.bool_)):
         raise ValueError(f"{name} must be a bool, got {value!r}")
     return bool(value)
+
+
+def called_eagerly() -> bool:
+    """Whether no transformation (``jit``, ``vmap``, ``grad``, ``eval_shape``, ...)
+    is tracing the call. Only then may a check read array values on the host:
+    under a transformation, a constant array must behave like a traced one."""
+    return jax_core.trace_state_clean()
