@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import ragged_dot_reference as ref
 from error_cases import check_raises, check_raises_while_tracing
 from oxmoe import grouped_gemm
 
@@ -180,6 +181,23 @@ def test_out_of_range_sizes_and_offsets_are_silent_while_tracing_and_under_jit(c
     jax.eval_shape(fn, *abstract)
     out = jax.jit(fn)(*args)
     assert np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("case", VALUE_CASES)
+def test_out_of_range_constants_under_jit_are_clamped_as_traced_ones(case, seed, rng):
+    # Only an eager call reads the sizes: under jit, sizes and offset closed over as constants are
+    # clamped on the device like traced ones, as the reference says.
+    fn, args, _ = value_case_args(case)
+    lhs, rhs = (rng.standard_normal(a.shape).astype(np.float32) for a in args[:2])
+    sizes, *offset = args[2:]
+    out = jax.jit(lambda lhs, rhs: fn(lhs, rhs, *args[2:]))(lhs, rhs)
+    g0 = offset[0] if offset else None
+    if case.startswith("t_"):
+        expected = ref.transposed_ragged_dot(lhs, rhs, sizes, num_groups=None if g0 is None else G_LOCAL,
+                                             group_offset=g0)
+    else:
+        expected = ref.ragged_dot(lhs, rhs, sizes, group_offset=g0)
+    ref.assert_gemm_close(out, expected, np.float32, what=case, context=f"seed={seed}")
 
 
 @pytest.mark.parametrize("g0", [0, G], ids=["g0_0", "g0_G"])

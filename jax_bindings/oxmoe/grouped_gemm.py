@@ -12,8 +12,10 @@ kernels read themselves: nothing copies them to the host, so both work under
 ``jit`` and ``shard_map`` with sizes computed on the device. On the device,
 out-of-range values are clamped so that nothing is read or written out of
 bounds: negative sizes count as zero, groups end at row ``M`` at the latest,
-and the window's first group is clamped to ``[0, G]``. Called eagerly with
-concrete sizes, out-of-range values raise instead.
+and the window's first group is clamped to ``[0, G]``: under ``jit`` and
+every other transformation, whether the sizes are traced or constants.
+Called eagerly, outside every transformation, out-of-range values raise
+instead.
 
 Accumulation is float32. On a Hopper GPU, bfloat16 and float16 products whose
 ``K`` and ``N`` are multiples of 8 run on the tensor cores (``wgmma`` fed by
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxmoe._checks import check_array, check_bool, check_count, check_float_dtype
+from oxmoe._checks import called_eagerly, check_array, check_bool, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 
 __all__ = ["ragged_dot", "transposed_ragged_dot"]
@@ -85,8 +87,8 @@ def _check_groups(group_sizes, group_offset, local_groups: int | None, local_gro
 
 
 def _check_concrete(group_sizes, group_offset, m: int) -> None:
-    """Called eagerly (concrete arrays), out-of-range sizes are errors, not clamped."""
-    if isinstance(group_sizes, jax.core.Tracer) or isinstance(group_offset, jax.core.Tracer):
+    """Called eagerly, out-of-range sizes are errors, not clamped."""
+    if not called_eagerly():
         return
     sizes = np.asarray(group_sizes)
     if (sizes < 0).any():
