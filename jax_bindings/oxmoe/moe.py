@@ -100,6 +100,14 @@ class MoEConfig:
     compute dtype of the token rows and expert weights (products accumulate in
     float32; the router's logits are float32).
 
+    ``float32_gate_logits`` (MaxText's option of that name; default False):
+    the router's product takes the layer's input (before its cast to
+    ``dtype``) and the gate weight in float32, not rounded to ``dtype``. With a
+    bfloat16 ``dtype`` the rounded product chooses other experts than a float32
+    router for a few tokens in a thousand; with this option the choices are
+    the float32 router's. The gradients reach the input and the gate in their
+    own dtypes either way.
+
     ``exchange``: how tokens travel between expert shards: ``"auto"``,
     ``"ragged_all_to_all"``, ``"all_to_all"`` or ``"ring"`` (see the module
     docstring).
@@ -119,10 +127,12 @@ class MoEConfig:
     align_size: int | None = None
     dtype: Any = jnp.bfloat16
     exchange: str = "auto"
+    float32_gate_logits: bool = False
 
     def __post_init__(self):
         check_count("num_experts", self.num_experts, 1)
         check_bool("use_expert_bias", self.use_expert_bias)
+        check_bool("float32_gate_logits", self.float32_gate_logits)
         self.topk_config  # checks the routing options
         for name in ("aux_loss_coeff", "z_loss_coeff"):
             check_real(name, getattr(self, name), low=0)
@@ -147,6 +157,12 @@ class MoEConfig:
                                    self.num_groups, self.group_topk, self.scaling_factor, self.use_expert_bias)
 
     @property
+    def router_dtype(self) -> np.dtype:
+        """The dtype the router's product takes the tokens and the gate weight in:
+        float32 with ``float32_gate_logits``, else ``dtype``."""
+        return jnp.dtype(_F32) if self.float32_gate_logits else self.dtype
+
+    @property
     def glu(self) -> bool:
         """Whether the activation is gated (the up weight holds gate and up halves)."""
         return self.activation in ("swiglu", "geglu")
@@ -154,7 +170,8 @@ class MoEConfig:
 
 @_pytree(("gate", "up", "down", "expert_bias"))
 class MoEParams:
-    """The layer's parameters (any float dtype; cast to ``MoEConfig.dtype`` to compute).
+    """The layer's parameters (any float dtype; cast to ``MoEConfig.dtype`` to compute,
+    the gate to ``MoEConfig.router_dtype``).
 
     Inside ``shard_map``, ``up`` and ``down`` hold this shard's experts
     (``E / expert shards`` of them); ``gate`` and ``expert_bias`` are whole.
@@ -319,11 +336,12 @@ def route(tokens, params: MoEParams, config: MoEConfig, *, expert_axis=None, dat
         taken over every token shard.
     """
     axes = _axes(config, expert_axis, data_axes)
-    return _route(tokens.astype(config.dtype), params, config, axes)
+    return _route(tokens.astype(config.router_dtype), params, config, axes)
 
 
 def _route(tokens, params: MoEParams, config: MoEConfig, axes: _Axes) -> Routing:
-    logits = _router_dot(tokens, params.gate.astype(config.dtype))
+    """:func:`route` of ``tokens`` in ``config.router_dtype``."""
+    logits = _router_dot(tokens, params.gate.astype(config.router_dtype))
     bias = (params.expert_bias,) if config.use_expert_bias else ()
     probs, routing_map = router._topk_fwd(logits, *bias, **config.topk_config.fwd_attrs())
     counts = routing_map.sum(0, dtype=jnp.int32)
@@ -658,7 +676,7 @@ class Residuals:
     """What the forward pass keeps for the backward."""
 
     tokens: jax.Array
-    """``[T, H]`` in the compute dtype: the router's input."""
+    """``[T, H]`` in ``config.router_dtype``: the router's input."""
     params: MoEParams
     routing: Routing
     dispatched: Dispatched
@@ -746,14 +764,16 @@ def _layer(config: MoEConfig, axes: _Axes, x, params: MoEParams):
 
 
 def _layer_fwd(config: MoEConfig, axes: _Axes, x, params: MoEParams):
-    tokens = x.reshape(-1, x.shape[-1]).astype(config.dtype)
-    routing = _route(tokens, params, config, axes)
-    dispatched = _dispatch(tokens, routing, config, axes)
+    flat = x.reshape(-1, x.shape[-1])
+    # The router's input: without float32_gate_logits, the same cast as the dispatched tokens'.
+    router_tokens = flat.astype(config.router_dtype)
+    routing = _route(router_tokens, params, config, axes)
+    dispatched = _dispatch(flat.astype(config.dtype), routing, config, axes)
     out = expert_ffn(dispatched, params, config)
     returned = _returned_rows(out, dispatched)
     y = _combine(returned, dispatched, axes).reshape(x.shape)
     aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert)
-    return (y, aux), Residuals(tokens, params, routing, dispatched, out, returned, x.shape, x.dtype)
+    return (y, aux), Residuals(router_tokens, params, routing, dispatched, out, returned, x.shape, x.dtype)
 
 
 def _layer_bwd(config: MoEConfig, axes: _Axes, res: Residuals, cotangents):
@@ -774,7 +794,7 @@ def _layer_bwd(config: MoEConfig, axes: _Axes, res: Residuals, cotangents):
         grad_tokens = jax.lax.psum_scatter(grad_tokens, axes.expert_axis, scatter_dimension=0, tiled=True)
         grad_probs = _scatter_expert_columns(grad_probs, config, axes)
     grad_logits = _route_bwd(res.routing, grad_probs, grad_aux, config, axes)
-    gate = params.gate.astype(config.dtype)
+    gate = params.gate.astype(config.router_dtype)
     grad_x = grad_tokens.astype(_F32) + _router_dot(grad_logits, gate.T)
     grad_gate = _sum_over(_router_dot(res.tokens.T, grad_logits), axes.token_axes)
     grad_up, grad_down = _sum_over((grad_up, grad_down), axes.data_axes)
