@@ -115,6 +115,12 @@ def test_padding_past_int32_rows_names_align_size_and_the_sizes():
         trace(X, params_spec(), config)
 
 
+@pytest.mark.parametrize("rate", [float("nan"), -float("inf")])
+def test_update_expert_bias_refuses_a_rate_that_is_not_finite(rate):
+    with pytest.raises(ValueError, match=rf"rate must be a finite real number, got {rate}"):
+        moe_lib.update_expert_bias(jnp.zeros(E), jnp.arange(E, dtype=jnp.int32), rate)
+
+
 def test_integer_tokens_raise_a_type_error():
     with pytest.raises(TypeError, match=r"x.*int32"):
         trace(spec((T, H), jnp.int32), params_spec(), CONFIG)

@@ -44,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -229,8 +230,11 @@ def update_expert_bias(expert_bias, tokens_per_expert, rate):
 
     Returns ``expert_bias + rate * sign(mean(tokens_per_expert) - tokens_per_expert)``
     as float32. Call it between steps with :attr:`MoEAux.tokens_per_expert`;
-    ``rate`` may be a traced scalar (a schedule).
+    ``rate`` may be a traced scalar (a schedule); a Python or NumPy number
+    must be finite.
     """
+    if isinstance(rate, numbers.Real):  # a traced (or device) rate is the caller's to keep finite
+        check_real("rate", rate)
     check_array("expert_bias", expert_bias)
     check_array("tokens_per_expert", tokens_per_expert)
     if expert_bias.ndim != 1 or tokens_per_expert.shape != expert_bias.shape:
