@@ -6,7 +6,9 @@ weights, zero off the chosen experts, pick the results: no dispatch, no exchange
 so it holds for every expert / data sharding, exchange and align_size of the layer. The
 rounding points are the contract's: tokens and weights in config.dtype, products accumulated
 in float32 (precision HIGHEST, so a GPU does not take TF32) and rounded to config.dtype after
-each GEMM and after the activation; the router and the losses in float32. It is differentiable
+each GEMM and after the activation; the router's product of the tokens and its weight taken in
+config.dtype, or in float32 with config.float32_gate_logits; the router and the losses in
+float32. It is differentiable
 with jax.grad (the choice of experts is held fixed, as in the layer).
 
 The router (top-k of softmax or of sigmoid scores with groups and expert bias) is written
@@ -134,8 +136,13 @@ def z_loss(logits, config):
 # ------------------------------------------------------------------------- layer
 
 
+def router_dtype(config):
+    """The dtype the router's product takes the tokens and its weight in."""
+    return F32 if config.float32_gate_logits else config.dtype
+
+
 def router_logits(x, gate, dtype):
-    """[T, E] float32 logits of the tokens x [..., H] (cast to dtype) and the router weight."""
+    """[T, E] float32 logits of the tokens x [..., H] and the router weight, both cast to dtype."""
     xs = x.reshape(-1, x.shape[-1]).astype(dtype)
     return jnp.dot(xs, gate.astype(dtype), preferred_element_type=F32, precision=HIGHEST)
 
@@ -154,7 +161,7 @@ def moe(x, params, config):
     """(y, Aux) of the whole layer on all tokens x [B, S, H] or [T, H]: y like x in config.dtype."""
     dtype = config.dtype
     xs = x.reshape(-1, x.shape[-1]).astype(dtype)
-    logits = router_logits(xs, params.gate, dtype)
+    logits = router_logits(x, params.gate, router_dtype(config))
     probs, chosen = route(logits, config, params.expert_bias)
     o = expert_outputs(xs, params.up, params.down, config)
     y = jnp.einsum("te,eth->th", probs, o.astype(F32), precision=HIGHEST).astype(dtype)
@@ -233,15 +240,16 @@ def rounded(a, dtype) -> np.ndarray:
     return np.asarray(a, np.float32).astype(np.dtype(dtype)).astype(np.float32)
 
 
-def draw_tokens(rng: np.random.Generator, shape, gate, config, expert_bias=None, *, min_margin=MIN_MARGIN):
+def draw_tokens(rng: np.random.Generator, shape, gate, config, expert_bias=None, *, min_margin=MIN_MARGIN,
+                x_dtype=np.float32):
     """Random float32 tokens [..., H] none of whose routing is a near-tie (see `selection_margin`;
-    judged on the tokens and router weight rounded to config.dtype, as the layer sees them): the
-    few tokens that are get redrawn."""
+    judged on the tokens rounded to x_dtype, the layer's input, and as the router takes them and
+    its weight: rounded to router_dtype(config)): the few tokens that are get redrawn."""
     h = shape[-1]
-    gate64 = rounded(np.asarray(gate, np.float32), config.dtype).astype(np.float64)
+    gate64 = rounded(np.asarray(gate, np.float32), router_dtype(config)).astype(np.float64)
     x = rng.standard_normal((int(np.prod(shape[:-1])), h)).astype(np.float32)
     for _ in range(100):
-        logits = rounded(x, config.dtype).astype(np.float64) @ gate64
+        logits = rounded(rounded(x, x_dtype), router_dtype(config)).astype(np.float64) @ gate64
         bad = selection_margin(logits, config, expert_bias) < min_margin
         if not bad.any():
             return x.reshape(shape)
@@ -294,7 +302,7 @@ def draw_inputs(rng: np.random.Generator, config, x_shape, ffn: int, *, make=Par
     weights (see draw_params) and a float32 weight of y in the loss (see Y_WEIGHT_SCALE)."""
     params = draw_params(rng, config, x_shape[-1], ffn, glu=config.activation in GLU_ACTIVATIONS,
                          dtype=param_dtype, make=make)
-    x = draw_tokens(rng, x_shape, params.gate, config, params.expert_bias)
+    x = draw_tokens(rng, x_shape, params.gate, config, params.expert_bias, x_dtype=x_dtype)
     y_weight = (rng.standard_normal(x_shape) * Y_WEIGHT_SCALE).astype(np.float32)
     return jnp.asarray(x).astype(x_dtype), params, jnp.asarray(y_weight)
 

@@ -44,7 +44,19 @@ CONFIG_CASES = {
     "groups_not_dividing_experts": (dict(num_experts=8, topk=2, num_groups=3, group_topk=1), r"num_groups.*3"),
     "num_groups_without_group_topk": (dict(num_experts=8, topk=2, num_groups=4), r"group_topk"),
     "align_size_zero": (dict(num_experts=8, topk=2, align_size=0), r"align_size.*0"),
+    "align_size_past_int32": (dict(num_experts=8, topk=2, align_size=2**62),
+                              r"align_size.*2147483647.*4611686018427387904"),
     "negative_aux_loss_coeff": (dict(num_experts=8, topk=2, aux_loss_coeff=-0.1), r"aux_loss_coeff.*-0\.1"),
+    "nan_aux_loss_coeff": (dict(num_experts=8, topk=2, aux_loss_coeff=float("nan")),
+                           r"aux_loss_coeff must be a finite real number, got nan"),
+    "inf_z_loss_coeff": (dict(num_experts=8, topk=2, z_loss_coeff=float("inf")),
+                         r"z_loss_coeff must be a finite real number, got inf"),
+    "negative_z_loss_coeff": (dict(num_experts=8, topk=2, z_loss_coeff=-1e-3), r"z_loss_coeff must be >= 0, got -0\.001"),
+    "nan_scaling_factor": (dict(num_experts=8, topk=2, scaling_factor=float("nan")),
+                           r"scaling_factor must be a finite real number, got nan"),
+    "use_expert_bias_an_int": (dict(num_experts=8, topk=2, score_function="sigmoid", use_expert_bias=1),
+                               r"use_expert_bias must be a bool, got 1"),
+    "use_pre_softmax_an_int": (dict(num_experts=8, topk=2, use_pre_softmax=1), r"use_pre_softmax must be a bool, got 1"),
 }
 
 
@@ -93,6 +105,20 @@ def test_bad_arguments_raise_while_tracing(case):
     x, params, config, pattern = LAYER_CASES[case]
     with pytest.raises(ValueError, match=pattern):
         trace(x, params, config)
+
+
+def test_padding_past_int32_rows_names_align_size_and_the_sizes():
+    # 16 tokens' 32 copies, each of 8 experts padded to a multiple of 2^30: 8 * 2^30 rows.
+    config = MoEConfig(num_experts=E, topk=2, align_size=2**30, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"the dispatch would hold 8589934592 rows, more than 2\*\*31 - 1.*"
+                                         r"16 tokens per shard, topk=2, 8 experts per shard, align_size=1073741824"):
+        trace(X, params_spec(), config)
+
+
+@pytest.mark.parametrize("rate", [float("nan"), -float("inf")])
+def test_update_expert_bias_refuses_a_rate_that_is_not_finite(rate):
+    with pytest.raises(ValueError, match=rf"rate must be a finite real number, got {rate}"):
+        moe_lib.update_expert_bias(jnp.zeros(E), jnp.arange(E, dtype=jnp.int32), rate)
 
 
 def test_integer_tokens_raise_a_type_error():
@@ -144,6 +170,30 @@ def test_local_experts_that_do_not_match_the_expert_axis_inside_shard_map():
         jax.eval_shape(expert_parallel(mesh), *expert_split_inputs(mesh, 4 * T, 16))
 
 
+# One token per shard and 2 experts per shard over 4 shards. The all_to_all exchange's receive
+# buffer (ragged_all_to_all's is the same, but a CPU mesh refuses that exchange) has 4 slots of
+# the 2 copies a shard sends padded to 2 * align_size rows; the ring dispatches the 4 gathered
+# tokens' 8 copies for 2 experts: 2 * align_size rows.
+# exchange: (align_size, pattern)
+PAST_INT32_ROWS = {
+    "all_to_all": (2**29, r"the exchange's receive buffer \(4 slots of 1073741824 rows\) would hold 4294967296 rows"),
+    "ring": (2**30, r"the dispatch of the expert axis's 4 gathered tokens would hold 2147483648 rows"),
+}
+
+
+@pytest.mark.parametrize("exchange", PAST_INT32_ROWS)
+def test_an_exchange_past_int32_rows_names_align_size_and_the_sizes(exchange):
+    align_size, pattern = PAST_INT32_ROWS[exchange]
+    mesh = mesh_of((4,), ("expert",))
+    config = MoEConfig(num_experts=E, topk=2, align_size=align_size, dtype=jnp.float32, exchange=exchange)
+    layer = jax.shard_map(functools.partial(moe_lib.moe, config=config, expert_axis="expert"), mesh=mesh,
+                          in_specs=(P("expert"), MoEParams(P(), P("expert"), P("expert"), None)),
+                          out_specs=(P("expert"), P()))
+    with pytest.raises(ValueError, match=pattern + r", more than 2\*\*31 - 1.*1 tokens per shard, topk=2, "
+                                         rf"2 experts per shard, align_size={align_size}"):
+        jax.eval_shape(layer, *expert_split_inputs(mesh, 4, E))
+
+
 def test_shard_map_moe_names_the_axes_when_the_batch_does_not_divide():
     mesh = mesh_of((2, 4), ("data", "expert"))
     with pytest.raises(ValueError, match=r"\(6\).*8 token shards.*data=2, expert=4"):
@@ -156,6 +206,27 @@ def test_shard_map_moe_names_the_expert_axis_when_num_experts_does_not_divide():
     with pytest.raises(ValueError, match=r"num_experts \(8\).*'expert'.*\(3\)"):
         jax.eval_shape(functools.partial(moe_lib.shard_map_moe, config=CONFIG, mesh=mesh, expert_axis="expert"),
                        spec((3 * T, H)), params_spec())
+
+
+@pytest.mark.parametrize("data_axes, pattern", [
+    (("expert",), r"expert_axis 'expert' is also in data_axes \('expert',\)"),
+    (("data", "data"), r"data_axes \('data', 'data'\) names an axis twice"),
+], ids=["expert_axis_in_data_axes", "data_axis_twice"])
+def test_shard_map_moe_refuses_an_axis_named_twice(data_axes, pattern):
+    mesh = mesh_of((2, 4), ("data", "expert"))
+    with pytest.raises(ValueError, match=pattern):
+        jax.eval_shape(functools.partial(moe_lib.shard_map_moe, config=CONFIG, mesh=mesh, expert_axis="expert",
+                                         data_axes=data_axes), spec((8, H)), params_spec())
+
+
+def test_ragged_all_to_all_on_a_cpu_mesh_is_refused_while_tracing():
+    # XLA:CPU has no ragged all-to-all: without this check the layer fails when it runs.
+    mesh = jax.make_mesh((2,), ("expert",), devices=devices.cpu_devices()[:2])
+    config = MoEConfig(num_experts=E, topk=2, dtype=jnp.float32, exchange="ragged_all_to_all")
+    with pytest.raises(ValueError, match=r"exchange 'ragged_all_to_all' is not implemented on CPU.*"
+                                         r"use exchange 'auto', 'all_to_all' or 'ring'"):
+        jax.eval_shape(functools.partial(moe_lib.shard_map_moe, config=config, mesh=mesh, expert_axis="expert"),
+                       spec((2 * T, H)), params_spec())
 
 
 def test_shard_map_moe_names_an_axis_the_mesh_lacks():

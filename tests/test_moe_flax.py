@@ -14,12 +14,15 @@ The modules own parameters and call oxmoe.moe; these tests check that they add n
   eager sharding when the module has a mesh) places every variable so, and the values equal
   the unsharded initialisation with the same key; under a mesh without rules, NNX names the
   logical axes that lack one;
+- MoEConfig.float32_gate_logits reaches the layer: with it the modules' output is oxmoe.moe.moe's
+  with it, not without it;
 - the expert-bias update (Linen helper on a nested model's variables, NNX method, eager and
   under nnx.jit) against the NumPy formula bias + rate * sign(mean(tokens) - tokens);
 - `import oxmoe` does not import flax.
 """
 
 import contextlib
+import dataclasses
 import functools
 import subprocess
 import sys
@@ -56,6 +59,9 @@ CONFIGS = {
     # sigmoid routing steered by a (random, non-zero) expert bias, plain [E, H, F] up, bfloat16.
     "sigmoid_bias_gelu": MoEConfig(num_experts=8, topk=3, score_function="sigmoid", use_expert_bias=True,
                                    activation="gelu", aux_loss_coeff=1e-2, dtype=jnp.bfloat16),
+    # bfloat16 compute with a float32 router product: the option must reach the layer.
+    "softmax_float32_gate_logits": MoEConfig(num_experts=8, topk=2, z_loss_coeff=1e-3, dtype=jnp.bfloat16,
+                                             float32_gate_logits=True),
 }
 CONFIG_PARAMS = pytest.mark.parametrize("config", list(CONFIGS.values()), ids=list(CONFIGS))
 
@@ -221,6 +227,22 @@ def test_nnx_module_is_moe_with_its_params(config, sharded, mesh, rng, seed):
     direct_out, direct_grads = direct_value_and_grads(config, mesh if sharded else None)(x, nnx_params(module),
                                                                                      y_weight)
     assert_same_as_direct(out, grads, direct_out, direct_grads, f"NNX, mesh={sharded}")
+
+
+def test_float32_gate_logits_reaches_both_modules(rng, seed):
+    # The modules hand the layer their whole MoEConfig: with the option, their output is the
+    # layer's with it, which differs from the layer's without it (the router's product rounded to
+    # bfloat16 moves every routing weight).
+    config = CONFIGS["softmax_float32_gate_logits"]
+    x, _, _ = draw_inputs(rng, config)
+    weights = draw_weights(rng, config)
+    with_option = moe.moe(x, MoEParams(**weights), config)[0]
+    without = moe.moe(x, MoEParams(**weights), dataclasses.replace(config, float32_gate_logits=False))[0]
+    outputs = {"Linen": linen_block(config, **given_inits(weights)).apply({"params": weights}, x)[0],
+               "NNX": MoE(config, H, F, rngs=nnx.Rngs(params=seed), **given_inits(weights))(x)[0]}
+    for name, y in outputs.items():
+        assert_identical(y, with_option, f"{name} y with float32_gate_logits (seed={seed})")
+        assert not np.array_equal(np.asarray(y), np.asarray(without)), f"{name}: the option made no difference"
 
 
 # ------------------------------------------------------------ sharded init

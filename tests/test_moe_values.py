@@ -8,6 +8,9 @@
 - without shard_map (every expert local), for every activation, pre-softmax routing, top-1,
   tokens as [B, S, H] and [T, H], weights and tokens in float32 or bfloat16, zero loss
   coefficients;
+- with float32_gate_logits: bfloat16 compute routing as a float32 router on thousands of tokens
+  (and, without the option, not), and the layer against the reference with or without
+  shard_map, with float32 and bfloat16 tokens and weights;
 - through shard_map_moe, whose gradients keep the params' sharding;
 - update_expert_bias against its NumPy formula, init_params' shapes;
 - the reference itself: its router and losses against the float64 router reference of the
@@ -250,6 +253,56 @@ def test_layer_without_shard_map_matches_the_dense_reference(case, cpu, seed, rn
     errors = ref.compare(got, reference(x, params, config, y_weight), config, context=context)
     if not losses:
         assert "load_balancing_loss" not in errors and "z_loss" not in errors
+
+
+# ---------------------------------------------------------------- float32_gate_logits
+
+
+def test_float32_gate_logits_routes_as_a_float32_router(seed, rng):
+    # bfloat16 compute. With the option, the router's choices are a float32 router's on the same
+    # float32 tokens and weight; without it, those of the product of both rounded to bfloat16,
+    # which differ for a few tokens in a thousand (about 70 of these 4096).
+    num_experts, topk, hidden, tokens = 64, 8, 256, 4096
+    x = jnp.asarray(rng.standard_normal((tokens, hidden)), F32)
+    params = ref.draw_params(rng, MoEConfig(num_experts=num_experts, topk=topk), hidden, 8, glu=True,
+                             make=MoEParams)
+    maps = {}
+    for option, router_dtype in ((True, F32), (False, BF16)):
+        config = MoEConfig(num_experts=num_experts, topk=topk, dtype=BF16, float32_gate_logits=option)
+        routing = jax.jit(lambda x, p: moe_lib.route(x, p, config))(x, params)
+        probs, chosen = ref.route(ref.router_logits(x, params.gate, router_dtype), config)
+        context = f"float32_gate_logits={option}, seed={seed}"
+        np.testing.assert_array_equal(routing.routing_map, chosen, err_msg=context)
+        np.testing.assert_allclose(routing.probs, probs, rtol=1e-5, atol=1e-7, err_msg=context)
+        maps[option] = np.asarray(routing.routing_map)
+    differ = int((maps[True] != maps[False]).any(-1).sum())
+    assert differ > 0, f"bfloat16 and float32 router products chose alike for all {tokens} tokens (seed={seed})"
+
+
+# (data shards or None: no shard_map, expert shards, tokens' dtype, weights' dtype)
+FLOAT32_GATE_LOGITS_CASES = {
+    "local_f32_tokens_and_weights": (None, 1, F32, F32),
+    "local_bf16_tokens_and_weights": (None, 1, BF16, BF16),
+    "data2_ep4_bf16_tokens_f32_weights": (2, 4, BF16, F32),
+}
+
+
+@pytest.mark.parametrize("case", FLOAT32_GATE_LOGITS_CASES)
+def test_layer_with_float32_gate_logits_matches_the_dense_reference(case, cpu, seed, rng):
+    # The reference's router takes the float32 tokens and weight too; its gradients reach x and
+    # the gate in their own dtypes, and the layer's must as well.
+    data, ep, x_dtype, param_dtype = FLOAT32_GATE_LOGITS_CASES[case]
+    config = make_config("softmax_top2", dtype=BF16, exchange="all_to_all", float32_gate_logits=True)
+    x, params, y_weight = jax.device_put(ref.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams,
+                                                         param_dtype=param_dtype, x_dtype=x_dtype), cpu)
+    context = f"{case}, {describe(config)}, seed={seed}"
+    if data is None:
+        layer, args = (lambda x, p: moe_lib.moe(x, p, config)), (x, params, y_weight)
+    else:
+        mesh = mesh_of(data, ep)
+        layer, args = layer_in_shard_map(config, mesh, has_bias=False), put_on_mesh(mesh, x, params, y_weight)
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*args)
+    ref.compare(got, reference(x, params, config, y_weight), config, context=context)
 
 
 # ---------------------------------------------------------------------- shard_map_moe

@@ -75,6 +75,12 @@ CASES = {
                                      r"(?s)(?=.*align_size)(?=.*-3\b)"),
     "dispatch_align_size_float": (d(align_size=2.5), [TOKENS, MAP], ValueError,
                                   r"(?s)(?=.*align_size)(?=.*2\.5)"),
+    "dispatch_align_size_past_int32": (d(align_size=2**62), [TOKENS, MAP], ValueError,
+                                       r"(?s)(?=.*align_size)(?=.*2147483647)(?=.*4611686018427387904)"),
+    # 10 copies padded for 8 experts to a multiple of 2^30: 8 * 2^30 rows, past int32 row indices.
+    "dispatch_padding_past_int32_rows": (d(align_size=2**30), [TOKENS, MAP], ValueError,
+                                         r"(?s)(?=.*8589934592 rows)(?=.*align_size=1073741824)"
+                                         r"(?=.*num_out_tokens=10)"),
     # dispatch: topk / num_out_tokens
     "dispatch_neither_topk_nor_num_out_tokens": (d(neither=True), [TOKENS, MAP], ValueError,
                                                  "(?s)(?=.*topk)(?=.*num_out_tokens)"),
@@ -84,6 +90,8 @@ CASES = {
     "dispatch_topk_above_experts": (d(topk=E + 1), [TOKENS, MAP], ValueError, "topk"),
     "dispatch_num_out_tokens_negative": (d(num_out_tokens=-1), [TOKENS, MAP], ValueError,
                                         r"(?s)(?=.*num_out_tokens)(?=.*-1\b)"),
+    "dispatch_num_out_tokens_past_int32": (d(num_out_tokens=2**31), [TOKENS, MAP], ValueError,
+                                          r"(?s)(?=.*2147483648 rows)(?=.*num_out_tokens=2147483648)"),
     # combine
     "combine_int32_expert_tokens": (lambda y: combine(y, ROW_ID_MAP), [ROWS.astype(jnp.int32)], TypeError,
                                     "expert_tokens"),
@@ -150,6 +158,35 @@ def test_num_out_tokens_below_the_routed_count_is_a_silent_drop_under_jit():
     ref.check_dispatch_layout(dispatched, layout, context="jit, num_out_tokens=9 of 10")
 
 
+# name: dispatch(tokens, MAP as a constant, num_out_tokens=9) under a transformation -> its Dispatched
+CONSTANT_MAP_CALLS = {
+    "jit": lambda x: jax.jit(lambda x: dispatch(x, MAP, num_out_tokens=9))(x),
+    "jit_numpy_map": lambda x: jax.jit(lambda x: dispatch(x, np.asarray(MAP), num_out_tokens=9))(x),
+    "vmap": lambda x: jax.tree.map(lambda a: a[1], jax.vmap(lambda x: dispatch(x, MAP, num_out_tokens=9))(
+        jnp.stack([x + 1, x]))),
+}
+
+
+@pytest.mark.parametrize("call", CONSTANT_MAP_CALLS)
+def test_a_constant_map_below_num_out_tokens_is_a_silent_drop_under_a_transformation(call, seed, rng):
+    # Only an eager call counts the map; under a transformation (here a map closed over as a
+    # constant) the copies past the capacity are dropped as for a traced map.
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    dispatched = CONSTANT_MAP_CALLS[call](jnp.asarray(x))
+    layout = ref.check_dispatch(dispatched, x, np.asarray(MAP), None, num_out_tokens=9, align_size=None,
+                                context=f"{call}, num_out_tokens=9 of 10, seed={seed}")
+    assert layout.dropped.sum() == 1
+
+
+def test_a_constant_map_below_num_out_tokens_drops_the_copy_s_gradient_under_grad(seed, rng):
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    g = rng.standard_normal((9, H)).astype(np.float32)
+    grad = jax.grad(lambda x: jnp.sum(dispatch(x, MAP, num_out_tokens=9).tokens * g))(jnp.asarray(x))
+    layout = ref.dispatch_layout(np.asarray(MAP), num_out_tokens=9)
+    expected, _ = ref.dispatch_backward(g, None, layout.dest_rows)
+    np.testing.assert_allclose(np.asarray(grad), expected, rtol=1e-6, atol=1e-6, err_msg=f"seed={seed}")
+
+
 def test_num_out_tokens_equal_to_the_routed_count_is_accepted_eagerly():
     dispatched = dispatch(TOKENS, MAP, num_out_tokens=10, align_size=4)
     ref.check_dispatch_layout(dispatched, ref.dispatch_layout(np.asarray(MAP), num_out_tokens=10, align_size=4),
@@ -172,6 +209,17 @@ def test_arguments_at_their_limits_are_accepted(kwargs):
     num_out_tokens = kwargs.get("num_out_tokens", T * kwargs.get("topk", 0))
     ref.check_dispatch(dispatched, np.asarray(TOKENS), routing_map, None, num_out_tokens=num_out_tokens,
                        align_size=kwargs.get("align_size"), context=str(kwargs))
+
+
+@pytest.mark.parametrize("args, rows", [((2**31 - 1, E), 2**31 - 1), ((1, E, 2**31 - 1), 2**31 - 1),
+                                        ((2**31 - 2**20, 1, 2**20), 2**31 - 2**20)],
+                         ids=["num_out_tokens", "align_size", "padded"])
+def test_dispatched_rows_reach_int32_s_limit_and_not_past_it(args, rows):
+    # Row indices are int32 in the handlers: 2^31 - 1 rows is the most a dispatch can have.
+    assert permutation.dispatched_rows(*args) == ref.dispatched_rows(*args) == rows
+    past = (args[0] + 1, *args[1:])  # one more copy
+    with pytest.raises(ValueError, match=rf"{ref.dispatched_rows(*past)} rows.*2\*\*31 - 1"):
+        permutation.dispatched_rows(*past)
 
 
 # ------------------------------------------------- a hand-made, broken row id map

@@ -114,6 +114,14 @@ CASES = {
         ValueError,
         "topk",
     ),
+    "topk_pre_softmax_an_int": (functools.partial(topk, topk=2, use_pre_softmax=1), [LOGITS], ValueError,
+                                r"use_pre_softmax must be a bool, got 1"),
+    "topk_nan_scaling_factor": (functools.partial(topk, topk=2, scaling_factor=float("nan")), [LOGITS], ValueError,
+                                r"scaling_factor must be a finite real number, got nan"),
+    "topk_inf_scaling_factor": (functools.partial(topk, topk=2, scaling_factor=np.inf), [LOGITS], ValueError,
+                                r"scaling_factor must be a finite real number, got inf"),
+    "topk_scaling_factor_a_string": (functools.partial(topk, topk=2, scaling_factor="2"), [LOGITS], ValueError,
+                                     r"scaling_factor must be a finite real number, got '2'"),
     # aux_loss_scores
     "scores_int32_logits": (functools.partial(scores, topk=2), [LOGITS.astype(jnp.int32)], TypeError, "logits"),
     "scores_rank1_logits": (functools.partial(scores, topk=2), [LOGITS[0]], ValueError, "logits"),
@@ -145,6 +153,10 @@ CASES = {
     ),
     "aux_zero_topk": (functools.partial(aux, **dict(AUX, topk=0)), [PROBS, COUNTS], ValueError, "topk"),
     "aux_topk_above_experts": (functools.partial(aux, **dict(AUX, topk=E + 1)), [PROBS, COUNTS], ValueError, "topk"),
+    "aux_nan_coeff": (functools.partial(aux, **dict(AUX, coeff=np.float32("nan"))), [PROBS, COUNTS], ValueError,
+                      r"coeff must be a finite real number, got np.float32\(nan\)"),
+    "aux_minus_inf_coeff": (functools.partial(aux, **dict(AUX, coeff=-np.inf)), [PROBS, COUNTS], ValueError,
+                            r"coeff must be a finite real number, got -inf"),
 }
 
 

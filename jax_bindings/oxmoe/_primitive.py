@@ -250,14 +250,17 @@ class FfiPrimitive:
             and all(l is Layout.ROWS for l, m in zip(self.operands, mapped) if m))
         size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
         if folds_into_rows:
-            folded = []
+            # Each batch element's rows, the same for every per-token operand and result,
+            # are named: reshaping with -1 cannot infer them from an empty batch.
+            folded, rows = [], None
             for x, d, layout in zip(args, dims, self.operands):
                 if layout is Layout.ROWS:
                     x = jnp.broadcast_to(x, (size, *x.shape)) if d is None else jnp.moveaxis(x, d, 0)
-                    x = x.reshape(-1, *x.shape[2:])
+                    rows = x.shape[1]
+                    x = x.reshape(size * rows, *x.shape[2:])
                 folded.append(x)
             outs = self(*folded, **params)
-            return [o.reshape(size, -1, *o.shape[1:]) for o in outs], [0] * len(outs)
+            return [o.reshape(size, rows, *o.shape[1:]) for o in outs], [0] * len(outs)
 
         moved = [jnp.moveaxis(x, d, 0) for x, d in zip(args, dims) if d is not None]
 

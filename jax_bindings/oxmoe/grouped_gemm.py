@@ -12,8 +12,10 @@ kernels read themselves: nothing copies them to the host, so both work under
 ``jit`` and ``shard_map`` with sizes computed on the device. On the device,
 out-of-range values are clamped so that nothing is read or written out of
 bounds: negative sizes count as zero, groups end at row ``M`` at the latest,
-and the window's first group is clamped to ``[0, G]``. Called eagerly with
-concrete sizes, out-of-range values raise instead.
+and the window's first group is clamped to ``[0, G]``: under ``jit`` and
+every other transformation, whether the sizes are traced or constants.
+Called eagerly, outside every transformation, out-of-range values raise
+instead.
 
 Accumulation is float32. On a Hopper GPU, bfloat16 and float16 products whose
 ``K`` and ``N`` are multiples of 8 run on the tensor cores (``wgmma`` fed by
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxmoe._checks import check_array, check_float_dtype, check_count
+from oxmoe._checks import called_eagerly, check_array, check_bool, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 
 __all__ = ["ragged_dot", "transposed_ragged_dot"]
@@ -57,8 +59,10 @@ def _out_dtype(preferred_element_type, dtype):
     return out
 
 
-def _check_groups(group_sizes, group_offset, local_groups: int | None, m: int):
-    """Checks the group arguments; returns ``(G, group_offset as int32 [1])``."""
+def _check_groups(group_sizes, group_offset, local_groups: int | None, local_groups_name: str, m: int):
+    """Checks the group arguments; returns ``(G, group_offset as int32 [1])``.
+    ``local_groups`` is the window's group count, which the argument named
+    ``local_groups_name`` gives (None: not given, the window is every group)."""
     check_array("group_sizes", group_sizes)
     if group_sizes.dtype != jnp.int32:
         raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
@@ -67,8 +71,8 @@ def _check_groups(group_sizes, group_offset, local_groups: int | None, m: int):
     groups = group_sizes.shape[0]
     if group_offset is None:
         if local_groups is not None and local_groups != groups:
-            raise ValueError(f"rhs holds {local_groups} groups but group_sizes {groups}; give group_offset "
-                             "to use a window of the groups")
+            raise ValueError(f"{local_groups_name} is {local_groups} but group_sizes has {groups} groups; give "
+                             "group_offset to use a window of the groups")
         offset = jnp.zeros((1,), jnp.int32)
     else:
         check_array("group_offset", group_offset)
@@ -76,15 +80,15 @@ def _check_groups(group_sizes, group_offset, local_groups: int | None, m: int):
             raise ValueError(f"group_offset must be an int32 scalar or [1] array, got "
                              f"{group_offset.dtype}{list(group_offset.shape)}")
         if local_groups is not None and local_groups > groups:
-            raise ValueError(f"rhs holds {local_groups} groups, more than the {groups} of group_sizes")
+            raise ValueError(f"{local_groups_name} is {local_groups}, more than the {groups} groups of group_sizes")
         offset = jnp.reshape(group_offset, (1,))
     _check_concrete(group_sizes, group_offset, m)
     return groups, offset
 
 
 def _check_concrete(group_sizes, group_offset, m: int) -> None:
-    """Called eagerly (concrete arrays), out-of-range sizes are errors, not clamped."""
-    if isinstance(group_sizes, jax.core.Tracer) or isinstance(group_offset, jax.core.Tracer):
+    """Called eagerly, out-of-range sizes are errors, not clamped."""
+    if not called_eagerly():
         return
     sizes = np.asarray(group_sizes)
     if (sizes < 0).any():
@@ -133,6 +137,7 @@ def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offs
       zero. Differentiable in ``lhs`` and ``rhs``.
     """
     _check_operands(lhs, rhs)
+    rhs_transposed = check_bool("rhs_transposed", rhs_transposed)
     if rhs.ndim != 3:
         raise ValueError(f"rhs must have shape [groups, K, N] (or [groups, N, K] with rhs_transposed), "
                          f"got {tuple(rhs.shape)}")
@@ -141,9 +146,9 @@ def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offs
     if rhs_k != k:
         layout = "[groups, N, K]" if rhs_transposed else "[groups, K, N]"
         raise ValueError(f"rhs must be {layout} with K = {k} (lhs's second dimension), got {tuple(rhs.shape)}")
-    _, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], m)
+    _, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", m)
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
-    return _ragged_dot(*vary_alike(lhs, rhs, group_sizes, offset), (bool(rhs_transposed), out_dtype))
+    return _ragged_dot(*vary_alike(lhs, rhs, group_sizes, offset), (rhs_transposed, out_dtype))
 
 
 def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offset=None,
@@ -175,7 +180,7 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
         raise ValueError("num_groups (the groups of the result) is required with group_offset")
     if num_groups is not None:
         num_groups = check_count("num_groups", num_groups, 0)
-    groups, offset = _check_groups(group_sizes, group_offset, num_groups, lhs.shape[0])
+    groups, offset = _check_groups(group_sizes, group_offset, num_groups, "num_groups", lhs.shape[0])
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
     static = (groups if num_groups is None else num_groups, out_dtype)
     return _transposed(*vary_alike(lhs, rhs, group_sizes, offset), static)

@@ -22,7 +22,8 @@ Token exchange between expert shards (``MoEConfig.exchange``):
 
 - ``"ragged_all_to_all"``: each shard sends each other shard exactly the rows
   of its experts (``jax.lax.ragged_all_to_all``), with sizes and offsets
-  computed on the device from every shard's per-expert counts;
+  computed on the device from every shard's per-expert counts; not on a CPU
+  mesh (refused when the layer is traced);
 - ``"all_to_all"``: the same rows in fixed-size slots (``jax.lax.all_to_all``),
   which every platform has (XLA:CPU has no ragged collective);
 - ``"auto"`` (default): ``"all_to_all"``, the faster of the two wherever it
@@ -43,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
@@ -50,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe import grouped_gemm, permutation, router
-from oxmoe._checks import FLOAT_DTYPES, check_array, check_count, check_real
+from oxmoe._checks import FLOAT_DTYPES, MAX_ROWS, check_array, check_bool, check_count, check_real
 from oxmoe._primitive import _varying_axes
 
 __all__ = ["MoEConfig", "MoEParams", "MoEAux", "Routing", "Dispatched", "ExpertOutput", "Exchange", "Residuals",
@@ -74,7 +76,8 @@ def _pytree(data: tuple[str, ...], meta: tuple[str, ...] = ()):
 
 @dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """What the layer computes. Checked on construction.
+    """What the layer computes. Checked on construction: every real-valued
+    option must be finite, every flag a bool.
 
     Routing (see :func:`oxmoe.router.topk`): ``num_experts``, ``topk``,
     ``score_function`` (``"softmax"`` or ``"sigmoid"``), ``use_pre_softmax``,
@@ -91,9 +94,20 @@ class MoEConfig:
     with a fused ``[E, H, 2F]`` up weight whose first half is the gate) or
     ``"gelu"``/``"silu"`` (``[E, H, F]``); GELU is the tanh approximation.
     ``align_size`` pads each expert's rows to a multiple of it (for kernels
-    that want aligned groups; oxmoe's do not need it). ``dtype`` is the
+    that want aligned groups; oxmoe's do not need it). Row indices are
+    int32: ``align_size`` and the rows of every padded buffer of the layer
+    are at most ``2**31 - 1`` (the buffers are checked when the layer is
+    traced). ``dtype`` is the
     compute dtype of the token rows and expert weights (products accumulate in
     float32; the router's logits are float32).
+
+    ``float32_gate_logits`` (MaxText's option of that name; default False):
+    the router's product takes the layer's input (before its cast to
+    ``dtype``) and the gate weight in float32, not rounded to ``dtype``. With a
+    bfloat16 ``dtype`` the rounded product chooses other experts than a float32
+    router for a few tokens in a thousand; with this option the choices are
+    the float32 router's. The gradients reach the input and the gate in their
+    own dtypes either way.
 
     ``exchange``: how tokens travel between expert shards: ``"auto"``,
     ``"ragged_all_to_all"``, ``"all_to_all"`` or ``"ring"`` (see the module
@@ -114,17 +128,19 @@ class MoEConfig:
     align_size: int | None = None
     dtype: Any = jnp.bfloat16
     exchange: str = "auto"
+    float32_gate_logits: bool = False
 
     def __post_init__(self):
         check_count("num_experts", self.num_experts, 1)
+        check_bool("use_expert_bias", self.use_expert_bias)
+        check_bool("float32_gate_logits", self.float32_gate_logits)
         self.topk_config  # checks the routing options
         for name in ("aux_loss_coeff", "z_loss_coeff"):
-            if check_real(name, getattr(self, name)) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+            check_real(name, getattr(self, name), low=0)
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
         if self.align_size is not None:
-            check_count("align_size", self.align_size, 1)
+            check_count("align_size", self.align_size, 1, MAX_ROWS, " (row indices are int32)")
         try:
             dtype = jnp.dtype(self.dtype)
         except TypeError:
@@ -142,6 +158,12 @@ class MoEConfig:
                                    self.num_groups, self.group_topk, self.scaling_factor, self.use_expert_bias)
 
     @property
+    def router_dtype(self) -> np.dtype:
+        """The dtype the router's product takes the tokens and the gate weight in:
+        float32 with ``float32_gate_logits``, else ``dtype``."""
+        return jnp.dtype(_F32) if self.float32_gate_logits else self.dtype
+
+    @property
     def glu(self) -> bool:
         """Whether the activation is gated (the up weight holds gate and up halves)."""
         return self.activation in ("swiglu", "geglu")
@@ -149,7 +171,8 @@ class MoEConfig:
 
 @_pytree(("gate", "up", "down", "expert_bias"))
 class MoEParams:
-    """The layer's parameters (any float dtype; cast to ``MoEConfig.dtype`` to compute).
+    """The layer's parameters (any float dtype; cast to ``MoEConfig.dtype`` to compute,
+    the gate to ``MoEConfig.router_dtype``).
 
     Inside ``shard_map``, ``up`` and ``down`` hold this shard's experts
     (``E / expert shards`` of them); ``gate`` and ``expert_bias`` are whole.
@@ -207,8 +230,11 @@ def update_expert_bias(expert_bias, tokens_per_expert, rate):
 
     Returns ``expert_bias + rate * sign(mean(tokens_per_expert) - tokens_per_expert)``
     as float32. Call it between steps with :attr:`MoEAux.tokens_per_expert`;
-    ``rate`` may be a traced scalar (a schedule).
+    ``rate`` may be a traced scalar (a schedule); a Python or NumPy number
+    must be finite.
     """
+    if isinstance(rate, numbers.Real):  # a traced (or device) rate is the caller's to keep finite
+        check_real("rate", rate)
     check_array("expert_bias", expert_bias)
     check_array("tokens_per_expert", tokens_per_expert)
     if expert_bias.ndim != 1 or tokens_per_expert.shape != expert_bias.shape:
@@ -244,10 +270,18 @@ def _axis_size(name, what: str) -> int:
                          "shard_map with that axis, or use shard_map_moe)") from None
 
 
-def _axes(config: MoEConfig, expert_axis, data_axes) -> _Axes:
+def _data_axes(expert_axis, data_axes) -> tuple[str, ...]:
+    """``data_axes`` as a tuple; each mesh axis may split the tokens once."""
     data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
     if expert_axis in data_axes:
         raise ValueError(f"expert_axis {expert_axis!r} is also in data_axes {data_axes}")
+    if len(set(data_axes)) != len(data_axes):
+        raise ValueError(f"data_axes {data_axes} names an axis twice")
+    return data_axes
+
+
+def _axes(config: MoEConfig, expert_axis, data_axes) -> _Axes:
+    data_axes = _data_axes(expert_axis, data_axes)
     sizes = [_axis_size(a, "data_axes entry") for a in data_axes]
     expert_shards = 1 if expert_axis is None else _axis_size(expert_axis, "expert_axis")
     if config.num_experts % expert_shards:
@@ -306,11 +340,12 @@ def route(tokens, params: MoEParams, config: MoEConfig, *, expert_axis=None, dat
         taken over every token shard.
     """
     axes = _axes(config, expert_axis, data_axes)
-    return _route(tokens.astype(config.dtype), params, config, axes)
+    return _route(tokens.astype(config.router_dtype), params, config, axes)
 
 
 def _route(tokens, params: MoEParams, config: MoEConfig, axes: _Axes) -> Routing:
-    logits = _router_dot(tokens, params.gate.astype(config.dtype))
+    """:func:`route` of ``tokens`` in ``config.router_dtype``."""
+    logits = _router_dot(tokens, params.gate.astype(config.router_dtype))
     bias = (params.expert_bias,) if config.use_expert_bias else ()
     probs, routing_map = router._topk_fwd(logits, *bias, **config.topk_config.fwd_attrs())
     counts = routing_map.sum(0, dtype=jnp.int32)
@@ -463,8 +498,24 @@ def _plan_exchange(tokens_per_expert, config: MoEConfig, axes: _Axes, num_tokens
 def _capacity(config: MoEConfig, num_tokens: int, local_experts: int) -> int:
     """The most rows one shard can send another: each token reaches at most
     ``min(topk, El)`` of its experts, each padded to ``align_size``."""
-    return permutation.dispatched_rows(num_tokens * min(config.topk, local_experts), local_experts,
-                                       config.align_size)
+    return permutation._padded_rows(num_tokens * min(config.topk, local_experts), local_experts, config.align_size)
+
+
+def _check_rows(config: MoEConfig, axes: _Axes, num_tokens: int, method: str | None) -> None:
+    """The layer's largest buffer of rows (which holds at least as many as the
+    others) must fit int32 row indices."""
+    n, el = axes.expert_shards, config.num_experts // axes.expert_shards
+    if method is None:
+        what, rows = "the dispatch", _capacity(config, num_tokens, el)
+    elif method == "ring":
+        what, rows = (f"the dispatch of the expert axis's {n * num_tokens} gathered tokens",
+                      _capacity(config, n * num_tokens, el))
+    else:
+        capacity = _capacity(config, num_tokens, el)
+        what, rows = f"the exchange's receive buffer ({n} slots of {capacity} rows)", n * capacity
+    if rows > MAX_ROWS:
+        raise ValueError(f"{what} would hold {rows} rows, more than 2**31 - 1 (row indices are int32): {num_tokens} "
+                         f"tokens per shard, topk={config.topk}, {el} experts per shard, align_size={config.align_size}")
 
 
 # -- dispatch --------------------------------------------------------------------------
@@ -492,6 +543,11 @@ class Dispatched:
 def _method(config: MoEConfig, axes: _Axes) -> str | None:
     if axes.expert_shards == 1:
         return None
+    # Inside shard_map the mesh is abstract, but it knows its devices' platform.
+    device = jax.sharding.get_abstract_mesh().abstract_device
+    if config.exchange == "ragged_all_to_all" and getattr(device, "platform", None) == "cpu":
+        raise ValueError("exchange 'ragged_all_to_all' is not implemented on CPU (XLA:CPU has no ragged all-to-all; "
+                         "the layer would fail when it runs): use exchange 'auto', 'all_to_all' or 'ring' on a CPU mesh")
     return "all_to_all" if config.exchange == "auto" else config.exchange
 
 
@@ -509,6 +565,7 @@ def dispatch(tokens, routing: Routing, config: MoEConfig, *, expert_axis=None, d
 
 def _dispatch(tokens, routing: Routing, config: MoEConfig, axes: _Axes) -> Dispatched:
     method, align = _method(config, axes), config.align_size
+    _check_rows(config, axes, len(tokens), method)
     if method == "ring":
         n, el = axes.expert_shards, config.num_experts // axes.expert_shards
         first = jax.lax.axis_index(axes.expert_axis) * el
@@ -623,7 +680,7 @@ class Residuals:
     """What the forward pass keeps for the backward."""
 
     tokens: jax.Array
-    """``[T, H]`` in the compute dtype: the router's input."""
+    """``[T, H]`` in ``config.router_dtype``: the router's input."""
     params: MoEParams
     routing: Routing
     dispatched: Dispatched
@@ -711,14 +768,16 @@ def _layer(config: MoEConfig, axes: _Axes, x, params: MoEParams):
 
 
 def _layer_fwd(config: MoEConfig, axes: _Axes, x, params: MoEParams):
-    tokens = x.reshape(-1, x.shape[-1]).astype(config.dtype)
-    routing = _route(tokens, params, config, axes)
-    dispatched = _dispatch(tokens, routing, config, axes)
+    flat = x.reshape(-1, x.shape[-1])
+    # The router's input: without float32_gate_logits, the same cast as the dispatched tokens'.
+    router_tokens = flat.astype(config.router_dtype)
+    routing = _route(router_tokens, params, config, axes)
+    dispatched = _dispatch(flat.astype(config.dtype), routing, config, axes)
     out = expert_ffn(dispatched, params, config)
     returned = _returned_rows(out, dispatched)
     y = _combine(returned, dispatched, axes).reshape(x.shape)
     aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert)
-    return (y, aux), Residuals(tokens, params, routing, dispatched, out, returned, x.shape, x.dtype)
+    return (y, aux), Residuals(router_tokens, params, routing, dispatched, out, returned, x.shape, x.dtype)
 
 
 def _layer_bwd(config: MoEConfig, axes: _Axes, res: Residuals, cotangents):
@@ -739,7 +798,7 @@ def _layer_bwd(config: MoEConfig, axes: _Axes, res: Residuals, cotangents):
         grad_tokens = jax.lax.psum_scatter(grad_tokens, axes.expert_axis, scatter_dimension=0, tiled=True)
         grad_probs = _scatter_expert_columns(grad_probs, config, axes)
     grad_logits = _route_bwd(res.routing, grad_probs, grad_aux, config, axes)
-    gate = params.gate.astype(config.dtype)
+    gate = params.gate.astype(config.router_dtype)
     grad_x = grad_tokens.astype(_F32) + _router_dot(grad_logits, gate.T)
     grad_gate = _sum_over(_router_dot(res.tokens.T, grad_logits), axes.token_axes)
     grad_up, grad_down = _sum_over((grad_up, grad_down), axes.data_axes)
@@ -779,7 +838,7 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
       expert_axis, data_axes: mesh axis names.
     """
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
-    data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    data_axes = _data_axes(expert_axis, data_axes)
     token_axes = data_axes + ((expert_axis,) if expert_axis is not None else ())
     for axis in token_axes:
         if axis not in mesh.axis_names:

@@ -16,10 +16,12 @@ all tokens (XLA gathers them): per-shard permutation belongs inside
 ``shard_map``, where each shard dispatches its own tokens.
 
 Under ``jit`` nothing here synchronises with the host, so the output's row
-count is static: :func:`dispatched_rows` gives it, and routed copies that do
-not fit (only possible with a routing map holding more than
-``num_out_tokens`` entries) are dropped. Called eagerly, :func:`dispatch`
-counts the routing map on the host (a device-to-host copy) and raises instead.
+count is static: :func:`dispatched_rows` gives it. Routed copies that do not
+fit (only possible with a routing map holding more than ``num_out_tokens``
+entries) are dropped under ``jit`` and every other transformation (``vmap``,
+``grad``, ``eval_shape``, ...), whether the map is traced or a constant.
+Called eagerly, outside every transformation, :func:`dispatch` counts the
+routing map on the host (a device-to-host copy) and raises instead.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxmoe._checks import check_array, check_count, check_float_dtype
+from oxmoe._checks import MAX_ROWS, called_eagerly, check_array, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout
 
 __all__ = ["Dispatched", "RowIdMap", "dispatch", "combine", "sort_chunks", "unsort_chunks", "dispatched_rows"]
@@ -114,24 +116,34 @@ def dispatched_rows(num_out_tokens: int, num_experts: int, align_size: int | Non
     ``num_out_tokens`` without ``align_size``. With it, room for the worst-case
     padding: each of at most ``min(num_experts, num_out_tokens)`` non-empty
     experts adds fewer than ``align_size`` rows, and the total is a multiple of
-    ``align_size``.
+    ``align_size``. At most ``2**31 - 1`` (row indices are int32): a larger
+    count raises ``ValueError``.
     """
     n = check_count("num_out_tokens", num_out_tokens, 0)
     e = check_count("num_experts", num_experts, 1)
-    if align_size is None:
-        return n
-    a = check_count("align_size", align_size, 1)
-    return (n + min(e, n) * (a - 1)) // a * a
+    a = None if align_size is None else check_count("align_size", align_size, 1, MAX_ROWS, " (row indices are int32)")
+    rows = _padded_rows(n, e, a)
+    if rows > MAX_ROWS:
+        raise ValueError(f"dispatch would have {rows} rows, more than 2**31 - 1 (row indices are int32): "
+                         f"num_out_tokens={n}, num_experts={e}, align_size={a}")
+    return rows
+
+
+def _padded_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -> int:
+    """:func:`dispatched_rows`' formula, unchecked."""
+    n, a = num_out_tokens, align_size
+    return n if a is None else (n + min(num_experts, n) * (a - 1)) // a * a
 
 
 def _check_routed_count(routing_map, num_out_tokens: int) -> None:
-    """Called eagerly (a concrete map), more entries than rows is an error, not a drop."""
-    if isinstance(routing_map, jax.core.Tracer):
+    """Called eagerly, more entries than rows is an error, not a drop."""
+    if not called_eagerly():
         return
     routed = int(np.count_nonzero(np.asarray(routing_map)))
     if routed > num_out_tokens:
         raise ValueError(f"num_out_tokens ({num_out_tokens}) is too small: routing_map routes {routed} "
-                         "(token, expert) pairs; under jit the copies that do not fit would be dropped")
+                         "(token, expert) pairs; under jit (or another transformation) the copies that do not "
+                         "fit would be dropped")
 
 
 def dispatch(tokens, routing_map, *, probs=None, topk=None, num_out_tokens=None, align_size=None) -> Dispatched:
@@ -142,7 +154,9 @@ def dispatch(tokens, routing_map, *, probs=None, topk=None, num_out_tokens=None,
       routing_map: ``[T, E]`` bool, e.g. from :func:`oxmoe.router.topk`.
       probs: optional ``[T, E]`` float routing weights to dispatch with the rows.
       topk: the most experts a token is routed to: room for ``T * topk`` copies.
-      num_out_tokens: or the room for copies directly (give exactly one of the two).
+      num_out_tokens: or the room for copies directly (give exactly one of the
+        two). A map with more entries raises when called eagerly; under a
+        transformation the copies that do not fit are dropped.
       align_size: pad each expert's block with zero rows to a multiple of this.
 
     Returns:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxmoe._checks import FLOAT_DTYPES, check_count, check_float_matrix, check_real
+from oxmoe._checks import FLOAT_DTYPES, check_bool, check_count, check_float_matrix, check_real
 from oxmoe._primitive import FfiPrimitive, Layout
 
 __all__ = ["topk", "aux_loss_scores", "aux_loss"]
@@ -87,8 +87,7 @@ def _topk_config(num_experts, topk, score_function, use_pre_softmax, num_groups,
     e = num_experts
     topk = check_count("topk", topk, 1, e, f" (the number of experts is {e})")
     score_function = _check_score_function(score_function)
-    if not isinstance(use_pre_softmax, (bool, np.bool_)):
-        raise ValueError(f"use_pre_softmax must be a bool, got {use_pre_softmax!r}")
+    use_pre_softmax = check_bool("use_pre_softmax", use_pre_softmax)
     if use_pre_softmax and score_function != "softmax":
         raise ValueError("use_pre_softmax=True applies to score_function='softmax' only, "
                          f"got score_function={score_function!r}")
@@ -112,7 +111,7 @@ def _topk_config(num_experts, topk, score_function, use_pre_softmax, num_groups,
             raise ValueError(f"topk must be <= group_topk * num_experts / num_groups = {selectable} "
                              f"(the experts in the best groups), got {topk}")
     scaling = 1.0 if scaling_factor is None else check_real("scaling_factor", scaling_factor)
-    return TopkConfig(e, topk, score_function, bool(use_pre_softmax), num_groups, group_topk, scaling)
+    return TopkConfig(e, topk, score_function, use_pre_softmax, num_groups, group_topk, scaling)
 
 
 # -- topk ---------------------------------------------------------------------
@@ -132,7 +131,7 @@ def topk(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_g
         form ``num_groups`` consecutive groups, a group ranks by the sum of its
         best ``topk // group_topk`` selection scores, and only experts of the
         best ``group_topk`` groups can be selected. Give both or neither.
-      scaling_factor: multiplies the weights (default 1).
+      scaling_factor: multiplies the weights (default 1); finite.
       expert_bias: ``[E]`` float32, sigmoid only: added to ``sigmoid(logits)``
         to choose the experts (aux-loss-free balancing) but not to the weights,
         which are the sigmoid scores of the selection normalised to sum 1
@@ -246,7 +245,7 @@ def aux_loss(probs, tokens_per_expert, *, total_num_tokens, topk, coeff):
       total_num_tokens: the number of tokens the counts were taken over
         (across all data-parallel shards), ``>= 1``.
       topk: experts per token, ``1 <= topk <= E``.
-      coeff: the loss coefficient.
+      coeff: the loss coefficient, finite.
 
     Returns:
       The loss, a float32 scalar, differentiable in ``probs``.
