@@ -193,6 +193,33 @@ def test_num_out_tokens_equal_to_the_routed_count_is_accepted_eagerly():
                               context="num_out_tokens=10 of 10")
 
 
+# ---------------------------------------------- sorted_indices a permutation (eager only)
+
+
+@pytest.mark.parametrize("fn", [sort_chunks, unsort_chunks], ids=["sort", "unsort"])
+@pytest.mark.parametrize("order, pattern", [
+    ([0, 0, 0], r"permutation of range\(3\), got 0 again at position 1"),
+    ([2, 0, 2], r"permutation of range\(3\), got 2 again at position 2"),
+    ([2, 0, 3], r"permutation of range\(3\), got 3 at position 2"),
+    ([-1, 0, 1], r"permutation of range\(3\), got -1 at position 0"),
+], ids=["all_zero", "repeat", "past_the_end", "negative"])
+def test_sorted_indices_that_are_not_a_permutation_raise_eagerly(fn, order, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        fn(TOKENS, SPLITS, jnp.asarray(order, jnp.int32))
+    with pytest.raises(ValueError, match=pattern):
+        fn(TOKENS, SPLITS, np.asarray(order, np.int32))
+
+
+def test_sorted_indices_that_are_not_a_permutation_are_not_checked_under_jit(seed, rng):
+    # Under jit the indices are taken as they come (a repeat lists nothing; see
+    # test_permutation_values), even as a constant.
+    x = rng.standard_normal((T, H)).astype(np.float32)
+    order = np.asarray([0, 0, 0], np.int32)
+    out = jax.jit(lambda x: sort_chunks(x, SPLITS, order))(x)
+    ref.assert_bitwise_equal(out, ref.sort_chunks(x, SPLITS, order).astype(np.float32), what="jit sort_chunks",
+                             context=f"order={order.tolist()}, seed={seed}")
+
+
 # ------------------------------------------------------------ limits that are valid
 
 

@@ -363,15 +363,16 @@ def test_unsort_chunks_of_unsorted_input_matches_reference(seed, rng):
 
 
 @DTYPE_PARAMS
-def test_sort_chunks_clips_at_n_and_ignores_negative_sizes_and_foreign_indices(dtype, seed, rng):
+def test_sort_chunks_under_jit_clips_at_n_and_ignores_negative_sizes_and_foreign_indices(dtype, seed, rng):
     x = draw(rng, (500, 96), dtype)
     num_chunks = 11
     sizes = rng.integers(-50, 120, num_chunks).astype(np.int32)
     sizes[rng.choice(num_chunks, 3, replace=False)] = [-7, 0, 400]  # 400: the chunks run past N
-    # Eight chunks in a random order, and three indices outside [0, C) that add nothing.
+    # Eight chunks in a random order, and three indices outside [0, C) that add nothing (called
+    # eagerly, such indices raise).
     order = np.concatenate([rng.permutation(num_chunks)[:8], [num_chunks, -1, 100]])
     order = rng.permutation(order).astype(np.int32)
-    out = permutation.sort_chunks(x, sizes, order)
+    out = jax.jit(permutation.sort_chunks)(x, sizes, order)
     ref.assert_bitwise_equal(out, ref.sort_chunks(x, sizes, order).astype(x.dtype), what="sort_chunks",
                              context=f"sizes={sizes.tolist()}, order={order.tolist()}, seed={seed}")
 

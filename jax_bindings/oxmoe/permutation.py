@@ -317,6 +317,19 @@ def _check_chunks(tokens, split_sizes, sorted_indices) -> None:
     if split_sizes.shape != sorted_indices.shape:
         raise ValueError(f"split_sizes and sorted_indices must have one length, got {split_sizes.shape[0]} "
                          f"and {sorted_indices.shape[0]}")
+    if called_eagerly():
+        _check_permutation(np.asarray(sorted_indices))
+
+
+def _check_permutation(sorted_indices: np.ndarray) -> None:
+    """Called eagerly, sorted_indices must be a permutation of range(C)."""
+    num_chunks, seen = len(sorted_indices), set()
+    for at, index in enumerate(sorted_indices.tolist()):
+        if index in seen or not 0 <= index < num_chunks:
+            again = " again" if index in seen else ""
+            raise ValueError(f"sorted_indices must be a permutation of range({num_chunks}), got {index}{again} "
+                             f"at position {at}")
+        seen.add(index)
 
 
 def sort_chunks(tokens, split_sizes, sorted_indices):
@@ -329,13 +342,16 @@ def sort_chunks(tokens, split_sizes, sorted_indices):
     Args:
       tokens: ``[N, ...]`` float32, bfloat16 or float16 rows.
       split_sizes: ``[C]`` int32 chunk sizes; rows past their sum are not in a chunk.
-      sorted_indices: ``[C]`` int32, a permutation of ``range(C)``.
+      sorted_indices: ``[C]`` int32, a permutation of ``range(C)``: called
+        eagerly, anything else raises ``ValueError``. Under ``jit`` (or another
+        transformation) it is not checked: an index outside ``[0, C)``, or one
+        already listed, lists nothing and takes no rows.
 
     Returns:
       ``tokens``' shape and dtype: the listed chunks one after another, then zero
       rows. On the device, sizes are clamped so that chunks stay inside the ``N``
-      rows (negative sizes count as 0) and indices outside ``[0, C)`` list nothing.
-      Differentiable in ``tokens`` (the gradient is :func:`unsort_chunks`).
+      rows (negative sizes count as 0). Each row moves at most once, so the
+      gradient in ``tokens`` is :func:`unsort_chunks` whatever the indices.
     """
     _check_chunks(tokens, split_sizes, sorted_indices)
     return _sort(tokens, split_sizes, sorted_indices, False)
