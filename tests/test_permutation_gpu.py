@@ -485,4 +485,7 @@ def test_combine_and_its_vjp_on_maps_no_dispatch_made_on_gpu_follow_the_contract
     check_combine_of_any_maps(*gpu_out, row_id_map, y, w, g, context=context)
     cpu_out = run_on(cpu, combine_of_any_maps_and_vjp, row_id_map, y, w, g)
     # The rows move and scale alike; only d merging_probs' dot products are summed differently.
-    assert_same_bits(gpu_out[:2], cpu_out[:2], what="combine and d expert_tokens", context=context)
+    # (NaN where both have it, already checked; the GPU's arithmetic gives its own NaN bits.)
+    one_nan = lambda a: np.where(np.isnan(a), np.float32(np.nan), a)  # noqa: E731
+    assert_same_bits([one_nan(a) for a in gpu_out[:2]], [one_nan(a) for a in cpu_out[:2]],
+                     what="combine and d expert_tokens", context=context)

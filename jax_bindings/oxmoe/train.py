@@ -252,12 +252,13 @@ def make_mesh(requested: int | None, num_experts: int, batch: int) -> jax.shardi
     """A one-axis mesh of the devices that hold the experts and split the batch."""
     available = jax.devices()
     count = requested or len(available)
-    if count > len(available):
-        raise SystemExit(f"--devices {count}: only {len(available)} {available[0].platform} device(s) here")
+    # The flags' own consistency first: it does not depend on the machine.
     for what, size in (("--experts", num_experts), ("--batch", batch)):
         if size % count:
             raise SystemExit(f"{what} {size} is not a multiple of the {count} devices the experts are split over "
                              "(set --devices)")
+    if count > len(available):
+        raise SystemExit(f"--devices {count}: only {len(available)} {available[0].platform} device(s) here")
     return jax.make_mesh((count,), (EXPERT_AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=available[:count])
 
