@@ -105,7 +105,7 @@ impl<'a> Call<'a> {
     /// `bytes` of device memory from XLA's allocator, freed when the returned
     /// handle drops. XLA orders reuse of freed memory after the work already
     /// launched on the call's stream, so the memory may be freed right after
-    /// the kernels that use it are launched.
+    /// the kernels that use it are launched, and not before the last of them.
     pub fn scratch(&self, bytes: usize) -> Result<Scratch<'a>> {
         let api = self.api()?;
         let allocate = api

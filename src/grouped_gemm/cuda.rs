@@ -9,7 +9,7 @@
 use super::handlers::{RaggedDot, TransposedRaggedDot};
 use super::GroupedShape;
 use crate::cuda::{arg, launch, type_name, Device, Kernel, LaunchConfig, Stream, TensorMap, GROUPED_GEMM};
-use crate::ffi::{Call, DataType, Error, Result};
+use crate::ffi::{Call, DataType, Error, Result, Scratch};
 
 /// Threads of the Hopper kernels and of the SIMT kernels (`HOPPER_THREADS`, `SIMT_THREADS`).
 const HOPPER_THREADS: u32 = 384;
@@ -120,7 +120,9 @@ impl Groups {
     }
 
     /// Launches `group_bounds` into scratch: the SIMT kernels' row bounds.
-    fn bounds(&self, call: &Call, stream: Stream) -> Result<u64> {
+    /// The scratch must outlive the launch of the kernel that reads them: XLA
+    /// may hand freed memory to work launched after the free.
+    fn bounds<'a>(&self, call: &Call<'a>, stream: Stream) -> Result<Scratch<'a>> {
         let m = self.dims[0];
         let scratch = call.scratch((self.local_groups as usize + 1) * 4)?;
         let bounds = scratch.ptr() as u64;
@@ -128,7 +130,7 @@ impl Groups {
         launch(stream, kernel, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &mut [
             arg(&self.sizes), arg(&self.groups), arg(&self.offset), arg(&self.local_groups), arg(&m), arg(&bounds),
         ])?;
-        Ok(bounds)
+        Ok(scratch)
     }
 }
 
@@ -157,7 +159,8 @@ pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
         return launch_hopper(stream, &device, &instance, bn, [lhs_map, rhs_map], &g, out);
     }
 
-    let bounds = g.bounds(call, stream)?;
+    let scratch = g.bounds(call, stream)?;
+    let bounds = scratch.ptr() as u64;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &ragged_dot_simt_instance(dtype, out_dtype, a.rhs_transposed)?)?;
     let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
     launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
@@ -186,7 +189,8 @@ pub fn transposed_ragged_dot(call: &Call, a: &TransposedRaggedDot) -> Result<()>
         return launch_hopper(stream, &device, &instance, bn, [lhs_map, rhs_map], &g, out);
     }
 
-    let bounds = g.bounds(call, stream)?;
+    let scratch = g.bounds(call, stream)?;
+    let bounds = scratch.ptr() as u64;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &transposed_simt_instance(dtype, out_dtype)?)?;
     let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
     launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
