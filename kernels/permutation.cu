@@ -194,12 +194,13 @@ struct Routes {
 // Combine's backward takes its maps from the caller, who may hand it maps no
 // dispatch made: a copy's gradient row is written only by the token that
 // source_tokens names for that row, once (a token listing one row for several
-// experts writes it with their weights summed). scale[i]: the weight of copy
-// i's row; writes[i]: whether copy i writes it.
+// experts writes it with their weights summed). first[i]: no earlier copy of
+// the token lists copy i's row; repeated[i]: a later one does too (rare: only
+// maps no dispatch made).
 template <int E>
 struct CheckedRoutes : Routes<E> {
-  float scale[E];
-  bool writes[E];
+  bool first[E];
+  bool repeated[E];
 };
 
 // Either<C, A, B>::type is A if C, else B (NVRTC has no <type_traits>).
@@ -284,18 +285,26 @@ __device__ __forceinline__ void fill_unwritten_rows(T* __restrict__ out, const i
     __syncthreads();
     fill_rows<T, H>(out, first, zero_mask, 0.f);
   } else {
-    if (threadIdx.x == 0) zero_mask = nan_mask = 0;
+    // Each row's token, then every (row, expert) entry of those tokens'
+    // dest_rows rows at once: two memory round trips, not one per row.
+    __shared__ int source[ZERO_ROWS];
+    __shared__ unsigned agrees;
+    if (threadIdx.x < ZERO_ROWS) source[threadIdx.x] = first + threadIdx.x < rows ? source_tokens[first + threadIdx.x] : -1;
+    if (threadIdx.x == 0) agrees = 0;
     __syncthreads();
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-    for (int i = warp; i < ZERO_ROWS && first + i < rows; i += ROW_BLOCK / 32) {
-      const int r = static_cast<int>(first + i), s = source_tokens[r];
-      bool agrees = false;
-      if (s >= 0 && s < tokens) {
-        for (int e = lane; e < E; e += 32) agrees |= dest_rows[static_cast<size_t>(s) * E + e] == r;
+    unsigned mine = 0;
+    for (int p = threadIdx.x; p < ZERO_ROWS * E; p += ROW_BLOCK) {
+      const int i = p / E, s = source[i];
+      if (s >= 0 && s < tokens && dest_rows[static_cast<size_t>(s) * E + p % E] == first + i) mine |= 1u << i;
+    }
+    if (mine) atomicOr(&agrees, mine);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      zero_mask = nan_mask = 0;
+      for (int i = 0; i < ZERO_ROWS && first + i < rows; ++i) {
+        if (source[i] == -1) zero_mask |= 1u << i;
+        else if (!(agrees >> i & 1u)) nan_mask |= 1u << i;
       }
-      agrees = __any_sync(0xffffffffu, agrees);
-      if (lane == 0 && s == -1) atomicOr(&zero_mask, 1u << i);
-      if (lane == 0 && s != -1 && !agrees) atomicOr(&nan_mask, 1u << i);
     }
     __syncthreads();
     fill_rows<T, H>(out, first, zero_mask, 0.f);
@@ -303,24 +312,20 @@ __device__ __forceinline__ void fill_unwritten_rows(T* __restrict__ out, const i
   }
 }
 
-// With CHECK_MAP: each of the block's copies' scale and writes (see CheckedRoutes).
-template <int E, int TOKENS, bool WEIGHTED>
-__device__ __forceinline__ void check_block_routes(CheckedRoutes<E> (&routes)[TOKENS], const int* __restrict__ source_tokens,
-                                                   const float* __restrict__ weights, int first, int tokens) {
+// With CHECK_MAP: first and repeated of each of the block's copies (shared
+// memory only, so the rows' loads start as early as without the check).
+template <int E, int TOKENS>
+__device__ __forceinline__ void check_block_routes(CheckedRoutes<E> (&routes)[TOKENS], int first, int tokens) {
   for (int k = 0; k < TOKENS && first + k < tokens; ++k) {
     CheckedRoutes<E>& copies = routes[k];
-    const int t = first + k;
     for (int i = threadIdx.x; i < copies.count; i += ROW_BLOCK) {
-      const int row = copies.rows[i];
-      bool writes = source_tokens[row] == t;
-      float scale = 0.f;
-      for (int j = 0; j < copies.count && writes; ++j) {
-        if (copies.rows[j] != row) continue;
-        if (j < i) writes = false;  // an earlier copy writes the row
-        else scale += WEIGHTED ? weights[static_cast<size_t>(t) * E + copies.experts[j]] : 1.f;
+      bool earlier = false, later = false;
+      for (int j = 0; j < copies.count; ++j) {
+        earlier |= j < i && copies.rows[j] == copies.rows[i];
+        later |= j > i && copies.rows[j] == copies.rows[i];
       }
-      copies.scale[i] = scale;
-      copies.writes[i] = writes;
+      copies.first[i] = !earlier;
+      copies.repeated[i] = later;
     }
   }
   __syncthreads();
@@ -351,7 +356,7 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
   __shared__ float dots[TOKENS][WEIGHTED ? E : 1];
   const int first = blockIdx.x * TOKENS;
   list_block_routes<E, TOKENS, BlockRoutes>(dest_rows, first, tokens, rows, block_routes);
-  if constexpr (CHECK_MAP) check_block_routes<E, TOKENS, WEIGHTED>(block_routes, source_tokens, weights, first, tokens);
+  if constexpr (CHECK_MAP) check_block_routes<E, TOKENS>(block_routes, first, tokens);
 
   for (int k = 0; k < TOKENS && first + k < tokens; ++k) {
     const int t = first + k;
@@ -370,8 +375,19 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
         if (at < Shape::VECTORS) v[j] = load_vector<T, H>(in, at);
       }
       for (int i = 0; i < routes.count; ++i) {
-        T* dst = out + static_cast<size_t>(routes.rows[i]) * H;
-        const T* y = WEIGHTED ? expert_tokens + static_cast<size_t>(routes.rows[i]) * H : nullptr;
+        const int row = routes.rows[i];
+        T* dst = out + static_cast<size_t>(row) * H;
+        const T* y = WEIGHTED ? expert_tokens + static_cast<size_t>(row) * H : nullptr;
+        // With CHECK_MAP: whether this copy writes its row, and the weights of
+        // every copy of the token that lists the row, summed in expert order.
+        bool writes = true;
+        float scale = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i]] : 1.f;
+        if constexpr (CHECK_MAP) {
+          writes = routes.first[i] && source_tokens[row] == t;
+          if (routes.repeated[i])
+            for (int j = i + 1; j < routes.count; ++j)
+              if (routes.rows[j] == row) scale += WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[j]] : 1.f;
+        }
         float partial = 0.f;
 #pragma unroll
         for (int j = 0; j < Shape::PER_THREAD; ++j) {
@@ -380,8 +396,8 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
           if constexpr (CHECK_MAP) {
             typename Shape::Vec scaled;
 #pragma unroll
-            for (int e = 0; e < Shape::PER; ++e) scaled.elems[e] = from_float<T>(routes.scale[i] * to_float(v[j].elems[e]));
-            if (routes.writes[i]) store_vector<T, H>(dst, at, scaled);
+            for (int e = 0; e < Shape::PER; ++e) scaled.elems[e] = from_float<T>(scale * to_float(v[j].elems[e]));
+            if (writes) store_vector<T, H>(dst, at, scaled);
           } else {
             store_vector<T, H>(dst, at, v[j]);
           }
