@@ -199,65 +199,57 @@ def sort_chunks_of_rows_of_no_elements(rng):
 # -- grouped GEMM ------------------------------------------------------------------
 
 
-def _check_ragged_dot(rng, m, k, n, sizes):
+def _check_grouped(transposed: bool, rng, m, k, n, sizes):
+    """ragged_dot (lhs [m, k], rhs [G, k, n]) or transposed_ragged_dot (lhs [m, k], rhs
+    [m, n]) and their vjps against the reference."""
     import ragged_dot_reference as ref
     import oxmoe
 
     sizes = np.asarray(sizes, np.int32)
-    lhs, rhs = draw(rng, (m, k)), draw(rng, (len(sizes), k, n))
-    out, g, (d_lhs, d_rhs) = vjp(lambda a, b: oxmoe.ragged_dot(a, b, sizes), lhs, rhs)
-    expected_d_lhs, expected_d_rhs = ref.ragged_dot_backward(lhs, rhs, sizes, g)
-    return [("out", out, ref.ragged_dot(lhs, rhs, sizes).value.astype(np.float32)),
+    lhs, rhs = draw(rng, (m, k)), draw(rng, (m, n) if transposed else (len(sizes), k, n))
+    product = oxmoe.transposed_ragged_dot if transposed else oxmoe.ragged_dot
+    reference = ref.transposed_ragged_dot if transposed else ref.ragged_dot
+    backward = ref.transposed_ragged_dot_backward if transposed else ref.ragged_dot_backward
+    out, g, (d_lhs, d_rhs) = vjp(lambda a, b: product(a, b, sizes), lhs, rhs)
+    expected_d_lhs, expected_d_rhs = backward(lhs, rhs, sizes, g)
+    return [("out", out, reference(lhs, rhs, sizes).value.astype(np.float32)),
             ("d lhs", d_lhs, np.asarray(expected_d_lhs.value).astype(np.float32)),
             ("d rhs", d_rhs, np.asarray(expected_d_rhs.value).astype(np.float32))]
 
 
 @case
 def ragged_dot_of_no_rows(rng):
-    return _check_ragged_dot(rng, 0, 32, 16, [0, 0, 0])
+    return _check_grouped(False, rng, 0, 32, 16, [0, 0, 0])
 
 
 @case
 def ragged_dot_contracting_nothing(rng):
-    return _check_ragged_dot(rng, 40, 0, 16, [10, 0, 25])
+    return _check_grouped(False, rng, 40, 0, 16, [10, 0, 25])
 
 
 @case
 def ragged_dot_of_no_columns(rng):
-    return _check_ragged_dot(rng, 40, 32, 0, [10, 0, 25])
+    return _check_grouped(False, rng, 40, 32, 0, [10, 0, 25])
 
 
 @case
 def ragged_dot_of_no_groups(rng):
-    return _check_ragged_dot(rng, 40, 32, 16, [])
-
-
-def _check_transposed(rng, m, k, n, sizes):
-    import ragged_dot_reference as ref
-    import oxmoe
-
-    sizes = np.asarray(sizes, np.int32)
-    lhs, rhs = draw(rng, (m, k)), draw(rng, (m, n))
-    out, g, (d_lhs, d_rhs) = vjp(lambda a, b: oxmoe.transposed_ragged_dot(a, b, sizes), lhs, rhs)
-    expected_d_lhs, expected_d_rhs = ref.transposed_ragged_dot_backward(lhs, rhs, sizes, g)
-    return [("out", out, ref.transposed_ragged_dot(lhs, rhs, sizes).value.astype(np.float32)),
-            ("d lhs", d_lhs, np.asarray(expected_d_lhs.value).astype(np.float32)),
-            ("d rhs", d_rhs, np.asarray(expected_d_rhs.value).astype(np.float32))]
+    return _check_grouped(False, rng, 40, 32, 16, [])
 
 
 @case
 def transposed_ragged_dot_of_no_rows(rng):
-    return _check_transposed(rng, 0, 32, 16, [0, 0, 0])
+    return _check_grouped(True, rng, 0, 32, 16, [0, 0, 0])
 
 
 @case
 def transposed_ragged_dot_of_no_lhs_columns(rng):
-    return _check_transposed(rng, 40, 0, 16, [10, 0, 25])
+    return _check_grouped(True, rng, 40, 0, 16, [10, 0, 25])
 
 
 @case
 def transposed_ragged_dot_of_no_rhs_columns(rng):
-    return _check_transposed(rng, 40, 32, 0, [10, 0, 25])
+    return _check_grouped(True, rng, 40, 32, 0, [10, 0, 25])
 
 
 # -- the child process ---------------------------------------------------------------

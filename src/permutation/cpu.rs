@@ -97,19 +97,20 @@ pub fn dispatch_rows<T: Real>(tokens: &[T], hidden: usize, source_tokens: &[i32]
     );
 }
 
-/// Where a `dest_rows` entry points: nowhere (-1), a row of the `rows`
-/// expert rows, or out of range (a map that does not belong to them).
-enum Dest {
+/// Where an entry of a row map points (a `dest_rows` entry into the expert
+/// rows, a `source_tokens` entry into the tokens): nowhere (-1), an index
+/// below `len`, or out of range (a map that does not belong to them).
+enum Entry {
     None,
-    Row(usize),
+    At(usize),
     Invalid,
 }
 
-fn dest(entry: i32, rows: usize) -> Dest {
-    match entry {
-        -1 => Dest::None,
-        r if r >= 0 && (r as usize) < rows => Dest::Row(r as usize),
-        _ => Dest::Invalid,
+fn entry(value: i32, len: usize) -> Entry {
+    match value {
+        -1 => Entry::None,
+        i if i >= 0 && (i as usize) < len => Entry::At(i as usize),
+        _ => Entry::Invalid,
     }
 }
 
@@ -132,10 +133,10 @@ pub fn combine<T: Real>(
         |sum, (t, out_row)| {
             sum.fill(0.0);
             for x in 0..experts {
-                let row = match dest(dest_rows[t * experts + x], rows) {
-                    Dest::None => continue,
-                    Dest::Row(row) => row,
-                    Dest::Invalid => {
+                let row = match entry(dest_rows[t * experts + x], rows) {
+                    Entry::None => continue,
+                    Entry::At(row) => row,
+                    Entry::Invalid => {
                         sum.fill(f32::NAN);
                         break;
                     }
@@ -151,22 +152,6 @@ pub fn combine<T: Real>(
             }
         },
     );
-}
-
-/// Where a `source_tokens` entry points: nowhere (-1), a token of the
-/// `tokens`, or out of range.
-enum Source {
-    None,
-    Token(usize),
-    Invalid,
-}
-
-fn source(entry: i32, tokens: usize) -> Source {
-    match entry {
-        -1 => Source::None,
-        t if t >= 0 && (t as usize) < tokens => Source::Token(t as usize),
-        _ => Source::Invalid,
-    }
 }
 
 /// The gradients of [`combine`]: with respect to the expert rows, and with
@@ -199,11 +184,11 @@ pub fn combine_backward<T: Real>(
     let weights = weighted.as_ref().map(|(w, _, _)| *w);
     if hidden > 0 {
         grad_expert_tokens.par_chunks_mut(hidden).zip(source_tokens.par_iter()).enumerate()
-            .with_min_len(ROWS_PER_TASK).for_each(|(r, (out_row, &entry))| {
-                let t = match source(entry, tokens) {
-                    Source::None => return out_row.fill(T::from_f32(0.0)),
-                    Source::Invalid => return out_row.fill(T::from_f32(f32::NAN)),
-                    Source::Token(t) => t,
+            .with_min_len(ROWS_PER_TASK).for_each(|(r, (out_row, &source))| {
+                let t = match entry(source, tokens) {
+                    Entry::None => return out_row.fill(T::from_f32(0.0)),
+                    Entry::Invalid => return out_row.fill(T::from_f32(f32::NAN)),
+                    Entry::At(t) => t,
                 };
                 let copies = (0..experts).filter(|&x| dest_rows[t * experts + x] == r as i32);
                 let Some(scale) = copies.map(|x| weights.map_or(1.0, |w| w[t * experts + x])).reduce(|a, b| a + b) else {
@@ -219,10 +204,10 @@ pub fn combine_backward<T: Real>(
     grad_weights.par_chunks_mut(experts).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(t, grad_row)| {
         let g = &grad_out[t * hidden..(t + 1) * hidden];
         for (x, out) in grad_row.iter_mut().enumerate() {
-            *out = match dest(dest_rows[t * experts + x], rows) {
-                Dest::None => 0.0,
-                Dest::Invalid => f32::NAN,
-                Dest::Row(row) => {
+            *out = match entry(dest_rows[t * experts + x], rows) {
+                Entry::None => 0.0,
+                Entry::Invalid => f32::NAN,
+                Entry::At(row) => {
                     // Exact products, summed in f64 and rounded once: the
                     // specification's error does not grow with `hidden`.
                     let y = &expert_tokens[row * hidden..(row + 1) * hidden];
