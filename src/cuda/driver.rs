@@ -69,7 +69,7 @@ impl Stream {
         // SAFETY: CUDA handlers run on the CUDA platform, where XLA's stream is a CUstream.
         let stream = unsafe { Self::from_raw(call.stream()?) };
         if poisons_results() {
-            for result in call.result_buffers() {
+            for (_, result) in call.result_buffers() {
                 let Some(bytes) = byte_range(result) else { continue };
                 let byte = poison_byte(DataType(result.dtype));
                 let _current = ContextGuard::push(stream.context()?)?;

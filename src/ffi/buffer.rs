@@ -102,11 +102,10 @@ fn element_count(dims: &[i64]) -> usize {
 }
 
 /// The bytes a buffer's data spans, `None` when it spans none (or its element
-/// type has no known size).
+/// type is none a handler takes).
 pub(crate) fn byte_range(raw: &sys::XLA_FFI_Buffer) -> Option<std::ops::Range<usize>> {
     let view = View { raw, name: "" };
-    let bits = view.dtype().bits()?;
-    let bytes = view.len().saturating_mul(bits).div_ceil(8);
+    let bytes = view.len().saturating_mul(view.dtype().size()?);
     let start = raw.data as usize;
     (bytes > 0).then(|| start..start.saturating_add(bytes))
 }
@@ -121,11 +120,12 @@ macro_rules! shared_accessors {
     ($ty:ident) => {
         impl<'a> $ty<'a> {
             /// The buffer, unless its dimensions claim more bytes than any
-            /// buffer can hold (a slice spans at most `isize::MAX` bytes).
+            /// buffer can hold (a slice spans at most `isize::MAX` bytes; a
+            /// type of no known size is refused where its dtype is checked).
             pub(crate) fn new(raw: &'a sys::XLA_FFI_Buffer, name: &'static str) -> Result<Self> {
                 let view = View { raw, name };
-                let bits = view.dtype().bits().unwrap_or(8);
-                if view.len().checked_mul(bits).is_none_or(|bits| bits / 8 > isize::MAX as usize) {
+                let bytes = view.dtype().size().map(|size| view.len().checked_mul(size));
+                if bytes.is_some_and(|bytes| bytes.is_none_or(|bytes| bytes > isize::MAX as usize)) {
                     invalid!("{name} has shape {}: more bytes than any buffer can hold", view.shape_string())
                 }
                 Ok(Self(view))

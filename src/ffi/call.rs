@@ -177,31 +177,43 @@ impl<'a> Call<'a> {
         if !unknown.is_empty() {
             invalid!("unknown attribute{} {}", if unknown.len() == 1 { "" } else { "s" }, unknown.join(", "))
         }
-        let args = &self.frame.args;
-        for (r, written) in self.result_buffers().enumerate() {
+        for (r, written) in self.result_buffers() {
             let Some(written) = byte_range(written) else { continue };
-            for a in 0..self.num_args() {
-                // SAFETY: as for the results.
-                let read = unsafe { (*args.types.add(a) == sys::XLA_FFI_ArgType_BUFFER).then(|| &*(*args.args.add(a)).cast()) };
-                if read.and_then(byte_range).is_some_and(|read| read.start < written.end && written.start < read.end) {
+            let args = &self.frame.args;
+            // SAFETY: XLA passes `size` argument types and pointers.
+            for (a, read) in unsafe { buffers(args.types, args.args, args.size) } {
+                if byte_range(read).is_some_and(|read| read.start < written.end && written.start < read.end) {
                     invalid!("result {r} shares memory with argument {a}: oxmoe handlers do not compute in place (no input_output_aliases)")
                 }
             }
         }
         Ok(())
     }
+
+    /// The result buffers with their indices, for a device handler to poison
+    /// when [`poisons_results`](super::poisons_results).
+    pub fn result_buffers(&self) -> impl Iterator<Item = (usize, &'a sys::XLA_FFI_Buffer)> {
+        let rets = &self.frame.rets;
+        // SAFETY: XLA passes `size` result types and pointers.
+        unsafe { buffers(rets.types, rets.rets, rets.size) }
+    }
+
+    /// Whether no result holds an element: then the handler has nothing to write.
+    pub fn writes_nothing(&self) -> bool {
+        self.result_buffers().all(|(_, result)| byte_range(result).is_none())
+    }
 }
 
-impl<'a> Call<'a> {
-    /// The result buffers, for a device handler to poison when
-    /// [`poisons_results`](super::poisons_results).
-    pub fn result_buffers(&self) -> impl Iterator<Item = &'a sys::XLA_FFI_Buffer> + '_ {
-        let rets = &self.frame.rets;
-        (0..rets.size.max(0) as usize).filter_map(move |r| {
-            // SAFETY: XLA passes `size` result types and pointers; a BUFFER result points at an `XLA_FFI_Buffer`.
-            unsafe { (*rets.types.add(r) == sys::XLA_FFI_RetType_BUFFER).then(|| &*(*rets.rets.add(r)).cast()) }
-        })
-    }
+/// The buffers of an argument or result list (`types` and `pointers` of `size`
+/// entries; a BUFFER entry points at an `XLA_FFI_Buffer`), with their indices.
+///
+/// # Safety
+/// Both arrays must hold `size` entries that live as long as `'a`.
+unsafe fn buffers<'a>(types: *const u32, pointers: *const *mut c_void, size: i64) -> impl Iterator<Item = (usize, &'a sys::XLA_FFI_Buffer)> {
+    (0..size.max(0) as usize).filter_map(move |i| {
+        // SAFETY: the caller's contract (argument and result lists mark a buffer alike).
+        unsafe { (*types.add(i) == sys::XLA_FFI_ArgType_BUFFER).then(|| (i, &*(*pointers.add(i)).cast())) }
+    })
 }
 
 /// The bytes of an XLA byte span.

@@ -13,30 +13,16 @@ impl DataType {
     pub const BF16: Self = Self(sys::XLA_FFI_DataType_BF16);
     pub const F32: Self = Self(sys::XLA_FFI_DataType_F32);
 
-    /// Bits per element, for the types XLA stores densely; `None` for the rest
-    /// (tokens, and types added to XLA after oxmoe's header).
-    pub fn bits(self) -> Option<usize> {
-        Some(match self.0 {
-            sys::XLA_FFI_DataType_S1 | sys::XLA_FFI_DataType_U1 => 1,
-            sys::XLA_FFI_DataType_S2 | sys::XLA_FFI_DataType_U2 => 2,
-            sys::XLA_FFI_DataType_S4 | sys::XLA_FFI_DataType_U4 | sys::XLA_FFI_DataType_F4E2M1FN => 4,
-            sys::XLA_FFI_DataType_PRED
-            | sys::XLA_FFI_DataType_S8
-            | sys::XLA_FFI_DataType_U8
-            | sys::XLA_FFI_DataType_F8E5M2
-            | sys::XLA_FFI_DataType_F8E3M4
-            | sys::XLA_FFI_DataType_F8E4M3
-            | sys::XLA_FFI_DataType_F8E4M3FN
-            | sys::XLA_FFI_DataType_F8E4M3B11FNUZ
-            | sys::XLA_FFI_DataType_F8E5M2FNUZ
-            | sys::XLA_FFI_DataType_F8E4M3FNUZ
-            | sys::XLA_FFI_DataType_F8E8M0FNU => 8,
-            sys::XLA_FFI_DataType_S16 | sys::XLA_FFI_DataType_U16 | sys::XLA_FFI_DataType_F16 | sys::XLA_FFI_DataType_BF16 => 16,
-            sys::XLA_FFI_DataType_S32 | sys::XLA_FFI_DataType_U32 | sys::XLA_FFI_DataType_F32 => 32,
-            sys::XLA_FFI_DataType_S64 | sys::XLA_FFI_DataType_U64 | sys::XLA_FFI_DataType_F64 | sys::XLA_FFI_DataType_C64 => 64,
-            sys::XLA_FFI_DataType_C128 => 128,
-            _ => return None,
-        })
+    /// Bytes per element of the types oxmoe's handlers take; `None` for the
+    /// rest, which every handler refuses.
+    pub fn size(self) -> Option<usize> {
+        match self {
+            Self::PRED => Some(1),
+            Self::F16 | Self::BF16 => Some(2),
+            Self::S32 | Self::F32 => Some(4),
+            Self::S64 => Some(8),
+            _ => None,
+        }
     }
 
     /// The name JAX users know the type by.
