@@ -25,7 +25,8 @@ pub use error::{Error, Result};
 /// Exports the C symbol `$symbol`, an XLA FFI handler for the execute stage:
 /// it decodes the call into `$decoded` (its `decode(&Call) -> Result<Self>`),
 /// checks the call holds nothing else ([`Call::check_complete`]), then runs
-/// `$run(&Call, $decoded) -> Result<()>` (a closure that captures nothing).
+/// `$run(&Call, $decoded) -> Result<()>` (a closure that captures nothing),
+/// unless no result holds an element (nothing to write, so no kernel to run).
 #[macro_export]
 macro_rules! export_handler {
     ($symbol:ident, $decoded:ty, $run:expr) => {
@@ -44,6 +45,9 @@ macro_rules! export_handler {
                 let run: fn(&$crate::ffi::Call, $decoded) -> $crate::ffi::Result<()> = $run;
                 let decoded = <$decoded>::decode(call)?;
                 call.check_complete()?;
+                if call.writes_nothing() {
+                    return Ok(());
+                }
                 run(call, decoded)
             })
         }

@@ -233,23 +233,34 @@ fn other_stages_are_refused() {
     assert!(error.message.contains("called at execution stage 1"), "{}", error.message);
 }
 
-/// A handler that takes nothing.
-struct Nothing;
+/// A handler of one float32 result `[n]` and nothing else.
+struct OneResult;
 
-impl Nothing {
-    fn decode(_: &Call) -> Result<Self> {
+impl OneResult {
+    fn decode(call: &Call) -> Result<Self> {
+        call.ret(0, "out")?.expect_dtype(&[DataType::F32])?;
         Ok(Self)
     }
 }
 
-crate::export_handler!(oxmoe_test_panics, Nothing, |_, _| panic!("deliberate"));
+crate::export_handler!(oxmoe_test_panics, OneResult, |_, _| panic!("deliberate"));
+
+/// Calls `handler` with one float32 result of `n` elements.
+fn call_with_one_result(handler: Handler, n: usize) -> Option<FakeError> {
+    let (mut out, mut dims) = (vec![0.0f32; n], [n as i64]);
+    Frame::new(vec![], vec![buffer(DataType::F32, &mut out, &mut dims)], vec![]).call(handler)
+}
 
 #[test]
 fn a_panic_becomes_an_internal_error() {
-    let mut frame = Frame::new(vec![], vec![], vec![]);
-    let error = frame.call(oxmoe_test_panics as Handler).unwrap();
+    let error = call_with_one_result(oxmoe_test_panics, 3).unwrap();
     assert_eq!(error.code, sys::XLA_FFI_Error_Code_INTERNAL);
     assert_eq!(error.message, "oxmoe_test_panics: internal error (panic): deliberate");
+}
+
+#[test]
+fn a_call_whose_results_hold_no_element_runs_nothing() {
+    assert!(call_with_one_result(oxmoe_test_panics, 0).is_none(), "the handler ran");
 }
 
 #[test]
@@ -382,17 +393,16 @@ fn panicking_child() {
     if std::env::var_os("OXMOE_PANIC_CHILD").is_none() {
         return;
     }
-    let mut frame = Frame::new(vec![], vec![], vec![]);
-    let error = frame.call(oxmoe_test_panics as Handler).unwrap();
+    let error = call_with_one_result(oxmoe_test_panics, 3).unwrap();
     assert_eq!(error.message, "oxmoe_test_panics: internal error (panic): deliberate");
-    let error = frame.call(oxmoe_test_panics_in_parallel as Handler).unwrap();
+    let error = call_with_one_result(oxmoe_test_panics_in_parallel, 3).unwrap();
     assert_eq!(error.message, "oxmoe_test_panics_in_parallel: internal error (panic): deliberate, in parallel");
     // A panic outside any handler still reaches the hook that was there before.
     let outside = std::panic::catch_unwind(|| panic!("outside a handler"));
     assert!(outside.is_err());
 }
 
-crate::export_handler!(oxmoe_test_panics_in_parallel, Nothing, |_, _| {
+crate::export_handler!(oxmoe_test_panics_in_parallel, OneResult, |_, _| {
     use rayon::prelude::*;
     (0..64).into_par_iter().for_each(|i| {
         if i == 37 {
