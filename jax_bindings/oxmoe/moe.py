@@ -16,7 +16,10 @@ small pytree:
 
 :func:`moe` wraps them in one ``custom_vjp`` whose backward runs the same
 steps in reverse from saved residuals (:class:`Residuals`): the gradients
-cross the same exchanges the activations did, in the other direction.
+cross the same exchanges the activations did, in the other direction. Both
+directions call the primitive level of :mod:`oxmoe.router` and
+:mod:`oxmoe.permutation`, so :func:`route`, :func:`dispatch` and
+:func:`combine` are not differentiable on their own: differentiate :func:`moe`.
 
 Token exchange between expert shards (``MoEConfig.exchange``):
 
@@ -154,8 +157,10 @@ class MoEConfig:
     @property
     def topk_config(self) -> router.TopkConfig:
         """The routing options as :func:`oxmoe.router.topk` checks them."""
-        return router._topk_config(self.num_experts, self.topk, self.score_function, self.use_pre_softmax,
-                                   self.num_groups, self.group_topk, self.scaling_factor, self.use_expert_bias)
+        return router.topk_config(self.num_experts, self.topk, score_function=self.score_function,
+                                  use_pre_softmax=self.use_pre_softmax, num_groups=self.num_groups,
+                                  group_topk=self.group_topk, scaling_factor=self.scaling_factor,
+                                  use_expert_bias=self.use_expert_bias)
 
     @property
     def router_dtype(self) -> np.dtype:
@@ -346,16 +351,15 @@ def route(tokens, params: MoEParams, config: MoEConfig, *, expert_axis=None, dat
 def _route(tokens, params: MoEParams, config: MoEConfig, axes: _Axes) -> Routing:
     """:func:`route` of ``tokens`` in ``config.router_dtype``."""
     logits = _router_dot(tokens, params.gate.astype(config.router_dtype))
-    bias = (params.expert_bias,) if config.use_expert_bias else ()
-    probs, routing_map = router._topk_fwd(logits, *bias, **config.topk_config.fwd_attrs())
+    bias = params.expert_bias if config.use_expert_bias else None
+    probs, routing_map = router.topk_fwd(logits, bias, config.topk_config)
     counts = routing_map.sum(0, dtype=jnp.int32)
     zero = jnp.zeros((), _F32)
     aux_counts, loss, z_loss = None, zero, zero
     if config.aux_loss_coeff:
-        aux_map, scores = router._scores_fwd(logits, topk=np.int64(config.topk),
-                                             score_function=config.score_function)
+        aux_map, scores = router.aux_loss_scores_fwd(logits, config.topk, config.score_function)
         counts, aux_counts = _sum_over((counts, aux_map.sum(0, dtype=jnp.int32)), axes.token_axes)
-        (loss,) = router._aux_loss_fwd(scores, aux_counts, **_aux_loss_config(config, axes, len(tokens)).attrs())
+        loss = router.aux_loss_fwd(scores, aux_counts, _aux_loss_config(config, axes, len(tokens)))
     else:
         counts = _sum_over(counts, axes.token_axes)
     if config.z_loss_coeff:
@@ -368,14 +372,12 @@ def _route(tokens, params: MoEParams, config: MoEConfig, axes: _Axes) -> Routing
 def _route_bwd(routing: Routing, grad_probs, aux: MoEAux, config: MoEConfig, axes: _Axes):
     """The logits' gradient: through the top-k weights and both losses."""
     logits = routing.logits
-    (grad,) = router._topk_bwd(grad_probs.astype(_F32), logits, routing.routing_map,
-                               **config.topk_config.bwd_attrs())
+    grad = router.topk_bwd(grad_probs, logits, routing.routing_map, config.topk_config)
     if config.aux_loss_coeff:
-        (grad_scores,) = router._aux_loss_bwd(
-            aux.load_balancing_loss.astype(_F32), routing.aux_tokens_per_expert,
-            probs_type=jax.ShapeDtypeStruct(logits.shape, _F32),
-            **_aux_loss_config(config, axes, len(logits)).attrs())
-        (grad_from_loss,) = router._scores_bwd(grad_scores, logits, score_function=config.score_function)
+        grad_scores = router.aux_loss_bwd(aux.load_balancing_loss, routing.aux_tokens_per_expert,
+                                          _aux_loss_config(config, axes, len(logits)),
+                                          jax.ShapeDtypeStruct(logits.shape, _F32))
+        grad_from_loss = router.aux_loss_scores_bwd(grad_scores, logits, config.score_function)
         grad = grad + grad_from_loss
     if config.z_loss_coeff:
         lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
@@ -434,11 +436,11 @@ class Exchange:
         """``[R, H]`` dispatched rows → ``[n * capacity, H]`` rows of this shard's
         experts, grouped by local expert, then zero rows."""
         received = self._transfer(rows, back=False)
-        return permutation.sort_chunks(received, self.chunk_sizes, self._sorted_chunks())
+        return permutation.permute_chunks(received, self.chunk_sizes, self._sorted_chunks(), inverse=False)
 
     def from_experts(self, rows, num_rows: int):
         """The inverse of :meth:`to_experts`: ``[n * capacity, H]`` → ``[num_rows, H]``."""
-        slots = permutation.unsort_chunks(rows, self.chunk_sizes, self._sorted_chunks())
+        slots = permutation.permute_chunks(rows, self.chunk_sizes, self._sorted_chunks(), inverse=True)
         return self._transfer(slots, back=True, num_rows=num_rows)
 
     def _transfer(self, rows, *, back: bool, num_rows: int | None = None):
@@ -487,7 +489,7 @@ def _plan_exchange(tokens_per_expert, config: MoEConfig, axes: _Axes, num_tokens
     blocks = jax.lax.all_gather(tokens_per_expert, axes.expert_axis).reshape(n, n, el)
     per_pair = blocks.sum(-1)
     mine = blocks[:, me, :]
-    capacity = _capacity(config, num_tokens, el)
+    capacity = _dispatch_rows(config, num_tokens, el)  # all of a shard's tokens sent to one shard's experts
     chunks = jnp.concatenate([mine, capacity - mine.sum(-1, keepdims=True)], axis=1).reshape(-1)
     return Exchange(
         send_sizes=per_pair[me], send_offsets=_exclusive_cumsum(per_pair[me]), recv_sizes=per_pair[:, me],
@@ -495,10 +497,12 @@ def _plan_exchange(tokens_per_expert, config: MoEConfig, axes: _Axes, num_tokens
         group_sizes=mine.sum(0), axis=axes.expert_axis, shards=n, capacity=capacity, method=method)
 
 
-def _capacity(config: MoEConfig, num_tokens: int, local_experts: int) -> int:
-    """The most rows one shard can send another: each token reaches at most
-    ``min(topk, El)`` of its experts, each padded to ``align_size``."""
-    return permutation._padded_rows(num_tokens * min(config.topk, local_experts), local_experts, config.align_size)
+def _dispatch_rows(config: MoEConfig, num_tokens: int, num_experts: int) -> int:
+    """The rows of a dispatch of ``num_tokens`` tokens to ``num_experts`` of the
+    experts: each token reaches at most ``min(topk, num_experts)`` of them, each
+    expert's block padded to ``align_size``. With a shard's ``El`` experts, the
+    most rows one shard can send another."""
+    return permutation.padded_rows(num_tokens * min(config.topk, num_experts), num_experts, config.align_size)
 
 
 def _check_rows(config: MoEConfig, axes: _Axes, num_tokens: int, method: str | None) -> None:
@@ -506,12 +510,12 @@ def _check_rows(config: MoEConfig, axes: _Axes, num_tokens: int, method: str | N
     others) must fit int32 row indices."""
     n, el = axes.expert_shards, config.num_experts // axes.expert_shards
     if method is None:
-        what, rows = "the dispatch", _capacity(config, num_tokens, el)
+        what, rows = "the dispatch", _dispatch_rows(config, num_tokens, el)
     elif method == "ring":
         what, rows = (f"the dispatch of the expert axis's {n * num_tokens} gathered tokens",
-                      _capacity(config, n * num_tokens, el))
+                      _dispatch_rows(config, n * num_tokens, el))
     else:
-        capacity = _capacity(config, num_tokens, el)
+        capacity = _dispatch_rows(config, num_tokens, el)
         what, rows = f"the exchange's receive buffer ({n} slots of {capacity} rows)", n * capacity
     if rows > MAX_ROWS:
         raise ValueError(f"{what} would hold {rows} rows, more than 2**31 - 1 (row indices are int32): {num_tokens} "
@@ -572,10 +576,12 @@ def _dispatch(tokens, routing: Routing, config: MoEConfig, axes: _Axes) -> Dispa
         gather = functools.partial(jax.lax.all_gather, axis_name=axes.expert_axis, tiled=True)
         local = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=el, axis=1)
         tokens, routing_map, probs = gather(tokens), local(gather(routing.routing_map)), local(gather(routing.probs))
-        local_rows = permutation.dispatch(tokens, routing_map, num_out_tokens=len(tokens) * min(config.topk, el),
-                                          align_size=align)
+        local_rows = permutation.dispatch_fwd(tokens, routing_map, None,
+                                              num_rows=_dispatch_rows(config, len(tokens), el), align_size=align)
         return Dispatched(local_rows.tokens, local_rows.tokens_per_expert, local_rows.row_id_map, probs, None, True)
-    local_rows = permutation.dispatch(tokens, routing.routing_map, topk=config.topk, align_size=align)
+    local_rows = permutation.dispatch_fwd(tokens, routing.routing_map, None,
+                                          num_rows=_dispatch_rows(config, len(tokens), config.num_experts),
+                                          align_size=align)
     if method is None:
         return Dispatched(local_rows.tokens, local_rows.tokens_per_expert, local_rows.row_id_map, routing.probs,
                           None, False)
@@ -667,7 +673,7 @@ def _returned_rows(out: ExpertOutput, dispatched: Dispatched):
 
 
 def _combine(returned, dispatched: Dispatched, axes: _Axes):
-    y = permutation.combine(returned, dispatched.row_id_map, dispatched.probs)
+    y = permutation.combine_fwd(returned, dispatched.row_id_map, dispatched.probs)
     if dispatched.ring:
         y = jax.lax.psum_scatter(y, axes.expert_axis, scatter_dimension=0, tiled=True)
     return y
@@ -787,13 +793,12 @@ def _layer_bwd(config: MoEConfig, axes: _Axes, res: Residuals, cotangents):
     if d.ring:
         grad_y = jax.lax.all_gather(grad_y, axes.expert_axis, tiled=True)
     # combine: the rows' gradient in this shard's layout; the weights' from the returned rows.
-    grad_returned, grad_probs = permutation._combine_bwd(
-        grad_y, d.row_id_map.dest_rows, d.row_id_map.source_tokens, d.probs, res.returned)
+    grad_returned, grad_probs = permutation.combine_bwd(grad_y, res.returned, d.row_id_map, d.probs)
     grad_rows = d.exchange.to_experts(grad_returned) if d.exchange else grad_returned
     grad_in, grad_up, grad_down = _expert_ffn_bwd(grad_rows, d, res.expert_output, params, config)
     if d.exchange:
         grad_in = d.exchange.from_experts(grad_in, len(grad_returned))
-    (grad_tokens,) = permutation._combine_fwd(grad_in, d.row_id_map.dest_rows)  # dispatch's transpose
+    grad_tokens, _ = permutation.dispatch_bwd(grad_in, d.row_id_map)
     if d.ring:
         grad_tokens = jax.lax.psum_scatter(grad_tokens, axes.expert_axis, scatter_dimension=0, tiled=True)
         grad_probs = _scatter_expert_columns(grad_probs, config, axes)

@@ -22,6 +22,12 @@ entries) are dropped under ``jit`` and every other transformation (``vmap``,
 ``grad``, ``eval_shape``, ...), whether the map is traced or a constant.
 Called eagerly, outside every transformation, :func:`dispatch` counts the
 routing map on the host (a device-to-host copy) and raises instead.
+
+Below the public functions, a primitive level for composing layers (the MoE
+layer's forward and backward use it): each operation's forward and backward as
+plain functions of arrays, a :class:`RowIdMap` and static sizes, with no
+argument checks and no custom VJP. The public functions check their arguments
+and define their gradients with them.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import numpy as np
 from oxmoe._checks import MAX_ROWS, called_eagerly, check_array, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout
 
-__all__ = ["Dispatched", "RowIdMap", "dispatch", "combine", "sort_chunks", "unsort_chunks", "dispatched_rows"]
+__all__ = ["Dispatched", "RowIdMap", "dispatch", "combine", "sort_chunks", "unsort_chunks", "dispatched_rows",
+           "padded_rows", "dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd", "permute_chunks"]
 
 ROWS, WHOLE, DISPATCHED = Layout.ROWS, Layout.WHOLE, Layout.DISPATCHED
 _I32 = jnp.int32
@@ -57,17 +64,17 @@ def _combine_bwd_specs(grad_out, dest_rows, source_tokens, *weighted, **_):
     return specs + [jax.ShapeDtypeStruct(dest_rows.shape, jnp.float32)] * bool(weighted)
 
 
-_dispatch_fwd = FfiPrimitive(
+_dispatch_fwd_p = FfiPrimitive(
     "oxmoe_dispatch_fwd", operands=(ROWS, ROWS, ROWS),
     results=(DISPATCHED, ROWS, DISPATCHED, WHOLE, WHOLE, WHOLE, DISPATCHED),
     result_specs=_dispatch_specs, shape_params=("num_rows",))
-_combine_fwd = FfiPrimitive(
+_combine_fwd_p = FfiPrimitive(
     "oxmoe_combine_fwd", operands=(DISPATCHED, ROWS, ROWS), results=(ROWS,),
     result_specs=lambda x, dest_rows, *w, **_: [jax.ShapeDtypeStruct((dest_rows.shape[0], x.shape[1]), x.dtype)])
-_combine_bwd = FfiPrimitive(
+_combine_bwd_p = FfiPrimitive(
     "oxmoe_combine_bwd", operands=(ROWS, ROWS, DISPATCHED, ROWS, DISPATCHED), results=(DISPATCHED, ROWS),
     result_specs=_combine_bwd_specs)
-_sort_chunks = FfiPrimitive(
+_sort_chunks_p = FfiPrimitive(
     "oxmoe_sort_chunks", operands=(DISPATCHED, WHOLE, WHOLE), results=(DISPATCHED,),
     result_specs=lambda x, *_, **__: [jax.ShapeDtypeStruct(x.shape, x.dtype)])
 
@@ -122,17 +129,11 @@ def dispatched_rows(num_out_tokens: int, num_experts: int, align_size: int | Non
     n = check_count("num_out_tokens", num_out_tokens, 0)
     e = check_count("num_experts", num_experts, 1)
     a = None if align_size is None else check_count("align_size", align_size, 1, MAX_ROWS, " (row indices are int32)")
-    rows = _padded_rows(n, e, a)
+    rows = padded_rows(n, e, a)
     if rows > MAX_ROWS:
         raise ValueError(f"dispatch would have {rows} rows, more than 2**31 - 1 (row indices are int32): "
                          f"num_out_tokens={n}, num_experts={e}, align_size={a}")
     return rows
-
-
-def _padded_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -> int:
-    """:func:`dispatched_rows`' formula, unchecked."""
-    n, a = num_out_tokens, align_size
-    return n if a is None else (n + min(num_experts, n) * (a - 1)) // a * a
 
 
 def _check_routed_count(routing_map, num_out_tokens: int) -> None:
@@ -187,41 +188,29 @@ def dispatch(tokens, routing_map, *, probs=None, topk=None, num_out_tokens=None,
     rows = dispatched_rows(num_out_tokens, e, align_size)  # checks num_out_tokens and align_size
     _check_routed_count(routing_map, num_out_tokens)
 
-    static = (rows, 1 if align_size is None else int(align_size), None if probs is None else jnp.dtype(probs.dtype))
-    out, out_probs, dest_rows, source_tokens, per_expert, real, pads = _dispatch(tokens, routing_map, probs, static)
-    return Dispatched(tokens=out, probs=out_probs, row_id_map=RowIdMap(dest_rows, source_tokens),
-                      tokens_per_expert=per_expert, real_tokens_per_expert=real,
-                      pad_offsets=None if align_size is None else pads)
+    static = (rows, None if align_size is None else int(align_size), None if probs is None else jnp.dtype(probs.dtype))
+    return _dispatch(tokens, routing_map, probs, static)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _dispatch(tokens, routing_map, probs, static):
-    rows, align, _ = static
-    weights = () if probs is None else (probs.astype(jnp.float32),)
-    outs = _dispatch_fwd(tokens, routing_map, *weights, num_rows=rows, align_size=np.int64(align))
-    out_probs = None if probs is None else outs[6].astype(probs.dtype)
-    return (outs[0], out_probs, *outs[1:6])
+    num_rows, align_size, _ = static
+    return dispatch_fwd(tokens, routing_map, probs, num_rows=num_rows, align_size=align_size)
 
 
 def _dispatch_vjp_fwd(tokens, routing_map, probs, static):
-    outs = _dispatch(tokens, routing_map, probs, static)
-    return outs, outs[2]
+    num_rows, align_size, _ = static
+    out = dispatch_fwd(tokens, routing_map, probs, num_rows=num_rows, align_size=align_size)
+    return out, out.row_id_map
 
 
-def _dispatch_vjp_bwd(static, dest_rows, cotangents):
+def _dispatch_vjp_bwd(static, row_id_map, cotangents):
     probs_dtype = static[2]
-    grad_out, grad_out_probs = cotangents[0], cotangents[1]
-    (grad_tokens,) = _combine_fwd(grad_out, dest_rows)
     if probs_dtype is None:
+        grad_tokens, _ = dispatch_bwd(cotangents.tokens, row_id_map)
         return grad_tokens, None, None
-    # Entries that were not dispatched (-1) pick a zero appended past the rows
-    # (which may be none). On an explicit-sharding mesh the gather's result
-    # sharding must be named.
-    sharding = jax.typeof(dest_rows).sharding
-    rows = grad_out_probs.shape[0]
-    picked = jnp.append(grad_out_probs, jnp.zeros((1,), grad_out_probs.dtype)).at[
-        jnp.where(dest_rows >= 0, dest_rows, rows)].get(out_sharding=sharding if sharding.mesh.axis_names else None)
-    return grad_tokens, None, picked.astype(probs_dtype)
+    grad_tokens, grad_probs = dispatch_bwd(cotangents.tokens, row_id_map, cotangents.probs)
+    return grad_tokens, None, grad_probs.astype(probs_dtype)
 
 
 _dispatch.defvjp(_dispatch_vjp_fwd, _dispatch_vjp_bwd)
@@ -274,30 +263,24 @@ def combine(expert_tokens, row_id_map: RowIdMap, merging_probs=None, *, pad_offs
             raise ValueError(f"merging_probs must have shape [num_tokens, num_experts] = "
                              f"{tuple(row_id_map.dest_rows.shape)}, got {tuple(merging_probs.shape)}")
         check_float_dtype("merging_probs", merging_probs)
-    return _combine(expert_tokens, row_id_map.dest_rows, row_id_map.source_tokens, merging_probs)
+    return _combine(expert_tokens, row_id_map, merging_probs)
 
 
 @jax.custom_vjp
-def _combine(expert_tokens, dest_rows, source_tokens, merging_probs):
-    weights = () if merging_probs is None else (merging_probs.astype(jnp.float32),)
-    (out,) = _combine_fwd(expert_tokens, dest_rows, *weights)
-    return out
+def _combine(expert_tokens, row_id_map, merging_probs):
+    return combine_fwd(expert_tokens, row_id_map, merging_probs)
 
 
-def _combine_vjp_fwd(expert_tokens, dest_rows, source_tokens, merging_probs):
-    out = _combine(expert_tokens, dest_rows, source_tokens, merging_probs)
+def _combine_vjp_fwd(expert_tokens, row_id_map, merging_probs):
+    out = combine_fwd(expert_tokens, row_id_map, merging_probs)
     saved_rows = None if merging_probs is None else expert_tokens
-    return out, (saved_rows, dest_rows, source_tokens, merging_probs)
+    return out, (saved_rows, row_id_map, merging_probs)
 
 
 def _combine_vjp_bwd(residuals, grad_out):
-    expert_tokens, dest_rows, source_tokens, merging_probs = residuals
-    if merging_probs is None:
-        (grad_rows,) = _combine_bwd(grad_out, dest_rows, source_tokens)
-        return grad_rows, None, None, None
-    grad_rows, grad_probs = _combine_bwd(grad_out, dest_rows, source_tokens,
-                                         merging_probs.astype(jnp.float32), expert_tokens)
-    return grad_rows, None, None, grad_probs.astype(merging_probs.dtype)
+    expert_tokens, row_id_map, merging_probs = residuals
+    grad_rows, grad_probs = combine_bwd(grad_out, expert_tokens, row_id_map, merging_probs)
+    return grad_rows, None, None if merging_probs is None else grad_probs.astype(merging_probs.dtype)
 
 
 _combine.defvjp(_combine_vjp_fwd, _combine_vjp_bwd)
@@ -369,18 +352,87 @@ def unsort_chunks(tokens, split_sizes, sorted_indices):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _sort(tokens, split_sizes, sorted_indices, inverse):
-    rows = tokens.reshape(tokens.shape[0], math.prod(tokens.shape[1:]))
-    (out,) = _sort_chunks(rows, split_sizes, sorted_indices, inverse=np.bool_(inverse))
-    return out.reshape(tokens.shape)
+    return permute_chunks(tokens, split_sizes, sorted_indices, inverse=inverse)
 
 
 def _sort_vjp_fwd(tokens, split_sizes, sorted_indices, inverse):
-    return _sort(tokens, split_sizes, sorted_indices, inverse), (split_sizes, sorted_indices)
+    return permute_chunks(tokens, split_sizes, sorted_indices, inverse=inverse), (split_sizes, sorted_indices)
 
 
 def _sort_vjp_bwd(inverse, residuals, grad_out):
     split_sizes, sorted_indices = residuals
+    # Through _sort, not permute_chunks: the gradient is differentiable again.
     return _sort(grad_out, split_sizes, sorted_indices, not inverse), None, None
 
 
 _sort.defvjp(_sort_vjp_fwd, _sort_vjp_bwd)
+
+
+# -- primitive level: no checks, no custom VJP; for composing layers ------------
+
+def padded_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -> int:
+    """:func:`dispatched_rows` without its checks: the result may pass
+    ``2**31 - 1``, for a caller that says why itself."""
+    n, a = num_out_tokens, align_size
+    return n if a is None else (n + min(num_experts, n) * (a - 1)) // a * a
+
+
+def dispatch_fwd(tokens, routing_map, probs, *, num_rows: int, align_size: int | None) -> Dispatched:
+    """:func:`dispatch` into ``num_rows`` rows (:func:`dispatched_rows`),
+    unchecked and not differentiable; ``probs`` may be None."""
+    weights = () if probs is None else (probs.astype(jnp.float32),)
+    rows, dest_rows, source_tokens, per_expert, real, pads, *row_probs = _dispatch_fwd_p(
+        tokens, routing_map, *weights, num_rows=num_rows, align_size=np.int64(1 if align_size is None else align_size))
+    return Dispatched(tokens=rows, probs=None if probs is None else row_probs[0].astype(probs.dtype),
+                      row_id_map=RowIdMap(dest_rows, source_tokens), tokens_per_expert=per_expert,
+                      real_tokens_per_expert=real, pad_offsets=None if align_size is None else pads)
+
+
+def dispatch_bwd(grad_rows, row_id_map: RowIdMap, grad_row_probs=None) -> tuple[jax.Array, jax.Array | None]:
+    """The transpose of :func:`dispatch_fwd`: ``grad_rows [R, H]`` back to
+    ``[T, H]``, each token's copies summed (a :func:`combine_fwd` without
+    weights); ``grad_row_probs [R]`` back to ``[T, E]`` in its dtype, zero
+    where nothing was dispatched (None without it)."""
+    grad_tokens = combine_fwd(grad_rows, row_id_map)
+    if grad_row_probs is None:
+        return grad_tokens, None
+    # Entries that were not dispatched (-1) pick a zero appended past the rows
+    # (which may be none). On an explicit-sharding mesh the gather's result
+    # sharding must be named.
+    dest_rows = row_id_map.dest_rows
+    sharding = jax.typeof(dest_rows).sharding
+    rows = grad_row_probs.shape[0]
+    picked = jnp.append(grad_row_probs, jnp.zeros((1,), grad_row_probs.dtype)).at[
+        jnp.where(dest_rows >= 0, dest_rows, rows)].get(out_sharding=sharding if sharding.mesh.axis_names else None)
+    return grad_tokens, picked
+
+
+def combine_fwd(rows, row_id_map: RowIdMap, merging_probs=None) -> jax.Array:
+    """:func:`combine` of ``rows [R, H]``, unchecked and not differentiable:
+    ``[T, H]`` in the rows' dtype (``merging_probs`` is cast to float32)."""
+    weights = () if merging_probs is None else (merging_probs.astype(jnp.float32),)
+    (out,) = _combine_fwd_p(rows, row_id_map.dest_rows, *weights)
+    return out
+
+
+def combine_bwd(grad_out, rows, row_id_map: RowIdMap, merging_probs=None) -> tuple[jax.Array, jax.Array | None]:
+    """The gradient of :func:`combine_fwd` (same arguments after ``grad_out``):
+    ``(grad_rows, grad_probs)``, ``[R, H]`` in ``grad_out``'s dtype and
+    ``[T, E]`` float32 (None without ``merging_probs``). ``rows`` are read only
+    with ``merging_probs``, for the weights' gradient."""
+    dest_rows, source_tokens = row_id_map.dest_rows, row_id_map.source_tokens
+    if merging_probs is None:
+        (grad_rows,) = _combine_bwd_p(grad_out, dest_rows, source_tokens)
+        return grad_rows, None
+    grad_rows, grad_probs = _combine_bwd_p(grad_out, dest_rows, source_tokens, merging_probs.astype(jnp.float32),
+                                           rows)
+    return grad_rows, grad_probs
+
+
+def permute_chunks(tokens, split_sizes, sorted_indices, *, inverse: bool) -> jax.Array:
+    """:func:`sort_chunks` (``inverse=False``) or :func:`unsort_chunks`
+    (``inverse=True``), unchecked and not differentiable. Each is the other's
+    transpose: the backward of one is the other."""
+    rows = tokens.reshape(tokens.shape[0], math.prod(tokens.shape[1:]))
+    (out,) = _sort_chunks_p(rows, split_sizes, sorted_indices, inverse=np.bool_(inverse))
+    return out.reshape(tokens.shape)
