@@ -1,0 +1,252 @@
+"""The MoE layer's configuration and parameters, what it returns beside its
+output, and the mesh axes of a call as the layer sees them."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from oxmoe import router
+from oxmoe._checks import FLOAT_DTYPES, MAX_ROWS, check_array, check_bool, check_count, check_real
+
+ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
+EXCHANGES = ("auto", "ragged_all_to_all", "all_to_all", "ring")
+_F32 = jnp.float32
+
+
+def pytree_dataclass(data: tuple[str, ...], meta: tuple[str, ...] = ()):
+    """A frozen dataclass registered as a pytree with these data and static fields."""
+    def register(cls):
+        return jax.tree_util.register_dataclass(
+            dataclasses.dataclass(frozen=True)(cls), data_fields=list(data), meta_fields=list(meta))
+    return register
+
+
+# -- configuration and parameters ------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """What the layer computes. Checked on construction: every real-valued
+    option must be finite, every flag a bool.
+
+    Routing (see :func:`oxmoe.router.topk`): ``num_experts``, ``topk``,
+    ``score_function`` (``"softmax"`` or ``"sigmoid"``), ``use_pre_softmax``,
+    ``num_groups`` with ``group_topk`` (group-limited routing), and
+    ``scaling_factor`` for the weights; ``use_expert_bias`` (sigmoid only): a
+    ``[E]`` bias in the params steers the choice of experts, not the weights
+    (auxiliary-loss-free balancing; see :func:`update_expert_bias`).
+
+    Losses: ``aux_loss_coeff`` scales the switch load-balancing loss and
+    ``z_loss_coeff`` the router z-loss ``mean_t logsumexp(logits_t)²``; each is
+    0 by default, and then not computed.
+
+    Experts: ``activation`` is ``"swiglu"`` (default), ``"geglu"`` (gated,
+    with a fused ``[E, H, 2F]`` up weight whose first half is the gate) or
+    ``"gelu"``/``"silu"`` (``[E, H, F]``); GELU is the tanh approximation.
+    ``align_size`` pads each expert's rows to a multiple of it (for kernels
+    that want aligned groups; oxmoe's do not need it). Row indices are
+    int32: ``align_size`` and the rows of every padded buffer of the layer
+    are at most ``2**31 - 1`` (the buffers are checked when the layer is
+    traced). ``dtype`` is the
+    compute dtype of the token rows and expert weights (products accumulate in
+    float32; the router's logits are float32).
+
+    ``float32_gate_logits`` (MaxText's option of that name; default False):
+    the router's product takes the layer's input (before its cast to
+    ``dtype``) and the gate weight in float32, not rounded to ``dtype``. With a
+    bfloat16 ``dtype`` the rounded product chooses other experts than a float32
+    router for a few tokens in a thousand; with this option the choices are
+    the float32 router's. The gradients reach the input and the gate in their
+    own dtypes either way.
+
+    ``exchange``: how tokens travel between expert shards: ``"auto"``,
+    ``"ragged_all_to_all"``, ``"all_to_all"`` or ``"ring"`` (see
+    :mod:`oxmoe.moe`).
+    """
+
+    num_experts: int
+    topk: int
+    score_function: str = "softmax"
+    use_pre_softmax: bool = False
+    num_groups: int | None = None
+    group_topk: int | None = None
+    scaling_factor: float | None = None
+    use_expert_bias: bool = False
+    aux_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0
+    activation: str = "swiglu"
+    align_size: int | None = None
+    dtype: Any = jnp.bfloat16
+    exchange: str = "auto"
+    float32_gate_logits: bool = False
+
+    def __post_init__(self):
+        check_count("num_experts", self.num_experts, 1)
+        check_bool("use_expert_bias", self.use_expert_bias)
+        check_bool("float32_gate_logits", self.float32_gate_logits)
+        self.topk_config  # checks the routing options
+        for name in ("aux_loss_coeff", "z_loss_coeff"):
+            check_real(name, getattr(self, name), low=0)
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        if self.align_size is not None:
+            check_count("align_size", self.align_size, 1, MAX_ROWS, " (row indices are int32)")
+        try:
+            dtype = jnp.dtype(self.dtype)
+        except TypeError:
+            dtype = None
+        if dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+
+    @property
+    def topk_config(self) -> router.TopkConfig:
+        """The routing options as :func:`oxmoe.router.topk` checks them."""
+        return router.topk_config(self.num_experts, self.topk, score_function=self.score_function,
+                                  use_pre_softmax=self.use_pre_softmax, num_groups=self.num_groups,
+                                  group_topk=self.group_topk, scaling_factor=self.scaling_factor,
+                                  use_expert_bias=self.use_expert_bias)
+
+    @property
+    def router_dtype(self) -> np.dtype:
+        """The dtype the router's product takes the tokens and the gate weight in:
+        float32 with ``float32_gate_logits``, else ``dtype``."""
+        return jnp.dtype(_F32) if self.float32_gate_logits else self.dtype
+
+    @property
+    def glu(self) -> bool:
+        """Whether the activation is gated (the up weight holds gate and up halves)."""
+        return self.activation in ("swiglu", "geglu")
+
+
+@pytree_dataclass(("gate", "up", "down", "expert_bias"))
+class MoEParams:
+    """The layer's parameters (any float dtype; cast to ``MoEConfig.dtype`` to compute,
+    the gate to ``MoEConfig.router_dtype``).
+
+    Inside ``shard_map``, ``up`` and ``down`` hold this shard's experts
+    (``E / expert shards`` of them); ``gate`` and ``expert_bias`` are whole.
+    """
+
+    gate: jax.Array
+    """``[H, E]``: the router weight, ``logits = x @ gate``."""
+    up: jax.Array
+    """``[E, H, 2F]`` gate and up projections fused (gated activations: ``[..., :F]``
+    is the gate half), or ``[E, H, F]``."""
+    down: jax.Array
+    """``[E, F, H]``: the down projection."""
+    expert_bias: jax.Array | None = None
+    """``[E]`` float32 with ``use_expert_bias``, else None. Its gradient is zero."""
+
+
+@pytree_dataclass(("load_balancing_loss", "z_loss", "tokens_per_expert"))
+class MoEAux:
+    """What :func:`moe` returns beside the output: the losses to add to the
+    model's loss, and the load for logging. The same on every shard."""
+
+    load_balancing_loss: jax.Array
+    """float32 scalar, already times ``aux_loss_coeff`` (0 when that is 0)."""
+    z_loss: jax.Array
+    """float32 scalar, already times ``z_loss_coeff`` (0 when that is 0)."""
+    tokens_per_expert: jax.Array
+    """``[E]`` int32: the tokens routed to each expert, over every token shard."""
+
+
+def init_params(key, config: MoEConfig, hidden: int, ffn: int, dtype=jnp.float32) -> MoEParams:
+    """Random parameters of the whole layer (all experts): normal with variance
+    ``1 / fan_in`` per matrix, and a zero expert bias when the config uses one.
+
+    Args:
+      key: a JAX random key.
+      config: the layer's :class:`MoEConfig`.
+      hidden: ``H``, the model's width.
+      ffn: ``F``, each expert's hidden width.
+      dtype: the parameters' dtype.
+    """
+    h, f = check_count("hidden", hidden, 1), check_count("ffn", ffn, 1)
+    e = config.num_experts
+    k_gate, k_up, k_down = jax.random.split(key, 3)
+    up_width = 2 * f if config.glu else f
+    return MoEParams(
+        gate=(jax.random.normal(k_gate, (h, e), _F32) / math.sqrt(h)).astype(dtype),
+        up=(jax.random.normal(k_up, (e, h, up_width), _F32) / math.sqrt(h)).astype(dtype),
+        down=(jax.random.normal(k_down, (e, f, h), _F32) / math.sqrt(f)).astype(dtype),
+        expert_bias=jnp.zeros((e,), _F32) if config.use_expert_bias else None)
+
+
+def update_expert_bias(expert_bias, tokens_per_expert, rate):
+    """Auxiliary-loss-free balancing (DeepSeek-V3): raises the bias of the
+    experts that got fewer tokens than the mean and lowers the others'.
+
+    Returns ``expert_bias + rate * sign(mean(tokens_per_expert) - tokens_per_expert)``
+    as float32. Call it between steps with :attr:`MoEAux.tokens_per_expert`;
+    ``rate`` may be a traced scalar (a schedule); a Python or NumPy number
+    must be finite.
+    """
+    if isinstance(rate, numbers.Real):  # a traced (or device) rate is the caller's to keep finite
+        check_real("rate", rate)
+    check_array("expert_bias", expert_bias)
+    check_array("tokens_per_expert", tokens_per_expert)
+    if expert_bias.ndim != 1 or tokens_per_expert.shape != expert_bias.shape:
+        raise ValueError(f"expert_bias and tokens_per_expert must both have shape [num_experts], got "
+                         f"{tuple(expert_bias.shape)} and {tuple(tokens_per_expert.shape)}")
+    counts = tokens_per_expert.astype(_F32)
+    return expert_bias.astype(_F32) + jnp.asarray(rate, _F32) * jnp.sign(counts.mean() - counts)
+
+
+# -- the mesh as the layer sees it -------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Axes:
+    """The shard_map axes of one call, with their sizes (static)."""
+
+    expert_axis: str | None
+    data_axes: tuple[str, ...]
+    expert_shards: int
+    token_shards: int
+
+    @property
+    def token_axes(self) -> tuple[str, ...]:
+        """Every axis the tokens are split over."""
+        return self.data_axes + ((self.expert_axis,) if self.expert_axis else ())
+
+
+def _axis_size(name, what: str) -> int:
+    if not isinstance(name, str):
+        raise TypeError(f"{what} must be a mesh axis name (str), got {name!r}")
+    try:
+        return jax.lax.axis_size(name)
+    except NameError:
+        raise ValueError(f"{what} {name!r} is not an axis of the enclosing jax.shard_map (call moe inside "
+                         "shard_map with that axis, or use shard_map_moe)") from None
+
+
+def as_data_axes(expert_axis, data_axes) -> tuple[str, ...]:
+    """``data_axes`` as a tuple; each mesh axis may split the tokens once."""
+    data_axes = (data_axes,) if isinstance(data_axes, str) else tuple(data_axes)
+    if expert_axis in data_axes:
+        raise ValueError(f"expert_axis {expert_axis!r} is also in data_axes {data_axes}")
+    if len(set(data_axes)) != len(data_axes):
+        raise ValueError(f"data_axes {data_axes} names an axis twice")
+    return data_axes
+
+
+def mesh_axes(config: MoEConfig, expert_axis, data_axes) -> Axes:
+    """The axes of a call, checked: each an axis of the enclosing ``shard_map``,
+    the experts split evenly over ``expert_axis``."""
+    data_axes = as_data_axes(expert_axis, data_axes)
+    sizes = [_axis_size(a, "data_axes entry") for a in data_axes]
+    expert_shards = 1 if expert_axis is None else _axis_size(expert_axis, "expert_axis")
+    if config.num_experts % expert_shards:
+        raise ValueError(f"num_experts ({config.num_experts}) must divide by the size of expert_axis "
+                         f"{expert_axis!r} ({expert_shards})")
+    return Axes(expert_axis, data_axes, expert_shards, math.prod(sizes) * expert_shards)
+

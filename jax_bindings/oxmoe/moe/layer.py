@@ -1,0 +1,452 @@
+"""The layer's steps (route, dispatch, expert FFN, combine), its custom VJP
+and :func:`moe` with :func:`shard_map_moe`."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from oxmoe import grouped_gemm, permutation, router
+from oxmoe._checks import FLOAT_DTYPES, check_array
+from oxmoe.moe.config import Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, mesh_axes, pytree_dataclass
+from oxmoe.moe.exchange import Exchange, check_rows, dispatch_rows, exchange_method, plan_exchange
+
+_F32 = jnp.float32
+
+
+def _sum_over(x, axes: tuple[str, ...]):
+    return jax.lax.psum(x, axes) if axes else x
+
+
+# -- route ---------------------------------------------------------------------------
+
+@pytree_dataclass(("logits", "probs", "routing_map", "tokens_per_expert", "aux_tokens_per_expert",
+                   "load_balancing_loss", "z_loss"))
+class Routing:
+    """The result of :func:`route` for this shard's ``T`` tokens."""
+
+    logits: jax.Array
+    """``[T, E]`` float32 router logits."""
+    probs: jax.Array
+    """``[T, E]`` float32 routing weights, zero off the chosen experts."""
+    routing_map: jax.Array
+    """``[T, E]`` bool: the chosen experts."""
+    tokens_per_expert: jax.Array
+    """``[E]`` int32, counted over every token shard."""
+    aux_tokens_per_expert: jax.Array | None
+    """``[E]`` int32: the load-balancing loss's counts (plain top-k of its scores,
+    over every token shard); None without that loss."""
+    load_balancing_loss: jax.Array
+    """float32 scalar, times ``aux_loss_coeff``."""
+    z_loss: jax.Array
+    """float32 scalar, times ``z_loss_coeff``."""
+
+
+def _router_dot(a, b):
+    """The router's products in float32, at full precision on every backend
+    (XLA's default on a GPU would round float32 operands to TF32)."""
+    return jnp.dot(a, b, preferred_element_type=_F32, precision=jax.lax.Precision.HIGHEST)
+
+
+def _aux_loss_config(config: MoEConfig, axes: Axes, tokens: int) -> router.AuxLossConfig:
+    return router.AuxLossConfig(total_num_tokens=tokens * axes.token_shards, topk=config.topk,
+                                coeff=config.aux_loss_coeff)
+
+
+def route(tokens, params: MoEParams, config: MoEConfig, *, expert_axis=None, data_axes=()) -> Routing:
+    """Chooses each token's experts and computes the auxiliary losses.
+
+    Args:
+      tokens: ``[T, H]``, this shard's tokens.
+      params: the layer's :class:`MoEParams` (``gate`` and ``expert_bias`` are used).
+      config: the layer's :class:`MoEConfig`.
+      expert_axis, data_axes: as for :func:`moe`: the counts and losses are
+        taken over every token shard.
+    """
+    axes = mesh_axes(config, expert_axis, data_axes)
+    return _route(tokens.astype(config.router_dtype), params, config, axes)
+
+
+def _route(tokens, params: MoEParams, config: MoEConfig, axes: Axes) -> Routing:
+    """:func:`route` of ``tokens`` in ``config.router_dtype``."""
+    logits = _router_dot(tokens, params.gate.astype(config.router_dtype))
+    bias = params.expert_bias if config.use_expert_bias else None
+    probs, routing_map = router.topk_fwd(logits, bias, config.topk_config)
+    counts = routing_map.sum(0, dtype=jnp.int32)
+    zero = jnp.zeros((), _F32)
+    aux_counts, loss, z_loss = None, zero, zero
+    if config.aux_loss_coeff:
+        aux_map, scores = router.aux_loss_scores_fwd(logits, config.topk, config.score_function)
+        counts, aux_counts = _sum_over((counts, aux_map.sum(0, dtype=jnp.int32)), axes.token_axes)
+        loss = router.aux_loss_fwd(scores, aux_counts, _aux_loss_config(config, axes, len(tokens)))
+    else:
+        counts = _sum_over(counts, axes.token_axes)
+    if config.z_loss_coeff:
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        z_loss = config.z_loss_coeff / (len(tokens) * axes.token_shards) * jnp.sum(lse * lse)
+    loss, z_loss = _sum_over((loss, z_loss), axes.token_axes)
+    return Routing(logits, probs, routing_map, counts, aux_counts, loss, z_loss)
+
+
+def _route_bwd(routing: Routing, grad_probs, aux: MoEAux, config: MoEConfig, axes: Axes):
+    """The logits' gradient: through the top-k weights and both losses."""
+    logits = routing.logits
+    grad = router.topk_bwd(grad_probs, logits, routing.routing_map, config.topk_config)
+    if config.aux_loss_coeff:
+        grad_scores = router.aux_loss_bwd(aux.load_balancing_loss, routing.aux_tokens_per_expert,
+                                          _aux_loss_config(config, axes, len(logits)),
+                                          jax.ShapeDtypeStruct(logits.shape, _F32))
+        grad_from_loss = router.aux_loss_scores_bwd(grad_scores, logits, config.score_function)
+        grad = grad + grad_from_loss
+    if config.z_loss_coeff:
+        lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        scale = aux.z_loss * (2 * config.z_loss_coeff / (len(logits) * axes.token_shards))
+        grad = grad + scale * lse * jax.nn.softmax(logits, axis=-1)
+    return grad
+
+
+# -- dispatch --------------------------------------------------------------------------
+
+@pytree_dataclass(("rows", "group_sizes", "row_id_map", "probs", "exchange"), ("ring",))
+class Dispatched:
+    """The result of :func:`dispatch`: the rows the local experts compute on."""
+
+    rows: jax.Array
+    """``[N, H]`` in ``config.dtype``: the local experts' rows, expert by
+    expert, then zero rows."""
+    group_sizes: jax.Array
+    """``[El]`` int32: the rows of each local expert."""
+    row_id_map: permutation.RowIdMap
+    """The local permutation (:func:`oxmoe.permutation.dispatch`) to undo."""
+    probs: jax.Array
+    """``[T', E']`` float32: the weights :func:`combine` applies, for the tokens
+    and experts of ``row_id_map``."""
+    exchange: Exchange | None
+    """The exchange between expert shards; None without one."""
+    ring: bool
+    """Whether the tokens of the expert axis were gathered (``exchange="ring"``)."""
+
+
+def dispatch(tokens, routing: Routing, config: MoEConfig, *, expert_axis=None, data_axes=()) -> Dispatched:
+    """Moves each token's row to the shard and expert it is routed to.
+
+    Args:
+      tokens: ``[T, H]``, this shard's tokens (as given to :func:`route`).
+      routing: :func:`route`'s result.
+      config, expert_axis, data_axes: as for :func:`moe`.
+    """
+    axes = mesh_axes(config, expert_axis, data_axes)
+    return _dispatch(tokens.astype(config.dtype), routing, config, axes)
+
+
+def _dispatch(tokens, routing: Routing, config: MoEConfig, axes: Axes) -> Dispatched:
+    method, align = exchange_method(config, axes), config.align_size
+    check_rows(config, axes, len(tokens), method)
+    if method == "ring":
+        el = config.num_experts // axes.expert_shards
+        first = jax.lax.axis_index(axes.expert_axis) * el
+        gather = functools.partial(jax.lax.all_gather, axis_name=axes.expert_axis, tiled=True)
+        local = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=el, axis=1)
+        tokens, routing_map, probs = gather(tokens), local(gather(routing.routing_map)), local(gather(routing.probs))
+        local_rows = permutation.dispatch_fwd(tokens, routing_map, None,
+                                              num_rows=dispatch_rows(config, len(tokens), el), align_size=align)
+        return Dispatched(local_rows.tokens, local_rows.tokens_per_expert, local_rows.row_id_map, probs, None, True)
+    local_rows = permutation.dispatch_fwd(tokens, routing.routing_map, None,
+                                          num_rows=dispatch_rows(config, len(tokens), config.num_experts),
+                                          align_size=align)
+    if method is None:
+        return Dispatched(local_rows.tokens, local_rows.tokens_per_expert, local_rows.row_id_map, routing.probs,
+                          None, False)
+    exchange = plan_exchange(local_rows.tokens_per_expert, config, axes, len(tokens), method)
+    return Dispatched(exchange.to_experts(local_rows.tokens), exchange.group_sizes, local_rows.row_id_map,
+                      routing.probs, exchange, False)
+
+
+# -- expert FFN --------------------------------------------------------------------------
+
+@pytree_dataclass(("rows", "up_rows"))
+class ExpertOutput:
+    """The result of :func:`expert_ffn`."""
+
+    rows: jax.Array
+    """``[N, H]``: each dispatched row through its expert."""
+    up_rows: jax.Array
+    """``[N, 2F]`` or ``[N, F]``: the up projection before the activation (kept
+    for the backward)."""
+
+
+def _activate(u, activation: str):
+    """The activation in float32, rounded to ``u``'s dtype."""
+    v = u.astype(_F32)
+    if activation in ("swiglu", "geglu"):
+        gate, up = jnp.split(v, 2, axis=-1)
+        act = jax.nn.silu(gate) if activation == "swiglu" else jax.nn.gelu(gate, approximate=True)
+        return (act * up).astype(u.dtype)
+    return (jax.nn.silu(v) if activation == "silu" else jax.nn.gelu(v, approximate=True)).astype(u.dtype)
+
+
+def expert_ffn(dispatched: Dispatched, params: MoEParams, config: MoEConfig) -> ExpertOutput:
+    """Each local expert's FFN on its rows: one grouped GEMM over the fused
+    gate+up weight, the activation, one grouped GEMM over the down weight.
+
+    Args:
+      dispatched: :func:`dispatch`'s result.
+      params: :class:`MoEParams` whose ``up``/``down`` are the local experts.
+      config: the layer's :class:`MoEConfig`.
+    """
+    sizes = dispatched.group_sizes
+    up = grouped_gemm.ragged_dot(dispatched.rows, params.up.astype(config.dtype), sizes)
+    rows = grouped_gemm.ragged_dot(_activate(up, config.activation), params.down.astype(config.dtype), sizes)
+    return ExpertOutput(rows, up)
+
+
+def _expert_ffn_bwd(grad_rows, dispatched: Dispatched, out: ExpertOutput, params: MoEParams, config: MoEConfig):
+    """Gradients of the expert rows, the up and the down weights."""
+    sizes, groups = dispatched.group_sizes, dispatched.group_sizes.shape[0]
+    hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), out.up_rows)
+    grad_hidden = grouped_gemm.ragged_dot(grad_rows, params.down.astype(config.dtype), sizes, rhs_transposed=True)
+    grad_down = grouped_gemm.transposed_ragged_dot(hidden, grad_rows, sizes, num_groups=groups,
+                                                   preferred_element_type=_weight_grad_dtype(params.down, config))
+    (grad_up_rows,) = activation_vjp(grad_hidden)
+    grad_in = grouped_gemm.ragged_dot(grad_up_rows, params.up.astype(config.dtype), sizes, rhs_transposed=True)
+    grad_up = grouped_gemm.transposed_ragged_dot(dispatched.rows, grad_up_rows, sizes, num_groups=groups,
+                                                 preferred_element_type=_weight_grad_dtype(params.up, config))
+    return grad_in, grad_up, grad_down
+
+
+def _weight_grad_dtype(weight, config: MoEConfig):
+    """The kernels accumulate in float32 and write the weight's own dtype when
+    they can: a float32 copy of a large bfloat16 gradient, then cast, would
+    move three times its bytes."""
+    return weight.dtype if weight.dtype in (jnp.dtype(_F32), config.dtype) else _F32
+
+
+# -- combine -----------------------------------------------------------------------------
+
+def combine(out: ExpertOutput, dispatched: Dispatched, config: MoEConfig, *, expert_axis=None,
+            data_axes=()) -> jax.Array:
+    """Brings the expert rows back to this shard's tokens: ``[T, H]``, each
+    token's rows weighted by its routing weights and summed (in float32).
+
+    Args:
+      out: :func:`expert_ffn`'s result.
+      dispatched: the :func:`dispatch` it came from.
+      config, expert_axis, data_axes: as for :func:`moe`.
+    """
+    axes = mesh_axes(config, expert_axis, data_axes)
+    return _combine(_returned_rows(out, dispatched), dispatched, axes)
+
+
+def _returned_rows(out: ExpertOutput, dispatched: Dispatched):
+    """The expert rows in this shard's dispatch layout (after the way back)."""
+    if dispatched.exchange is None:
+        return out.rows
+    return dispatched.exchange.from_experts(out.rows, dispatched.row_id_map.source_tokens.shape[0])
+
+
+def _combine(returned, dispatched: Dispatched, axes: Axes):
+    y = permutation.combine_fwd(returned, dispatched.row_id_map, dispatched.probs)
+    if dispatched.ring:
+        y = jax.lax.psum_scatter(y, axes.expert_axis, scatter_dimension=0, tiled=True)
+    return y
+
+
+# -- the layer -------------------------------------------------------------------------
+
+@pytree_dataclass(("tokens", "params", "routing", "dispatched", "expert_output", "returned"),
+                  ("x_shape", "x_dtype"))
+class Residuals:
+    """What the forward pass keeps for the backward."""
+
+    tokens: jax.Array
+    """``[T, H]`` in ``config.router_dtype``: the router's input."""
+    params: MoEParams
+    routing: Routing
+    dispatched: Dispatched
+    expert_output: ExpertOutput
+    returned: jax.Array
+    """``[R, H]``: the expert rows in this shard's own dispatch layout, the ones
+    the weights multiplied (not the rows of the experts this shard computed)."""
+    x_shape: tuple[int, ...]
+    """The layer input's shape, to give its gradient."""
+    x_dtype: Any
+    """The layer input's dtype, to give its gradient."""
+
+
+def _check_params(params, config: MoEConfig, axes: Axes, hidden: int) -> None:
+    if not isinstance(params, MoEParams):
+        raise TypeError(f"params must be an oxmoe.moe.MoEParams, got {type(params).__name__}")
+    e, el = config.num_experts, config.num_experts // axes.expert_shards
+    for name in ("gate", "up", "down"):
+        check_array(f"params.{name}", getattr(params, name))
+        if getattr(params, name).dtype not in FLOAT_DTYPES:
+            raise TypeError(f"params.{name} must be float32, bfloat16 or float16, got {getattr(params, name).dtype}")
+    if params.gate.shape != (hidden, e):
+        raise ValueError(f"params.gate must have shape [hidden, num_experts] = [{hidden}, {e}], "
+                         f"got {list(params.gate.shape)}")
+    where = f" (num_experts {e} / expert_axis size {axes.expert_shards})" if axes.expert_shards > 1 else ""
+    up, down = params.up.shape, params.down.shape
+    if len(down) != 3 or down[0] != el or down[2] != hidden:
+        raise ValueError(f"params.down must have shape [local experts, ffn, hidden] = [{el}{where}, F, {hidden}], "
+                         f"got {list(down)}")
+    f = down[1]
+    width, form = (2 * f, "2 * ffn (gate and up halves)") if config.glu else (f, "ffn")
+    if up != (el, hidden, width):
+        raise ValueError(f"params.up must have shape [local experts, hidden, {form}] = [{el}{where}, {hidden}, "
+                         f"{width}] for activation {config.activation!r} and ffn = {f}, got {list(up)}")
+    if config.use_expert_bias:
+        bias = params.expert_bias
+        if bias is None:
+            raise ValueError("config.use_expert_bias is True but params.expert_bias is None")
+        check_array("params.expert_bias", bias)
+        if bias.shape != (e,) or bias.dtype != _F32:
+            raise ValueError(f"params.expert_bias must be float32 [num_experts] = [{e}], "
+                             f"got {bias.dtype}{list(bias.shape)}")
+    elif params.expert_bias is not None:
+        raise ValueError("params.expert_bias is given but config.use_expert_bias is False")
+
+
+def moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None = None,
+        data_axes: tuple[str, ...] = ()) -> tuple[jax.Array, MoEAux]:
+    """The MoE layer, forward and (by its custom VJP) backward.
+
+    Args:
+      x: ``[B, S, H]`` or ``[T, H]`` float tokens (inside ``shard_map``, this
+        shard's).
+      params: :class:`MoEParams`; inside ``shard_map`` with ``expert_axis``,
+        ``up``/``down`` hold this shard's ``E / size(expert_axis)`` experts
+        (shard ``i`` owns experts ``[i * El, (i + 1) * El)``); ``gate`` and
+        ``expert_bias`` are whole (replicated).
+      config: :class:`MoEConfig`.
+      expert_axis: the ``shard_map`` axis the experts are split over; the
+        tokens are split over it too. None: every expert is local.
+      data_axes: further ``shard_map`` axes the tokens are split over (data
+        parallelism); the expert weights are replicated over them.
+
+    Returns:
+      ``(y, aux)``: ``y`` has ``x``'s shape in ``config.dtype``; ``aux`` is
+      :class:`MoEAux`, the same on every shard. Gradients of replicated
+      parameters are summed over the shards that share them.
+    """
+    check_array("x", x)
+    if x.ndim not in (2, 3) or x.shape[-1] < 1 or math.prod(x.shape[:-1]) < 1:
+        raise ValueError(f"x must have shape [batch, seq, hidden] or [tokens, hidden] with at least one token, "
+                         f"got {tuple(x.shape)}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config must be an oxmoe.moe.MoEConfig, got {type(config).__name__}")
+    axes = mesh_axes(config, expert_axis, data_axes)
+    _check_params(params, config, axes, x.shape[-1])
+    return _layer(config, axes, x, params)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _layer(config: MoEConfig, axes: Axes, x, params: MoEParams):
+    return _layer_fwd(config, axes, x, params)[0]
+
+
+def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
+    flat = x.reshape(-1, x.shape[-1])
+    # The router's input: without float32_gate_logits, the same cast as the dispatched tokens'.
+    router_tokens = flat.astype(config.router_dtype)
+    routing = _route(router_tokens, params, config, axes)
+    dispatched = _dispatch(flat.astype(config.dtype), routing, config, axes)
+    out = expert_ffn(dispatched, params, config)
+    returned = _returned_rows(out, dispatched)
+    y = _combine(returned, dispatched, axes).reshape(x.shape)
+    aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert)
+    return (y, aux), Residuals(router_tokens, params, routing, dispatched, out, returned, x.shape, x.dtype)
+
+
+def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
+    grad_y, grad_aux = cotangents
+    d, params = res.dispatched, res.params
+    grad_y = grad_y.reshape(-1, grad_y.shape[-1]).astype(config.dtype)
+    if d.ring:
+        grad_y = jax.lax.all_gather(grad_y, axes.expert_axis, tiled=True)
+    # combine: the rows' gradient in this shard's layout; the weights' from the returned rows.
+    grad_returned, grad_probs = permutation.combine_bwd(grad_y, res.returned, d.row_id_map, d.probs)
+    grad_rows = d.exchange.to_experts(grad_returned) if d.exchange else grad_returned
+    grad_in, grad_up, grad_down = _expert_ffn_bwd(grad_rows, d, res.expert_output, params, config)
+    if d.exchange:
+        grad_in = d.exchange.from_experts(grad_in, len(grad_returned))
+    grad_tokens, _ = permutation.dispatch_bwd(grad_in, d.row_id_map)
+    if d.ring:
+        grad_tokens = jax.lax.psum_scatter(grad_tokens, axes.expert_axis, scatter_dimension=0, tiled=True)
+        grad_probs = _scatter_expert_columns(grad_probs, config, axes)
+    grad_logits = _route_bwd(res.routing, grad_probs, grad_aux, config, axes)
+    gate = params.gate.astype(config.router_dtype)
+    grad_x = grad_tokens.astype(_F32) + _router_dot(grad_logits, gate.T)
+    grad_gate = _sum_over(_router_dot(res.tokens.T, grad_logits), axes.token_axes)
+    grad_up, grad_down = _sum_over((grad_up, grad_down), axes.data_axes)
+    bias = None if params.expert_bias is None else jnp.zeros_like(params.expert_bias)
+    grads = MoEParams(grad_gate.astype(params.gate.dtype), grad_up.astype(params.up.dtype),
+                      grad_down.astype(params.down.dtype), bias)
+    return grad_x.reshape(res.x_shape).astype(res.x_dtype), grads
+
+
+def _scatter_expert_columns(grad_probs, config: MoEConfig, axes: Axes):
+    """Ring: this shard's ``[T_all, El]`` weight gradients → ``[T, E]`` for its own
+    tokens, every shard's columns summed into place."""
+    el = config.num_experts // axes.expert_shards
+    first = jax.lax.axis_index(axes.expert_axis) * el
+    full = jnp.zeros((grad_probs.shape[0], config.num_experts), grad_probs.dtype)
+    full = jax.lax.dynamic_update_slice_in_dim(full, grad_probs, first, axis=1)
+    return jax.lax.psum_scatter(full, axes.expert_axis, scatter_dimension=0, tiled=True)
+
+
+_layer.defvjp(_layer_fwd, _layer_bwd)
+
+
+# -- the layer under its own shard_map ------------------------------------------------------
+
+def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_axis: str | None = None,
+                  data_axes: tuple[str, ...] = ()) -> tuple[jax.Array, MoEAux]:
+    """:func:`moe` on whole (global) arrays, under ``jax.shard_map`` over ``mesh``.
+
+    ``x``'s first dimension is split over ``(*data_axes, expert_axis)``, the
+    expert weights' first over ``expert_axis``; ``gate`` and ``expert_bias``
+    are replicated. Returns ``y`` split like ``x`` and a replicated
+    :class:`MoEAux`.
+
+    Args:
+      x, params, config: as for :func:`moe`, with every expert's weights.
+      mesh: the mesh (default: the context mesh, ``jax.set_mesh``).
+      expert_axis, data_axes: mesh axis names.
+    """
+    mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
+    data_axes = as_data_axes(expert_axis, data_axes)
+    token_axes = data_axes + ((expert_axis,) if expert_axis is not None else ())
+    for axis in token_axes:
+        if axis not in mesh.axis_names:
+            raise ValueError(f"{axis!r} is not an axis of the mesh (axes {tuple(mesh.axis_names)})")
+    check_array("x", x)
+    shards = math.prod(mesh.shape[a] for a in token_axes)
+    sizes = ", ".join(f"{a}={mesh.shape[a]}" for a in token_axes)
+    if x.ndim < 2 or x.shape[0] % shards:
+        raise ValueError(f"x's first dimension ({x.shape[0] if x.ndim else x}) must divide by the {shards} token "
+                         f"shards of the mesh axes ({sizes})")
+    if expert_axis is not None and config.num_experts % mesh.shape[expert_axis]:
+        raise ValueError(f"num_experts ({config.num_experts}) must divide by the size of expert_axis "
+                         f"{expert_axis!r} ({mesh.shape[expert_axis]})")
+    P = jax.sharding.PartitionSpec
+    split_tokens, split_experts = P(token_axes or None), P(expert_axis)
+    param_specs = MoEParams(P(), split_experts, split_experts, None if params.expert_bias is None else P())
+    if jax.sharding.AxisType.Explicit in mesh.axis_types:
+        # shard_map takes arrays of an explicit-axes mesh as they are sharded.
+        place = functools.partial(_reshard, mesh=mesh)
+        x, params = place(x, split_tokens), jax.tree.map(place, params, param_specs)
+    layer = functools.partial(moe, config=config, expert_axis=expert_axis, data_axes=data_axes)
+    return jax.shard_map(layer, mesh=mesh, in_specs=(split_tokens, param_specs),
+                         out_specs=(split_tokens, MoEAux(P(), P(), P())))(x, params)
+
+
+def _reshard(x, spec, *, mesh):
+    target = jax.sharding.NamedSharding(mesh, spec) if isinstance(mesh, jax.sharding.Mesh) else spec
+    return jax.sharding.reshard(x, target)
+
