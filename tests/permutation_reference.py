@@ -425,8 +425,8 @@ def check_dispatch_layout(dispatched, layout: DispatchLayout, *, context: str) -
     row_id_map = dispatched.row_id_map
     assert_int_equal(row_id_map.dest_rows, layout.dest_rows, what="row_id_map.dest_rows", context=context)
     assert_int_equal(row_id_map.source_tokens, layout.source_tokens, what="row_id_map.source_tokens", context=context)
-    assert_int_equal(dispatched.tokens_per_expert, layout.tokens_per_expert, what="tokens_per_expert", context=context)
-    assert_int_equal(dispatched.real_tokens_per_expert, layout.real_tokens_per_expert, what="real_tokens_per_expert",
+    assert_int_equal(dispatched.group_sizes, layout.tokens_per_expert, what="group_sizes", context=context)
+    assert_int_equal(dispatched.tokens_per_expert, layout.real_tokens_per_expert, what="tokens_per_expert",
                      context=context)
     if layout.pad_offsets is None:
         assert dispatched.pad_offsets is None, f"pad_offsets without align_size: {dispatched.pad_offsets} ({context})"

@@ -91,8 +91,8 @@ def _dispatch_and_vjp(tokens, routing_map, probs, **kwargs):
 
     def fn(x, p):
         d = permutation.dispatch(x, routing_map, probs=p, **kwargs)
-        return d.tokens, d.probs, d.row_id_map.dest_rows, d.row_id_map.source_tokens, d.tokens_per_expert, \
-            d.real_tokens_per_expert
+        return d.tokens, d.probs, d.row_id_map.dest_rows, d.row_id_map.source_tokens, d.group_sizes, \
+            d.tokens_per_expert
     return vjp(fn, tokens, probs)
 
 
@@ -104,7 +104,7 @@ def _check_dispatch(tokens, routing_map, probs, *, num_out_tokens, align_size):
     expected = ref.dispatch(tokens, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size)
     layout = expected.layout
     expected_d_tokens, expected_d_probs = ref.dispatch_backward(g_rows, g_probs, layout.dest_rows)
-    names = ["tokens", "probs", "dest_rows", "source_tokens", "tokens_per_expert", "real_tokens_per_expert"]
+    names = ["tokens", "probs", "dest_rows", "source_tokens", "group_sizes", "tokens_per_expert"]
     values = [expected.tokens.astype(np.float32), expected.probs.astype(np.float32), layout.dest_rows,
               layout.source_tokens, layout.tokens_per_expert, layout.real_tokens_per_expert]
     return [(n, a, np.asarray(b).astype(np.asarray(a).dtype)) for n, a, b in zip(names, outs, values)] + [

@@ -520,7 +520,7 @@ def test_dispatch_and_combine_inside_shard_map_permute_each_shard_s_own_tokens(a
     def per_shard(x, routing_map, probs):
         d = permutation.dispatch(x, routing_map, probs=probs, topk=model.topk, align_size=align_size)
         y = permutation.combine(d.tokens * d.probs[:, None], d.row_id_map, merging_probs=probs)
-        return y, d.tokens_per_expert[None]
+        return y, d.group_sizes[None]
 
     rows = P("tokens", None)
     fn = jax.jit(jax.shard_map(per_shard, mesh=sharding.mesh, in_specs=(rows,) * 3, out_specs=(rows, rows)))

@@ -2,10 +2,10 @@
 
 :func:`ragged_dot` is a drop-in for :func:`jax.lax.ragged_dot`: the rows of
 ``lhs`` come in consecutive groups, and group ``g``'s rows multiply
-``rhs[g]``. It is the expert FFN's product after a dispatch, whose
-``tokens_per_expert`` are the group sizes. :func:`transposed_ragged_dot` is
-the product of the weight gradient: per group, the rows' outer products
-summed, ``lhs_gᵀ · rhs_g``.
+``rhs[g]``. It is the expert FFN's product after a dispatch, with the
+dispatch's ``group_sizes``. :func:`transposed_ragged_dot` is the product of
+the weight gradient: per group, the rows' outer products summed,
+``lhs_gᵀ · rhs_g``.
 
 Group sizes (and the first group of a window) are device arrays that the
 kernels read themselves: nothing copies them to the host, so both work under

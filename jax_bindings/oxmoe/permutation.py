@@ -94,11 +94,16 @@ class RowIdMap:
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("tokens", "probs", "row_id_map", "tokens_per_expert",
-                                "real_tokens_per_expert", "pad_offsets"), meta_fields=())
+                   data_fields=("tokens", "probs", "row_id_map", "group_sizes", "tokens_per_expert",
+                                "pad_offsets"), meta_fields=())
 @dataclasses.dataclass(frozen=True)
 class Dispatched:
-    """The result of :func:`dispatch`: token rows in expert-major order."""
+    """The result of :func:`dispatch`: token rows in expert-major order.
+
+    ``tokens_per_expert`` counts routed rows, as everywhere in oxmoe; the
+    padded block sizes are ``group_sizes`` (before, these two fields were
+    ``real_tokens_per_expert`` and ``tokens_per_expert``).
+    """
 
     tokens: jax.Array
     """``[R, H]``, the tokens' dtype: expert 0's rows, then expert 1's, ...; zero
@@ -108,10 +113,10 @@ class Dispatched:
     None when :func:`dispatch` got no probs."""
     row_id_map: RowIdMap
     """What :func:`combine` needs to bring the rows back."""
-    tokens_per_expert: jax.Array
+    group_sizes: jax.Array
     """``[E]`` int32: the rows of each expert's block (padded counts with
     ``align_size``); the group sizes of a grouped GEMM over ``tokens``."""
-    real_tokens_per_expert: jax.Array
+    tokens_per_expert: jax.Array
     """``[E]`` int32: the routed (unpadded) rows of each expert."""
     pad_offsets: jax.Array | None
     """``[E]`` int32: the padding rows before each expert's block; None without ``align_size``."""
@@ -381,11 +386,11 @@ def dispatch_fwd(tokens, routing_map, probs, *, num_rows: int, align_size: int |
     """:func:`dispatch` into ``num_rows`` rows (:func:`dispatched_rows`),
     unchecked and not differentiable; ``probs`` may be None."""
     weights = () if probs is None else (probs.astype(jnp.float32),)
-    rows, dest_rows, source_tokens, per_expert, real, pads, *row_probs = _dispatch_fwd_p(
+    rows, dest_rows, source_tokens, group_sizes, routed, pads, *row_probs = _dispatch_fwd_p(
         tokens, routing_map, *weights, num_rows=num_rows, align_size=np.int64(1 if align_size is None else align_size))
     return Dispatched(tokens=rows, probs=None if probs is None else row_probs[0].astype(probs.dtype),
-                      row_id_map=RowIdMap(dest_rows, source_tokens), tokens_per_expert=per_expert,
-                      real_tokens_per_expert=real, pad_offsets=None if align_size is None else pads)
+                      row_id_map=RowIdMap(dest_rows, source_tokens), group_sizes=group_sizes,
+                      tokens_per_expert=routed, pad_offsets=None if align_size is None else pads)
 
 
 def dispatch_bwd(grad_rows, row_id_map: RowIdMap, grad_row_probs=None) -> tuple[jax.Array, jax.Array | None]:

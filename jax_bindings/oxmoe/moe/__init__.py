@@ -8,7 +8,7 @@ small pytree:
 
 - :func:`route` → :class:`Routing`: router logits, the top-k experts and
   weights of every token, the global token counts and the auxiliary losses;
-- :func:`dispatch` → :class:`Dispatched`: the token rows grouped by local
+- :func:`dispatch` → :class:`ExpertInput`: the token rows grouped by local
   expert, after the exchange between expert shards;
 - :func:`expert_ffn` → :class:`ExpertOutput`: the fused gate+up grouped GEMM,
   the activation and the down grouped GEMM;
@@ -44,9 +44,9 @@ token is ever dropped and the result does not depend on the exchange.
 
 from oxmoe.moe.config import MoEAux, MoEConfig, MoEParams, init_params, update_expert_bias
 from oxmoe.moe.exchange import Exchange
-from oxmoe.moe.layer import (Dispatched, ExpertOutput, Residuals, Routing, combine, dispatch, expert_ffn, moe, route,
+from oxmoe.moe.layer import (ExpertInput, ExpertOutput, Residuals, Routing, combine, dispatch, expert_ffn, moe, route,
                              shard_map_moe)
 
-__all__ = ["MoEConfig", "MoEParams", "MoEAux", "Routing", "Dispatched", "ExpertOutput", "Exchange", "Residuals",
+__all__ = ["MoEConfig", "MoEParams", "MoEAux", "Routing", "ExpertInput", "ExpertOutput", "Exchange", "Residuals",
            "init_params", "moe", "shard_map_moe", "route", "dispatch", "expert_ffn", "combine",
            "update_expert_bias"]

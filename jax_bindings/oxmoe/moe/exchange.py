@@ -118,14 +118,14 @@ def exchange_method(config: MoEConfig, axes: Axes) -> str | None:
     return "all_to_all" if config.exchange == "auto" else config.exchange
 
 
-def plan_exchange(tokens_per_expert, config: MoEConfig, axes: Axes, num_tokens: int, method: str) -> Exchange:
+def plan_exchange(group_sizes, config: MoEConfig, axes: Axes, num_tokens: int, method: str) -> Exchange:
     """The :class:`Exchange` of a dispatch of ``num_tokens`` tokens whose
-    expert blocks hold ``tokens_per_expert`` rows, from every shard's blocks."""
+    expert blocks hold ``group_sizes`` rows, from every shard's blocks."""
     n, e = axes.expert_shards, config.num_experts
     el = e // n
     me = jax.lax.axis_index(axes.expert_axis)
     # blocks[s, j, l]: rows shard s sends to shard j for j's local expert l.
-    blocks = jax.lax.all_gather(tokens_per_expert, axes.expert_axis).reshape(n, n, el)
+    blocks = jax.lax.all_gather(group_sizes, axes.expert_axis).reshape(n, n, el)
     per_pair = blocks.sum(-1)
     mine = blocks[:, me, :]
     capacity = dispatch_rows(config, num_tokens, el)  # all of a shard's tokens sent to one shard's experts

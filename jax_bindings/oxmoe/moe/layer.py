@@ -112,8 +112,11 @@ def _route_bwd(routing: Routing, grad_probs, aux: MoEAux, config: MoEConfig, axe
 # -- dispatch --------------------------------------------------------------------------
 
 @pytree_dataclass(("rows", "group_sizes", "row_id_map", "probs", "exchange"), ("ring",))
-class Dispatched:
-    """The result of :func:`dispatch`: the rows the local experts compute on."""
+class ExpertInput:
+    """The result of :func:`dispatch`: the rows the local experts compute on,
+    and what :func:`combine` needs to bring their results back. (Named
+    ``Dispatched`` before, like :class:`oxmoe.permutation.Dispatched`, which
+    is another thing: the result of the local permutation.)"""
 
     rows: jax.Array
     """``[N, H]`` in ``config.dtype``: the local experts' rows, expert by
@@ -131,7 +134,7 @@ class Dispatched:
     """Whether the tokens of the expert axis were gathered (``exchange="ring"``)."""
 
 
-def dispatch(tokens, routing: Routing, config: MoEConfig, *, expert_axis=None, data_axes=()) -> Dispatched:
+def dispatch(tokens, routing: Routing, config: MoEConfig, *, expert_axis=None, data_axes=()) -> ExpertInput:
     """Moves each token's row to the shard and expert it is routed to.
 
     Args:
@@ -143,7 +146,7 @@ def dispatch(tokens, routing: Routing, config: MoEConfig, *, expert_axis=None, d
     return _dispatch(tokens.astype(config.dtype), routing, config, axes)
 
 
-def _dispatch(tokens, routing: Routing, config: MoEConfig, axes: Axes) -> Dispatched:
+def _dispatch(tokens, routing: Routing, config: MoEConfig, axes: Axes) -> ExpertInput:
     method, align = exchange_method(config, axes), config.align_size
     check_rows(config, axes, len(tokens), method)
     if method == "ring":
@@ -154,16 +157,16 @@ def _dispatch(tokens, routing: Routing, config: MoEConfig, axes: Axes) -> Dispat
         tokens, routing_map, probs = gather(tokens), local(gather(routing.routing_map)), local(gather(routing.probs))
         local_rows = permutation.dispatch_fwd(tokens, routing_map, None,
                                               num_rows=dispatch_rows(config, len(tokens), el), align_size=align)
-        return Dispatched(local_rows.tokens, local_rows.tokens_per_expert, local_rows.row_id_map, probs, None, True)
+        return ExpertInput(local_rows.tokens, local_rows.group_sizes, local_rows.row_id_map, probs, None, True)
     local_rows = permutation.dispatch_fwd(tokens, routing.routing_map, None,
                                           num_rows=dispatch_rows(config, len(tokens), config.num_experts),
                                           align_size=align)
     if method is None:
-        return Dispatched(local_rows.tokens, local_rows.tokens_per_expert, local_rows.row_id_map, routing.probs,
-                          None, False)
-    exchange = plan_exchange(local_rows.tokens_per_expert, config, axes, len(tokens), method)
-    return Dispatched(exchange.to_experts(local_rows.tokens), exchange.group_sizes, local_rows.row_id_map,
-                      routing.probs, exchange, False)
+        return ExpertInput(local_rows.tokens, local_rows.group_sizes, local_rows.row_id_map, routing.probs,
+                           None, False)
+    exchange = plan_exchange(local_rows.group_sizes, config, axes, len(tokens), method)
+    return ExpertInput(exchange.to_experts(local_rows.tokens), exchange.group_sizes, local_rows.row_id_map,
+                       routing.probs, exchange, False)
 
 
 # -- expert FFN --------------------------------------------------------------------------
@@ -189,7 +192,7 @@ def _activate(u, activation: str):
     return (jax.nn.silu(v) if activation == "silu" else jax.nn.gelu(v, approximate=True)).astype(u.dtype)
 
 
-def expert_ffn(dispatched: Dispatched, params: MoEParams, config: MoEConfig) -> ExpertOutput:
+def expert_ffn(dispatched: ExpertInput, params: MoEParams, config: MoEConfig) -> ExpertOutput:
     """Each local expert's FFN on its rows: one grouped GEMM over the fused
     gate+up weight, the activation, one grouped GEMM over the down weight.
 
@@ -204,7 +207,7 @@ def expert_ffn(dispatched: Dispatched, params: MoEParams, config: MoEConfig) -> 
     return ExpertOutput(rows, up)
 
 
-def _expert_ffn_bwd(grad_rows, dispatched: Dispatched, out: ExpertOutput, params: MoEParams, config: MoEConfig):
+def _expert_ffn_bwd(grad_rows, dispatched: ExpertInput, out: ExpertOutput, params: MoEParams, config: MoEConfig):
     """Gradients of the expert rows, the up and the down weights."""
     sizes, groups = dispatched.group_sizes, dispatched.group_sizes.shape[0]
     hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), out.up_rows)
@@ -227,7 +230,7 @@ def _weight_grad_dtype(weight, config: MoEConfig):
 
 # -- combine -----------------------------------------------------------------------------
 
-def combine(out: ExpertOutput, dispatched: Dispatched, config: MoEConfig, *, expert_axis=None,
+def combine(out: ExpertOutput, dispatched: ExpertInput, config: MoEConfig, *, expert_axis=None,
             data_axes=()) -> jax.Array:
     """Brings the expert rows back to this shard's tokens: ``[T, H]``, each
     token's rows weighted by its routing weights and summed (in float32).
@@ -241,14 +244,14 @@ def combine(out: ExpertOutput, dispatched: Dispatched, config: MoEConfig, *, exp
     return _combine(_returned_rows(out, dispatched), dispatched, axes)
 
 
-def _returned_rows(out: ExpertOutput, dispatched: Dispatched):
+def _returned_rows(out: ExpertOutput, dispatched: ExpertInput):
     """The expert rows in this shard's dispatch layout (after the way back)."""
     if dispatched.exchange is None:
         return out.rows
     return dispatched.exchange.from_experts(out.rows, dispatched.row_id_map.source_tokens.shape[0])
 
 
-def _combine(returned, dispatched: Dispatched, axes: Axes):
+def _combine(returned, dispatched: ExpertInput, axes: Axes):
     y = permutation.combine_fwd(returned, dispatched.row_id_map, dispatched.probs)
     if dispatched.ring:
         y = jax.lax.psum_scatter(y, axes.expert_axis, scatter_dimension=0, tiled=True)
@@ -266,7 +269,7 @@ class Residuals:
     """``[T, H]`` in ``config.router_dtype``: the router's input."""
     params: MoEParams
     routing: Routing
-    dispatched: Dispatched
+    dispatched: ExpertInput
     expert_output: ExpertOutput
     returned: jax.Array
     """``[R, H]``: the expert rows in this shard's own dispatch layout, the ones
