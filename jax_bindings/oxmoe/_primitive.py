@@ -1,14 +1,18 @@
 """oxmoe FFI targets as JAX primitives that work under jit, vmap and sharding.
 
-The router primitives (and the token-wise primitives to come) work on rows that
-are independent of each other: one row per token. That one fact gives every
-transformation rule:
+Each operand and result of a primitive has a :class:`Layout`: rows of tokens,
+independent of each other (the router's), a whole array the same on every
+token shard, a sum over the tokens, or dispatched rows in expert-major order,
+where any row may hold any token (the permutation's and the grouped GEMM's).
+The layouts give every transformation rule:
 
-- batching: a vmapped axis folds into the token axis, so the FFI call sees one
-  larger ``[tokens, ...]`` matrix (other batchings run the call per batch element);
+- batching: a vmapped axis folds into the token axis when every result and
+  every mapped operand is rows of tokens, so the FFI call sees one larger
+  ``[tokens, ...]`` matrix; other batchings run the call per batch element;
 - sharding: operands split along tokens run shard by shard with no
-  communication; a result that sums over tokens is summed across the token
-  shards with ``psum``.
+  communication, and a result that sums over tokens is summed across the token
+  shards with ``psum``; a primitive with dispatched rows sees all tokens
+  (inside ``shard_map`` each shard permutes its own).
 
 Each primitive is an outer JAX primitive (abstract evaluation and the batching
 rule) lowered through a ``custom_partitioning`` function around
