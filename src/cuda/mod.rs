@@ -10,9 +10,11 @@
 //! globally before any CUDA handler runs.
 
 mod driver;
+mod launch;
 mod nvrtc;
 
 pub use driver::{arg, launch, Device, Kernel, LaunchConfig, Stream, TensorMap};
+pub use launch::LaunchContext;
 pub use nvrtc::{compile_check, Architecture};
 
 use crate::ffi::{DataType, Error, Result};

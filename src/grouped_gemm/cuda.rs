@@ -6,10 +6,9 @@
 //! kernels, one block per multiprocessor; every other call takes the SIMT
 //! kernels, after a one-warp launch that computes the window's row bounds.
 
-use super::handlers::{RaggedDot, TransposedRaggedDot};
-use super::GroupedShape;
-use crate::cuda::{arg, launch, type_name, Device, Kernel, LaunchConfig, Stream, TensorMap, GROUPED_GEMM};
-use crate::ffi::{Call, DataType, Error, Result, Scratch};
+use super::{GroupedShape, RaggedDot, TransposedRaggedDot};
+use crate::cuda::{arg, launch, type_name, Device, Kernel, LaunchConfig, LaunchContext, Stream, TensorMap, GROUPED_GEMM};
+use crate::ffi::{DataType, Error, Result, Scratch};
 
 /// Threads of the Hopper kernels and of the SIMT kernels (`HOPPER_THREADS`, `SIMT_THREADS`).
 const HOPPER_THREADS: u32 = 384;
@@ -122,20 +121,20 @@ impl Groups {
     /// Launches `group_bounds` into scratch: the SIMT kernels' row bounds.
     /// The scratch must outlive the launch of the kernel that reads them: XLA
     /// may hand freed memory to work launched after the free.
-    fn bounds<'a>(&self, call: &Call<'a>, stream: Stream) -> Result<Scratch<'a>> {
+    fn bounds<'a>(&self, ctx: &LaunchContext<'a>) -> Result<Scratch<'a>> {
         let m = self.dims[0];
-        let scratch = call.scratch((self.local_groups as usize + 1) * 4)?;
+        let scratch = ctx.scratch((self.local_groups as usize + 1) * 4)?;
         let bounds = scratch.ptr() as u64;
-        let kernel = Kernel::get(stream, &GROUPED_GEMM, "group_bounds")?;
-        launch(stream, kernel, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &mut [
+        let kernel = Kernel::get(ctx.stream, &GROUPED_GEMM, "group_bounds")?;
+        launch(ctx.stream, kernel, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &mut [
             arg(&self.sizes), arg(&self.groups), arg(&self.offset), arg(&self.local_groups), arg(&m), arg(&bounds),
         ])?;
         Ok(scratch)
     }
 }
 
-pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn ragged_dot(ctx: &LaunchContext, a: &RaggedDot) -> Result<()> {
+    let stream = ctx.stream;
     let shape = &a.shape;
     if shape.m == 0 || shape.n == 0 {
         return Ok(());
@@ -159,7 +158,7 @@ pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
         return launch_hopper(stream, &device, &instance, bn, [lhs_map, rhs_map], &g, out);
     }
 
-    let scratch = g.bounds(call, stream)?;
+    let scratch = g.bounds(ctx)?;
     let bounds = scratch.ptr() as u64;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &ragged_dot_simt_instance(dtype, out_dtype, a.rhs_transposed)?)?;
     let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
@@ -168,8 +167,8 @@ pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
     ])
 }
 
-pub fn transposed_ragged_dot(call: &Call, a: &TransposedRaggedDot) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn transposed_ragged_dot(ctx: &LaunchContext, a: &TransposedRaggedDot) -> Result<()> {
+    let stream = ctx.stream;
     let shape = &a.shape;
     if shape.local_groups == 0 || shape.k == 0 || shape.n == 0 {
         return Ok(());
@@ -189,7 +188,7 @@ pub fn transposed_ragged_dot(call: &Call, a: &TransposedRaggedDot) -> Result<()>
         return launch_hopper(stream, &device, &instance, bn, [lhs_map, rhs_map], &g, out);
     }
 
-    let scratch = g.bounds(call, stream)?;
+    let scratch = g.bounds(ctx)?;
     let bounds = scratch.ptr() as u64;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &transposed_simt_instance(dtype, out_dtype)?)?;
     let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);

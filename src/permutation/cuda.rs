@@ -2,9 +2,9 @@
 //! of each kernel of `kernels/permutation.cu` a call needs (element type,
 //! hidden size, experts as template arguments) and its launches.
 
-use super::handlers::{CombineBwd, CombineFwd, DispatchFwd, SortChunks};
-use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, Stream, PERMUTATION};
-use crate::ffi::{Call, DataType, Error, Result};
+use super::{CombineBwd, CombineFwd, DispatchFwd, SortChunks};
+use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, LaunchContext, PERMUTATION};
+use crate::ffi::{DataType, Error, Result};
 use crate::invalid;
 
 /// Threads of the map passes, of `rank_chunks`, of the row kernels
@@ -91,8 +91,8 @@ fn token_and_zero_blocks(tokens: usize, experts: usize, rows: usize) -> Result<L
     Ok(LaunchConfig { grid: grid(blocks)?, block: ROW_BLOCK, shared_bytes: 0 })
 }
 
-pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn dispatch_fwd(ctx: &LaunchContext, a: &DispatchFwd) -> Result<()> {
+    let stream = ctx.stream;
     let layout = &a.layout;
     let (t, e, rows) = (layout.tokens, layout.experts, layout.rows);
     check_experts(e)?;
@@ -107,7 +107,7 @@ pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
     // Scratch: each (expert, chunk)'s count, then first rank; each expert's routed count.
     // (At most MAX_EXPERTS × 2^31 chunks: no overflow.)
     let ranks_bytes = (e * num_chunks * 4).next_multiple_of(16);
-    let scratch = call.scratch(ranks_bytes + e * 4)?;
+    let scratch = ctx.scratch(ranks_bytes + e * 4)?;
     let ranks = scratch.ptr() as u64;
     let routed = ranks + ranks_bytes as u64;
 
@@ -145,8 +145,8 @@ pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
     ])
 }
 
-pub fn combine_fwd(call: &Call, a: &CombineFwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn combine_fwd(ctx: &LaunchContext, a: &CombineFwd) -> Result<()> {
+    let stream = ctx.stream;
     let weighted = a.merging_probs.is_some();
     let kernel = Kernel::get(stream, &PERMUTATION, &gather_instance(a.expert_tokens.dtype(), a.hidden, a.experts, weighted)?)?;
     let (src, dest_rows, out) = (a.expert_tokens.device_ptr(), a.dest_rows.device_ptr(), a.out.device_ptr());
@@ -156,8 +156,8 @@ pub fn combine_fwd(call: &Call, a: &CombineFwd) -> Result<()> {
     launch(stream, kernel, config, &mut [arg(&src), arg(&dest_rows), arg(&weights), arg(&out), arg(&tokens), arg(&rows)])
 }
 
-pub fn combine_bwd(call: &Call, a: &CombineBwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn combine_bwd(ctx: &LaunchContext, a: &CombineBwd) -> Result<()> {
+    let stream = ctx.stream;
     let scatter = Scatter::CombineBackward { weighted: a.weighted.is_some() };
     let kernel = Kernel::get(stream, &PERMUTATION, &scatter_instance(a.grad_out.dtype(), a.hidden, a.experts, scatter)?)?;
     let (grad, dest_rows, source_tokens, out) =
@@ -173,11 +173,11 @@ pub fn combine_bwd(call: &Call, a: &CombineBwd) -> Result<()> {
     ])
 }
 
-pub fn sort_chunks(call: &Call, a: &SortChunks) -> Result<()> {
+pub fn sort_chunks(ctx: &LaunchContext, a: &SortChunks) -> Result<()> {
     if a.chunks > MAX_CHUNKS {
         invalid!("{} chunks: the CUDA chunk sort takes at most {MAX_CHUNKS}", a.chunks)
     }
-    let stream = Stream::begin(call)?;
+    let stream = ctx.stream;
     let kernel = Kernel::get(stream, &PERMUTATION, &sort_instance(a.tokens.dtype(), a.hidden, a.inverse)?)?;
     let (src, sizes, order, out) =
         (a.tokens.device_ptr(), a.split_sizes.device_ptr(), a.sorted_indices.device_ptr(), a.out.device_ptr());

@@ -2,10 +2,9 @@
 //! each kernel of `kernels/router.cu` a call needs (element type, experts,
 //! top-k, groups and score function as template arguments) and its launch.
 
-use super::handlers::{AuxLossBwd, AuxLossFwd, ScoresBwd, ScoresFwd, TopkBwd, TopkFwd};
-use super::{ScoreFunction, TopkConfig};
-use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, Stream, ROUTER};
-use crate::ffi::{Call, DataType, Error, Result};
+use super::{AuxLossBwd, AuxLossFwd, ScoreFunction, ScoresBwd, ScoresFwd, TopkBwd, TopkConfig, TopkFwd};
+use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, LaunchContext, ROUTER};
+use crate::ffi::{DataType, Error, Result};
 use crate::invalid;
 
 /// Threads per block of the per-token kernels (`ROUTER_BLOCK`).
@@ -100,8 +99,8 @@ fn token_count(tokens: usize) -> Result<i32> {
     i32::try_from(tokens).map_err(|_| Error::invalid_argument(format!("{tokens} tokens: at most 2^31 - 1")))
 }
 
-pub fn topk_fwd(call: &Call, a: &TopkFwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn topk_fwd(ctx: &LaunchContext, a: &TopkFwd) -> Result<()> {
+    let stream = ctx.stream;
     let kernel = Kernel::get(stream, &ROUTER, &topk_fwd_instance(&a.config, a.logits.dtype(), a.bias.is_some())?)?;
     let (logits, probs, map) = (a.logits.device_ptr(), a.probs.device_ptr(), a.routing_map.device_ptr());
     let bias = a.bias.as_ref().map_or(0, |b| b.device_ptr());
@@ -110,8 +109,8 @@ pub fn topk_fwd(call: &Call, a: &TopkFwd) -> Result<()> {
     launch(stream, kernel, config, &mut [arg(&logits), arg(&bias), arg(&probs), arg(&map), arg(&tokens), arg(&scaling)])
 }
 
-pub fn topk_bwd(call: &Call, a: &TopkBwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn topk_bwd(ctx: &LaunchContext, a: &TopkBwd) -> Result<()> {
+    let stream = ctx.stream;
     let kernel = Kernel::get(stream, &ROUTER, &topk_bwd_instance(&a.config, a.logits.dtype())?)?;
     let (grad, logits, map, out) =
         (a.grad_probs.device_ptr(), a.logits.device_ptr(), a.routing_map.device_ptr(), a.grad_logits.device_ptr());
@@ -120,8 +119,8 @@ pub fn topk_bwd(call: &Call, a: &TopkBwd) -> Result<()> {
     launch(stream, kernel, config, &mut [arg(&grad), arg(&logits), arg(&map), arg(&out), arg(&tokens), arg(&scaling)])
 }
 
-pub fn scores_fwd(call: &Call, a: &ScoresFwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn scores_fwd(ctx: &LaunchContext, a: &ScoresFwd) -> Result<()> {
+    let stream = ctx.stream;
     let instance = scores_fwd_instance(a.score_function, a.topk, a.experts, a.logits.dtype())?;
     let kernel = Kernel::get(stream, &ROUTER, &instance)?;
     let (logits, map, scores) = (a.logits.device_ptr(), a.routing_map.device_ptr(), a.scores.device_ptr());
@@ -129,20 +128,20 @@ pub fn scores_fwd(call: &Call, a: &ScoresFwd) -> Result<()> {
     launch(stream, kernel, per_token(a.tokens, a.experts)?, &mut [arg(&logits), arg(&map), arg(&scores), arg(&tokens)])
 }
 
-pub fn scores_bwd(call: &Call, a: &ScoresBwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn scores_bwd(ctx: &LaunchContext, a: &ScoresBwd) -> Result<()> {
+    let stream = ctx.stream;
     let kernel = Kernel::get(stream, &ROUTER, &scores_bwd_instance(a.score_function, a.experts, a.logits.dtype())?)?;
     let (grad, logits, out) = (a.grad_scores.device_ptr(), a.logits.device_ptr(), a.grad_logits.device_ptr());
     let tokens = token_count(a.tokens)?;
     launch(stream, kernel, per_token(a.tokens, a.experts)?, &mut [arg(&grad), arg(&logits), arg(&out), arg(&tokens)])
 }
 
-pub fn aux_loss_fwd(call: &Call, a: &AuxLossFwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn aux_loss_fwd(ctx: &LaunchContext, a: &AuxLossFwd) -> Result<()> {
+    let stream = ctx.stream;
     let [partials_instance, _] = aux_loss_instances(a.config.num_experts, a.probs.dtype(), a.counts.dtype())?;
     let partials_kernel = Kernel::get(stream, &ROUTER, &partials_instance)?;
     let total_kernel = Kernel::get(stream, &ROUTER, "aux_loss_total")?;
-    let scratch = call.scratch(AUX_PARTIALS as usize * std::mem::size_of::<f32>())?;
+    let scratch = ctx.scratch(AUX_PARTIALS as usize * std::mem::size_of::<f32>())?;
     let (probs, counts, partials, loss) = (a.probs.device_ptr(), a.counts.device_ptr(), scratch.ptr() as u64, a.loss.device_ptr());
     let (tokens, scale) = (token_count(a.tokens)?, a.config.scale());
     let blocks = LaunchConfig { grid: AUX_PARTIALS, block: AUX_BLOCK, shared_bytes: 0 };
@@ -151,8 +150,8 @@ pub fn aux_loss_fwd(call: &Call, a: &AuxLossFwd) -> Result<()> {
     launch(stream, total_kernel, one_block, &mut [arg(&partials), arg(&loss), arg(&scale)])
 }
 
-pub fn aux_loss_bwd(call: &Call, a: &AuxLossBwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn aux_loss_bwd(ctx: &LaunchContext, a: &AuxLossBwd) -> Result<()> {
+    let stream = ctx.stream;
     let [_, instance] = aux_loss_instances(a.config.num_experts, a.grad_probs.dtype(), a.counts.dtype())?;
     let kernel = Kernel::get(stream, &ROUTER, &instance)?;
     let (grad, counts, out) = (a.grad_loss.device_ptr(), a.counts.device_ptr(), a.grad_probs.device_ptr());
