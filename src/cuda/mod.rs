@@ -14,7 +14,7 @@ mod launch;
 mod nvrtc;
 
 pub use driver::{arg, launch, Device, Kernel, LaunchConfig, Stream, TensorMap};
-pub use launch::LaunchContext;
+pub use launch::{grid, int, LaunchContext};
 pub use nvrtc::{compile_check, Architecture};
 
 use crate::ffi::{DataType, Error, Result};

@@ -7,8 +7,8 @@
 //! kernels, after a one-warp launch that computes the window's row bounds.
 
 use super::{GroupedShape, RaggedDot, TransposedRaggedDot};
-use crate::cuda::{arg, launch, type_name, Device, Kernel, LaunchConfig, LaunchContext, Stream, TensorMap, GROUPED_GEMM};
-use crate::ffi::{DataType, Error, Result, Scratch};
+use crate::cuda::{arg, grid, int, launch, type_name, Device, Kernel, LaunchConfig, LaunchContext, Stream, TensorMap, GROUPED_GEMM};
+use crate::ffi::{DataType, Result, Scratch};
 
 /// Threads of the Hopper kernels and of the SIMT kernels (`HOPPER_THREADS`, `SIMT_THREADS`).
 const HOPPER_THREADS: u32 = 384;
@@ -83,17 +83,6 @@ pub fn ragged_dot_simt_instance(dtype: DataType, out: DataType, rhs_transposed: 
 
 pub fn transposed_simt_instance(dtype: DataType, out: DataType) -> Result<String> {
     Ok(format!("transposed_ragged_dot_simt<{}, {}>", type_name(dtype)?, type_name(out)?))
-}
-
-fn int(value: usize) -> Result<i32> {
-    i32::try_from(value).map_err(|_| Error::invalid_argument(format!("{value}: the grouped GEMM kernels index with int32")))
-}
-
-fn grid(blocks: usize) -> Result<u32> {
-    u32::try_from(blocks)
-        .ok()
-        .filter(|&b| b < 1 << 31)
-        .ok_or_else(|| Error::invalid_argument(format!("{blocks} blocks: too large a launch")))
 }
 
 /// The group arguments and sizes every kernel takes after its operands, as

@@ -3,8 +3,8 @@
 //! hidden size, experts as template arguments) and its launches.
 
 use super::{CombineBwd, CombineFwd, DispatchFwd, SortChunks};
-use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, LaunchContext, PERMUTATION};
-use crate::ffi::{DataType, Error, Result};
+use crate::cuda::{arg, grid, int, launch, type_name, Kernel, LaunchConfig, LaunchContext, PERMUTATION};
+use crate::ffi::{DataType, Result};
 use crate::invalid;
 
 /// Threads of the map passes, of `rank_chunks`, of the row kernels
@@ -60,15 +60,6 @@ pub fn gather_instance(dtype: DataType, hidden: usize, experts: usize, weighted:
 /// `sort_chunks` (or its inverse).
 pub fn sort_instance(dtype: DataType, hidden: usize, inverse: bool) -> Result<String> {
     Ok(format!("sort_chunks<{}, {hidden}, {inverse}>", type_name(dtype)?))
-}
-
-fn grid(blocks: usize) -> Result<u32> {
-    u32::try_from(blocks).ok().filter(|&b| b < 1 << 31).ok_or_else(|| Error::invalid_argument(format!("{blocks} blocks: too large a launch")))
-}
-
-/// A size the kernels take as `int` (the handlers check every size fits).
-fn int(value: usize) -> Result<i32> {
-    i32::try_from(value).map_err(|_| Error::invalid_argument(format!("{value}: the permutation kernels index with int32")))
 }
 
 /// Tokens a row-kernel block moves (`tokens_per_block` in the kernels).

@@ -3,8 +3,8 @@
 //! top-k, groups and score function as template arguments) and its launch.
 
 use super::{AuxLossBwd, AuxLossFwd, ScoreFunction, ScoresBwd, ScoresFwd, TopkBwd, TopkConfig, TopkFwd};
-use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, LaunchContext, ROUTER};
-use crate::ffi::{DataType, Error, Result};
+use crate::cuda::{arg, grid, int, launch, type_name, Kernel, LaunchConfig, LaunchContext, ROUTER};
+use crate::ffi::{DataType, Result};
 use crate::invalid;
 
 /// Threads per block of the per-token kernels (`ROUTER_BLOCK`).
@@ -91,12 +91,7 @@ pub fn aux_loss_instances(experts: usize, probs: DataType, counts: DataType) -> 
 /// One block per `ROUTER_BLOCK / team_lanes` token rows.
 fn per_token(tokens: usize, experts: usize) -> Result<LaunchConfig> {
     let rows = ROUTER_BLOCK as usize / team_lanes(experts);
-    let grid = u32::try_from(tokens.div_ceil(rows)).map_err(|_| Error::invalid_argument(format!("{tokens} tokens are too many")))?;
-    Ok(LaunchConfig { grid, block: ROUTER_BLOCK, shared_bytes: 0 })
-}
-
-fn token_count(tokens: usize) -> Result<i32> {
-    i32::try_from(tokens).map_err(|_| Error::invalid_argument(format!("{tokens} tokens: at most 2^31 - 1")))
+    Ok(LaunchConfig { grid: grid(tokens.div_ceil(rows))?, block: ROUTER_BLOCK, shared_bytes: 0 })
 }
 
 pub fn topk_fwd(ctx: &LaunchContext, a: &TopkFwd) -> Result<()> {
@@ -104,7 +99,7 @@ pub fn topk_fwd(ctx: &LaunchContext, a: &TopkFwd) -> Result<()> {
     let kernel = Kernel::get(stream, &ROUTER, &topk_fwd_instance(&a.config, a.logits.dtype(), a.bias.is_some())?)?;
     let (logits, probs, map) = (a.logits.device_ptr(), a.probs.device_ptr(), a.routing_map.device_ptr());
     let bias = a.bias.as_ref().map_or(0, |b| b.device_ptr());
-    let (tokens, scaling) = (token_count(a.tokens)?, a.config.scaling_factor);
+    let (tokens, scaling) = (int(a.tokens)?, a.config.scaling_factor);
     let config = per_token(a.tokens, a.config.num_experts)?;
     launch(stream, kernel, config, &mut [arg(&logits), arg(&bias), arg(&probs), arg(&map), arg(&tokens), arg(&scaling)])
 }
@@ -114,7 +109,7 @@ pub fn topk_bwd(ctx: &LaunchContext, a: &TopkBwd) -> Result<()> {
     let kernel = Kernel::get(stream, &ROUTER, &topk_bwd_instance(&a.config, a.logits.dtype())?)?;
     let (grad, logits, map, out) =
         (a.grad_probs.device_ptr(), a.logits.device_ptr(), a.routing_map.device_ptr(), a.grad_logits.device_ptr());
-    let (tokens, scaling) = (token_count(a.tokens)?, a.config.scaling_factor);
+    let (tokens, scaling) = (int(a.tokens)?, a.config.scaling_factor);
     let config = per_token(a.tokens, a.config.num_experts)?;
     launch(stream, kernel, config, &mut [arg(&grad), arg(&logits), arg(&map), arg(&out), arg(&tokens), arg(&scaling)])
 }
@@ -124,7 +119,7 @@ pub fn scores_fwd(ctx: &LaunchContext, a: &ScoresFwd) -> Result<()> {
     let instance = scores_fwd_instance(a.score_function, a.topk, a.experts, a.logits.dtype())?;
     let kernel = Kernel::get(stream, &ROUTER, &instance)?;
     let (logits, map, scores) = (a.logits.device_ptr(), a.routing_map.device_ptr(), a.scores.device_ptr());
-    let tokens = token_count(a.tokens)?;
+    let tokens = int(a.tokens)?;
     launch(stream, kernel, per_token(a.tokens, a.experts)?, &mut [arg(&logits), arg(&map), arg(&scores), arg(&tokens)])
 }
 
@@ -132,7 +127,7 @@ pub fn scores_bwd(ctx: &LaunchContext, a: &ScoresBwd) -> Result<()> {
     let stream = ctx.stream;
     let kernel = Kernel::get(stream, &ROUTER, &scores_bwd_instance(a.score_function, a.experts, a.logits.dtype())?)?;
     let (grad, logits, out) = (a.grad_scores.device_ptr(), a.logits.device_ptr(), a.grad_logits.device_ptr());
-    let tokens = token_count(a.tokens)?;
+    let tokens = int(a.tokens)?;
     launch(stream, kernel, per_token(a.tokens, a.experts)?, &mut [arg(&grad), arg(&logits), arg(&out), arg(&tokens)])
 }
 
@@ -143,7 +138,7 @@ pub fn aux_loss_fwd(ctx: &LaunchContext, a: &AuxLossFwd) -> Result<()> {
     let total_kernel = Kernel::get(stream, &ROUTER, "aux_loss_total")?;
     let scratch = ctx.scratch(AUX_PARTIALS as usize * std::mem::size_of::<f32>())?;
     let (probs, counts, partials, loss) = (a.probs.device_ptr(), a.counts.device_ptr(), scratch.ptr() as u64, a.loss.device_ptr());
-    let (tokens, scale) = (token_count(a.tokens)?, a.config.scale());
+    let (tokens, scale) = (int(a.tokens)?, a.config.scale());
     let blocks = LaunchConfig { grid: AUX_PARTIALS, block: AUX_BLOCK, shared_bytes: 0 };
     launch(stream, partials_kernel, blocks, &mut [arg(&probs), arg(&counts), arg(&partials), arg(&tokens)])?;
     let one_block = LaunchConfig { grid: 1, block: AUX_PARTIALS, shared_bytes: 0 };
@@ -155,11 +150,11 @@ pub fn aux_loss_bwd(ctx: &LaunchContext, a: &AuxLossBwd) -> Result<()> {
     let [_, instance] = aux_loss_instances(a.config.num_experts, a.grad_probs.dtype(), a.counts.dtype())?;
     let kernel = Kernel::get(stream, &ROUTER, &instance)?;
     let (grad, counts, out) = (a.grad_loss.device_ptr(), a.counts.device_ptr(), a.grad_probs.device_ptr());
-    let (tokens, scale) = (token_count(a.tokens)?, a.config.scale());
+    let (tokens, scale) = (int(a.tokens)?, a.config.scale());
     // Enough blocks to fill any GPU; each thread loops over 16-byte vectors.
     let vectors = a.tokens * a.config.num_experts / 8 + 1;
-    let grid = u32::try_from(vectors.div_ceil(AUX_BLOCK as usize).min(1 << 16)).expect("at most 2^16");
-    launch(stream, kernel, LaunchConfig { grid, block: AUX_BLOCK, shared_bytes: 0 }, &mut [arg(&grad), arg(&counts), arg(&out), arg(&tokens), arg(&scale)])
+    let blocks = grid(vectors.div_ceil(AUX_BLOCK as usize).min(1 << 16))?;
+    launch(stream, kernel, LaunchConfig { grid: blocks, block: AUX_BLOCK, shared_bytes: 0 }, &mut [arg(&grad), arg(&counts), arg(&out), arg(&tokens), arg(&scale)])
 }
 
 #[cfg(test)]
