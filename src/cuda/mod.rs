@@ -27,7 +27,10 @@ pub struct Source {
 }
 
 /// Headers every kernel source may include, by these names.
-const HEADERS: [Source; 1] = [Source { name: "common.cuh", text: include_str!("../../kernels/common.cuh") }];
+const HEADERS: [Source; 2] = [
+    Source { name: "common.cuh", text: include_str!("../../kernels/common.cuh") },
+    Source { name: "hopper.cuh", text: include_str!("../../kernels/hopper.cuh") },
+];
 
 /// The router kernels.
 pub const ROUTER: Source = Source { name: "router.cu", text: include_str!("../../kernels/router.cu") };
