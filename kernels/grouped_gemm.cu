@@ -56,6 +56,15 @@ constexpr int SIMT_TILE = 64;
 constexpr int SIMT_DEPTH = 16;
 constexpr int SIMT_THREADS = 256;
 
+// The launch (src/grouped_gemm/cuda.rs) passes its threads and the output
+// tile its grid counts as template arguments: the ones this layout has, or
+// the kernel does not compile.
+template <int THREADS, int TILE>
+__device__ __forceinline__ void check_simt_launch() {
+  static_assert(THREADS == SIMT_THREADS, "16 x 16 threads of 4 x 4 outputs");
+  static_assert(TILE == SIMT_TILE, "a 64 x 64 output tile a block");
+}
+
 // Adds the 64 x 64 product of as (depth x rows) and bs (depth x columns) to acc.
 __device__ __forceinline__ void simt_tile_product(const float (&as)[SIMT_DEPTH][SIMT_TILE + 1],
                                                   const float (&bs)[SIMT_DEPTH][SIMT_TILE], float (&acc)[4][4]) {
@@ -77,10 +86,11 @@ __device__ __forceinline__ void simt_tile_product(const float (&as)[SIMT_DEPTH][
 // out[r] = lhs[r] · w_i for the rows r of local group i (w_i = rhs[i], or
 // rhs[i]ᵀ when RHS_TRANSPOSED); zero for rows outside the window. A block
 // owns a 64 x 64 tile of out and runs once per group its rows meet.
-template <typename T, typename O, bool RHS_TRANSPOSED>
-__global__ void __launch_bounds__(SIMT_THREADS) ragged_dot_simt(
+template <typename T, typename O, bool RHS_TRANSPOSED, int THREADS, int TILE>
+__global__ void __launch_bounds__(THREADS) ragged_dot_simt(
     const T* __restrict__ lhs, const T* __restrict__ rhs, const int* __restrict__ bounds, int local_groups, int m,
     int k, int n, O* __restrict__ out) {
+  check_simt_launch<THREADS, TILE>();
   __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
   __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
   const int tiles_n = (n + SIMT_TILE - 1) / SIMT_TILE;
@@ -129,10 +139,11 @@ __global__ void __launch_bounds__(SIMT_THREADS) ragged_dot_simt(
 
 // out[i] = lhs_iᵀ · rhs_i ([k, n]) over the rows of local group i. A block
 // owns a 64 x 64 tile of one group's output.
-template <typename T, typename O>
-__global__ void __launch_bounds__(SIMT_THREADS) transposed_ragged_dot_simt(
+template <typename T, typename O, int THREADS, int TILE>
+__global__ void __launch_bounds__(THREADS) transposed_ragged_dot_simt(
     const T* __restrict__ lhs, const T* __restrict__ rhs, const int* __restrict__ bounds, int k, int n,
     O* __restrict__ out) {
+  check_simt_launch<THREADS, TILE>();
   __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
   __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
   const int tiles_n = (n + SIMT_TILE - 1) / SIMT_TILE, tiles_k = (k + SIMT_TILE - 1) / SIMT_TILE;
@@ -169,10 +180,14 @@ constexpr int BLOCK_K = 64;         // contraction per stage: 128 bytes of 16-bi
 constexpr int CHUNK_BYTES = 64 * 128;  // a 64-row, 128-byte-wide box: the unit of every TMA load
 constexpr int HOPPER_THREADS = 384;  // a producer warpgroup and two consumer warpgroups
 constexpr int CONSUMER_WARPS = 8;
-constexpr int MAX_LOCAL_GROUPS = 1024;
 
-template <int BN> struct HopperConfig {
-  static constexpr int STAGES = BN == 256 ? 3 : 5;
+// A Hopper kernel's tile width, its ring's stages and the most local groups
+// its tables hold: the launch's choices (src/grouped_gemm/cuda.rs), passed as
+// template arguments with the dynamic shared memory it gives them.
+template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_> struct HopperConfig {
+  static constexpr int BN = BN_;
+  static constexpr int STAGES = STAGES_;
+  static constexpr int MAX_LOCAL_GROUPS = MAX_LOCAL_GROUPS_;
   static constexpr int A_BYTES = BLOCK_M * BLOCK_K * 2;
   static constexpr int B_BYTES = BLOCK_K * BN * 2;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -186,11 +201,18 @@ template <int BN> struct HopperConfig {
       1024 + STAGES * STAGE_BYTES + OUT_BYTES + 2 * STAGES * 8 + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
 };
 
+// A Hopper kernel launched with THREADS threads and SHARED_BYTES of dynamic
+// shared memory: what its warpgroups and its layout take, or it does not compile.
+template <typename Config, int THREADS, int SHARED_BYTES>
+__device__ __forceinline__ void check_hopper_launch() {
+  static_assert(THREADS == HOPPER_THREADS, "a producer warpgroup and two consumer warpgroups");
+  static_assert(SHARED_BYTES == Config::SHARED_BYTES, "the launch's dynamic shared memory is this layout's");
+}
+
 // The shared memory of a Hopper kernel: stages of A and B tiles (1024-byte
 // aligned, as the 128-byte swizzle wants), their barriers, the group tables.
-template <int BN>
+template <typename Config>
 struct Shared {
-  using Config = HopperConfig<BN>;
   unsigned char* a;  // STAGES x A_BYTES
   unsigned char* b;  // STAGES x B_BYTES
   unsigned short* out;  // each consumer warpgroup's 64 x OUT_PITCH output rows
@@ -208,7 +230,7 @@ struct Shared {
     s.full = reinterpret_cast<unsigned long long*>(base + Config::STAGES * Config::STAGE_BYTES + Config::OUT_BYTES);
     s.empty = s.full + Config::STAGES;
     s.bounds = reinterpret_cast<int*>(s.empty + Config::STAGES);
-    s.tiles = s.bounds + MAX_LOCAL_GROUPS + 1;
+    s.tiles = s.bounds + Config::MAX_LOCAL_GROUPS + 1;
     return s;
   }
 
@@ -253,9 +275,10 @@ __device__ __forceinline__ void release_previous_stage(unsigned long long* empty
 // through the warpgroup's rows in shared memory (`staging`), so that global
 // stores are 16 bytes a thread and whole rows a warp; float32 ones straight
 // from the registers, a pair of columns at a time.
-template <typename O, int BN>
-__device__ __forceinline__ void store_tile(const float (&d)[BN / 2], unsigned short* staging, O* out, int row0,
+template <typename O, typename Config>
+__device__ __forceinline__ void store_tile(const float (&d)[Config::BN / 2], unsigned short* staging, O* out, int row0,
                                            int row_end, int col0, int n) {
+  constexpr int BN = Config::BN;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int row = warp * 16 + lane / 4;
   if constexpr (sizeof(O) == 4) {
@@ -271,7 +294,7 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], unsigned sh
       }
     }
   } else {
-    constexpr int PITCH = HopperConfig<BN>::OUT_PITCH;
+    constexpr int PITCH = Config::OUT_PITCH;
     const int barrier = 2 + threadIdx.x / 128;  // this warpgroup's named barrier
     // The previous tile's rows have left.
     asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
@@ -374,14 +397,16 @@ __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.
 // ragged_dot on Hopper. lhs_map: lhs [m, k], box 64 x 128 rows. rhs_map:
 // rhs [groups, k, n] (box 64 columns x 64 rows x 1) or, RHS_K_MAJOR,
 // [groups, n, k] (box 64 x BN rows x 1).
-template <typename T, typename O, bool RHS_K_MAJOR, int BN>
-__global__ void __launch_bounds__(HOPPER_THREADS, 1) ragged_dot_hopper(
+template <typename T, typename O, bool RHS_K_MAJOR, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS,
+          int SHARED_BYTES>
+__global__ void __launch_bounds__(THREADS, 1) ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
     int k, int n, O* __restrict__ out) {
-  using Config = HopperConfig<BN>;
+  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
+  check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
-  const Shared<BN> s = Shared<BN>::carve(raw);
+  const Shared<Config> s = Shared<Config>::carve(raw);
   if (threadIdx.x == 0) s.init_barriers();
   if (threadIdx.x < 32) {
     window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
@@ -447,7 +472,7 @@ __global__ void __launch_bounds__(HOPPER_THREADS, 1) ragged_dot_hopper(
     wgmma_wait<0>();
     keep_in_registers(d);
     if (k_blocks > 0) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
-    store_tile<O, BN>(d, s.out + half * 64 * Config::OUT_PITCH, out, tile.row0 + half * 64, tile.row_end, tile.col0, n);
+    store_tile<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, out, tile.row0 + half * 64, tile.row_end, tile.col0, n);
   }
 }
 
@@ -473,14 +498,15 @@ __device__ __forceinline__ void consumers_publish_shared() {
 // are 2-D with 64 x 64-row boxes: lhs [m, k] (its columns are out's rows, so
 // A is MN-major) and rhs [m, n] (MN-major B). A tile is 128 rows of out[i] by
 // BN columns; the contraction walks the group's rows 64 at a time.
-template <typename T, typename O, int BN>
-__global__ void __launch_bounds__(HOPPER_THREADS, 1) transposed_ragged_dot_hopper(
+template <typename T, typename O, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
+__global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
     int k, int n, O* __restrict__ out) {
-  using Config = HopperConfig<BN>;
+  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
+  check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
-  const Shared<BN> s = Shared<BN>::carve(raw);
+  const Shared<Config> s = Shared<Config>::carve(raw);
   if (threadIdx.x == 0) s.init_barriers();
   if (threadIdx.x < 32) window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
   __syncthreads();
@@ -541,7 +567,7 @@ __global__ void __launch_bounds__(HOPPER_THREADS, 1) transposed_ragged_dot_hoppe
     wgmma_wait<0>();
     keep_in_registers(d);
     if (end > begin) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
-    store_tile<O, BN>(d, s.out + half * 64 * Config::OUT_PITCH, out + static_cast<size_t>(g) * k * n,
+    store_tile<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, out + static_cast<size_t>(g) * k * n,
                       out_row0 + half * 64, k, col0, n);
   }
 }

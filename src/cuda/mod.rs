@@ -1,8 +1,8 @@
 //! The CUDA runtime: kernels from `kernels/*.cu`, compiled by NVRTC for the
 //! exact architecture of the device in front of us with their static shape
-//! parameters as template arguments, cached in memory and on disk, and
-//! launched on the stream XLA hands a handler. Nothing here synchronises or
-//! copies to the host.
+//! parameters and their launch's constants as template arguments (named by
+//! [`Instance`]), cached in memory and on disk, and launched on the stream
+//! XLA hands a handler. Nothing here synchronises or copies to the host.
 //!
 //! The driver (`libcuda.so.1`) and NVRTC (`libnvrtc.so.13`) are loaded at
 //! first use, so the crate builds and its CPU handlers run without CUDA.
@@ -10,10 +10,12 @@
 //! globally before any CUDA handler runs.
 
 mod driver;
+mod instance;
 mod launch;
 mod nvrtc;
 
 pub use driver::{arg, launch, Device, Kernel, LaunchConfig, Stream, TensorMap};
+pub use instance::Instance;
 pub use launch::{grid, int, LaunchContext};
 pub use nvrtc::{compile_check, Architecture};
 

@@ -3,13 +3,15 @@
 //! top-k, groups and score function as template arguments) and its launch.
 
 use super::{AuxLossBwd, AuxLossFwd, ScoreFunction, ScoresBwd, ScoresFwd, TopkBwd, TopkConfig, TopkFwd};
-use crate::cuda::{arg, grid, int, launch, type_name, Kernel, LaunchConfig, LaunchContext, ROUTER};
+use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, LaunchContext, ROUTER};
 use crate::ffi::{DataType, Result};
 use crate::invalid;
 
-/// Threads per block of the per-token kernels (`ROUTER_BLOCK`).
+/// Threads per block of the per-token kernels (checked against the kernels'
+/// `ROUTER_BLOCK`).
 const ROUTER_BLOCK: u32 = 128;
-/// Blocks of partial sums and threads per block of the loss (`AUX_PARTIALS`, `AUX_BLOCK`).
+/// Blocks of the loss's partial sums (its `PARTIALS`), and threads per block
+/// of the loss's other kernels (their `BLOCK`).
 const AUX_PARTIALS: u32 = 1024;
 const AUX_BLOCK: u32 = 256;
 /// A lane holds at most 64 experts of a row, so rows of up to 32 * 64.
@@ -43,55 +45,67 @@ fn check_experts(experts: usize) -> Result<()> {
 
 /// The `topk_fwd` instance a configuration needs.
 pub fn topk_fwd_instance(config: &TopkConfig, dtype: DataType, has_bias: bool) -> Result<String> {
-    check_experts(config.num_experts)?;
-    Ok(format!(
-        "topk_fwd<{}, {}, {}, {}, {}, {}, {}>",
-        type_name(dtype)?,
-        config.num_experts,
-        config.topk,
-        config.num_groups,
-        config.group_topk,
-        score_code(config.score_function, config.use_pre_softmax),
-        has_bias
-    ))
+    let instance = Instance::new("topk_fwd")
+        .dtype(dtype)
+        .int(config.num_experts)
+        .int(config.topk)
+        .int(config.num_groups)
+        .int(config.group_topk)
+        .int(score_code(config.score_function, config.use_pre_softmax))
+        .flag(has_bias);
+    per_token_instance(instance, config.num_experts)
 }
 
 /// The `topk_bwd` instance a configuration needs.
 pub fn topk_bwd_instance(config: &TopkConfig, dtype: DataType) -> Result<String> {
-    check_experts(config.num_experts)?;
-    Ok(format!(
-        "topk_bwd<{}, {}, {}, {}>",
-        type_name(dtype)?,
-        config.num_experts,
-        config.topk,
-        score_code(config.score_function, config.use_pre_softmax)
-    ))
+    let instance = Instance::new("topk_bwd")
+        .dtype(dtype)
+        .int(config.num_experts)
+        .int(config.topk)
+        .int(score_code(config.score_function, config.use_pre_softmax));
+    per_token_instance(instance, config.num_experts)
 }
 
 /// The `scores_fwd` instance.
 pub fn scores_fwd_instance(score_function: ScoreFunction, topk: usize, experts: usize, dtype: DataType) -> Result<String> {
-    check_experts(experts)?;
-    Ok(format!("scores_fwd<{}, {experts}, {topk}, {}>", type_name(dtype)?, score_code(score_function, false)))
+    let instance = Instance::new("scores_fwd").dtype(dtype).int(experts).int(topk).int(score_code(score_function, false));
+    per_token_instance(instance, experts)
 }
 
 /// The `scores_bwd` instance.
 pub fn scores_bwd_instance(score_function: ScoreFunction, experts: usize, dtype: DataType) -> Result<String> {
-    check_experts(experts)?;
-    Ok(format!("scores_bwd<{}, {experts}, {}>", type_name(dtype)?, score_code(score_function, false)))
+    let instance = Instance::new("scores_bwd").dtype(dtype).int(experts).int(score_code(score_function, false));
+    per_token_instance(instance, experts)
 }
 
-/// The instances of the loss (forward partial sums and backward); the final
-/// sum `aux_loss_total` has none.
+/// A per-token kernel's instance: its own arguments, then the launch
+/// [`per_token`] makes (threads, token rows a block), which the kernel checks.
+fn per_token_instance(instance: Instance, experts: usize) -> Result<String> {
+    check_experts(experts)?;
+    instance.int(ROUTER_BLOCK).int(rows_per_block(experts)).build()
+}
+
+/// The instances of the loss's forward partial sums and of its backward.
 pub fn aux_loss_instances(experts: usize, probs: DataType, counts: DataType) -> Result<[String; 2]> {
     check_experts(experts)?;
-    let (p, c) = (type_name(probs)?, type_name(counts)?);
-    Ok([format!("aux_loss_partials<{p}, {c}, {experts}>"), format!("aux_loss_bwd<{p}, {c}, {experts}>")])
+    let partials = Instance::new("aux_loss_partials").dtype(probs).dtype(counts).int(experts).int(AUX_BLOCK).int(AUX_PARTIALS);
+    let backward = Instance::new("aux_loss_bwd").dtype(probs).dtype(counts).int(experts).int(AUX_BLOCK);
+    Ok([partials.build()?, backward.build()?])
 }
 
-/// One block per `ROUTER_BLOCK / team_lanes` token rows.
+/// The instance that adds the loss's partial sums.
+pub fn aux_loss_total_instance() -> Result<String> {
+    Instance::new("aux_loss_total").int(AUX_PARTIALS).build()
+}
+
+/// Token rows a per-token block handles (`Team::ROWS` in the kernels).
+fn rows_per_block(experts: usize) -> usize {
+    ROUTER_BLOCK as usize / team_lanes(experts)
+}
+
+/// One block per [`rows_per_block`] token rows.
 fn per_token(tokens: usize, experts: usize) -> Result<LaunchConfig> {
-    let rows = ROUTER_BLOCK as usize / team_lanes(experts);
-    Ok(LaunchConfig { grid: grid(tokens.div_ceil(rows))?, block: ROUTER_BLOCK, shared_bytes: 0 })
+    Ok(LaunchConfig { grid: grid(tokens.div_ceil(rows_per_block(experts)))?, block: ROUTER_BLOCK, shared_bytes: 0 })
 }
 
 pub fn topk_fwd(ctx: &LaunchContext, a: &TopkFwd) -> Result<()> {
@@ -135,7 +149,7 @@ pub fn aux_loss_fwd(ctx: &LaunchContext, a: &AuxLossFwd) -> Result<()> {
     let stream = ctx.stream;
     let [partials_instance, _] = aux_loss_instances(a.config.num_experts, a.probs.dtype(), a.counts.dtype())?;
     let partials_kernel = Kernel::get(stream, &ROUTER, &partials_instance)?;
-    let total_kernel = Kernel::get(stream, &ROUTER, "aux_loss_total")?;
+    let total_kernel = Kernel::get(stream, &ROUTER, &aux_loss_total_instance()?)?;
     let scratch = ctx.scratch(AUX_PARTIALS as usize * std::mem::size_of::<f32>())?;
     let (probs, counts, partials, loss) = (a.probs.device_ptr(), a.counts.device_ptr(), scratch.ptr() as u64, a.loss.device_ptr());
     let (tokens, scale) = (int(a.tokens)?, a.config.scale());
@@ -199,6 +213,7 @@ mod tests {
                 }
             }
         }
+        out.push(aux_loss_total_instance().unwrap());
         out.sort();
         out.dedup();
         out
@@ -209,7 +224,7 @@ mod tests {
     #[test]
     fn router_kernels_compile_for_ampere_hopper_and_blackwell() {
         let instances = instances();
-        let instances: Vec<&str> = instances.iter().map(String::as_str).chain(["aux_loss_total"]).collect();
+        let instances: Vec<&str> = instances.iter().map(String::as_str).collect();
         let failures: Vec<String> = std::thread::scope(|scope| {
             let checks: Vec<_> = ["sm_80", "sm_90a", "sm_100"]
                 .map(|arch| scope.spawn(|| compile_check(&ROUTER, &instances, &Architecture(arch.into()))))
