@@ -132,6 +132,7 @@ __device__ __forceinline__ void store_mask(unsigned char* __restrict__ dst, int 
 // same on every run); the total is valid in thread 0.
 template <int BLOCK>
 __device__ __forceinline__ float block_sum(float v) {
+  static_assert(BLOCK % 32 == 0 && BLOCK <= 1024, "whole warps, at most a block's 1024 threads");
   __shared__ float warp_sums[BLOCK / 32];
 #pragma unroll
   for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);

@@ -13,6 +13,7 @@
 //   computed on the device at the start of each block.
 // - Everywhere else (f32, odd shapes, other GPUs): a tiled SIMT kernel.
 #include "common.cuh"
+#include "hopper.cuh"
 
 // Rows [bounds[i], bounds[i + 1]) belong to local group i: the sizes from
 // group `*offset` on (negative sizes count as 0), every bound clamped to m,
@@ -55,6 +56,15 @@ constexpr int SIMT_TILE = 64;
 constexpr int SIMT_DEPTH = 16;
 constexpr int SIMT_THREADS = 256;
 
+// The launch (src/grouped_gemm/cuda.rs) passes its threads and the output
+// tile its grid counts as template arguments: the ones this layout has, or
+// the kernel does not compile.
+template <int THREADS, int TILE>
+__device__ __forceinline__ void check_simt_launch() {
+  static_assert(THREADS == SIMT_THREADS, "16 x 16 threads of 4 x 4 outputs");
+  static_assert(TILE == SIMT_TILE, "a 64 x 64 output tile a block");
+}
+
 // Adds the 64 x 64 product of as (depth x rows) and bs (depth x columns) to acc.
 __device__ __forceinline__ void simt_tile_product(const float (&as)[SIMT_DEPTH][SIMT_TILE + 1],
                                                   const float (&bs)[SIMT_DEPTH][SIMT_TILE], float (&acc)[4][4]) {
@@ -76,10 +86,11 @@ __device__ __forceinline__ void simt_tile_product(const float (&as)[SIMT_DEPTH][
 // out[r] = lhs[r] · w_i for the rows r of local group i (w_i = rhs[i], or
 // rhs[i]ᵀ when RHS_TRANSPOSED); zero for rows outside the window. A block
 // owns a 64 x 64 tile of out and runs once per group its rows meet.
-template <typename T, typename O, bool RHS_TRANSPOSED>
-__global__ void __launch_bounds__(SIMT_THREADS) ragged_dot_simt(
+template <typename T, typename O, bool RHS_TRANSPOSED, int THREADS, int TILE>
+__global__ void __launch_bounds__(THREADS) ragged_dot_simt(
     const T* __restrict__ lhs, const T* __restrict__ rhs, const int* __restrict__ bounds, int local_groups, int m,
     int k, int n, O* __restrict__ out) {
+  check_simt_launch<THREADS, TILE>();
   __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
   __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
   const int tiles_n = (n + SIMT_TILE - 1) / SIMT_TILE;
@@ -128,10 +139,11 @@ __global__ void __launch_bounds__(SIMT_THREADS) ragged_dot_simt(
 
 // out[i] = lhs_iᵀ · rhs_i ([k, n]) over the rows of local group i. A block
 // owns a 64 x 64 tile of one group's output.
-template <typename T, typename O>
-__global__ void __launch_bounds__(SIMT_THREADS) transposed_ragged_dot_simt(
+template <typename T, typename O, int THREADS, int TILE>
+__global__ void __launch_bounds__(THREADS) transposed_ragged_dot_simt(
     const T* __restrict__ lhs, const T* __restrict__ rhs, const int* __restrict__ bounds, int k, int n,
     O* __restrict__ out) {
+  check_simt_launch<THREADS, TILE>();
   __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
   __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
   const int tiles_n = (n + SIMT_TILE - 1) / SIMT_TILE, tiles_k = (k + SIMT_TILE - 1) / SIMT_TILE;
@@ -163,20 +175,19 @@ __global__ void __launch_bounds__(SIMT_THREADS) transposed_ragged_dot_simt(
 // Hopper: TMA + wgmma, warp-specialised and persistent.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// A TMA descriptor (CUtensorMap), encoded on the host and passed by value.
-struct __align__(64) TensorMap {
-  unsigned long long words[16];
-};
-
 constexpr int BLOCK_M = 128;        // output rows of a tile: 64 per consumer warpgroup
 constexpr int BLOCK_K = 64;         // contraction per stage: 128 bytes of 16-bit elements, one swizzle row
 constexpr int CHUNK_BYTES = 64 * 128;  // a 64-row, 128-byte-wide box: the unit of every TMA load
 constexpr int HOPPER_THREADS = 384;  // a producer warpgroup and two consumer warpgroups
 constexpr int CONSUMER_WARPS = 8;
-constexpr int MAX_LOCAL_GROUPS = 1024;
 
-template <int BN> struct HopperConfig {
-  static constexpr int STAGES = BN == 256 ? 3 : 5;
+// A Hopper kernel's tile width, its ring's stages and the most local groups
+// its tables hold: the launch's choices (src/grouped_gemm/cuda.rs), passed as
+// template arguments with the dynamic shared memory it gives them.
+template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_> struct HopperConfig {
+  static constexpr int BN = BN_;
+  static constexpr int STAGES = STAGES_;
+  static constexpr int MAX_LOCAL_GROUPS = MAX_LOCAL_GROUPS_;
   static constexpr int A_BYTES = BLOCK_M * BLOCK_K * 2;
   static constexpr int B_BYTES = BLOCK_K * BN * 2;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -190,148 +201,18 @@ template <int BN> struct HopperConfig {
       1024 + STAGES * STAGE_BYTES + OUT_BYTES + 2 * STAGES * 8 + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
 };
 
-__device__ __forceinline__ unsigned shared_address(const void* p) {
-  return static_cast<unsigned>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void barrier_init(unsigned long long* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(bar)), "r"(count));
-}
-
-__device__ __forceinline__ void barrier_expect_bytes(unsigned long long* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(bar)), "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void barrier_arrive(unsigned long long* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
-}
-
-// Waits until the barrier's phase of parity `parity` has completed.
-__device__ __forceinline__ void barrier_wait(unsigned long long* bar, unsigned parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT;\n}\n" ::"r"(shared_address(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// Loads the box at (c0, c1[, c2]) of `map` into shared memory at dst;
-// completes on `bar` with the box's bytes. Out-of-range elements read as 0.
-__device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, unsigned long long* bar, int c0, int c1) {
-  asm volatile(
-      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::
-          "r"(shared_address(dst)),
-      "l"(map), "r"(c0), "r"(c1), "r"(shared_address(bar))
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, unsigned long long* bar, int c0, int c1,
-                                         int c2) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
-      "[%5];" ::"r"(shared_address(dst)),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(shared_address(bar))
-      : "memory");
-}
-
-// A wgmma shared-memory matrix descriptor for a 128-byte-swizzled tile:
-// K-major (leading offset unused), or MN-major with 64-element columns
-// `leading_bytes` apart. Rows of 8 x 128 bytes are 1024 bytes apart.
-__device__ __forceinline__ unsigned long long matrix_descriptor(const void* tile, unsigned leading_bytes) {
-  const unsigned long long address = shared_address(tile);
-  return ((address & 0x3FFFF) >> 4) | (static_cast<unsigned long long>(leading_bytes >> 4) << 16) |
-         (static_cast<unsigned long long>(1024 >> 4) << 32) | (1ull << 62);
-}
-
-template <int N>
-__device__ __forceinline__ void keep_in_registers(float (&d)[N]) {
-#pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
-}
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-// Waits until at most N of this warpgroup's committed wgmma groups are pending.
-template <int N>
-__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory"); }
-
-#define WGMMA_64x256(TYPE) \
-  asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %130, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n256k16.f32." TYPE "." TYPE " " \
-      "{" \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, " \
-      "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79, " \
-      "%80, %81, %82, %83, %84, %85, %86, %87, %88, %89, %90, %91, %92, %93, %94, %95, " \
-      "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, " \
-      "%112, %113, %114, %115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127}" \
-      ", %128, %129, p, 1, 1, %131, %132;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]), \
-      "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]), "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), \
-      "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), \
-      "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87]), \
-      "+f"(d[88]), "+f"(d[89]), "+f"(d[90]), "+f"(d[91]), "+f"(d[92]), "+f"(d[93]), "+f"(d[94]), "+f"(d[95]), \
-      "+f"(d[96]), "+f"(d[97]), "+f"(d[98]), "+f"(d[99]), "+f"(d[100]), "+f"(d[101]), "+f"(d[102]), "+f"(d[103]), \
-      "+f"(d[104]), "+f"(d[105]), "+f"(d[106]), "+f"(d[107]), "+f"(d[108]), "+f"(d[109]), "+f"(d[110]), "+f"(d[111]), \
-      "+f"(d[112]), "+f"(d[113]), "+f"(d[114]), "+f"(d[115]), "+f"(d[116]), "+f"(d[117]), "+f"(d[118]), "+f"(d[119]), \
-      "+f"(d[120]), "+f"(d[121]), "+f"(d[122]), "+f"(d[123]), "+f"(d[124]), "+f"(d[125]), "+f"(d[126]), "+f"(d[127]) \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A), "n"(TRANS_B))
-
-#define WGMMA_64x128(TYPE) \
-  asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
-      "{" \
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}" \
-      ", %64, %65, p, 1, 1, %67, %68;\n}\n" \
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
-      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), \
-      "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
-      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), \
-      "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), \
-      "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), \
-      "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), \
-      "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63]) \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d), "n"(TRANS_A), "n"(TRANS_B))
-
-template <typename T> struct IsBf16 { static constexpr bool value = false; };
-template <> struct IsBf16<bf16> { static constexpr bool value = true; };
-
-// d += A·B on a 64 x BN tile, 16 deep, both operands in shared memory;
-// TRANS_* = 1 for an MN-major operand.
-template <typename T, int BN, int TRANS_A, int TRANS_B>
-__device__ __forceinline__ void wgmma(float (&d)[BN / 2], unsigned long long desc_a, unsigned long long desc_b) {
-  constexpr int scale_d = 1;
-  constexpr bool BF16 = IsBf16<T>::value;
-  if constexpr (BN == 256) {
-    if constexpr (BF16) WGMMA_64x256("bf16");
-    else WGMMA_64x256("f16");
-  } else {
-    if constexpr (BF16) WGMMA_64x128("bf16");
-    else WGMMA_64x128("f16");
-  }
+// A Hopper kernel launched with THREADS threads and SHARED_BYTES of dynamic
+// shared memory: what its warpgroups and its layout take, or it does not compile.
+template <typename Config, int THREADS, int SHARED_BYTES>
+__device__ __forceinline__ void check_hopper_launch() {
+  static_assert(THREADS == HOPPER_THREADS, "a producer warpgroup and two consumer warpgroups");
+  static_assert(SHARED_BYTES == Config::SHARED_BYTES, "the launch's dynamic shared memory is this layout's");
 }
 
 // The shared memory of a Hopper kernel: stages of A and B tiles (1024-byte
 // aligned, as the 128-byte swizzle wants), their barriers, the group tables.
-template <int BN>
+template <typename Config>
 struct Shared {
-  using Config = HopperConfig<BN>;
   unsigned char* a;  // STAGES x A_BYTES
   unsigned char* b;  // STAGES x B_BYTES
   unsigned short* out;  // each consumer warpgroup's 64 x OUT_PITCH output rows
@@ -349,7 +230,7 @@ struct Shared {
     s.full = reinterpret_cast<unsigned long long*>(base + Config::STAGES * Config::STAGE_BYTES + Config::OUT_BYTES);
     s.empty = s.full + Config::STAGES;
     s.bounds = reinterpret_cast<int*>(s.empty + Config::STAGES);
-    s.tiles = s.bounds + MAX_LOCAL_GROUPS + 1;
+    s.tiles = s.bounds + Config::MAX_LOCAL_GROUPS + 1;
     return s;
   }
 
@@ -358,7 +239,7 @@ struct Shared {
       barrier_init(&full[s], 1);
       barrier_init(&empty[s], CONSUMER_WARPS);
     }
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    barrier_init_fence();
   }
 };
 
@@ -394,9 +275,10 @@ __device__ __forceinline__ void release_previous_stage(unsigned long long* empty
 // through the warpgroup's rows in shared memory (`staging`), so that global
 // stores are 16 bytes a thread and whole rows a warp; float32 ones straight
 // from the registers, a pair of columns at a time.
-template <typename O, int BN>
-__device__ __forceinline__ void store_tile(const float (&d)[BN / 2], unsigned short* staging, O* out, int row0,
+template <typename O, typename Config>
+__device__ __forceinline__ void store_tile(const float (&d)[Config::BN / 2], unsigned short* staging, O* out, int row0,
                                            int row_end, int col0, int n) {
+  constexpr int BN = Config::BN;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int row = warp * 16 + lane / 4;
   if constexpr (sizeof(O) == 4) {
@@ -412,7 +294,7 @@ __device__ __forceinline__ void store_tile(const float (&d)[BN / 2], unsigned sh
       }
     }
   } else {
-    constexpr int PITCH = HopperConfig<BN>::OUT_PITCH;
+    constexpr int PITCH = Config::OUT_PITCH;
     const int barrier = 2 + threadIdx.x / 128;  // this warpgroup's named barrier
     // The previous tile's rows have left.
     asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
@@ -515,14 +397,16 @@ __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.
 // ragged_dot on Hopper. lhs_map: lhs [m, k], box 64 x 128 rows. rhs_map:
 // rhs [groups, k, n] (box 64 columns x 64 rows x 1) or, RHS_K_MAJOR,
 // [groups, n, k] (box 64 x BN rows x 1).
-template <typename T, typename O, bool RHS_K_MAJOR, int BN>
-__global__ void __launch_bounds__(HOPPER_THREADS, 1) ragged_dot_hopper(
+template <typename T, typename O, bool RHS_K_MAJOR, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS,
+          int SHARED_BYTES>
+__global__ void __launch_bounds__(THREADS, 1) ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
     int k, int n, O* __restrict__ out) {
-  using Config = HopperConfig<BN>;
+  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
+  check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
-  const Shared<BN> s = Shared<BN>::carve(raw);
+  const Shared<Config> s = Shared<Config>::carve(raw);
   if (threadIdx.x == 0) s.init_barriers();
   if (threadIdx.x < 32) {
     window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
@@ -588,7 +472,7 @@ __global__ void __launch_bounds__(HOPPER_THREADS, 1) ragged_dot_hopper(
     wgmma_wait<0>();
     keep_in_registers(d);
     if (k_blocks > 0) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
-    store_tile<O, BN>(d, s.out + half * 64 * Config::OUT_PITCH, out, tile.row0 + half * 64, tile.row_end, tile.col0, n);
+    store_tile<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, out, tile.row0 + half * 64, tile.row_end, tile.col0, n);
   }
 }
 
@@ -614,14 +498,15 @@ __device__ __forceinline__ void consumers_publish_shared() {
 // are 2-D with 64 x 64-row boxes: lhs [m, k] (its columns are out's rows, so
 // A is MN-major) and rhs [m, n] (MN-major B). A tile is 128 rows of out[i] by
 // BN columns; the contraction walks the group's rows 64 at a time.
-template <typename T, typename O, int BN>
-__global__ void __launch_bounds__(HOPPER_THREADS, 1) transposed_ragged_dot_hopper(
+template <typename T, typename O, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
+__global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
     int k, int n, O* __restrict__ out) {
-  using Config = HopperConfig<BN>;
+  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
+  check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
-  const Shared<BN> s = Shared<BN>::carve(raw);
+  const Shared<Config> s = Shared<Config>::carve(raw);
   if (threadIdx.x == 0) s.init_barriers();
   if (threadIdx.x < 32) window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
   __syncthreads();
@@ -682,7 +567,7 @@ __global__ void __launch_bounds__(HOPPER_THREADS, 1) transposed_ragged_dot_hoppe
     wgmma_wait<0>();
     keep_in_registers(d);
     if (end > begin) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
-    store_tile<O, BN>(d, s.out + half * 64 * Config::OUT_PITCH, out + static_cast<size_t>(g) * k * n,
+    store_tile<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, out + static_cast<size_t>(g) * k * n,
                       out_row0 + half * 64, k, col0, n);
   }
 }

@@ -8,14 +8,15 @@
 // and writes each of its copies (scatter_rows). Combine is the mirror image:
 // a block reads each of its tokens' copies and writes one row (gather_rows).
 // Rows no copy refers to are zeroed by extra blocks of the same launch.
+//
+// The launch (src/permutation/cuda.rs) decides each kernel's threads (BLOCK)
+// and what its grid counts on: tokens a row block moves (TOKENS), rows a
+// zeroing block checks (ZERO_ROWS), rows a sort block writes (SORT_ROWS), the
+// most chunks of a sort (MAX_CHUNKS). They arrive as template arguments; the
+// kernels check what they assume of them.
 #include "common.cuh"
 
-constexpr int MAP_BLOCK = 256;   // threads of the map passes
-constexpr int SCAN_BLOCK = 1024; // threads of rank_chunks
-constexpr int ROW_BLOCK = 128;   // threads of the row kernels
-constexpr int ZERO_ROWS = 32;    // rows checked by each zeroing block
-constexpr int SORT_ROWS = 32;    // output rows of each sort block
-constexpr int MAX_CHUNKS = 1024; // chunk tables live in shared memory
+constexpr int ROW_BLOCK = 128;  // threads of the row kernels (RowShape and the helpers below)
 constexpr int GATHER_BLOCKS_PER_SM = 10;
 
 // A row of H elements of T, moved W bytes at a time, at most MAX_PER_THREAD
@@ -66,11 +67,12 @@ __device__ __forceinline__ V warp_inclusive_scan(V v) {
 
 // Counts the routed tokens of each (expert, chunk): chunk_ranks[e * num_chunks + c].
 // Also resets what the layout fills: source_tokens to -1, the dispatched probs to 0.
-extern "C" __global__ void __launch_bounds__(MAP_BLOCK)
+template <int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
 count_routed(const unsigned char* __restrict__ routing_map, int tokens, int experts, int chunk_tokens,
              int num_chunks, int* __restrict__ chunk_ranks, int* __restrict__ source_tokens,
              float* __restrict__ out_probs, int rows) {
-  const long long g = static_cast<long long>(blockIdx.x) * MAP_BLOCK + threadIdx.x;
+  const long long g = static_cast<long long>(blockIdx.x) * BLOCK + threadIdx.x;
   const int e = static_cast<int>(g % experts), chunk = static_cast<int>(g / experts);
   if (chunk < num_chunks) {
     const int first = chunk * chunk_tokens, last = min(tokens, first + chunk_tokens);
@@ -79,7 +81,7 @@ count_routed(const unsigned char* __restrict__ routing_map, int tokens, int expe
     for (int t = first; t < last; ++t) count += routing_map[static_cast<size_t>(t) * experts + e] != 0;
     chunk_ranks[static_cast<size_t>(e) * num_chunks + chunk] = count;
   }
-  for (long long r = g; r < rows; r += static_cast<long long>(gridDim.x) * MAP_BLOCK) {
+  for (long long r = g; r < rows; r += static_cast<long long>(gridDim.x) * BLOCK) {
     source_tokens[r] = -1;
     if (out_probs) out_probs[r] = 0.f;
   }
@@ -89,6 +91,7 @@ count_routed(const unsigned char* __restrict__ routing_map, int tokens, int expe
 // each taking ITEMS consecutive values per step; returns the total.
 template <int BLOCK, int ITEMS, typename V>
 __device__ V block_exclusive_scan(V* values, int n) {
+  static_assert(BLOCK % 32 == 0 && BLOCK <= 1024, "whole warps, at most a block's 1024 threads");
   __shared__ V warp_totals[BLOCK / 32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
   V carry = 0;
@@ -122,9 +125,10 @@ __device__ V block_exclusive_scan(V* values, int n) {
 
 // A block per expert: its chunk counts become each chunk's first rank (in
 // place, 8192 chunks per step); its total goes to routed[e].
-extern "C" __global__ void __launch_bounds__(SCAN_BLOCK)
+template <int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
 rank_chunks(int* __restrict__ chunk_ranks, int num_chunks, int* __restrict__ routed) {
-  const int total = block_exclusive_scan<SCAN_BLOCK, 8>(chunk_ranks + static_cast<size_t>(blockIdx.x) * num_chunks, num_chunks);
+  const int total = block_exclusive_scan<BLOCK, 8>(chunk_ranks + static_cast<size_t>(blockIdx.x) * num_chunks, num_chunks);
   if (threadIdx.x == 0) routed[blockIdx.x] = total;
 }
 
@@ -132,7 +136,8 @@ rank_chunks(int* __restrict__ chunk_ranks, int num_chunks, int* __restrict__ rou
 // routed, or past the output's rows), and for each row its token and
 // probability. Each block first lays the experts out (the padded counts'
 // prefix sum); block 0 also writes the per-expert results.
-extern "C" __global__ void __launch_bounds__(MAP_BLOCK)
+template <int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
 assign_rows(const unsigned char* __restrict__ routing_map, const float* __restrict__ probs, int tokens,
             int experts, int chunk_tokens, int num_chunks, const int* __restrict__ chunk_ranks,
             const int* __restrict__ routed, int align, int rows, int* __restrict__ dest_rows,
@@ -140,16 +145,16 @@ assign_rows(const unsigned char* __restrict__ routing_map, const float* __restri
             int* __restrict__ real_tokens_per_expert, int* __restrict__ pad_offsets) {
   extern __shared__ long long starts[];  // [experts] padded starts, then (block 0) [experts] unpadded
   long long* expert_start = starts;
-  for (int e = threadIdx.x; e < experts; e += MAP_BLOCK)
+  for (int e = threadIdx.x; e < experts; e += BLOCK)
     expert_start[e] = (static_cast<long long>(routed[e]) + align - 1) / align * align;
   __syncthreads();
-  block_exclusive_scan<MAP_BLOCK, 1>(expert_start, experts);
+  block_exclusive_scan<BLOCK, 1>(expert_start, experts);
   if (blockIdx.x == 0) {
     long long* unpadded_start = starts + experts;
-    for (int e = threadIdx.x; e < experts; e += MAP_BLOCK) unpadded_start[e] = routed[e];
+    for (int e = threadIdx.x; e < experts; e += BLOCK) unpadded_start[e] = routed[e];
     __syncthreads();
-    block_exclusive_scan<MAP_BLOCK, 1>(unpadded_start, experts);
-    for (int e = threadIdx.x; e < experts; e += MAP_BLOCK) {
+    block_exclusive_scan<BLOCK, 1>(unpadded_start, experts);
+    for (int e = threadIdx.x; e < experts; e += BLOCK) {
       const long long start = expert_start[e], count = routed[e];
       const long long padded = (count + align - 1) / align * align;
       const long long room = max(0ll, rows - start);
@@ -159,7 +164,7 @@ assign_rows(const unsigned char* __restrict__ routing_map, const float* __restri
     }
   }
 
-  const long long g = static_cast<long long>(blockIdx.x) * MAP_BLOCK + threadIdx.x;
+  const long long g = static_cast<long long>(blockIdx.x) * BLOCK + threadIdx.x;
   const int e = static_cast<int>(g % experts), chunk = static_cast<int>(g / experts);
   if (chunk >= num_chunks) return;
   long long row = expert_start[e] + chunk_ranks[static_cast<size_t>(e) * num_chunks + chunk];
@@ -207,11 +212,6 @@ struct CheckedRoutes : Routes<E> {
 template <bool C, typename A, typename B> struct Either { using type = A; };
 template <typename A, typename B> struct Either<false, A, B> { using type = B; };
 
-// Tokens a row-kernel block moves: the copies of up to 4 tokens are listed at
-// once (a warp each), so that only one wait on dest_rows starts their work.
-// Rows of many experts keep one token a block (the lists are E entries).
-__host__ __device__ constexpr int tokens_per_block(int experts) { return experts <= 512 ? 4 : 1; }
-
 // The calling warp lists the copies of one token (its row of dest_rows).
 template <int E>
 __device__ __forceinline__ void list_routes(const int* __restrict__ dest_row, int rows, Routes<E>& routes) {
@@ -246,7 +246,7 @@ __device__ __forceinline__ void list_routes(const int* __restrict__ dest_row, in
 template <int E, int TOKENS, typename BlockRoutes>
 __device__ __forceinline__ void list_block_routes(const int* __restrict__ dest_rows, int first, int tokens, int rows,
                                                   BlockRoutes (&routes)[TOKENS]) {
-  static_assert(TOKENS <= ROW_BLOCK / 32, "a warp per token");
+  static_assert(TOKENS >= 1 && TOKENS <= ROW_BLOCK / 32, "a warp per token");
   const int warp = threadIdx.x / 32;
   if (warp < TOKENS && first + warp < tokens)
     list_routes<E>(dest_rows + static_cast<size_t>(first + warp) * E, rows, routes[warp]);
@@ -270,10 +270,11 @@ __device__ __forceinline__ void fill_rows(T* __restrict__ out, long long first, 
 // where source_tokens is negative. With CHECK_MAP (maps from the caller), zero
 // where it is -1 and NaN where the maps do not agree: a token out of range,
 // or one whose dest_rows row does not list the row.
-template <typename T, int H, int E, bool CHECK_MAP>
+template <typename T, int H, int E, bool CHECK_MAP, int ZERO_ROWS>
 __device__ __forceinline__ void fill_unwritten_rows(T* __restrict__ out, const int* __restrict__ source_tokens,
                                                     const int* __restrict__ dest_rows, int tokens, int rows,
                                                     long long first) {
+  static_assert(ZERO_ROWS >= 1 && ZERO_ROWS <= 32, "a 32-bit mask of rows, a warp's lane each");
   __shared__ unsigned zero_mask, nan_mask;
   if constexpr (!CHECK_MAP) {
     if (threadIdx.x < 32) {
@@ -331,25 +332,25 @@ __device__ __forceinline__ void check_block_routes(CheckedRoutes<E> (&routes)[TO
   __syncthreads();
 }
 
-// The first blocks (tokens_per_block(E) tokens each): token t's row of `src`
+// The first blocks (TOKENS tokens each): token t's row of `src`
 // to each of its copies' rows of `out` (dispatch); with CHECK_MAP (combine's
 // backward), to the rows it writes (see CheckedRoutes), scaled by its weights
 // when WEIGHTED, and then, when WEIGHTED, the weights' gradient
 // grad_weights[t, e] = <src[t], expert_tokens[row]>. The blocks after them
 // write the rows no token writes (fill_unwritten_rows).
-template <typename T, int H, int E, bool WEIGHTED, bool CHECK_MAP>
-__global__ void __launch_bounds__(ROW_BLOCK)
+template <typename T, int H, int E, bool WEIGHTED, bool CHECK_MAP, int BLOCK, int TOKENS, int ZERO_ROWS>
+__global__ void __launch_bounds__(BLOCK)
 scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const int* __restrict__ source_tokens,
              const float* __restrict__ weights, const T* __restrict__ expert_tokens,
              float* __restrict__ grad_weights, T* __restrict__ out, int tokens, int rows) {
+  static_assert(BLOCK == ROW_BLOCK, "row kernels run ROW_BLOCK threads a block");
   static_assert(CHECK_MAP || !WEIGHTED, "weighted rows are combine's backward, whose maps are checked");
   using Shape = RowShape<T, H>;
   using BlockRoutes = typename Either<CHECK_MAP, CheckedRoutes<E>, Routes<E>>::type;
-  constexpr int TOKENS = tokens_per_block(E);
   const int token_blocks = (tokens + TOKENS - 1) / TOKENS;
   if (static_cast<int>(blockIdx.x) >= token_blocks) {
-    fill_unwritten_rows<T, H, E, CHECK_MAP>(out, source_tokens, dest_rows, tokens, rows,
-                                            static_cast<long long>(blockIdx.x - token_blocks) * ZERO_ROWS);
+    fill_unwritten_rows<T, H, E, CHECK_MAP, ZERO_ROWS>(out, source_tokens, dest_rows, tokens, rows,
+                                                       static_cast<long long>(blockIdx.x - token_blocks) * ZERO_ROWS);
     return;
   }
   __shared__ BlockRoutes block_routes[TOKENS];
@@ -431,16 +432,15 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
 
 // out[t] = sum over token t's copies (increasing expert order) of
 // weights[t, e] * expert_tokens[row] (weight 1 unless WEIGHTED), in f32; NaN
-// when its dest_rows row has an entry out of range. tokens_per_block(E)
-// tokens a block.
-template <typename T, int H, int E, bool WEIGHTED>
-__global__ void __launch_bounds__(ROW_BLOCK, GATHER_BLOCKS_PER_SM)
+// when its dest_rows row has an entry out of range. TOKENS tokens a block.
+template <typename T, int H, int E, bool WEIGHTED, int BLOCK, int TOKENS>
+__global__ void __launch_bounds__(BLOCK, GATHER_BLOCKS_PER_SM)
 gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_rows,
             const float* __restrict__ weights, T* __restrict__ out, int tokens, int rows) {
+  static_assert(BLOCK == ROW_BLOCK, "row kernels run ROW_BLOCK threads a block");
   // Few vectors a thread (few f32 sums in registers), so that many blocks fit
   // an SM: the sum's loads are latency-bound.
   using Shape = RowShape<T, H, 4>;
-  constexpr int TOKENS = tokens_per_block(E);
   __shared__ Routes<E> block_routes[TOKENS];
   const int first = blockIdx.x * TOKENS;
   list_block_routes<E, TOKENS>(dest_rows, first, tokens, rows, block_routes);
@@ -491,10 +491,12 @@ gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_ro
 // sorted layout copies its row of the unsorted input; INVERSE
 // (unsort_chunks): output row r of the unsorted layout copies its row of the
 // sorted input. Unfilled rows are 0.
-template <typename T, int H, bool INVERSE>
-__global__ void __launch_bounds__(ROW_BLOCK)
+template <typename T, int H, bool INVERSE, int BLOCK, int SORT_ROWS, int MAX_CHUNKS>
+__global__ void __launch_bounds__(BLOCK)
 sort_chunks(const T* __restrict__ in, const int* __restrict__ split_sizes, const int* __restrict__ sorted_indices,
             T* __restrict__ out, int rows, int chunks) {
+  static_assert(BLOCK == ROW_BLOCK, "row kernels run ROW_BLOCK threads a block");
+  static_assert(SORT_ROWS <= BLOCK, "a thread finds each output row's source");
   using Shape = RowShape<T, H>;
   __shared__ long long scan[MAX_CHUNKS];
   __shared__ int source_start[MAX_CHUNKS], length[MAX_CHUNKS], sorted_start[MAX_CHUNKS], position[MAX_CHUNKS];

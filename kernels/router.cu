@@ -13,6 +13,9 @@
 // looks for its next best.
 #include "common.cuh"
 
+// Threads of a per-token kernel. The launch (src/router/cuda.rs) passes its
+// block and its token rows a block as template arguments, checked against
+// this and Team::ROWS by check_per_token_launch.
 constexpr int ROUTER_BLOCK = 128;
 
 template <int E>
@@ -64,6 +67,14 @@ struct Team {
     if constexpr (LANES == 32) __syncwarp();
   }
 };
+
+// A per-token kernel launched with BLOCK threads of ROWS token rows each
+// block: what its teams are laid out for, or it does not compile.
+template <int E, int BLOCK, int ROWS>
+__device__ __forceinline__ void check_per_token_launch() {
+  static_assert(BLOCK == ROUTER_BLOCK, "per-token kernels run ROUTER_BLOCK threads a block");
+  static_assert(ROWS == Team<E>::ROWS, "a block holds ROUTER_BLOCK / Team::LANES token rows");
+}
 
 // Vector widths for a lane's slice of a row of T, and of a bool row.
 template <typename T, int E>
@@ -300,10 +311,11 @@ __device__ __forceinline__ void limit_to_best_groups(const Team<E>& t, const flo
 
 // Top-k routing, forward: probs [T, E] (zero off the selection) and the
 // routing map [T, E] from logits [T, E] and, for sigmoid, a bias [E].
-template <typename T, int E, int K, int G, int GK, int SCORE, bool BIAS>
-__global__ void __launch_bounds__(ROUTER_BLOCK)
+template <typename T, int E, int K, int G, int GK, int SCORE, bool BIAS, int BLOCK, int ROWS>
+__global__ void __launch_bounds__(BLOCK)
     topk_fwd(const T* __restrict__ logits, const float* __restrict__ bias, T* __restrict__ probs,
              unsigned char* __restrict__ routing_map, int tokens, float scaling) {
+  check_per_token_launch<E, BLOCK, ROWS>();
   using TeamE = Team<E>;
   constexpr int VPT = TeamE::VPT;
   const TeamE t;
@@ -368,10 +380,11 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
 }
 
 // Top-k routing, backward: d logits from d probs, the selection held fixed.
-template <typename T, int E, int K, int SCORE>
-__global__ void __launch_bounds__(ROUTER_BLOCK)
+template <typename T, int E, int K, int SCORE, int BLOCK, int ROWS>
+__global__ void __launch_bounds__(BLOCK)
     topk_bwd(const T* __restrict__ grad_probs, const T* __restrict__ logits, const unsigned char* __restrict__ routing_map,
              T* __restrict__ grad_logits, int tokens, float scaling) {
+  check_per_token_launch<E, BLOCK, ROWS>();
   using TeamE = Team<E>;
   constexpr int VPT = TeamE::VPT;
   const TeamE t;
@@ -439,9 +452,10 @@ __device__ __forceinline__ void normalised_scores(const Team<E>& t, const float 
 
 // Scores of the load-balancing loss, forward: scores [T, E] f32 and the plain
 // top-K routing map of the scores.
-template <typename T, int E, int K, int SCORE>
-__global__ void __launch_bounds__(ROUTER_BLOCK)
+template <typename T, int E, int K, int SCORE, int BLOCK, int ROWS>
+__global__ void __launch_bounds__(BLOCK)
     scores_fwd(const T* __restrict__ logits, unsigned char* __restrict__ routing_map, float* __restrict__ scores, int tokens) {
+  check_per_token_launch<E, BLOCK, ROWS>();
   using TeamE = Team<E>;
   constexpr int VPT = TeamE::VPT;
   const TeamE t;
@@ -461,9 +475,10 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
 }
 
 // Scores of the load-balancing loss, backward: d logits from d scores.
-template <typename T, int E, int SCORE>
-__global__ void __launch_bounds__(ROUTER_BLOCK)
+template <typename T, int E, int SCORE, int BLOCK, int ROWS>
+__global__ void __launch_bounds__(BLOCK)
     scores_bwd(const float* __restrict__ grad_scores, const T* __restrict__ logits, T* __restrict__ grad_logits, int tokens) {
+  check_per_token_launch<E, BLOCK, ROWS>();
   using TeamE = Team<E>;
   constexpr int VPT = TeamE::VPT;
   const TeamE t;
@@ -485,11 +500,10 @@ __global__ void __launch_bounds__(ROUTER_BLOCK)
 }
 
 // The load-balancing loss is scale * sum_{t,e} probs[t, e] * counts[e]. It is
-// reduced deterministically, with no float atomics: block b of AUX_PARTIALS
-// sums a fixed slice of rows into partials[b], then one block adds the
-// partials in order.
-constexpr int AUX_PARTIALS = 1024;
-constexpr int AUX_BLOCK = 256;
+// reduced deterministically, with no float atomics: block b of PARTIALS
+// sums a fixed slice of rows into partials[b], then one block of PARTIALS
+// threads adds the partials in order. The launch (src/router/cuda.rs) picks
+// PARTIALS and the BLOCK threads of the other loss kernels.
 
 // Elements per vector of the loss kernels: 16 bytes when rows allow, else 1.
 template <typename T, int E>
@@ -497,22 +511,22 @@ constexpr int aux_vector() {
   return (E * sizeof(T)) % 16 == 0 ? 16 / sizeof(T) : 1;
 }
 
-template <typename T, typename C, int E>
-__global__ void __launch_bounds__(AUX_BLOCK)
+template <typename T, typename C, int E, int BLOCK, int PARTIALS>
+__global__ void __launch_bounds__(BLOCK)
     aux_loss_partials(const T* __restrict__ probs, const C* __restrict__ counts, float* __restrict__ partials, int tokens) {
   __shared__ float weight[E];
-  for (int e = threadIdx.x; e < E; e += AUX_BLOCK) weight[e] = to_float(counts[e]);
+  for (int e = threadIdx.x; e < E; e += BLOCK) weight[e] = to_float(counts[e]);
   __syncthreads();
   constexpr int V = aux_vector<T, E>();
-  const long long rows_per_block = (tokens + AUX_PARTIALS - 1) / AUX_PARTIALS;
+  const long long rows_per_block = (tokens + PARTIALS - 1) / PARTIALS;
   const long long first_row = blockIdx.x * rows_per_block;
   const long long last_row = min(static_cast<long long>(tokens), first_row + rows_per_block);
   // The block's rows start at column 0; a thread's column advances by a
   // constant step (no 64-bit division per vector).
-  constexpr int STEP = (AUX_BLOCK * V) % E;
+  constexpr int STEP = (BLOCK * V) % E;
   float acc = 0.f;
   int column = (threadIdx.x * V) % E;
-  for (long long v = first_row * E / V + threadIdx.x; v < last_row * E / V; v += AUX_BLOCK) {
+  for (long long v = first_row * E / V + threadIdx.x; v < last_row * E / V; v += BLOCK) {
     float p[V];
     load_floats<T, V, V == 1 ? 0 : 16>(probs + v * V, V, p);
 #pragma unroll
@@ -520,29 +534,30 @@ __global__ void __launch_bounds__(AUX_BLOCK)
     column += STEP;
     if (column >= E) column -= E;
   }
-  const float total = block_sum<AUX_BLOCK>(acc);
+  const float total = block_sum<BLOCK>(acc);
   if (threadIdx.x == 0) partials[blockIdx.x] = total;
 }
 
-__global__ void __launch_bounds__(AUX_PARTIALS)
+template <int PARTIALS>
+__global__ void __launch_bounds__(PARTIALS)
     aux_loss_total(const float* __restrict__ partials, float* __restrict__ loss, float scale) {
-  const float total = block_sum<AUX_PARTIALS>(partials[threadIdx.x]);
+  const float total = block_sum<PARTIALS>(partials[threadIdx.x]);
   if (threadIdx.x == 0) loss[0] = scale * total;
 }
 
 // The loss, backward: grad_probs[t, e] = scale * counts[e] * grad_loss.
-template <typename T, typename C, int E>
-__global__ void __launch_bounds__(AUX_BLOCK)
+template <typename T, typename C, int E, int BLOCK>
+__global__ void __launch_bounds__(BLOCK)
     aux_loss_bwd(const float* __restrict__ grad_loss, const C* __restrict__ counts, T* __restrict__ grad_probs,
                  int tokens, float scale) {
   __shared__ float weight[E];
   const float g = grad_loss[0];
-  for (int e = threadIdx.x; e < E; e += AUX_BLOCK) weight[e] = scale * to_float(counts[e]) * g;
+  for (int e = threadIdx.x; e < E; e += BLOCK) weight[e] = scale * to_float(counts[e]) * g;
   __syncthreads();
   constexpr int V = aux_vector<T, E>();
   const long long vectors = static_cast<long long>(tokens) * E / V;
-  const long long first = static_cast<long long>(blockIdx.x) * AUX_BLOCK + threadIdx.x;
-  const long long stride = static_cast<long long>(gridDim.x) * AUX_BLOCK;
+  const long long first = static_cast<long long>(blockIdx.x) * BLOCK + threadIdx.x;
+  const long long stride = static_cast<long long>(gridDim.x) * BLOCK;
   // A thread's column advances by a fixed step: one division per thread, not per vector.
   const int step = static_cast<int>((stride * V) % E);
   int column = static_cast<int>((first * V) % E);

@@ -65,7 +65,7 @@ impl Stream {
     /// The stream XLA hands a CUDA handler's call, which its work goes on.
     /// When results are poisoned (`OXMOE_POISON_RESULTS=1`, for tests), fills
     /// each result with its poison byte on the stream first.
-    pub fn begin(call: &crate::ffi::Call) -> Result<Self> {
+    pub(super) fn begin(call: &crate::ffi::Call) -> Result<Self> {
         // SAFETY: CUDA handlers run on the CUDA platform, where XLA's stream is a CUstream.
         let stream = unsafe { Self::from_raw(call.stream()?) };
         if poisons_results() {

@@ -1,8 +1,8 @@
 //! The CUDA runtime: kernels from `kernels/*.cu`, compiled by NVRTC for the
 //! exact architecture of the device in front of us with their static shape
-//! parameters as template arguments, cached in memory and on disk, and
-//! launched on the stream XLA hands a handler. Nothing here synchronises or
-//! copies to the host.
+//! parameters and their launch's constants as template arguments (named by
+//! [`Instance`]), cached in memory and on disk, and launched on the stream
+//! XLA hands a handler. Nothing here synchronises or copies to the host.
 //!
 //! The driver (`libcuda.so.1`) and NVRTC (`libnvrtc.so.13`) are loaded at
 //! first use, so the crate builds and its CPU handlers run without CUDA.
@@ -10,9 +10,13 @@
 //! globally before any CUDA handler runs.
 
 mod driver;
+mod instance;
+mod launch;
 mod nvrtc;
 
 pub use driver::{arg, launch, Device, Kernel, LaunchConfig, Stream, TensorMap};
+pub use instance::Instance;
+pub use launch::{grid, int, LaunchContext};
 pub use nvrtc::{compile_check, Architecture};
 
 use crate::ffi::{DataType, Error, Result};
@@ -25,7 +29,10 @@ pub struct Source {
 }
 
 /// Headers every kernel source may include, by these names.
-const HEADERS: [Source; 1] = [Source { name: "common.cuh", text: include_str!("../../kernels/common.cuh") }];
+const HEADERS: [Source; 2] = [
+    Source { name: "common.cuh", text: include_str!("../../kernels/common.cuh") },
+    Source { name: "hopper.cuh", text: include_str!("../../kernels/hopper.cuh") },
+];
 
 /// The router kernels.
 pub const ROUTER: Source = Source { name: "router.cu", text: include_str!("../../kernels/router.cu") };

@@ -78,7 +78,7 @@ impl Drop for Program {
 }
 
 /// Compiles `source` for `arch`, instantiating every name expression (e.g.
-/// `topk_fwd<bf16, 256, 8, 8, 4, 2, true>`); returns the cubin and the
+/// `topk_fwd<bf16, 256, 8, 8, 4, 2, true, 128, 4>`); returns the cubin and the
 /// lowered names in the order given. A compile error carries NVRTC's log.
 fn compile_program(source: &Source, instances: &[&str], arch: &Architecture) -> Result<(Vec<u8>, Vec<CString>)> {
     require_nvrtc()?;
@@ -236,6 +236,7 @@ pub fn cubin(source: &'static Source, instance: &str, arch: &Architecture) -> Re
 mod tests {
     use super::*;
     use crate::cuda::ROUTER;
+    use crate::router::cuda::aux_loss_total_instance;
 
     /// Concurrent first calls for one kernel compile it once and share it; the
     /// cubin lands in the disk cache, whole, under its key.
@@ -244,12 +245,13 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("oxmoe-cache-test-{}", std::process::id()));
         std::env::set_var("OXMOE_CACHE_DIR", &dir);
         let arch = Architecture("sm_90a".into());
+        let total = aux_loss_total_instance().unwrap();
         let cubins: Vec<Arc<Cubin>> = std::thread::scope(|scope| {
-            let calls: Vec<_> = (0..4).map(|_| scope.spawn(|| cubin(&ROUTER, "aux_loss_total", &arch))).collect();
+            let calls: Vec<_> = (0..4).map(|_| scope.spawn(|| cubin(&ROUTER, &total, &arch))).collect();
             calls.into_iter().map(|c| c.join().unwrap().unwrap_or_else(|e| panic!("{}", e.message()))).collect()
         });
         assert!(cubins.iter().all(|c| Arc::ptr_eq(c, &cubins[0])), "one compile, shared");
-        let key = cache_key(&ROUTER, "aux_loss_total", &arch, nvrtc_version().unwrap());
+        let key = cache_key(&ROUTER, &total, &arch, nvrtc_version().unwrap());
         let cached = read_cached(&dir.join(format!("{key}.cubin"))).expect("the cubin is in the disk cache");
         assert_eq!(cached.image, cubins[0].image);
         assert_eq!(cached.lowered_name, cubins[0].lowered_name);

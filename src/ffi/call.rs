@@ -102,26 +102,10 @@ impl<'a> Call<'a> {
         Ok(args.stream)
     }
 
-    /// `bytes` of device memory from XLA's allocator, freed when the returned
-    /// handle drops. XLA orders reuse of freed memory after the work already
-    /// launched on the call's stream, so the memory may be freed right after
-    /// the kernels that use it are launched, and not before the last of them.
-    pub fn scratch(&self, bytes: usize) -> Result<Scratch<'a>> {
-        let api = self.api()?;
-        let allocate = api
-            .XLA_FFI_DeviceMemory_Allocate
-            .ok_or_else(|| Error::internal("XLA API has no XLA_FFI_DeviceMemory_Allocate"))?;
-        let mut args = sys::XLA_FFI_DeviceMemory_Allocate_Args {
-            struct_size: sys::XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE as usize,
-            extension_start: std::ptr::null_mut(),
-            ctx: self.frame.ctx,
-            size: bytes,
-            alignment: 16,
-            data: std::ptr::null_mut(),
-        };
-        // SAFETY: a valid argument struct for the call's execution context.
-        check_api(api, "XLA_FFI_DeviceMemory_Allocate", unsafe { allocate(&mut args) })?;
-        Ok(Scratch { api, ctx: self.frame.ctx, data: args.data, bytes })
+    /// XLA's device allocator for this call, for the scratch memory of a
+    /// device handler's kernels.
+    pub fn device_memory(&self) -> Result<DeviceMemory<'a>> {
+        Ok(DeviceMemory { api: self.api()?, ctx: self.frame.ctx })
     }
 
     fn api(&self) -> Result<&'a sys::XLA_FFI_Api> {
@@ -228,6 +212,37 @@ unsafe fn byte_span(span: &sys::XLA_FFI_ByteSpan) -> &[u8] {
     }
 }
 
+/// XLA's device allocator in one call's execution context.
+#[derive(Copy, Clone)]
+pub struct DeviceMemory<'a> {
+    api: &'a sys::XLA_FFI_Api,
+    ctx: *mut sys::XLA_FFI_ExecutionContext,
+}
+
+impl<'a> DeviceMemory<'a> {
+    /// `bytes` of device memory from XLA's allocator, freed when the returned
+    /// handle drops. XLA orders reuse of freed memory after the work already
+    /// launched on the call's stream, so the memory may be freed right after
+    /// the kernels that use it are launched, and not before the last of them.
+    pub fn scratch(&self, bytes: usize) -> Result<Scratch<'a>> {
+        let allocate = self
+            .api
+            .XLA_FFI_DeviceMemory_Allocate
+            .ok_or_else(|| Error::internal("XLA API has no XLA_FFI_DeviceMemory_Allocate"))?;
+        let mut args = sys::XLA_FFI_DeviceMemory_Allocate_Args {
+            struct_size: sys::XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE as usize,
+            extension_start: std::ptr::null_mut(),
+            ctx: self.ctx,
+            size: bytes,
+            alignment: 16,
+            data: std::ptr::null_mut(),
+        };
+        // SAFETY: a valid argument struct for the call's execution context.
+        check_api(self.api, "XLA_FFI_DeviceMemory_Allocate", unsafe { allocate(&mut args) })?;
+        Ok(Scratch { api: self.api, ctx: self.ctx, data: args.data, bytes })
+    }
+}
+
 /// Device memory borrowed from XLA for the duration of a handler call.
 pub struct Scratch<'a> {
     api: &'a sys::XLA_FFI_Api,
@@ -253,7 +268,7 @@ impl Drop for Scratch<'_> {
             size: self.bytes,
             data: self.data,
         };
-        // SAFETY: frees what `Call::scratch` allocated in the same context. A
+        // SAFETY: frees what `DeviceMemory::scratch` allocated in the same context. A
         // failure to free cannot be reported from a destructor; XLA reclaims the
         // memory with the execution context.
         let error = unsafe { free(&mut args) };

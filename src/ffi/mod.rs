@@ -18,7 +18,7 @@ mod tests;
 pub use attrs::Attr;
 pub use buffer::{poison_byte, poisons_results, Arg, Element, Ret};
 pub(crate) use buffer::byte_range;
-pub use call::{run_handler, Call, Scratch, Traits};
+pub use call::{run_handler, Call, DeviceMemory, Scratch, Traits};
 pub use dtype::DataType;
 pub use error::{Error, Result};
 

@@ -6,20 +6,24 @@
 //! kernels, one block per multiprocessor; every other call takes the SIMT
 //! kernels, after a one-warp launch that computes the window's row bounds.
 
-use super::handlers::{RaggedDot, TransposedRaggedDot};
-use super::GroupedShape;
-use crate::cuda::{arg, launch, type_name, Device, Kernel, LaunchConfig, Stream, TensorMap, GROUPED_GEMM};
-use crate::ffi::{Call, DataType, Error, Result, Scratch};
+use super::{GroupedShape, RaggedDot, TransposedRaggedDot};
+use crate::cuda::{arg, grid, int, launch, Device, Instance, Kernel, LaunchConfig, LaunchContext, Stream, TensorMap, GROUPED_GEMM};
+use crate::ffi::{DataType, Result, Scratch};
 
-/// Threads of the Hopper kernels and of the SIMT kernels (`HOPPER_THREADS`, `SIMT_THREADS`).
+// Each kernel takes the constants of its launch below as template arguments
+// (see `kernels/grouped_gemm.cu`), and checks they are the ones it is laid
+// out for.
+
+/// Threads of the Hopper kernels and of the SIMT kernels.
 const HOPPER_THREADS: u32 = 384;
 const SIMT_THREADS: u32 = 256;
-/// Output tile edge of the SIMT kernels (`SIMT_TILE`).
+/// Output tile edge of the SIMT kernels.
 const SIMT_TILE: usize = 64;
-/// Rows of a Hopper tile, and the contraction of one stage (`BLOCK_M`, `BLOCK_K`).
+/// Rows of a Hopper tile, and the contraction of one stage (the kernels'
+/// `BLOCK_M`, `BLOCK_K`): the boxes of the tensor maps.
 const BLOCK_M: u32 = 128;
 const BLOCK_K: u32 = 64;
-/// The Hopper kernels keep each local group's bounds in shared memory (`MAX_LOCAL_GROUPS`).
+/// The Hopper kernels keep each local group's bounds in shared memory.
 const MAX_LOCAL_GROUPS: usize = 1024;
 
 /// The output columns of a Hopper tile for `n` columns: 256 unless that
@@ -32,10 +36,21 @@ pub fn block_n(n: usize) -> u32 {
     }
 }
 
-/// Dynamic shared memory of a Hopper kernel with `block_n` columns
-/// (`HopperConfig<BN>::SHARED_BYTES`).
+/// Stages of a Hopper kernel's ring for `block_n` columns: as many as fit
+/// the 227 KiB of a block beside the output rows and the group tables.
+fn hopper_stages(block_n: u32) -> u32 {
+    if block_n == 256 {
+        3
+    } else {
+        5
+    }
+}
+
+/// Dynamic shared memory of a Hopper kernel with `block_n` columns: the
+/// alignment slack, the stages, the output rows, the barriers and the group
+/// tables (the kernel checks its `HopperConfig::SHARED_BYTES` is this).
 fn hopper_shared_bytes(block_n: u32) -> u32 {
-    let stages = if block_n == 256 { 3 } else { 5 };
+    let stages = hopper_stages(block_n);
     let stage = (BLOCK_M * BLOCK_K + BLOCK_K * block_n) * 2;
     let out_rows = 2 * 64 * (block_n + 8) * 2;
     1024 + stages * stage + out_rows + 2 * stages * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
@@ -71,30 +86,27 @@ fn launch_hopper(
 }
 
 pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, block_n: u32) -> Result<String> {
-    Ok(format!("ragged_dot_hopper<{}, {}, {rhs_transposed}, {block_n}>", type_name(dtype)?, type_name(out)?))
+    hopper_instance(Instance::new("ragged_dot_hopper").dtype(dtype).dtype(out).flag(rhs_transposed), block_n)
 }
 
 pub fn transposed_hopper_instance(dtype: DataType, out: DataType, block_n: u32) -> Result<String> {
-    Ok(format!("transposed_ragged_dot_hopper<{}, {}, {block_n}>", type_name(dtype)?, type_name(out)?))
+    hopper_instance(Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out), block_n)
+}
+
+/// A Hopper kernel's instance: its own arguments, then its tile width and
+/// the launch [`launch_hopper`] makes.
+fn hopper_instance(instance: Instance, block_n: u32) -> Result<String> {
+    let instance = instance.int(block_n).int(hopper_stages(block_n)).int(MAX_LOCAL_GROUPS);
+    instance.int(HOPPER_THREADS).int(hopper_shared_bytes(block_n)).build()
 }
 
 pub fn ragged_dot_simt_instance(dtype: DataType, out: DataType, rhs_transposed: bool) -> Result<String> {
-    Ok(format!("ragged_dot_simt<{}, {}, {rhs_transposed}>", type_name(dtype)?, type_name(out)?))
+    let instance = Instance::new("ragged_dot_simt").dtype(dtype).dtype(out).flag(rhs_transposed);
+    instance.int(SIMT_THREADS).int(SIMT_TILE).build()
 }
 
 pub fn transposed_simt_instance(dtype: DataType, out: DataType) -> Result<String> {
-    Ok(format!("transposed_ragged_dot_simt<{}, {}>", type_name(dtype)?, type_name(out)?))
-}
-
-fn int(value: usize) -> Result<i32> {
-    i32::try_from(value).map_err(|_| Error::invalid_argument(format!("{value}: the grouped GEMM kernels index with int32")))
-}
-
-fn grid(blocks: usize) -> Result<u32> {
-    u32::try_from(blocks)
-        .ok()
-        .filter(|&b| b < 1 << 31)
-        .ok_or_else(|| Error::invalid_argument(format!("{blocks} blocks: too large a launch")))
+    Instance::new("transposed_ragged_dot_simt").dtype(dtype).dtype(out).int(SIMT_THREADS).int(SIMT_TILE).build()
 }
 
 /// The group arguments and sizes every kernel takes after its operands, as
@@ -122,20 +134,20 @@ impl Groups {
     /// Launches `group_bounds` into scratch: the SIMT kernels' row bounds.
     /// The scratch must outlive the launch of the kernel that reads them: XLA
     /// may hand freed memory to work launched after the free.
-    fn bounds<'a>(&self, call: &Call<'a>, stream: Stream) -> Result<Scratch<'a>> {
+    fn bounds<'a>(&self, ctx: &LaunchContext<'a>) -> Result<Scratch<'a>> {
         let m = self.dims[0];
-        let scratch = call.scratch((self.local_groups as usize + 1) * 4)?;
+        let scratch = ctx.scratch((self.local_groups as usize + 1) * 4)?;
         let bounds = scratch.ptr() as u64;
-        let kernel = Kernel::get(stream, &GROUPED_GEMM, "group_bounds")?;
-        launch(stream, kernel, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &mut [
+        let kernel = Kernel::get(ctx.stream, &GROUPED_GEMM, "group_bounds")?;
+        launch(ctx.stream, kernel, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &mut [
             arg(&self.sizes), arg(&self.groups), arg(&self.offset), arg(&self.local_groups), arg(&m), arg(&bounds),
         ])?;
         Ok(scratch)
     }
 }
 
-pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn ragged_dot(ctx: &LaunchContext, a: &RaggedDot) -> Result<()> {
+    let stream = ctx.stream;
     let shape = &a.shape;
     if shape.m == 0 || shape.n == 0 {
         return Ok(());
@@ -159,7 +171,7 @@ pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
         return launch_hopper(stream, &device, &instance, bn, [lhs_map, rhs_map], &g, out);
     }
 
-    let scratch = g.bounds(call, stream)?;
+    let scratch = g.bounds(ctx)?;
     let bounds = scratch.ptr() as u64;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &ragged_dot_simt_instance(dtype, out_dtype, a.rhs_transposed)?)?;
     let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
@@ -168,8 +180,8 @@ pub fn ragged_dot(call: &Call, a: &RaggedDot) -> Result<()> {
     ])
 }
 
-pub fn transposed_ragged_dot(call: &Call, a: &TransposedRaggedDot) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn transposed_ragged_dot(ctx: &LaunchContext, a: &TransposedRaggedDot) -> Result<()> {
+    let stream = ctx.stream;
     let shape = &a.shape;
     if shape.local_groups == 0 || shape.k == 0 || shape.n == 0 {
         return Ok(());
@@ -189,7 +201,7 @@ pub fn transposed_ragged_dot(call: &Call, a: &TransposedRaggedDot) -> Result<()>
         return launch_hopper(stream, &device, &instance, bn, [lhs_map, rhs_map], &g, out);
     }
 
-    let scratch = g.bounds(call, stream)?;
+    let scratch = g.bounds(ctx)?;
     let bounds = scratch.ptr() as u64;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &transposed_simt_instance(dtype, out_dtype)?)?;
     let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
@@ -251,6 +263,16 @@ mod tests {
             checks.into_iter().filter_map(|c| c.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
         });
         assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// The kernel checks the launch's shared memory against its own layout:
+    /// eight bytes short, the instance does not compile.
+    #[test]
+    fn a_hopper_launch_that_disagrees_with_the_kernels_layout_does_not_compile() {
+        let instance = Instance::new("ragged_dot_hopper").dtype(DataType::BF16).dtype(DataType::BF16).flag(false);
+        let short = instance.int(256).int(hopper_stages(256)).int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS).int(hopper_shared_bytes(256) - 8);
+        let error = compile_check(&GROUPED_GEMM, &[&short.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
+        assert!(error.message().contains("the launch's dynamic shared memory is this layout's"), "{}", error.message());
     }
 
     /// Both configurations fit the 227 KiB a Hopper block may have.

@@ -1,134 +1,42 @@
-//! XLA FFI handlers of the grouped products. Each call is decoded (and
-//! checked) once into a typed struct; the CPU handler then runs `cpu`, the
-//! CUDA handler (`<name>_cuda`, registered for the CUDA platform under the
-//! same target name) launches the kernels of `kernels/grouped_gemm.cu`.
-//!
-//! Both take `group_sizes [G]` and `group_offset [1]` (int32, on the device).
+//! XLA FFI handlers of the grouped products. Each decodes its call into the
+//! typed struct of `ops`; the CPU handler then runs `cpu` on its
+//! slices, the CUDA handler (`<name>_cuda`, registered for the CUDA platform
+//! under the same target name) hands it to `cuda` with the call's
+//! [`LaunchContext`].
 
-use super::{cpu, cuda, GroupedShape};
-use crate::ffi::{Arg, Call, DataType, Result, Ret};
-use crate::real::FLOAT_TYPES;
-use crate::{export_handler, invalid, with_real_type};
+use super::{cpu, cuda, RaggedDot, TransposedRaggedDot};
+use crate::cuda::LaunchContext;
+use crate::ffi::{DataType, Result};
+use crate::{export_handler, with_real_type};
 
-export_handler!(oxmoe_ragged_dot_fwd, RaggedDot, |_, op| op.run_cpu());
-export_handler!(oxmoe_ragged_dot_bwd, TransposedRaggedDot, |_, op| op.run_cpu());
+export_handler!(oxmoe_ragged_dot_fwd, RaggedDot, |_, op| ragged_dot_cpu(op));
+export_handler!(oxmoe_ragged_dot_bwd, TransposedRaggedDot, |_, op| transposed_ragged_dot_cpu(op));
 
-export_handler!(oxmoe_ragged_dot_fwd_cuda, RaggedDot, |call, op| cuda::ragged_dot(call, &op));
-export_handler!(oxmoe_ragged_dot_bwd_cuda, TransposedRaggedDot, |call, op| cuda::transposed_ragged_dot(call, &op));
+export_handler!(oxmoe_ragged_dot_fwd_cuda, RaggedDot, |call, op| cuda::ragged_dot(&LaunchContext::begin(call)?, &op));
+export_handler!(oxmoe_ragged_dot_bwd_cuda, TransposedRaggedDot, |call, op| cuda::transposed_ragged_dot(&LaunchContext::begin(call)?, &op));
 
-/// The group sizes `[G]` and the window's first group `[1]`, both int32.
-fn decode_groups<'a>(call: &Call<'a>, first: usize) -> Result<(Arg<'a>, Arg<'a>)> {
-    let group_sizes = call.arg(first, "group_sizes")?;
-    group_sizes.expect(&[DataType::S32], &[group_sizes.len()])?;
-    let group_offset = call.arg(first + 1, "group_offset")?;
-    group_offset.expect(&[DataType::S32], &[1])?;
-    Ok((group_sizes, group_offset))
-}
-
-/// The output: the inputs' dtype or f32.
-fn check_out(out: &Ret, input: DataType, shape: &[usize]) -> Result<()> {
-    out.expect(&[input, DataType::F32], shape)?;
+fn ragged_dot_cpu(op: RaggedDot) -> Result<()> {
+    let (sizes, offset) = (op.group_sizes.slice::<i32>()?, op.group_offset.slice::<i32>()?[0]);
+    with_real_type!(op.lhs.dtype(), T => {
+        let (lhs, rhs) = (op.lhs.slice::<T>()?, op.rhs.slice::<T>()?);
+        if op.out.dtype() == DataType::F32 {
+            cpu::ragged_dot::<T, f32>(&op.shape, lhs, rhs, op.rhs_transposed, sizes, offset, op.out.slice_mut()?);
+        } else {
+            cpu::ragged_dot::<T, T>(&op.shape, lhs, rhs, op.rhs_transposed, sizes, offset, op.out.slice_mut()?);
+        }
+    });
     Ok(())
 }
 
-fn check_window(local_groups: usize, groups: usize) -> Result<()> {
-    if local_groups > groups {
-        invalid!("{local_groups} local groups, but group_sizes holds only {groups}")
-    }
+fn transposed_ragged_dot_cpu(op: TransposedRaggedDot) -> Result<()> {
+    let (sizes, offset) = (op.group_sizes.slice::<i32>()?, op.group_offset.slice::<i32>()?[0]);
+    with_real_type!(op.lhs.dtype(), T => {
+        let (lhs, rhs) = (op.lhs.slice::<T>()?, op.rhs.slice::<T>()?);
+        if op.out.dtype() == DataType::F32 {
+            cpu::transposed_ragged_dot::<T, f32>(&op.shape, lhs, rhs, sizes, offset, op.out.slice_mut()?);
+        } else {
+            cpu::transposed_ragged_dot::<T, T>(&op.shape, lhs, rhs, sizes, offset, op.out.slice_mut()?);
+        }
+    });
     Ok(())
-}
-
-/// `oxmoe_ragged_dot_fwd`: lhs [M, K], rhs [Gl, K, N] (attribute
-/// `rhs_transposed`: [Gl, N, K]), group_sizes, group_offset -> out [M, N].
-pub struct RaggedDot<'a> {
-    pub shape: GroupedShape,
-    pub rhs_transposed: bool,
-    pub lhs: Arg<'a>,
-    pub rhs: Arg<'a>,
-    pub group_sizes: Arg<'a>,
-    pub group_offset: Arg<'a>,
-    pub out: Ret<'a>,
-}
-
-impl<'a> RaggedDot<'a> {
-    fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(4, 4)?;
-        let lhs = call.arg(0, "lhs")?;
-        let dtype = lhs.expect_dtype(&FLOAT_TYPES)?;
-        let (m, k) = lhs.matrix()?;
-        let rhs = call.arg(1, "rhs")?;
-        let rhs_transposed: bool = call.attr("rhs_transposed")?;
-        let &[local_groups, d1, d2] = rhs.dims() else {
-            invalid!("rhs has shape {:?}, expected [groups, K, N] or [groups, N, K]", rhs.dims())
-        };
-        let (local_groups, d1, d2) = (local_groups as usize, d1 as usize, d2 as usize);
-        let n = if rhs_transposed { d1 } else { d2 };
-        let rhs_shape = if rhs_transposed { [local_groups, n, k] } else { [local_groups, k, n] };
-        rhs.expect(&[dtype], &rhs_shape)?;
-        let (group_sizes, group_offset) = decode_groups(call, 2)?;
-        check_window(local_groups, group_sizes.len())?;
-        let out = call.ret(0, "out")?;
-        check_out(&out, dtype, &[m, n])?;
-        let shape = GroupedShape { m, k, n, groups: group_sizes.len(), local_groups };
-        Ok(Self { shape, rhs_transposed, lhs, rhs, group_sizes, group_offset, out })
-    }
-
-    fn run_cpu(self) -> Result<()> {
-        let (sizes, offset) = (self.group_sizes.slice::<i32>()?, self.group_offset.slice::<i32>()?[0]);
-        with_real_type!(self.lhs.dtype(), T => {
-            let (lhs, rhs) = (self.lhs.slice::<T>()?, self.rhs.slice::<T>()?);
-            if self.out.dtype() == DataType::F32 {
-                cpu::ragged_dot::<T, f32>(&self.shape, lhs, rhs, self.rhs_transposed, sizes, offset, self.out.slice_mut()?);
-            } else {
-                cpu::ragged_dot::<T, T>(&self.shape, lhs, rhs, self.rhs_transposed, sizes, offset, self.out.slice_mut()?);
-            }
-        });
-        Ok(())
-    }
-}
-
-/// `oxmoe_ragged_dot_bwd`: lhs [M, K], rhs [M, N], group_sizes, group_offset
-/// -> out [Gl, K, N], each local group's `lhs_gᵀ · rhs_g`.
-pub struct TransposedRaggedDot<'a> {
-    pub shape: GroupedShape,
-    pub lhs: Arg<'a>,
-    pub rhs: Arg<'a>,
-    pub group_sizes: Arg<'a>,
-    pub group_offset: Arg<'a>,
-    pub out: Ret<'a>,
-}
-
-impl<'a> TransposedRaggedDot<'a> {
-    fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(4, 4)?;
-        let lhs = call.arg(0, "lhs")?;
-        let dtype = lhs.expect_dtype(&FLOAT_TYPES)?;
-        let (m, k) = lhs.matrix()?;
-        let rhs = call.arg(1, "rhs")?;
-        let (_, n) = rhs.matrix()?;
-        rhs.expect(&[dtype], &[m, n])?;
-        let (group_sizes, group_offset) = decode_groups(call, 2)?;
-        let out = call.ret(0, "out")?;
-        let local_groups = match out.dims() {
-            &[groups, _, _] => groups as usize,
-            dims => invalid!("out has shape {dims:?}, expected [groups, {k}, {n}]"),
-        };
-        check_out(&out, dtype, &[local_groups, k, n])?;
-        check_window(local_groups, group_sizes.len())?;
-        let shape = GroupedShape { m, k, n, groups: group_sizes.len(), local_groups };
-        Ok(Self { shape, lhs, rhs, group_sizes, group_offset, out })
-    }
-
-    fn run_cpu(self) -> Result<()> {
-        let (sizes, offset) = (self.group_sizes.slice::<i32>()?, self.group_offset.slice::<i32>()?[0]);
-        with_real_type!(self.lhs.dtype(), T => {
-            let (lhs, rhs) = (self.lhs.slice::<T>()?, self.rhs.slice::<T>()?);
-            if self.out.dtype() == DataType::F32 {
-                cpu::transposed_ragged_dot::<T, f32>(&self.shape, lhs, rhs, sizes, offset, self.out.slice_mut()?);
-            } else {
-                cpu::transposed_ragged_dot::<T, T>(&self.shape, lhs, rhs, sizes, offset, self.out.slice_mut()?);
-            }
-        });
-        Ok(())
-    }
 }

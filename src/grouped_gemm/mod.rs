@@ -6,12 +6,16 @@
 //! read by the kernels, never by the host. Out-of-range values are clamped
 //! (see [`group_rows`]), so no size can make a kernel read or write out of
 //! bounds. [`cpu`] is the executable specification, [`cuda`] runs
-//! `kernels/grouped_gemm.cu` with the same semantics, [`handlers`] decodes
-//! XLA calls for both.
+//! `kernels/grouped_gemm.cu` with the same semantics. Both take a call
+//! decoded by `ops` ([`RaggedDot`], [`TransposedRaggedDot`]), which
+//! [`handlers`] hands to one or the other.
 
 pub mod cpu;
 pub mod cuda;
 pub mod handlers;
+mod ops;
+
+pub use ops::{RaggedDot, TransposedRaggedDot};
 
 /// The static shape of a grouped product.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -2,20 +2,23 @@
 //! of each kernel of `kernels/permutation.cu` a call needs (element type,
 //! hidden size, experts as template arguments) and its launches.
 
-use super::handlers::{CombineBwd, CombineFwd, DispatchFwd, SortChunks};
-use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, Stream, PERMUTATION};
-use crate::ffi::{Call, DataType, Error, Result};
+use super::{CombineBwd, CombineFwd, DispatchFwd, SortChunks};
+use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, LaunchContext, PERMUTATION};
+use crate::ffi::{DataType, Result};
 use crate::invalid;
 
-/// Threads of the map passes, of `rank_chunks`, of the row kernels
-/// (`MAP_BLOCK`, `SCAN_BLOCK`, `ROW_BLOCK` in the kernels).
+// Each kernel takes the constants of its launch below as template arguments
+// (see `kernels/permutation.cu`), and checks what it assumes of them.
+
+/// Threads of the map passes, of `rank_chunks`, of the row kernels (the
+/// last checked against the kernels' `ROW_BLOCK`).
 const MAP_BLOCK: u32 = 256;
 const SCAN_BLOCK: u32 = 1024;
 const ROW_BLOCK: u32 = 128;
-/// Rows each zeroing block checks and each sort block writes (`ZERO_ROWS`, `SORT_ROWS`).
+/// Rows each zeroing block checks and each sort block writes.
 const ZERO_ROWS: usize = 32;
 const SORT_ROWS: usize = 32;
-/// The chunk tables of a sort live in shared memory (`MAX_CHUNKS`).
+/// The chunk tables of a sort live in shared memory.
 pub const MAX_CHUNKS: usize = 1024;
 /// A token's copies are listed in shared memory, one entry per expert.
 pub const MAX_EXPERTS: usize = 2048;
@@ -48,30 +51,43 @@ pub fn scatter_instance(dtype: DataType, hidden: usize, experts: usize, scatter:
         Scatter::Dispatch => (false, false),
         Scatter::CombineBackward { weighted } => (weighted, true),
     };
-    Ok(format!("scatter_rows<{}, {hidden}, {experts}, {weighted}, {check_map}>", type_name(dtype)?))
+    Instance::new("scatter_rows")
+        .dtype(dtype)
+        .int(hidden)
+        .int(experts)
+        .flag(weighted)
+        .flag(check_map)
+        .int(ROW_BLOCK)
+        .int(tokens_per_block(experts))
+        .int(ZERO_ROWS)
+        .build()
 }
 
 /// `gather_rows` (combine, and dispatch's backward).
 pub fn gather_instance(dtype: DataType, hidden: usize, experts: usize, weighted: bool) -> Result<String> {
     check_experts(experts)?;
-    Ok(format!("gather_rows<{}, {hidden}, {experts}, {weighted}>", type_name(dtype)?))
+    let instance = Instance::new("gather_rows").dtype(dtype).int(hidden).int(experts).flag(weighted);
+    instance.int(ROW_BLOCK).int(tokens_per_block(experts)).build()
 }
 
 /// `sort_chunks` (or its inverse).
 pub fn sort_instance(dtype: DataType, hidden: usize, inverse: bool) -> Result<String> {
-    Ok(format!("sort_chunks<{}, {hidden}, {inverse}>", type_name(dtype)?))
+    let instance = Instance::new("sort_chunks").dtype(dtype).int(hidden).flag(inverse);
+    instance.int(ROW_BLOCK).int(SORT_ROWS).int(MAX_CHUNKS).build()
 }
 
-fn grid(blocks: usize) -> Result<u32> {
-    u32::try_from(blocks).ok().filter(|&b| b < 1 << 31).ok_or_else(|| Error::invalid_argument(format!("{blocks} blocks: too large a launch")))
+/// The kernels that lay out a dispatch's maps: `[count_routed, rank_chunks, assign_rows]`.
+pub fn dispatch_map_instances() -> Result<[String; 3]> {
+    Ok([
+        Instance::new("count_routed").int(MAP_BLOCK).build()?,
+        Instance::new("rank_chunks").int(SCAN_BLOCK).build()?,
+        Instance::new("assign_rows").int(MAP_BLOCK).build()?,
+    ])
 }
 
-/// A size the kernels take as `int` (the handlers check every size fits).
-fn int(value: usize) -> Result<i32> {
-    i32::try_from(value).map_err(|_| Error::invalid_argument(format!("{value}: the permutation kernels index with int32")))
-}
-
-/// Tokens a row-kernel block moves (`tokens_per_block` in the kernels).
+/// Tokens a row-kernel block moves: the copies of up to 4 tokens are listed
+/// at once (a warp each), so that only one wait on dest_rows starts their
+/// work. Rows of many experts keep one token a block (the lists are E entries).
 fn tokens_per_block(experts: usize) -> usize {
     if experts <= 512 {
         4
@@ -91,14 +107,15 @@ fn token_and_zero_blocks(tokens: usize, experts: usize, rows: usize) -> Result<L
     Ok(LaunchConfig { grid: grid(blocks)?, block: ROW_BLOCK, shared_bytes: 0 })
 }
 
-pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn dispatch_fwd(ctx: &LaunchContext, a: &DispatchFwd) -> Result<()> {
+    let stream = ctx.stream;
     let layout = &a.layout;
     let (t, e, rows) = (layout.tokens, layout.experts, layout.rows);
     check_experts(e)?;
-    let count = Kernel::get(stream, &PERMUTATION, "count_routed")?;
-    let rank = Kernel::get(stream, &PERMUTATION, "rank_chunks")?;
-    let assign = Kernel::get(stream, &PERMUTATION, "assign_rows")?;
+    let [count, rank, assign] = dispatch_map_instances()?;
+    let count = Kernel::get(stream, &PERMUTATION, &count)?;
+    let rank = Kernel::get(stream, &PERMUTATION, &rank)?;
+    let assign = Kernel::get(stream, &PERMUTATION, &assign)?;
 
     // Chunks of tokens: a map pass has a thread per (chunk, expert), at least
     // MAP_THREADS of them when there are tokens enough.
@@ -107,7 +124,7 @@ pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
     // Scratch: each (expert, chunk)'s count, then first rank; each expert's routed count.
     // (At most MAX_EXPERTS × 2^31 chunks: no overflow.)
     let ranks_bytes = (e * num_chunks * 4).next_multiple_of(16);
-    let scratch = call.scratch(ranks_bytes + e * 4)?;
+    let scratch = ctx.scratch(ranks_bytes + e * 4)?;
     let ranks = scratch.ptr() as u64;
     let routed = ranks + ranks_bytes as u64;
 
@@ -145,8 +162,8 @@ pub fn dispatch_fwd(call: &Call, a: &DispatchFwd) -> Result<()> {
     ])
 }
 
-pub fn combine_fwd(call: &Call, a: &CombineFwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn combine_fwd(ctx: &LaunchContext, a: &CombineFwd) -> Result<()> {
+    let stream = ctx.stream;
     let weighted = a.merging_probs.is_some();
     let kernel = Kernel::get(stream, &PERMUTATION, &gather_instance(a.expert_tokens.dtype(), a.hidden, a.experts, weighted)?)?;
     let (src, dest_rows, out) = (a.expert_tokens.device_ptr(), a.dest_rows.device_ptr(), a.out.device_ptr());
@@ -156,8 +173,8 @@ pub fn combine_fwd(call: &Call, a: &CombineFwd) -> Result<()> {
     launch(stream, kernel, config, &mut [arg(&src), arg(&dest_rows), arg(&weights), arg(&out), arg(&tokens), arg(&rows)])
 }
 
-pub fn combine_bwd(call: &Call, a: &CombineBwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn combine_bwd(ctx: &LaunchContext, a: &CombineBwd) -> Result<()> {
+    let stream = ctx.stream;
     let scatter = Scatter::CombineBackward { weighted: a.weighted.is_some() };
     let kernel = Kernel::get(stream, &PERMUTATION, &scatter_instance(a.grad_out.dtype(), a.hidden, a.experts, scatter)?)?;
     let (grad, dest_rows, source_tokens, out) =
@@ -173,11 +190,11 @@ pub fn combine_bwd(call: &Call, a: &CombineBwd) -> Result<()> {
     ])
 }
 
-pub fn sort_chunks(call: &Call, a: &SortChunks) -> Result<()> {
+pub fn sort_chunks(ctx: &LaunchContext, a: &SortChunks) -> Result<()> {
     if a.chunks > MAX_CHUNKS {
         invalid!("{} chunks: the CUDA chunk sort takes at most {MAX_CHUNKS}", a.chunks)
     }
-    let stream = Stream::begin(call)?;
+    let stream = ctx.stream;
     let kernel = Kernel::get(stream, &PERMUTATION, &sort_instance(a.tokens.dtype(), a.hidden, a.inverse)?)?;
     let (src, sizes, order, out) =
         (a.tokens.device_ptr(), a.split_sizes.device_ptr(), a.sorted_indices.device_ptr(), a.out.device_ptr());
@@ -196,7 +213,7 @@ mod tests {
     /// largest expert count, in every element type.
     fn instances() -> Vec<String> {
         let shapes = [(1024, 8), (2048, 128), (7168, 256), (4096, 2048), (13, 8), (6, 60), (1, 4)];
-        let mut out = vec!["count_routed".to_owned(), "rank_chunks".to_owned(), "assign_rows".to_owned()];
+        let mut out = dispatch_map_instances().unwrap().to_vec();
         for dtype in [DataType::F32, DataType::BF16, DataType::F16] {
             for (hidden, experts) in shapes {
                 out.push(scatter_instance(dtype, hidden, experts, Scatter::Dispatch).unwrap());

@@ -3,12 +3,16 @@
 //! and chunk sorting (the local reorder after an all-to-all).
 //!
 //! [`cpu`] is the executable specification, [`cuda`] runs
-//! `kernels/permutation.cu` with the same semantics, and [`handlers`]
-//! decodes XLA calls for both.
+//! `kernels/permutation.cu` with the same semantics. Both take a call
+//! decoded by `ops` ([`DispatchFwd`], ...), which [`handlers`] hands to one
+//! or the other.
 
 pub mod cpu;
 pub mod cuda;
 pub mod handlers;
+mod ops;
+
+pub use ops::{CombineBwd, CombineFwd, DispatchFwd, SortChunks};
 
 /// The static shape of a dispatch.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -2,15 +2,16 @@
 //! each kernel of `kernels/router.cu` a call needs (element type, experts,
 //! top-k, groups and score function as template arguments) and its launch.
 
-use super::handlers::{AuxLossBwd, AuxLossFwd, ScoresBwd, ScoresFwd, TopkBwd, TopkFwd};
-use super::{ScoreFunction, TopkConfig};
-use crate::cuda::{arg, launch, type_name, Kernel, LaunchConfig, Stream, ROUTER};
-use crate::ffi::{Call, DataType, Error, Result};
+use super::{AuxLossBwd, AuxLossFwd, ScoreFunction, ScoresBwd, ScoresFwd, TopkBwd, TopkConfig, TopkFwd};
+use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, LaunchContext, ROUTER};
+use crate::ffi::{DataType, Result};
 use crate::invalid;
 
-/// Threads per block of the per-token kernels (`ROUTER_BLOCK`).
+/// Threads per block of the per-token kernels (checked against the kernels'
+/// `ROUTER_BLOCK`).
 const ROUTER_BLOCK: u32 = 128;
-/// Blocks of partial sums and threads per block of the loss (`AUX_PARTIALS`, `AUX_BLOCK`).
+/// Blocks of the loss's partial sums (its `PARTIALS`), and threads per block
+/// of the loss's other kernels (their `BLOCK`).
 const AUX_PARTIALS: u32 = 1024;
 const AUX_BLOCK: u32 = 256;
 /// A lane holds at most 64 experts of a row, so rows of up to 32 * 64.
@@ -44,123 +45,130 @@ fn check_experts(experts: usize) -> Result<()> {
 
 /// The `topk_fwd` instance a configuration needs.
 pub fn topk_fwd_instance(config: &TopkConfig, dtype: DataType, has_bias: bool) -> Result<String> {
-    check_experts(config.num_experts)?;
-    Ok(format!(
-        "topk_fwd<{}, {}, {}, {}, {}, {}, {}>",
-        type_name(dtype)?,
-        config.num_experts,
-        config.topk,
-        config.num_groups,
-        config.group_topk,
-        score_code(config.score_function, config.use_pre_softmax),
-        has_bias
-    ))
+    let instance = Instance::new("topk_fwd")
+        .dtype(dtype)
+        .int(config.num_experts)
+        .int(config.topk)
+        .int(config.num_groups)
+        .int(config.group_topk)
+        .int(score_code(config.score_function, config.use_pre_softmax))
+        .flag(has_bias);
+    per_token_instance(instance, config.num_experts)
 }
 
 /// The `topk_bwd` instance a configuration needs.
 pub fn topk_bwd_instance(config: &TopkConfig, dtype: DataType) -> Result<String> {
-    check_experts(config.num_experts)?;
-    Ok(format!(
-        "topk_bwd<{}, {}, {}, {}>",
-        type_name(dtype)?,
-        config.num_experts,
-        config.topk,
-        score_code(config.score_function, config.use_pre_softmax)
-    ))
+    let instance = Instance::new("topk_bwd")
+        .dtype(dtype)
+        .int(config.num_experts)
+        .int(config.topk)
+        .int(score_code(config.score_function, config.use_pre_softmax));
+    per_token_instance(instance, config.num_experts)
 }
 
 /// The `scores_fwd` instance.
 pub fn scores_fwd_instance(score_function: ScoreFunction, topk: usize, experts: usize, dtype: DataType) -> Result<String> {
-    check_experts(experts)?;
-    Ok(format!("scores_fwd<{}, {experts}, {topk}, {}>", type_name(dtype)?, score_code(score_function, false)))
+    let instance = Instance::new("scores_fwd").dtype(dtype).int(experts).int(topk).int(score_code(score_function, false));
+    per_token_instance(instance, experts)
 }
 
 /// The `scores_bwd` instance.
 pub fn scores_bwd_instance(score_function: ScoreFunction, experts: usize, dtype: DataType) -> Result<String> {
-    check_experts(experts)?;
-    Ok(format!("scores_bwd<{}, {experts}, {}>", type_name(dtype)?, score_code(score_function, false)))
+    let instance = Instance::new("scores_bwd").dtype(dtype).int(experts).int(score_code(score_function, false));
+    per_token_instance(instance, experts)
 }
 
-/// The instances of the loss (forward partial sums and backward); the final
-/// sum `aux_loss_total` has none.
+/// A per-token kernel's instance: its own arguments, then the launch
+/// [`per_token`] makes (threads, token rows a block), which the kernel checks.
+fn per_token_instance(instance: Instance, experts: usize) -> Result<String> {
+    check_experts(experts)?;
+    instance.int(ROUTER_BLOCK).int(rows_per_block(experts)).build()
+}
+
+/// The instances of the loss's forward partial sums and of its backward.
 pub fn aux_loss_instances(experts: usize, probs: DataType, counts: DataType) -> Result<[String; 2]> {
     check_experts(experts)?;
-    let (p, c) = (type_name(probs)?, type_name(counts)?);
-    Ok([format!("aux_loss_partials<{p}, {c}, {experts}>"), format!("aux_loss_bwd<{p}, {c}, {experts}>")])
+    let partials = Instance::new("aux_loss_partials").dtype(probs).dtype(counts).int(experts).int(AUX_BLOCK).int(AUX_PARTIALS);
+    let backward = Instance::new("aux_loss_bwd").dtype(probs).dtype(counts).int(experts).int(AUX_BLOCK);
+    Ok([partials.build()?, backward.build()?])
 }
 
-/// One block per `ROUTER_BLOCK / team_lanes` token rows.
+/// The instance that adds the loss's partial sums.
+pub fn aux_loss_total_instance() -> Result<String> {
+    Instance::new("aux_loss_total").int(AUX_PARTIALS).build()
+}
+
+/// Token rows a per-token block handles (`Team::ROWS` in the kernels).
+fn rows_per_block(experts: usize) -> usize {
+    ROUTER_BLOCK as usize / team_lanes(experts)
+}
+
+/// One block per [`rows_per_block`] token rows.
 fn per_token(tokens: usize, experts: usize) -> Result<LaunchConfig> {
-    let rows = ROUTER_BLOCK as usize / team_lanes(experts);
-    let grid = u32::try_from(tokens.div_ceil(rows)).map_err(|_| Error::invalid_argument(format!("{tokens} tokens are too many")))?;
-    Ok(LaunchConfig { grid, block: ROUTER_BLOCK, shared_bytes: 0 })
+    Ok(LaunchConfig { grid: grid(tokens.div_ceil(rows_per_block(experts)))?, block: ROUTER_BLOCK, shared_bytes: 0 })
 }
 
-fn token_count(tokens: usize) -> Result<i32> {
-    i32::try_from(tokens).map_err(|_| Error::invalid_argument(format!("{tokens} tokens: at most 2^31 - 1")))
-}
-
-pub fn topk_fwd(call: &Call, a: &TopkFwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn topk_fwd(ctx: &LaunchContext, a: &TopkFwd) -> Result<()> {
+    let stream = ctx.stream;
     let kernel = Kernel::get(stream, &ROUTER, &topk_fwd_instance(&a.config, a.logits.dtype(), a.bias.is_some())?)?;
     let (logits, probs, map) = (a.logits.device_ptr(), a.probs.device_ptr(), a.routing_map.device_ptr());
     let bias = a.bias.as_ref().map_or(0, |b| b.device_ptr());
-    let (tokens, scaling) = (token_count(a.tokens)?, a.config.scaling_factor);
+    let (tokens, scaling) = (int(a.tokens)?, a.config.scaling_factor);
     let config = per_token(a.tokens, a.config.num_experts)?;
     launch(stream, kernel, config, &mut [arg(&logits), arg(&bias), arg(&probs), arg(&map), arg(&tokens), arg(&scaling)])
 }
 
-pub fn topk_bwd(call: &Call, a: &TopkBwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn topk_bwd(ctx: &LaunchContext, a: &TopkBwd) -> Result<()> {
+    let stream = ctx.stream;
     let kernel = Kernel::get(stream, &ROUTER, &topk_bwd_instance(&a.config, a.logits.dtype())?)?;
     let (grad, logits, map, out) =
         (a.grad_probs.device_ptr(), a.logits.device_ptr(), a.routing_map.device_ptr(), a.grad_logits.device_ptr());
-    let (tokens, scaling) = (token_count(a.tokens)?, a.config.scaling_factor);
+    let (tokens, scaling) = (int(a.tokens)?, a.config.scaling_factor);
     let config = per_token(a.tokens, a.config.num_experts)?;
     launch(stream, kernel, config, &mut [arg(&grad), arg(&logits), arg(&map), arg(&out), arg(&tokens), arg(&scaling)])
 }
 
-pub fn scores_fwd(call: &Call, a: &ScoresFwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn scores_fwd(ctx: &LaunchContext, a: &ScoresFwd) -> Result<()> {
+    let stream = ctx.stream;
     let instance = scores_fwd_instance(a.score_function, a.topk, a.experts, a.logits.dtype())?;
     let kernel = Kernel::get(stream, &ROUTER, &instance)?;
     let (logits, map, scores) = (a.logits.device_ptr(), a.routing_map.device_ptr(), a.scores.device_ptr());
-    let tokens = token_count(a.tokens)?;
+    let tokens = int(a.tokens)?;
     launch(stream, kernel, per_token(a.tokens, a.experts)?, &mut [arg(&logits), arg(&map), arg(&scores), arg(&tokens)])
 }
 
-pub fn scores_bwd(call: &Call, a: &ScoresBwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn scores_bwd(ctx: &LaunchContext, a: &ScoresBwd) -> Result<()> {
+    let stream = ctx.stream;
     let kernel = Kernel::get(stream, &ROUTER, &scores_bwd_instance(a.score_function, a.experts, a.logits.dtype())?)?;
     let (grad, logits, out) = (a.grad_scores.device_ptr(), a.logits.device_ptr(), a.grad_logits.device_ptr());
-    let tokens = token_count(a.tokens)?;
+    let tokens = int(a.tokens)?;
     launch(stream, kernel, per_token(a.tokens, a.experts)?, &mut [arg(&grad), arg(&logits), arg(&out), arg(&tokens)])
 }
 
-pub fn aux_loss_fwd(call: &Call, a: &AuxLossFwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn aux_loss_fwd(ctx: &LaunchContext, a: &AuxLossFwd) -> Result<()> {
+    let stream = ctx.stream;
     let [partials_instance, _] = aux_loss_instances(a.config.num_experts, a.probs.dtype(), a.counts.dtype())?;
     let partials_kernel = Kernel::get(stream, &ROUTER, &partials_instance)?;
-    let total_kernel = Kernel::get(stream, &ROUTER, "aux_loss_total")?;
-    let scratch = call.scratch(AUX_PARTIALS as usize * std::mem::size_of::<f32>())?;
+    let total_kernel = Kernel::get(stream, &ROUTER, &aux_loss_total_instance()?)?;
+    let scratch = ctx.scratch(AUX_PARTIALS as usize * std::mem::size_of::<f32>())?;
     let (probs, counts, partials, loss) = (a.probs.device_ptr(), a.counts.device_ptr(), scratch.ptr() as u64, a.loss.device_ptr());
-    let (tokens, scale) = (token_count(a.tokens)?, a.config.scale());
+    let (tokens, scale) = (int(a.tokens)?, a.config.scale());
     let blocks = LaunchConfig { grid: AUX_PARTIALS, block: AUX_BLOCK, shared_bytes: 0 };
     launch(stream, partials_kernel, blocks, &mut [arg(&probs), arg(&counts), arg(&partials), arg(&tokens)])?;
     let one_block = LaunchConfig { grid: 1, block: AUX_PARTIALS, shared_bytes: 0 };
     launch(stream, total_kernel, one_block, &mut [arg(&partials), arg(&loss), arg(&scale)])
 }
 
-pub fn aux_loss_bwd(call: &Call, a: &AuxLossBwd) -> Result<()> {
-    let stream = Stream::begin(call)?;
+pub fn aux_loss_bwd(ctx: &LaunchContext, a: &AuxLossBwd) -> Result<()> {
+    let stream = ctx.stream;
     let [_, instance] = aux_loss_instances(a.config.num_experts, a.grad_probs.dtype(), a.counts.dtype())?;
     let kernel = Kernel::get(stream, &ROUTER, &instance)?;
     let (grad, counts, out) = (a.grad_loss.device_ptr(), a.counts.device_ptr(), a.grad_probs.device_ptr());
-    let (tokens, scale) = (token_count(a.tokens)?, a.config.scale());
+    let (tokens, scale) = (int(a.tokens)?, a.config.scale());
     // Enough blocks to fill any GPU; each thread loops over 16-byte vectors.
     let vectors = a.tokens * a.config.num_experts / 8 + 1;
-    let grid = u32::try_from(vectors.div_ceil(AUX_BLOCK as usize).min(1 << 16)).expect("at most 2^16");
-    launch(stream, kernel, LaunchConfig { grid, block: AUX_BLOCK, shared_bytes: 0 }, &mut [arg(&grad), arg(&counts), arg(&out), arg(&tokens), arg(&scale)])
+    let blocks = grid(vectors.div_ceil(AUX_BLOCK as usize).min(1 << 16))?;
+    launch(stream, kernel, LaunchConfig { grid: blocks, block: AUX_BLOCK, shared_bytes: 0 }, &mut [arg(&grad), arg(&counts), arg(&out), arg(&tokens), arg(&scale)])
 }
 
 #[cfg(test)]
@@ -205,6 +213,7 @@ mod tests {
                 }
             }
         }
+        out.push(aux_loss_total_instance().unwrap());
         out.sort();
         out.dedup();
         out
@@ -215,7 +224,7 @@ mod tests {
     #[test]
     fn router_kernels_compile_for_ampere_hopper_and_blackwell() {
         let instances = instances();
-        let instances: Vec<&str> = instances.iter().map(String::as_str).chain(["aux_loss_total"]).collect();
+        let instances: Vec<&str> = instances.iter().map(String::as_str).collect();
         let failures: Vec<String> = std::thread::scope(|scope| {
             let checks: Vec<_> = ["sm_80", "sm_90a", "sm_100"]
                 .map(|arch| scope.spawn(|| compile_check(&ROUTER, &instances, &Architecture(arch.into()))))

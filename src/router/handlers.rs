@@ -1,209 +1,73 @@
-//! XLA FFI handlers of the router primitives. Each call is decoded (and
-//! checked) once into a typed struct; the CPU handler then runs `cpu`, the
-//! CUDA handler (`<name>_cuda`, registered for the CUDA platform under the
-//! same target name) launches the kernels of `kernels/router.cu`.
+//! XLA FFI handlers of the router primitives. Each decodes its call into
+//! the typed struct of `ops`; the CPU handler then runs `cpu` on its
+//! slices, the CUDA handler (`<name>_cuda`, registered for the CUDA platform
+//! under the same target name) hands it to `cuda` with the call's
+//! [`LaunchContext`].
 
-use super::{cpu, cuda, AuxLossConfig, ScoreFunction, TopkConfig};
-use crate::ffi::{Arg, Call, DataType, Result, Ret};
-use crate::real::{float_matrix, Real, FLOAT_TYPES};
-use crate::{export_handler, invalid, with_real_type};
+use super::{cpu, cuda, AuxLossBwd, AuxLossFwd, ScoresBwd, ScoresFwd, TopkBwd, TopkFwd};
+use crate::cuda::LaunchContext;
+use crate::ffi::{Arg, DataType, Result};
+use crate::real::Real;
+use crate::{export_handler, with_real_type};
 
-export_handler!(oxmoe_topk_fwd, TopkFwd, |_, op| op.run_cpu());
-export_handler!(oxmoe_topk_bwd, TopkBwd, |_, op| op.run_cpu());
-export_handler!(oxmoe_aux_loss_scores_fwd, ScoresFwd, |_, op| op.run_cpu());
-export_handler!(oxmoe_aux_loss_scores_bwd, ScoresBwd, |_, op| op.run_cpu());
-export_handler!(oxmoe_aux_loss_fwd, AuxLossFwd, |_, op| op.run_cpu());
-export_handler!(oxmoe_aux_loss_bwd, AuxLossBwd, |_, op| op.run_cpu());
+export_handler!(oxmoe_topk_fwd, TopkFwd, |_, op| topk_fwd_cpu(op));
+export_handler!(oxmoe_topk_bwd, TopkBwd, |_, op| topk_bwd_cpu(op));
+export_handler!(oxmoe_aux_loss_scores_fwd, ScoresFwd, |_, op| scores_fwd_cpu(op));
+export_handler!(oxmoe_aux_loss_scores_bwd, ScoresBwd, |_, op| scores_bwd_cpu(op));
+export_handler!(oxmoe_aux_loss_fwd, AuxLossFwd, |_, op| aux_loss_fwd_cpu(op));
+export_handler!(oxmoe_aux_loss_bwd, AuxLossBwd, |_, op| aux_loss_bwd_cpu(op));
 
-export_handler!(oxmoe_topk_fwd_cuda, TopkFwd, |call, op| cuda::topk_fwd(call, &op));
-export_handler!(oxmoe_topk_bwd_cuda, TopkBwd, |call, op| cuda::topk_bwd(call, &op));
-export_handler!(oxmoe_aux_loss_scores_fwd_cuda, ScoresFwd, |call, op| cuda::scores_fwd(call, &op));
-export_handler!(oxmoe_aux_loss_scores_bwd_cuda, ScoresBwd, |call, op| cuda::scores_bwd(call, &op));
-export_handler!(oxmoe_aux_loss_fwd_cuda, AuxLossFwd, |call, op| cuda::aux_loss_fwd(call, &op));
-export_handler!(oxmoe_aux_loss_bwd_cuda, AuxLossBwd, |call, op| cuda::aux_loss_bwd(call, &op));
+export_handler!(oxmoe_topk_fwd_cuda, TopkFwd, |call, op| cuda::topk_fwd(&LaunchContext::begin(call)?, &op));
+export_handler!(oxmoe_topk_bwd_cuda, TopkBwd, |call, op| cuda::topk_bwd(&LaunchContext::begin(call)?, &op));
+export_handler!(oxmoe_aux_loss_scores_fwd_cuda, ScoresFwd, |call, op| cuda::scores_fwd(&LaunchContext::begin(call)?, &op));
+export_handler!(oxmoe_aux_loss_scores_bwd_cuda, ScoresBwd, |call, op| cuda::scores_bwd(&LaunchContext::begin(call)?, &op));
+export_handler!(oxmoe_aux_loss_fwd_cuda, AuxLossFwd, |call, op| cuda::aux_loss_fwd(&LaunchContext::begin(call)?, &op));
+export_handler!(oxmoe_aux_loss_bwd_cuda, AuxLossBwd, |call, op| cuda::aux_loss_bwd(&LaunchContext::begin(call)?, &op));
 
-/// The routing configuration from the call's attributes, validated.
-/// The backward has no group attributes: its selection is given.
-fn topk_config(call: &Call, num_experts: usize, grouped: bool) -> Result<TopkConfig> {
-    let config = TopkConfig {
-        num_experts,
-        topk: call.count("topk")?,
-        score_function: ScoreFunction::parse(call.attr("score_function")?)?,
-        use_pre_softmax: call.attr("use_pre_softmax")?,
-        num_groups: if grouped { call.count("num_groups")? } else { 1 },
-        group_topk: if grouped { call.count("group_topk")? } else { 1 },
-        scaling_factor: call.attr("scaling_factor")?,
-    };
-    config.validate()?;
-    Ok(config)
+fn topk_fwd_cpu(op: TopkFwd) -> Result<()> {
+    let bias = op.bias.map(|b| b.slice::<f32>()).transpose()?;
+    let routing_map = op.routing_map.mask_mut()?;
+    with_real_type!(op.logits.dtype(), T => {
+        cpu::topk_forward::<T>(&op.config, op.logits.slice()?, bias, op.probs.slice_mut()?, routing_map);
+    });
+    Ok(())
 }
 
-/// `oxmoe_topk_fwd`: logits [T, E], optional expert_bias [E] f32 ->
-/// probs [T, E] (logits' dtype), routing_map [T, E] bool.
-pub struct TopkFwd<'a> {
-    pub config: TopkConfig,
-    pub tokens: usize,
-    pub logits: Arg<'a>,
-    pub bias: Option<Arg<'a>>,
-    pub probs: Ret<'a>,
-    pub routing_map: Ret<'a>,
+fn topk_bwd_cpu(op: TopkBwd) -> Result<()> {
+    let routing_map = op.routing_map.mask()?;
+    with_real_type!(op.logits.dtype(), T => {
+        cpu::topk_backward::<T>(&op.config, op.grad_probs.slice()?, op.logits.slice()?, routing_map, op.grad_logits.slice_mut()?);
+    });
+    Ok(())
 }
 
-impl<'a> TopkFwd<'a> {
-    fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(1, 2)?;
-        let logits = call.arg(0, "logits")?;
-        let (tokens, experts) = float_matrix(&logits)?;
-        let config = topk_config(call, experts, true)?;
-        let bias = call.optional_arg(1, "expert_bias")?;
-        if let Some(bias) = &bias {
-            if config.score_function != ScoreFunction::Sigmoid {
-                invalid!("expert_bias applies to score_function \"sigmoid\" only")
-            }
-            bias.expect(&[DataType::F32], &[experts])?;
-        }
-        let probs = call.ret(0, "probs")?;
-        probs.expect(&[logits.dtype()], &[tokens, experts])?;
-        let routing_map = call.ret(1, "routing_map")?;
-        routing_map.expect(&[DataType::PRED], &[tokens, experts])?;
-        Ok(Self { config, tokens, logits, bias, probs, routing_map })
-    }
-
-    fn run_cpu(self) -> Result<()> {
-        let bias = self.bias.map(|b| b.slice::<f32>()).transpose()?;
-        let routing_map = self.routing_map.mask_mut()?;
-        with_real_type!(self.logits.dtype(), T => {
-            cpu::topk_forward::<T>(&self.config, self.logits.slice()?, bias, self.probs.slice_mut()?, routing_map);
-        });
-        Ok(())
-    }
+fn scores_fwd_cpu(op: ScoresFwd) -> Result<()> {
+    let (map, scores) = (op.routing_map.mask_mut()?, op.scores.slice_mut()?);
+    with_real_type!(op.logits.dtype(), T => {
+        cpu::scores_forward::<T>(op.score_function, op.topk, op.experts, op.logits.slice()?, map, scores);
+    });
+    Ok(())
 }
 
-/// `oxmoe_topk_bwd`: grad_probs, logits [T, E] (same float dtype),
-/// routing_map [T, E] bool -> grad_logits [T, E].
-pub struct TopkBwd<'a> {
-    pub config: TopkConfig,
-    pub tokens: usize,
-    pub grad_probs: Arg<'a>,
-    pub logits: Arg<'a>,
-    pub routing_map: Arg<'a>,
-    pub grad_logits: Ret<'a>,
+fn scores_bwd_cpu(op: ScoresBwd) -> Result<()> {
+    with_real_type!(op.logits.dtype(), T => {
+        cpu::scores_backward::<T>(op.score_function, op.experts, op.grad_scores.slice()?, op.logits.slice()?, op.grad_logits.slice_mut()?);
+    });
+    Ok(())
 }
 
-impl<'a> TopkBwd<'a> {
-    fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(3, 3)?;
-        let grad_probs = call.arg(0, "grad_probs")?;
-        let logits = call.arg(1, "logits")?;
-        let routing_map = call.arg(2, "routing_map")?;
-        let (tokens, experts) = float_matrix(&logits)?;
-        let config = topk_config(call, experts, false)?;
-        grad_probs.expect(&[logits.dtype()], &[tokens, experts])?;
-        routing_map.expect(&[DataType::PRED], &[tokens, experts])?;
-        let grad_logits = call.ret(0, "grad_logits")?;
-        grad_logits.expect(&[logits.dtype()], &[tokens, experts])?;
-        Ok(Self { config, tokens, grad_probs, logits, routing_map, grad_logits })
-    }
-
-    fn run_cpu(self) -> Result<()> {
-        let routing_map = self.routing_map.mask()?;
-        with_real_type!(self.logits.dtype(), T => {
-            cpu::topk_backward::<T>(&self.config, self.grad_probs.slice()?, self.logits.slice()?, routing_map, self.grad_logits.slice_mut()?);
-        });
-        Ok(())
-    }
+fn aux_loss_fwd_cpu(op: AuxLossFwd) -> Result<()> {
+    let counts = counts_f32(&op.counts)?;
+    let value = with_real_type!(op.probs.dtype(), T => cpu::aux_loss_forward::<T>(&op.config, op.probs.slice()?, &counts));
+    op.loss.slice_mut::<f32>()?[0] = value;
+    Ok(())
 }
 
-/// `oxmoe_aux_loss_scores_fwd`: logits [T, E] -> routing_map [T, E] bool, scores [T, E] f32.
-pub struct ScoresFwd<'a> {
-    pub score_function: ScoreFunction,
-    pub topk: usize,
-    pub tokens: usize,
-    pub experts: usize,
-    pub logits: Arg<'a>,
-    pub routing_map: Ret<'a>,
-    pub scores: Ret<'a>,
-}
-
-impl<'a> ScoresFwd<'a> {
-    fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(1, 1)?;
-        let logits = call.arg(0, "logits")?;
-        let (tokens, experts) = float_matrix(&logits)?;
-        let topk = call.count("topk")?;
-        if topk < 1 || topk > experts {
-            invalid!("topk is {topk}, expected 1 <= topk <= num_experts ({experts})")
-        }
-        let score_function = ScoreFunction::parse(call.attr("score_function")?)?;
-        let routing_map = call.ret(0, "routing_map")?;
-        routing_map.expect(&[DataType::PRED], &[tokens, experts])?;
-        let scores = call.ret(1, "scores")?;
-        scores.expect(&[DataType::F32], &[tokens, experts])?;
-        Ok(Self { score_function, topk, tokens, experts, logits, routing_map, scores })
-    }
-
-    fn run_cpu(self) -> Result<()> {
-        let (map, scores) = (self.routing_map.mask_mut()?, self.scores.slice_mut()?);
-        with_real_type!(self.logits.dtype(), T => {
-            cpu::scores_forward::<T>(self.score_function, self.topk, self.experts, self.logits.slice()?, map, scores);
-        });
-        Ok(())
-    }
-}
-
-/// `oxmoe_aux_loss_scores_bwd`: grad_scores [T, E] f32, logits [T, E] -> grad_logits [T, E].
-pub struct ScoresBwd<'a> {
-    pub score_function: ScoreFunction,
-    pub tokens: usize,
-    pub experts: usize,
-    pub grad_scores: Arg<'a>,
-    pub logits: Arg<'a>,
-    pub grad_logits: Ret<'a>,
-}
-
-impl<'a> ScoresBwd<'a> {
-    fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(2, 2)?;
-        let grad_scores = call.arg(0, "grad_scores")?;
-        let logits = call.arg(1, "logits")?;
-        let (tokens, experts) = float_matrix(&logits)?;
-        if experts == 0 {
-            invalid!("logits has shape {:?}: no experts, expected at least 1", logits.dims())
-        }
-        grad_scores.expect(&[DataType::F32], &[tokens, experts])?;
-        let score_function = ScoreFunction::parse(call.attr("score_function")?)?;
-        let grad_logits = call.ret(0, "grad_logits")?;
-        grad_logits.expect(&[logits.dtype()], &[tokens, experts])?;
-        Ok(Self { score_function, tokens, experts, grad_scores, logits, grad_logits })
-    }
-
-    fn run_cpu(self) -> Result<()> {
-        with_real_type!(self.logits.dtype(), T => {
-            cpu::scores_backward::<T>(self.score_function, self.experts, self.grad_scores.slice()?, self.logits.slice()?, self.grad_logits.slice_mut()?);
-        });
-        Ok(())
-    }
-}
-
-fn aux_loss_config(call: &Call, num_experts: usize) -> Result<AuxLossConfig> {
-    let config = AuxLossConfig {
-        num_experts,
-        topk: call.count("topk")?,
-        total_num_tokens: call.count("total_num_tokens")?,
-        coeff: call.attr("coeff")?,
-    };
-    config.validate()?;
-    Ok(config)
-}
-
-/// The element types `tokens_per_expert` may have.
-pub const COUNT_TYPES: [DataType; 4] = [DataType::S32, DataType::F32, DataType::BF16, DataType::F16];
-
-/// `tokens_per_expert [E]`, int32 or float.
-fn tokens_per_expert<'a>(call: &Call<'a>, index: usize, num_experts: usize) -> Result<Arg<'a>> {
-    let counts = call.arg(index, "tokens_per_expert")?;
-    counts.expect(&COUNT_TYPES, &[num_experts])?;
-    Ok(counts)
+fn aux_loss_bwd_cpu(op: AuxLossBwd) -> Result<()> {
+    let counts = counts_f32(&op.counts)?;
+    let grad_loss = op.grad_loss.slice::<f32>()?[0];
+    with_real_type!(op.grad_probs.dtype(), T => cpu::aux_loss_backward::<T>(&op.config, grad_loss, &counts, op.grad_probs.slice_mut()?));
+    Ok(())
 }
 
 /// The counts as f32.
@@ -212,63 +76,4 @@ fn counts_f32(counts: &Arg) -> Result<Vec<f32>> {
         return Ok(counts.slice::<i32>()?.iter().map(|&n| n as f32).collect());
     }
     with_real_type!(counts.dtype(), T => Ok(counts.slice::<T>()?.iter().map(|&n| n.to_f32()).collect()))
-}
-
-/// `oxmoe_aux_loss_fwd`: probs [T, E], tokens_per_expert [E] -> loss [] f32.
-pub struct AuxLossFwd<'a> {
-    pub config: AuxLossConfig,
-    pub tokens: usize,
-    pub probs: Arg<'a>,
-    pub counts: Arg<'a>,
-    pub loss: Ret<'a>,
-}
-
-impl<'a> AuxLossFwd<'a> {
-    fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(2, 2)?;
-        let probs = call.arg(0, "probs")?;
-        let (tokens, experts) = float_matrix(&probs)?;
-        let config = aux_loss_config(call, experts)?;
-        let counts = tokens_per_expert(call, 1, experts)?;
-        let loss = call.ret(0, "loss")?;
-        loss.expect(&[DataType::F32], &[])?;
-        Ok(Self { config, tokens, probs, counts, loss })
-    }
-
-    fn run_cpu(self) -> Result<()> {
-        let counts = counts_f32(&self.counts)?;
-        let value = with_real_type!(self.probs.dtype(), T => cpu::aux_loss_forward::<T>(&self.config, self.probs.slice()?, &counts));
-        self.loss.slice_mut::<f32>()?[0] = value;
-        Ok(())
-    }
-}
-
-/// `oxmoe_aux_loss_bwd`: grad_loss [] f32, tokens_per_expert [E] -> grad_probs [T, E].
-pub struct AuxLossBwd<'a> {
-    pub config: AuxLossConfig,
-    pub tokens: usize,
-    pub grad_loss: Arg<'a>,
-    pub counts: Arg<'a>,
-    pub grad_probs: Ret<'a>,
-}
-
-impl<'a> AuxLossBwd<'a> {
-    fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(2, 2)?;
-        let grad_loss = call.arg(0, "grad_loss")?;
-        grad_loss.expect(&[DataType::F32], &[])?;
-        let grad_probs = call.ret(0, "grad_probs")?;
-        grad_probs.expect_dtype(&FLOAT_TYPES)?;
-        let (tokens, experts) = grad_probs.matrix()?;
-        let config = aux_loss_config(call, experts)?;
-        let counts = tokens_per_expert(call, 1, experts)?;
-        Ok(Self { config, tokens, grad_loss, counts, grad_probs })
-    }
-
-    fn run_cpu(self) -> Result<()> {
-        let counts = counts_f32(&self.counts)?;
-        let grad_loss = self.grad_loss.slice::<f32>()?[0];
-        with_real_type!(self.grad_probs.dtype(), T => cpu::aux_loss_backward::<T>(&self.config, grad_loss, &counts, self.grad_probs.slice_mut()?));
-        Ok(())
-    }
 }

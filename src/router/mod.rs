@@ -3,11 +3,15 @@
 //!
 //! [`cpu`] is the executable specification (the semantics are documented on
 //! each function there), [`cuda`] runs `kernels/router.cu` with the same
-//! semantics, and [`handlers`] decodes XLA calls for both.
+//! semantics. Both take a call decoded by `ops` ([`TopkFwd`], ...), which
+//! [`handlers`] hands to one or the other.
 
 pub mod cpu;
 pub mod cuda;
 pub mod handlers;
+mod ops;
+
+pub use ops::{AuxLossBwd, AuxLossFwd, ScoresBwd, ScoresFwd, TopkBwd, TopkFwd};
 
 use crate::ffi::Result;
 use crate::invalid;
