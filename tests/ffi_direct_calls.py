@@ -172,9 +172,9 @@ def dispatch_fwd(tokens, routing_map, rows, **attrs):
 
 CASES.update({
     "ragged_dot_fwd_result_aliasing_lhs": (
-        lambda: aliased("oxmoe_ragged_dot_fwd", _spec(ROWS.shape, jnp.float32), ROWS, np.ones((2, E, E), np.float32),
+        lambda: aliased("oxmoe_ragged_dot", _spec(ROWS.shape, jnp.float32), ROWS, np.ones((2, E, E), np.float32),
                         SIZES, OFFSET, rhs_transposed=np.bool_(False)),
-        "oxmoe_ragged_dot_fwd", [r"result 0 shares memory with argument 0", r"in place"]),
+        "oxmoe_ragged_dot", [r"result 0 shares memory with argument 0", r"in place"]),
     "sort_chunks_result_aliasing_tokens": (
         lambda: aliased("oxmoe_sort_chunks", _spec(ROWS.shape, jnp.float32), ROWS, SPLITS, ORDER,
                         inverse=np.bool_(False)),

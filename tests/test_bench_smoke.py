@@ -271,7 +271,7 @@ def check_grouped_gemm_cases(report: dict) -> None:
         name, check = case["name"], case["check"]
         assert case["failure"] is None, f"{name}: {case['failure']}"
         assert check["passed"], name
-        assert check["primitive"] == ("oxmoe_ragged_dot_bwd" if case["product"] == "drhs" else "oxmoe_ragged_dot_fwd")
+        assert check["primitive"] == ("oxmoe_transposed_ragged_dot" if case["product"] == "drhs" else "oxmoe_ragged_dot")
         assert set(check["errors"]) == set(check["limits"]) == {"bound_violations", "rel_err"}, name
         assert check["errors"]["bound_violations"] == 0, name
         assert 0 < check["errors"]["rel_err"] <= check["limits"]["rel_err"], name
@@ -430,8 +430,8 @@ def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
         # Single device: every token of every input set (plain JAX ran at full size); EP: a sample.
         tokens = case["tokens_per_device"] * case["devices"] if case["devices"] == 1 else 256
         assert check["tokens"] == tokens, name
-        assert check["primitives_per_step"]["oxmoe_ragged_dot_fwd"] >= 1, name
-        assert check["primitives_per_step"]["oxmoe_ragged_dot_bwd"] >= 1, name
+        assert check["primitives_per_step"]["oxmoe_ragged_dot"] >= 1, name
+        assert check["primitives_per_step"]["oxmoe_transposed_ragged_dot"] >= 1, name
 
         assert case["flops"] == _expert_flops(case), name
         ox, dense = case["oxmoe"], case["dense"]

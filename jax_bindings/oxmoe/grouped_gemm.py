@@ -38,12 +38,12 @@ __all__ = ["ragged_dot", "transposed_ragged_dot"]
 
 DISPATCHED, WHOLE = Layout.DISPATCHED, Layout.WHOLE
 
-_ragged_dot_fwd_p = FfiPrimitive(
-    "oxmoe_ragged_dot_fwd", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE), results=(DISPATCHED,),
+_ragged_dot_p = FfiPrimitive(
+    "oxmoe_ragged_dot", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE), results=(DISPATCHED,),
     result_specs=lambda lhs, rhs, *_, n, out_dtype, **__: [jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)],
     shape_params=("n", "out_dtype"))
-_ragged_dot_bwd_p = FfiPrimitive(
-    "oxmoe_ragged_dot_bwd", operands=(DISPATCHED, DISPATCHED, WHOLE, WHOLE), results=(WHOLE,),
+_transposed_ragged_dot_p = FfiPrimitive(
+    "oxmoe_transposed_ragged_dot", operands=(DISPATCHED, DISPATCHED, WHOLE, WHOLE), results=(WHOLE,),
     result_specs=lambda lhs, rhs, *_, groups, out_dtype, **__: [
         jax.ShapeDtypeStruct((groups, lhs.shape[1], rhs.shape[1]), out_dtype)],
     shape_params=("groups", "out_dtype"))
@@ -190,8 +190,8 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
 def _ragged_dot(lhs, rhs, group_sizes, group_offset, static):
     rhs_transposed, out_dtype = static
     n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
-    (out,) = _ragged_dot_fwd_p(lhs, rhs, group_sizes, group_offset, rhs_transposed=np.bool_(rhs_transposed),
-                               n=n, out_dtype=out_dtype)
+    (out,) = _ragged_dot_p(lhs, rhs, group_sizes, group_offset, rhs_transposed=np.bool_(rhs_transposed),
+                           n=n, out_dtype=out_dtype)
     return out
 
 
@@ -217,7 +217,7 @@ _ragged_dot.defvjp(_ragged_dot_vjp_fwd, _ragged_dot_vjp_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _transposed(lhs, rhs, group_sizes, group_offset, static):
     groups, out_dtype = static
-    (out,) = _ragged_dot_bwd_p(lhs, rhs, group_sizes, group_offset, groups=groups, out_dtype=out_dtype)
+    (out,) = _transposed_ragged_dot_p(lhs, rhs, group_sizes, group_offset, groups=groups, out_dtype=out_dtype)
     return out
 
 

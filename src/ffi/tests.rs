@@ -320,10 +320,10 @@ fn a_result_sharing_memory_with_an_argument_is_refused() {
         vec![out_buffer],
         vec![("rhs_transposed", AttrValue::Bool(0))],
     );
-    let error = frame.call(crate::grouped_gemm::handlers::oxmoe_ragged_dot_fwd as Handler).unwrap();
+    let error = frame.call(crate::grouped_gemm::handlers::oxmoe_ragged_dot as Handler).unwrap();
     assert_eq!(
         error.message,
-        "oxmoe_ragged_dot_fwd: result 0 shares memory with argument 0: oxmoe handlers do not compute in place (no input_output_aliases)"
+        "oxmoe_ragged_dot: result 0 shares memory with argument 0: oxmoe handlers do not compute in place (no input_output_aliases)"
     );
     assert_eq!(lhs, (0..8).map(|x| x as f32).collect::<Vec<_>>());
 }

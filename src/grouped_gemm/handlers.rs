@@ -9,11 +9,11 @@ use crate::cuda::LaunchContext;
 use crate::ffi::{DataType, Result};
 use crate::{export_handler, with_real_type};
 
-export_handler!(oxmoe_ragged_dot_fwd, RaggedDot, |_, op| ragged_dot_cpu(op));
-export_handler!(oxmoe_ragged_dot_bwd, TransposedRaggedDot, |_, op| transposed_ragged_dot_cpu(op));
+export_handler!(oxmoe_ragged_dot, RaggedDot, |_, op| ragged_dot_cpu(op));
+export_handler!(oxmoe_transposed_ragged_dot, TransposedRaggedDot, |_, op| transposed_ragged_dot_cpu(op));
 
-export_handler!(oxmoe_ragged_dot_fwd_cuda, RaggedDot, |call, op| cuda::ragged_dot(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_ragged_dot_bwd_cuda, TransposedRaggedDot, |call, op| cuda::transposed_ragged_dot(&LaunchContext::begin(call)?, &op));
+export_handler!(oxmoe_ragged_dot_cuda, RaggedDot, |call, op| cuda::ragged_dot(&LaunchContext::begin(call)?, &op));
+export_handler!(oxmoe_transposed_ragged_dot_cuda, TransposedRaggedDot, |call, op| cuda::transposed_ragged_dot(&LaunchContext::begin(call)?, &op));
 
 fn ragged_dot_cpu(op: RaggedDot) -> Result<()> {
     let (sizes, offset) = (op.group_sizes.slice::<i32>()?, op.group_offset.slice::<i32>()?[0]);

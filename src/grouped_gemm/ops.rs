@@ -30,7 +30,7 @@ fn check_window(local_groups: usize, groups: usize) -> Result<()> {
     Ok(())
 }
 
-/// `oxmoe_ragged_dot_fwd`: lhs [M, K], rhs [Gl, K, N] (attribute
+/// `oxmoe_ragged_dot`: lhs [M, K], rhs [Gl, K, N] (attribute
 /// `rhs_transposed`: [Gl, N, K]), group_sizes, group_offset -> out [M, N].
 pub struct RaggedDot<'a> {
     pub shape: GroupedShape,
@@ -66,7 +66,7 @@ impl<'a> RaggedDot<'a> {
     }
 }
 
-/// `oxmoe_ragged_dot_bwd`: lhs [M, K], rhs [M, N], group_sizes, group_offset
+/// `oxmoe_transposed_ragged_dot`: lhs [M, K], rhs [M, N], group_sizes, group_offset
 /// -> out [Gl, K, N], each local group's `lhs_gᵀ · rhs_g`.
 pub struct TransposedRaggedDot<'a> {
     pub shape: GroupedShape,

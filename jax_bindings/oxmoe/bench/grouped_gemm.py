@@ -75,7 +75,7 @@ EPS_OUT, EPS_ACC = 2.0 ** -7, 2.0 ** -24
 #: Device seconds jax.lax.ragged_dot's timing may take: a slower one gets fewer samples (3 at least).
 RAGGED_DOT_BUDGET_S = 3.0
 
-FWD_PRIMITIVE, BWD_PRIMITIVE = "oxmoe_ragged_dot_fwd", "oxmoe_ragged_dot_bwd"
+FWD_PRIMITIVE, BWD_PRIMITIVE = "oxmoe_ragged_dot", "oxmoe_transposed_ragged_dot"
 JAX_PRIMITIVE, DENSE_PRIMITIVE = "ragged_dot_general", "dot_general"
 
 

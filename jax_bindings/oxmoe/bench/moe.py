@@ -107,7 +107,7 @@ EXPERT_AXIS, EXCHANGES_PER_STEP = "expert", 4
 CHECK_SET = 1 << 16
 
 JAX_PRIMITIVE = "ragged_dot_general"
-OXMOE_PRIMITIVES = ("oxmoe_ragged_dot_fwd", "oxmoe_ragged_dot_bwd")
+OXMOE_PRIMITIVES = ("oxmoe_ragged_dot", "oxmoe_transposed_ragged_dot")
 
 
 def _config(model: RouterConfig, **changes) -> moe.MoEConfig:
