@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxmoe import grouped_gemm
+from oxmoe import grouped_gemm, reference
 from oxmoe.bench import timing
 from oxmoe.bench.cases import CheckFailed, Family, OwnCasesReport, error_text, failure_text, format_tflops, format_us, rel_err, text_table
 
@@ -153,31 +153,24 @@ def _oxmoe_drhs(lhs, dout, group_sizes):
     return grouped_gemm.transposed_ragged_dot(lhs, dout, group_sizes)
 
 
-#: ``jax.lax.ragged_dot`` with ``rhs [G, N, K]``: contract lhs's K with rhs's last dimension.
-_NK_DIMENSIONS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-
-
 def _jax_fwd(lhs, rhs, group_sizes):
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    return reference.grouped_gemm.ragged_dot(lhs, rhs, group_sizes)
 
 
 def _jax_fwd_nk(lhs, rhs, group_sizes):
-    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _NK_DIMENSIONS)
+    return reference.grouped_gemm.ragged_dot(lhs, rhs, group_sizes, rhs_transposed=True)
 
 
 def _jax_dlhs(dout, rhs, group_sizes):
     """d lhs of ``jax.lax.ragged_dot(lhs, rhs, gs)``: what ``jax.vjp`` applies to ``dout``."""
     lhs = jax.ShapeDtypeStruct((dout.shape[0], rhs.shape[1]), dout.dtype)
-    (grad,) = jax.linear_transpose(lambda x: jax.lax.ragged_dot(x, rhs, group_sizes), lhs)(dout)
+    (grad,) = jax.linear_transpose(lambda x: reference.grouped_gemm.ragged_dot(x, rhs, group_sizes), lhs)(dout)
     return grad
 
 
 def _jax_drhs(lhs, dout, group_sizes):
     """d rhs of ``jax.lax.ragged_dot(lhs, rhs, gs)``: what ``jax.vjp`` applies to ``dout``."""
-    rhs = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], dout.shape[1]), lhs.dtype)
-    (grad,) = jax.linear_transpose(lambda w: jax.lax.ragged_dot(lhs, w, group_sizes), rhs)(dout)
-    return grad
+    return reference.grouped_gemm.transposed_ragged_dot(lhs, dout, group_sizes)
 
 
 def _dense(a, b):
