@@ -11,9 +11,9 @@ config.dtype, or in float32 with config.float32_gate_logits; the router and the 
 float32. It is differentiable
 with jax.grad (the choice of experts is held fixed, as in the layer).
 
-The router (top-k of softmax or of sigmoid scores with groups and expert bias) is written
-here again in plain JAX rather than taken from oxmoe.router: the reference shares no code
-with what it checks. `config` is any object with MoEConfig's fields, `params` any with
+The router (top-k of softmax or of sigmoid scores with groups and expert bias) and the losses
+are oxmoe.reference's, plain JAX rather than oxmoe.router's primitives: the reference shares
+no code with what it checks. `config` is any object with MoEConfig's fields, `params` any with
 MoEParams'.
 
 Also here, for every MoE test file: random inputs without near-ties in the routing, and the
@@ -28,6 +28,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from oxmoe import reference
+from oxmoe.reference.moe import load_balancing_loss, z_loss
 
 F32 = jnp.float32
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -62,75 +65,13 @@ jax.tree_util.register_dataclass(Aux, data_fields=["load_balancing_loss", "z_los
 # ------------------------------------------------------------------------ router
 
 
-def _one_hot_of_top(scores, k: int):
-    """[T, E] bool: the k largest scores of each row (lax.top_k: equal scores, lower index first)."""
-    _, index = jax.lax.top_k(scores, k)
-    return jax.nn.one_hot(index, scores.shape[-1], dtype=jnp.int32).sum(axis=-2) > 0
-
-
-def selection_scores(logits, config, expert_bias=None):
-    """What the top-k is taken of: logits, softmax(logits) (use_pre_softmax) or sigmoid(logits)
-    + expert_bias."""
-    if config.score_function == "softmax":
-        return jax.nn.softmax(logits, axis=-1) if config.use_pre_softmax else logits
-    s = jax.nn.sigmoid(logits)
-    return s if expert_bias is None else s + expert_bias.astype(F32)
-
-
-def routing_map(logits, config, expert_bias=None):
-    """[T, E] bool: each token's topk experts, among the best group_topk groups when grouped
-    (a group ranks by the sum of its best topk // group_topk selection scores)."""
-    scores = jax.lax.stop_gradient(selection_scores(logits, config, expert_bias))
-    t, e = scores.shape
-    if config.num_groups is not None:
-        g = config.num_groups
-        per_group = scores.reshape(t, g, e // g)
-        best, _ = jax.lax.top_k(per_group, config.topk // config.group_topk)
-        chosen_groups = _one_hot_of_top(best.sum(axis=-1), config.group_topk)  # [T, G]
-        eligible = jnp.repeat(chosen_groups, e // g, axis=-1)
-        scores = jnp.where(eligible, scores, -jnp.inf)
-    return _one_hot_of_top(scores, config.topk)
-
-
-def routing_weights(logits, chosen, config):
-    """[T, E] float32 weights of a fixed selection, zero off it, times scaling_factor."""
-    if config.score_function == "softmax" and config.use_pre_softmax:
-        weights = jnp.where(chosen, jax.nn.softmax(logits, axis=-1), 0.0)
-    elif config.score_function == "softmax":
-        weights = jnp.where(chosen, jax.nn.softmax(jnp.where(chosen, logits, -jnp.inf), axis=-1), 0.0)
-    else:
-        weights = jnp.where(chosen, jax.nn.sigmoid(logits), 0.0)
-        if config.topk > 1:
-            weights = weights / weights.sum(axis=-1, keepdims=True)
-    return weights * (1.0 if config.scaling_factor is None else config.scaling_factor)
-
-
 def route(logits, config, expert_bias=None):
-    """(probs [T, E] float32, routing_map [T, E] bool) of float32 logits [T, E]; expert_bias only
-    counts with config.use_expert_bias."""
-    bias = expert_bias if config.use_expert_bias else None
-    chosen = routing_map(logits, config, bias)
-    return routing_weights(logits, chosen, config), chosen
-
-
-# ------------------------------------------------------------------------ losses
-
-
-def load_balancing_loss(logits, config):
-    """coeff E / (topk T^2) sum_e P_e f_e over every token: P_e sums the dense scores (softmax, or
-    sigmoid normalised per token), f_e counts the plain top-k of those scores."""
-    t, e = logits.shape
-    if config.score_function == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-    else:
-        s = jax.nn.sigmoid(logits)
-        scores = s / s.sum(axis=-1, keepdims=True)
-    counts = jax.lax.stop_gradient(_one_hot_of_top(scores, config.topk).sum(axis=0).astype(F32))
-    return config.aux_loss_coeff * e / (config.topk * t * t) * jnp.sum(scores.sum(axis=0) * counts)
-
-
-def z_loss(logits, config):
-    return config.z_loss_coeff * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    """(probs [T, E] float32, routing_map [T, E] bool) of float32 logits [T, E]: the plain-JAX
+    router with config's options; expert_bias only counts with config.use_expert_bias."""
+    return reference.router.topk(logits, config.topk, score_function=config.score_function,
+                                 use_pre_softmax=config.use_pre_softmax, num_groups=config.num_groups,
+                                 group_topk=config.group_topk, scaling_factor=config.scaling_factor,
+                                 expert_bias=expert_bias if config.use_expert_bias else None)
 
 
 # ------------------------------------------------------------------------- layer
