@@ -7,9 +7,9 @@ bookkeeping is done one expert / one chunk at a time in the most literal way. Th
 layout (`dispatch_layout`) is kept apart from the values so that the GPU tests can check
 the layout of a very large dispatch without materialising its rows in float64.
 
-Also here, NumPy only, for every permutation test file: the model shapes, random routing
-maps, and the comparisons of oxmoe's outputs with the reference (bit for bit for data
-movement, a float32-sum allowance for combine and the summing gradients).
+Also here, NumPy only, for every permutation test file: random routing maps, and the
+comparisons of oxmoe's outputs with the reference (bit for bit for data movement, a
+float32-sum allowance for combine and the summing gradients).
 """
 
 from __future__ import annotations
@@ -17,22 +17,6 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """What dispatch and combine see of a real MoE layer: hidden size, experts, top-k."""
-
-    name: str
-    hidden: int
-    num_experts: int
-    topk: int
-
-
-MIXTRAL = ModelShape("mixtral", hidden=1024, num_experts=8, topk=2)
-DEEPSEEK_V3 = ModelShape("deepseek_v3", hidden=7168, num_experts=256, topk=8)
-QWEN3_MOE = ModelShape("qwen3_moe", hidden=2048, num_experts=128, topk=8)
-MODEL_SHAPES = (MIXTRAL, DEEPSEEK_V3, QWEN3_MOE)
 
 
 def as_f64(x) -> np.ndarray:

@@ -8,9 +8,9 @@ group g (global index) owns rows [start_g, start_g + size_g), start_g the sum of
 before it; negative sizes count as zero, every bound is clamped to M and the window's first
 group g0 to [0, G] (what the jit path does; called eagerly such values raise instead).
 
-Also here, NumPy only, for every ragged_dot test file: the model shapes, random inputs drawn
-directly in the kernel's dtype, random group sizes, and the comparison of a result with the
-reference under an error bound (`assert_gemm_close`).
+Also here, NumPy only, for every ragged_dot test file: random inputs drawn directly in the
+kernel's dtype, random group sizes, and the comparison of a result with the reference under
+an error bound (`assert_gemm_close`).
 
 The error bound. A float32 dot product of n terms (the kernels accumulate in float32, in
 some order, perhaps in several partial sums) differs from the exact value by at most
@@ -49,26 +49,6 @@ import numpy as np
 EPS_ACC = 2.0**-23
 # lambda = 2 C = 8 unit roundoffs per sqrt(term): see the module docstring.
 C = 4.0
-
-
-# ------------------------------------------------------------------------- shapes
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmShape:
-    """One expert GEMM of a real MoE layer: contracted size K, output size N, groups G."""
-
-    name: str
-    k: int
-    n: int
-    groups: int
-
-
-MIXTRAL_UP = GemmShape("mixtral_up", k=1024, n=4096, groups=8)
-QWEN3_UP = GemmShape("qwen3_30b_a3b_up", k=2048, n=768, groups=128)
-DEEPSEEK_UP = GemmShape("deepseek_v3_ep8_up", k=7168, n=2048, groups=32)
-DEEPSEEK_DOWN = GemmShape("deepseek_v3_ep8_down", k=2048, n=7168, groups=32)
-GEMM_SHAPES = (MIXTRAL_UP, QWEN3_UP, DEEPSEEK_UP, DEEPSEEK_DOWN)
 
 
 # ------------------------------------------------------------------ random inputs

@@ -27,9 +27,9 @@ from jax.sharding import PartitionSpec as P
 
 import devices
 import moe_reference as ref
-import ragged_dot_reference as shapes
 from oxmoe import model_shapes
 from oxmoe import moe as moe_lib
+from oxmoe.model_shapes import MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER
 from oxmoe.moe import MoEConfig, MoEParams
 
 GPUS = devices.gpu_devices()
@@ -46,8 +46,8 @@ def scaled(tokens: int, hidden: int, ffn: int) -> tuple[int, int, int]:
 
 def config_of(router: model_shapes.RouterConfig, **kwargs) -> MoEConfig:
     """The MoEConfig of a model's routing, bfloat16, with both losses."""
-    return router.moe_config(**{**dict(aux_loss_coeff=ref.AUX_LOSS_COEFF, z_loss_coeff=ref.Z_LOSS_COEFF,
-                                       dtype=BF16), **kwargs})
+    return MoEConfig(**router.moe_kwargs(), **{**dict(aux_loss_coeff=ref.AUX_LOSS_COEFF,
+                                                      z_loss_coeff=ref.Z_LOSS_COEFF, dtype=BF16), **kwargs})
 
 
 @functools.partial(jax.jit, static_argnames=("config", "hidden", "ffn"))
@@ -87,8 +87,8 @@ def describe(name, config, tokens, hidden, ffn, seed) -> str:
 
 # (name, routing, T, H, F, align_size)
 ONE_GPU_CASES = [
-    ("mixtral", model_shapes.MIXTRAL, 2048, shapes.MIXTRAL_UP.k, shapes.MIXTRAL_UP.n, None),
-    ("qwen3_30b_a3b", model_shapes.QWEN3_MOE, 2048, shapes.QWEN3_UP.k, shapes.QWEN3_UP.n, 128),
+    ("mixtral", model_shapes.MIXTRAL, 2048, MIXTRAL_LAYER.hidden, MIXTRAL_LAYER.ffn, None),
+    ("qwen3_30b_a3b", model_shapes.QWEN3_MOE, 2048, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn, 128),
     ("deepseek_v3_routing", model_shapes.DEEPSEEK_V3, 2048, 1024, 256, None),
 ]
 
@@ -127,11 +127,12 @@ def test_float32_layer_on_one_gpu_matches_the_dense_reference_at_float32_precisi
 
 # (name, mesh shape (data, expert), routing, T in all, H, F, exchange)
 MULTI_GPU_CASES = [
-    ("ep2_ragged", (1, 2), model_shapes.QWEN3_MOE, 4096, shapes.QWEN3_UP.k, shapes.QWEN3_UP.n, "ragged_all_to_all"),
-    ("ep2_auto", (1, 2), model_shapes.MIXTRAL, 4096, shapes.MIXTRAL_UP.k, shapes.MIXTRAL_UP.n, "auto"),
+    ("ep2_ragged", (1, 2), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn,
+     "ragged_all_to_all"),
+    ("ep2_auto", (1, 2), model_shapes.MIXTRAL, 4096, MIXTRAL_LAYER.hidden, MIXTRAL_LAYER.ffn, "auto"),
     ("ep4_ragged", (1, 4), model_shapes.DEEPSEEK_V3, 4096, 1024, 256, "ragged_all_to_all"),
-    ("ep4_auto", (1, 4), model_shapes.QWEN3_MOE, 4096, shapes.QWEN3_UP.k, shapes.QWEN3_UP.n, "auto"),
-    ("data2_ep2_ragged", (2, 2), model_shapes.QWEN3_MOE, 4096, shapes.QWEN3_UP.k, shapes.QWEN3_UP.n,
+    ("ep4_auto", (1, 4), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn, "auto"),
+    ("data2_ep2_ragged", (2, 2), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn,
      "ragged_all_to_all"),
 ]
 

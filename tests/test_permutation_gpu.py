@@ -35,6 +35,7 @@ import pytest
 import devices
 import permutation_reference as ref
 from oxmoe import permutation
+from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, LAYER_SHAPES, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER
 
 GPUS = devices.gpu_devices()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason=devices.NO_GPU_REASON)]
@@ -55,9 +56,9 @@ SAMPLE = 512
 
 def big_cases():
     cases = []
-    for model in ref.MODEL_SHAPES:
+    for model in LAYER_SHAPES:
         for name, dtype in DTYPES.items():
-            num_tokens = DEEPSEEK_F32_TOKENS if (model is ref.DEEPSEEK_V3 and name == "f32") else BIG_TOKENS
+            num_tokens = DEEPSEEK_F32_TOKENS if (model is DEEPSEEK_V3_LAYER and name == "f32") else BIG_TOKENS
             for align_size in ALIGN_SIZES:
                 cases.append(pytest.param(model, num_tokens, dtype, align_size,
                                           id=f"{model.name}-T{num_tokens}-{name}-align{align_size}"))
@@ -281,10 +282,10 @@ def chunk_cases():
     # Rows after an expert-parallel all-to-all: T * k rows of the model's hidden size, in chunks
     # (source shard, local expert): 8 shards x (E / 8) local experts.
     cases = []
-    for model in ref.MODEL_SHAPES:
+    for model in LAYER_SHAPES:
         for name, dtype in DTYPES.items():
-            num_tokens = DEEPSEEK_F32_TOKENS if (model is ref.DEEPSEEK_V3 and name == "f32") else BIG_TOKENS
-            num_rows = num_tokens * model.topk // (4 if model is ref.DEEPSEEK_V3 else 1)
+            num_tokens = DEEPSEEK_F32_TOKENS if (model is DEEPSEEK_V3_LAYER and name == "f32") else BIG_TOKENS
+            num_rows = num_tokens * model.topk // (4 if model is DEEPSEEK_V3_LAYER else 1)
             cases.append(pytest.param(model, num_rows, dtype, 8 * (model.num_experts // 8),
                                       id=f"{model.name}-N{num_rows}-{name}"))
     return cases
@@ -393,7 +394,7 @@ def assert_no_nan(tree, *, what: str, context: str) -> None:
                                    f"(first at {np.argwhere(nan)[0].tolist()}) left from the poisoned memory ({context})")
 
 
-POISON_MODELS = pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], ids=lambda m: m.name)
+POISON_MODELS = pytest.mark.parametrize("model", [MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER], ids=lambda m: m.name)
 
 
 @POISON_MODELS

@@ -18,6 +18,7 @@ from jax.test_util import check_grads
 from finite_differences import vjp_by_finite_differences
 import permutation_reference as ref
 from oxmoe import permutation
+from oxmoe.model_shapes import LAYER_SHAPES, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER
 from test_permutation_values import (ALIGN_SIZES, DTYPES, capacity_that_drops, dispatch_combine_cases,
                                      dispatch_with_layout, draw, draw_probs,
                                      expert_rows_for, model_inputs, random_chunks)
@@ -92,7 +93,7 @@ def test_dispatch_vjp_matches_reference(model, align_size, dtype, seed, rng):
     check_dispatch_grads(dx, dp, x, probs, g_tokens, g_probs, layout, num_terms=model.topk, context=context)
 
 
-@pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], ids=lambda m: m.name)
+@pytest.mark.parametrize("model", [MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER], ids=lambda m: m.name)
 @ALIGNS
 def test_dispatch_vjp_after_a_capacity_drop_gives_dropped_entries_nothing(model, align_size, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.float32, "topk")
@@ -110,7 +111,7 @@ def test_dispatch_vjp_after_a_capacity_drop_gives_dropped_entries_nothing(model,
 
 
 def test_dispatch_vjp_without_probs_is_the_sum_of_each_tokens_rows(seed, rng):
-    model = ref.QWEN3_MOE
+    model = QWEN3_30B_A3B_LAYER
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, "idle_experts")
     layout = ref.dispatch_layout(routing_map, num_out_tokens=x.shape[0] * model.topk, align_size=16)
     g_tokens = expert_rows_for(layout, rng, model.hidden, jnp.bfloat16)  # NaN on padding rows
@@ -162,7 +163,7 @@ def test_combine_vjp_matches_reference(model, align_size, dtype, seed, rng):
     check_combine_grads(d_rows, d_probs, g_out, expert_tokens, merging_probs, layout, context=context)
 
 
-@pytest.mark.parametrize("model", ref.MODEL_SHAPES, ids=lambda m: m.name)
+@pytest.mark.parametrize("model", LAYER_SHAPES, ids=lambda m: m.name)
 @pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
 def test_combine_vjp_without_merging_probs_copies_the_cotangent(model, align_size, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, "idle_experts")
@@ -177,7 +178,7 @@ def test_combine_vjp_without_merging_probs_copies_the_cotangent(model, align_siz
 
 
 def test_combine_vjp_after_a_capacity_drop(seed, rng):
-    model = ref.QWEN3_MOE
+    model = QWEN3_30B_A3B_LAYER
     x, routing_map = model_inputs(model, rng, jnp.float32, "topk")
     num_out_tokens = capacity_that_drops(routing_map, 16, rng)
     d = jax.jit(lambda x, m: permutation.dispatch(x, m, num_out_tokens=num_out_tokens, align_size=16))(x, routing_map)

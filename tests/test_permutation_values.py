@@ -20,14 +20,15 @@ from jax.sharding import PartitionSpec as P
 import devices
 import permutation_reference as ref
 from oxmoe import permutation
+from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, LAYER_SHAPES, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 ALIGN_SIZES = [None, 16, 128]
 VARIANTS = ["topk", "idle_experts", "ragged"]
 # Small token counts, none a power of two: the CPU suite must stay fast.
-NUM_TOKENS = {"mixtral": 300, "deepseek_v3": 67, "qwen3_moe": 131}
+NUM_TOKENS = {"mixtral": 300, "deepseek_v3": 67, "qwen3_30b_a3b": 131}
 
-MODELS = pytest.mark.parametrize("model", ref.MODEL_SHAPES, ids=lambda m: m.name)
+MODELS = pytest.mark.parametrize("model", LAYER_SHAPES, ids=lambda m: m.name)
 ALIGNS = pytest.mark.parametrize("align_size", ALIGN_SIZES, ids=lambda a: f"align{a}")
 DTYPE_PARAMS = pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 
@@ -96,19 +97,19 @@ def capacity_that_drops(routing_map, align_size, rng) -> int:
 def is_heavy(model, align_size) -> bool:
     """DeepSeek-V3 with align_size 128: room for 256 experts' padding makes ~33k rows of 7168
     even at small T. The CPU suite runs it in a few tests only (test_permutation_gpu.py at scale)."""
-    return model is ref.DEEPSEEK_V3 and align_size == 128
+    return model is DEEPSEEK_V3_LAYER and align_size == 128
 
 
 def model_align_params():
     """(model, align_size) for every model and alignment, but the heavy one."""
-    return [pytest.param(m, a, id=f"{m.name}-align{a}") for m in ref.MODEL_SHAPES for a in ALIGN_SIZES
+    return [pytest.param(m, a, id=f"{m.name}-align{a}") for m in LAYER_SHAPES for a in ALIGN_SIZES
             if not is_heavy(m, a)]
 
 
 def dispatch_combine_cases(with_heavy: bool = True):
     """(model, align_size, dtype) for every combination; the heavy one in bf16 only, if at all."""
     cases = []
-    for model in ref.MODEL_SHAPES:
+    for model in LAYER_SHAPES:
         for align_size in ALIGN_SIZES:
             for name, dtype in DTYPES.items():
                 if is_heavy(model, align_size) and (name != "bf16" or not with_heavy):
@@ -172,7 +173,7 @@ def test_dispatched_rows_matches_the_reference_formula():
 
 
 @pytest.mark.parametrize("model, align_size, variant", [
-    pytest.param(m, a, v, id=f"{m.name}-align{a}-{v}") for m in ref.MODEL_SHAPES for a in ALIGN_SIZES for v in VARIANTS
+    pytest.param(m, a, v, id=f"{m.name}-align{a}-{v}") for m in LAYER_SHAPES for a in ALIGN_SIZES for v in VARIANTS
     if not is_heavy(m, a) or v == "ragged"])
 def test_dispatch_matches_reference(model, align_size, variant, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, variant)
@@ -207,7 +208,7 @@ def test_dispatch_without_probs_returns_no_probs(model, align_size, seed, rng):
                        context=f"{model.name}, align_size={align_size}, seed={seed}")
 
 
-@pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], ids=lambda m: m.name)
+@pytest.mark.parametrize("model", [MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER], ids=lambda m: m.name)
 @ALIGNS
 def test_dispatch_with_room_to_spare_leaves_zero_tail_rows(model, align_size, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.float16, "ragged")
@@ -219,7 +220,7 @@ def test_dispatch_with_room_to_spare_leaves_zero_tail_rows(model, align_size, se
     assert layout.num_rows > layout.padded_counts.sum(), "the test meant to leave tail rows"
 
 
-@pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], ids=lambda m: m.name)
+@pytest.mark.parametrize("model", [MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER], ids=lambda m: m.name)
 @ALIGNS
 def test_dispatch_with_num_out_tokens_equal_to_the_routed_count(model, align_size, seed, rng):
     # The tightest valid capacity: no entry may be dropped, however the padding falls.
@@ -291,7 +292,7 @@ def test_combine_without_merging_probs_sums_with_weight_one(model, align_size, s
 
 
 def test_combine_with_f32_merging_probs_on_bf16_rows_returns_bf16(seed, rng):
-    model = ref.QWEN3_MOE
+    model = QWEN3_30B_A3B_LAYER
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, "topk")
     d = permutation.dispatch(x, routing_map, topk=model.topk)
     layout = ref.dispatch_layout(routing_map, num_out_tokens=x.shape[0] * model.topk)
@@ -396,7 +397,7 @@ def test_sort_chunks_under_jit_lists_a_repeated_index_once(seed, rng):
 # ----------------------------------------------------------------------------- jit
 
 
-@pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], ids=lambda m: m.name)
+@pytest.mark.parametrize("model", [MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER], ids=lambda m: m.name)
 @pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
 def test_dispatch_and_combine_under_jit_equal_the_eager_calls(model, align_size, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, "ragged")
@@ -434,7 +435,7 @@ BATCH = 3
 
 @pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
 def test_dispatch_and_combine_under_vmap_equal_the_call_on_each_batch_element(align_size, seed, rng):
-    model = ref.MIXTRAL
+    model = MIXTRAL_LAYER
     maps = np.stack([ref.routing_map_variant(rng, 200, model.num_experts, model.topk, v) for v in VARIANTS])
     x = draw(rng, (BATCH, 200, model.hidden), jnp.float32)
     probs = np.stack([draw_probs(rng, m, jnp.float32) for m in maps])
@@ -479,7 +480,7 @@ def token_sharding(ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P("tokens", *([None] * (ndim - 1))))
 
 
-@pytest.mark.parametrize("model", ref.MODEL_SHAPES, ids=lambda m: m.name)
+@pytest.mark.parametrize("model", LAYER_SHAPES, ids=lambda m: m.name)
 @pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
 def test_dispatch_and_combine_with_tokens_sharded_over_eight_devices(model, align_size, seed, rng):
     # dispatch orders rows by expert over *all* tokens, whatever the sharding: the sharded call
@@ -511,7 +512,7 @@ def test_dispatch_and_combine_with_tokens_sharded_over_eight_devices(model, alig
 def test_dispatch_and_combine_inside_shard_map_permute_each_shard_s_own_tokens(align_size, seed, rng):
     # Inside shard_map each of the 8 shards dispatches its own 24 tokens: nothing is exchanged,
     # the counts are each slice's, and values and gradients are the per-token formulas.
-    model = ref.QWEN3_MOE
+    model = QWEN3_30B_A3B_LAYER
     x, routing_map = model_inputs(model, rng, jnp.float32, "ragged", num_tokens=8 * 24)
     probs = draw_probs(rng, routing_map, jnp.float32)
     sharding = token_sharding(2)

@@ -42,6 +42,7 @@ import pytest
 import devices
 import ragged_dot_reference as ref
 from oxmoe import grouped_gemm
+from oxmoe.model_shapes import EXPERT_GEMMS, GemmShape
 from test_permutation_gpu import run_poisoned
 from test_ragged_dot_values import (EDGE_CASES, EMPTY_DIMENSION_CASES, SMALL_SHAPES, WINDOW_OFFSETS, describe,
                                     edge_sizes, offset_array)
@@ -55,7 +56,7 @@ F32 = jnp.float32
 LAYOUTS = pytest.mark.parametrize("rhs_transposed", [False, True], ids=["rhs_KN", "rhs_NK"])
 
 # (shape, M at full size).
-FULL_SIZE = [(ref.MIXTRAL_UP, 65536), (ref.QWEN3_UP, 131072), (ref.DEEPSEEK_UP, 32768), (ref.DEEPSEEK_DOWN, 32768)]
+FULL_SIZE = [(shape, shape.m) for shape in EXPERT_GEMMS]
 # Per shape, (dtype, rhs layout, group size draw): each shape sees both dtypes, both layouts and
 # both draws (every dtype-layout pair of the tensor-core kernel is also crossed below, at
 # smaller sizes). Each case compiles its own references (a few seconds of XLA time), which
@@ -65,7 +66,7 @@ FULL_SIZE_VARIANTS = [(jnp.bfloat16, False, "dirichlet"), (jnp.float16, True, "e
 SAMPLE_GROUPS, SAMPLE_ROWS, SAMPLE_KN = 4, 64, 64
 
 
-def scaled(shape: ref.GemmShape, m: int) -> tuple[int, int, int, int]:
+def scaled(shape: GemmShape, m: int) -> tuple[int, int, int, int]:
     """(M, K, N, G) to run: full size, or the stand-in's fraction."""
     if STAND_IN:
         return m // 64, max(shape.k // 16, 8), max(shape.n // 16, 8), shape.groups

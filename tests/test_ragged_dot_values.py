@@ -29,6 +29,9 @@ import devices
 import oxmoe
 import ragged_dot_reference as ref
 from oxmoe import grouped_gemm
+from oxmoe.model_shapes import EXPERT_GEMMS
+
+MIXTRAL_UP, QWEN3_UP, DEEPSEEK_UP, DEEPSEEK_DOWN = EXPERT_GEMMS
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 DTYPE_PARAMS = pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -122,15 +125,15 @@ def test_reference_error_bound_admits_float32_rounding_and_rejects_a_wrong_row(s
 # 200M and 470M elements, more than the CPU suite's time allows to draw, copy and check: they
 # take windows (test_ragged_dot_gpu.py multiplies all of them).
 MODEL_CASES = [
-    (ref.MIXTRAL_UP, 256, jnp.bfloat16, False, None, "dirichlet", None),
-    (ref.MIXTRAL_UP, 256, jnp.float16, True, jnp.float32, "empty10", None),
-    (ref.MIXTRAL_UP, 200, jnp.float32, False, None, "empty10", None),
-    (ref.QWEN3_UP, 256, jnp.bfloat16, False, None, "dirichlet", 32),
-    (ref.QWEN3_UP, 300, jnp.float16, True, jnp.float32, "empty10", 16),
-    (ref.DEEPSEEK_UP, 128, jnp.bfloat16, True, None, "dirichlet", 4),
-    (ref.DEEPSEEK_UP, 128, jnp.float32, False, None, "empty10", 2),
-    (ref.DEEPSEEK_DOWN, 128, jnp.float16, False, jnp.float32, "empty10", 4),
-    (ref.DEEPSEEK_DOWN, 128, jnp.bfloat16, True, None, "dirichlet", 2),
+    (MIXTRAL_UP, 256, jnp.bfloat16, False, None, "dirichlet", None),
+    (MIXTRAL_UP, 256, jnp.float16, True, jnp.float32, "empty10", None),
+    (MIXTRAL_UP, 200, jnp.float32, False, None, "empty10", None),
+    (QWEN3_UP, 256, jnp.bfloat16, False, None, "dirichlet", 32),
+    (QWEN3_UP, 300, jnp.float16, True, jnp.float32, "empty10", 16),
+    (DEEPSEEK_UP, 128, jnp.bfloat16, True, None, "dirichlet", 4),
+    (DEEPSEEK_UP, 128, jnp.float32, False, None, "empty10", 2),
+    (DEEPSEEK_DOWN, 128, jnp.float16, False, jnp.float32, "empty10", 4),
+    (DEEPSEEK_DOWN, 128, jnp.bfloat16, True, None, "dirichlet", 2),
 ]
 
 
@@ -171,11 +174,11 @@ def test_ragged_dot_on_model_shapes(case, seed, rng):
 # transposed_ragged_dot's output is [G, K, N] (and the reference's float64 copies of it): all
 # groups for Mixtral, windows of the others.
 TRANSPOSED_MODEL_CASES = [
-    (ref.MIXTRAL_UP, 256, jnp.bfloat16, None, "empty10", None),
-    (ref.MIXTRAL_UP, 200, jnp.float32, None, "dirichlet", 2),
-    (ref.QWEN3_UP, 256, jnp.float16, jnp.float32, "empty10", 16),
-    (ref.DEEPSEEK_UP, 128, jnp.bfloat16, jnp.float32, "dirichlet", 2),
-    (ref.DEEPSEEK_DOWN, 128, jnp.float16, None, "empty10", 2),
+    (MIXTRAL_UP, 256, jnp.bfloat16, None, "empty10", None),
+    (MIXTRAL_UP, 200, jnp.float32, None, "dirichlet", 2),
+    (QWEN3_UP, 256, jnp.float16, jnp.float32, "empty10", 16),
+    (DEEPSEEK_UP, 128, jnp.bfloat16, jnp.float32, "dirichlet", 2),
+    (DEEPSEEK_DOWN, 128, jnp.float16, None, "empty10", 2),
 ]
 
 

@@ -71,8 +71,8 @@ from jax.sharding import PartitionSpec as P
 from oxmoe import moe, permutation, reference, router
 from oxmoe.bench import grouped_gemm, timing
 from oxmoe.bench.cases import CheckFailed, Family, OwnCasesReport, failure_text, format_tflops, format_us, rel_err, text_table
-from oxmoe.bench.grouped_gemm import OOM, DenseTimes, Shape
-from oxmoe.model_shapes import DEEPSEEK_V3, MIXTRAL, QWEN3_MOE, RouterConfig
+from oxmoe.bench.grouped_gemm import OOM, DenseTimes
+from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER, GemmShape, LayerShape
 
 DTYPE = jnp.dtype(jnp.bfloat16)
 F32 = jnp.float32
@@ -109,9 +109,9 @@ JAX_PRIMITIVE = "ragged_dot_general"
 OXMOE_PRIMITIVES = ("oxmoe_ragged_dot_fwd", "oxmoe_ragged_dot_bwd")
 
 
-def _config(model: RouterConfig, **changes) -> moe.MoEConfig:
-    return model.moe_config(**{**dict(aux_loss_coeff=AUX_LOSS_COEFF, z_loss_coeff=Z_LOSS_COEFF,
-                                      activation="swiglu", dtype=DTYPE), **changes})
+def _config(model: LayerShape) -> moe.MoEConfig:
+    return moe.MoEConfig(**model.router.moe_kwargs(), aux_loss_coeff=AUX_LOSS_COEFF, z_loss_coeff=Z_LOSS_COEFF,
+                         activation="swiglu", dtype=DTYPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,11 +145,11 @@ class Layer:
         """The expert GEMMs of a step on one device: forward, d lhs and d rhs of up and down."""
         return 3 * (2 * self.rows * self.hidden * self.up_width + 2 * self.rows * self.ffn * self.hidden)
 
-    def gemms(self) -> tuple[Shape, Shape]:
+    def gemms(self) -> tuple[GemmShape, GemmShape]:
         """The up and down projections of a device as grouped GEMMs (for the dense ceiling)."""
         e = self.local_experts
-        return (Shape(f"{self.name} up", m=self.rows, k=self.hidden, n=self.up_width, groups=e),
-                Shape(f"{self.name} down", m=self.rows, k=self.ffn, n=self.hidden, groups=e))
+        return (GemmShape(f"{self.name} up", m=self.rows, k=self.hidden, n=self.up_width, groups=e),
+                GemmShape(f"{self.name} down", m=self.rows, k=self.ffn, n=self.hidden, groups=e))
 
     def param_bytes(self) -> int:
         """A device's parameters at their dtypes."""
@@ -185,17 +185,27 @@ class Layer:
                     exchange=c.exchange if self.devices > 1 else None, rows_per_device=self.rows)
 
 
+def _layer(model: LayerShape, *, devices: int = 1, **sizes) -> Layer:
+    """``model``'s layer on ``devices`` devices of expert parallelism, at its sizes or at those of
+    ``sizes`` (``tokens``, ``hidden``, ``ffn``) where given."""
+    sizes = {**dict(tokens=model.tokens, hidden=model.hidden, ffn=model.ffn), **sizes}
+    name = model.name + (f" ep={devices}" if devices > 1 else "")
+    return Layer(name, **sizes, config=_config(model), devices=devices)
+
+
+#: Tokens per device of the expert-parallel DeepSeek-V3 cases.
+EP_TOKENS = 8192
 LAYERS = (
-    Layer("mixtral", tokens=32768, hidden=1024, ffn=4096, config=_config(MIXTRAL)),
-    Layer("qwen3_30b_a3b", tokens=16384, hidden=2048, ffn=768, config=_config(QWEN3_MOE)),
-    Layer("deepseek_v3 ep=2", tokens=8192, hidden=7168, ffn=2048, config=_config(DEEPSEEK_V3), devices=2),
-    Layer("deepseek_v3 ep=4", tokens=8192, hidden=7168, ffn=2048, config=_config(DEEPSEEK_V3), devices=4),
+    _layer(MIXTRAL_LAYER),
+    _layer(QWEN3_30B_A3B_LAYER),
+    _layer(DEEPSEEK_V3_LAYER, devices=2, tokens=EP_TOKENS),
+    _layer(DEEPSEEK_V3_LAYER, devices=4, tokens=EP_TOKENS),
 )
 #: The smoke run: the same routing (experts, top-k, groups), tiny T, H and F (multiples of 8).
 SMOKE_LAYERS = (
-    Layer("mixtral", tokens=256, hidden=64, ffn=128, config=_config(MIXTRAL)),
-    Layer("qwen3_30b_a3b", tokens=64, hidden=64, ffn=32, config=_config(QWEN3_MOE)),
-    Layer("deepseek_v3 ep=4", tokens=64, hidden=64, ffn=32, config=_config(DEEPSEEK_V3), devices=4),
+    _layer(MIXTRAL_LAYER, tokens=256, hidden=64, ffn=128),
+    _layer(QWEN3_30B_A3B_LAYER, tokens=64, hidden=64, ffn=32),
+    _layer(DEEPSEEK_V3_LAYER, devices=4, tokens=64, hidden=64, ffn=32),
 )
 
 

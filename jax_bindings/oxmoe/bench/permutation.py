@@ -53,9 +53,11 @@ from oxmoe import permutation as perm
 from oxmoe import reference
 from oxmoe.bench import timing
 from oxmoe.bench.cases import Case, Family, Goals, Inputs, apply_vjp, apply_vjp_all, rel_err
+from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, MIXTRAL_LAYER, LayerShape
 
-#: Tokens per case in the full run, and in the smoke run.
-TOKENS, SMOKE_TOKENS = 32768, 256
+#: Tokens per case in the full run (the models' step: DeepSeek-V3's, as many as Mixtral's), and in the
+#: smoke run.
+TOKENS, SMOKE_TOKENS = DEEPSEEK_V3_LAYER.tokens, 256
 #: Hidden size of the smoke run (at most): DeepSeek-V3's align=128 dispatch has R=34560 rows at T=256.
 SMOKE_HIDDEN = 128
 #: The padding of the aligned cases (a grouped GEMM's tile).
@@ -78,17 +80,7 @@ GOALS = Goals(max_x_floor=1 / MIN_FRACTION_OF_COPY, min_speedup=MIN_SPEEDUP,
 MAX_REL_ERR = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float32): 1e-4}
 
 
-@dataclasses.dataclass(frozen=True)
-class Model:
-    name: str
-    hidden: int
-    num_experts: int
-    topk: int
-
-
-DEEPSEEK_V3 = Model("deepseek_v3", hidden=7168, num_experts=256, topk=8)
-MIXTRAL = Model("mixtral", hidden=1024, num_experts=8, topk=2)
-MODELS = (DEEPSEEK_V3, MIXTRAL)
+MODELS = (DEEPSEEK_V3_LAYER, MIXTRAL_LAYER)
 
 DTYPE = jnp.dtype(jnp.bfloat16)
 PROBS_DTYPE = jnp.dtype(jnp.float32)
@@ -174,7 +166,7 @@ def _compare_rows(ox, plain, context):
 class Shape:
     """One case's sizes: a model's experts and top-k at ``tokens`` x ``hidden``."""
 
-    model: Model
+    model: LayerShape
     tokens: int
     hidden: int
     align_size: int | None
@@ -394,7 +386,7 @@ class ChunkShape:
     """sort_chunks after an expert-parallel all-to-all: ``rows`` rows of ``hidden`` in
     ``EP_RANKS`` x ``local_experts`` chunks, source-major; sorted expert-major."""
 
-    model: Model
+    model: LayerShape
     rows: int
     hidden: int
 
@@ -470,7 +462,7 @@ def cases(tokens: int, max_hidden: int | None = None) -> list[Case]:
         for align_size in (None, ALIGN):
             s = Shape(model, tokens, hidden, align_size)
             out += [dispatch_fwd_case(s), dispatch_bwd_case(s), combine_fwd_case(s), combine_bwd_case(s)]
-    model = DEEPSEEK_V3
+    model = DEEPSEEK_V3_LAYER
     chunks = ChunkShape(model, rows=tokens * model.topk // EP_RANKS,
                         hidden=model.hidden if max_hidden is None else min(model.hidden, max_hidden))
     return out + [sort_fwd_case(chunks), sort_bwd_case(chunks)]
