@@ -113,9 +113,9 @@ def _check_dispatch(tokens, routing_map, probs, *, num_out_tokens, align_size):
 
 
 def _routing(rng, tokens, experts, topk):
-    import permutation_reference as ref
+    import permutation_checks as checks
 
-    routing_map = ref.random_topk_map(rng, tokens, experts, topk)
+    routing_map = checks.random_topk_map(rng, tokens, experts, topk)
     return routing_map, np.where(routing_map, rng.random(routing_map.shape), 0).astype(np.float32)
 
 

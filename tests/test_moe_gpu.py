@@ -26,6 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import devices
+import moe_checks as checks
 import moe_reference as ref
 from oxmoe import model_shapes
 from oxmoe import moe as moe_lib
@@ -46,13 +47,13 @@ def scaled(tokens: int, hidden: int, ffn: int) -> tuple[int, int, int]:
 
 def config_of(router: model_shapes.RouterConfig, **kwargs) -> MoEConfig:
     """The MoEConfig of a model's routing, bfloat16, with both losses."""
-    return MoEConfig(**router.moe_kwargs(), **{**dict(aux_loss_coeff=ref.AUX_LOSS_COEFF,
-                                                      z_loss_coeff=ref.Z_LOSS_COEFF, dtype=BF16), **kwargs})
+    return MoEConfig(**router.moe_kwargs(), **{**dict(aux_loss_coeff=checks.AUX_LOSS_COEFF,
+                                                      z_loss_coeff=checks.Z_LOSS_COEFF, dtype=BF16), **kwargs})
 
 
 @functools.partial(jax.jit, static_argnames=("config", "hidden", "ffn"))
 def draw_weights(key, *, config: MoEConfig, hidden: int, ffn: int) -> MoEParams:
-    """bfloat16 weights of the layer's scale (moe_reference.draw_params' distribution), drawn on
+    """bfloat16 weights of the layer's scale (moe_checks.draw_params' distribution), drawn on
     the key's device: 128 experts' weights are 600M elements, too many to draw on the host."""
     e, width = config.num_experts, 2 * ffn if config.glu else ffn
     k_gate, k_up, k_down, k_bias = jax.random.split(key, 4)
@@ -69,9 +70,9 @@ def draw_inputs(rng, seed, config, tokens, hidden, ffn, device):
     """(x [T, H] bfloat16, params, y_weight) on `device`; tokens without near-ties (drawn on the
     host against the drawn router weight)."""
     params = draw_weights(jax.device_put(jax.random.key(seed), device), config=config, hidden=hidden, ffn=ffn)
-    x = ref.draw_tokens(rng, (tokens, hidden), np.asarray(params.gate.astype(jnp.float32)), config,
+    x = checks.draw_tokens(rng, (tokens, hidden), np.asarray(params.gate.astype(jnp.float32)), config,
                         None if params.expert_bias is None else np.asarray(params.expert_bias))
-    y_weight = (rng.standard_normal((tokens, hidden)) * ref.Y_WEIGHT_SCALE).astype(np.float32)
+    y_weight = (rng.standard_normal((tokens, hidden)) * checks.Y_WEIGHT_SCALE).astype(np.float32)
     return jax.device_put(jnp.asarray(x, BF16), device), params, jax.device_put(y_weight, device)
 
 
@@ -104,7 +105,7 @@ def test_model_layer_on_one_gpu_matches_the_dense_reference(case, gpu, seed, rng
     for leaf in jax.tree.leaves(got):
         assert leaf.devices() == {gpu}, f"an output is on {leaf.devices()}, expected {gpu}"
     expected = reference(x, params, config, y_weight)
-    ref.compare(got, expected, config, context=describe(name, config, tokens, hidden, ffn, seed))
+    checks.compare(got, expected, config, context=describe(name, config, tokens, hidden, ffn, seed))
 
 
 def test_float32_layer_on_one_gpu_matches_the_dense_reference_at_float32_precision(gpu, seed, rng):
@@ -113,13 +114,13 @@ def test_float32_layer_on_one_gpu_matches_the_dense_reference_at_float32_precisi
     # miss the float32 tolerance and could choose other experts than float32 ones.
     tokens, hidden, ffn = scaled(512, 256, 512)
     config = config_of(model_shapes.MIXTRAL, dtype=jnp.float32)
-    params = jax.device_put(ref.draw_params(rng, config, hidden, ffn, glu=True, make=MoEParams), gpu)
-    x = ref.draw_tokens(rng, (tokens, hidden), np.asarray(params.gate), config)
-    y_weight = (rng.standard_normal((tokens, hidden)) * ref.Y_WEIGHT_SCALE).astype(np.float32)
+    params = jax.device_put(checks.draw_params(rng, config, hidden, ffn, glu=True, make=MoEParams), gpu)
+    x = checks.draw_tokens(rng, (tokens, hidden), np.asarray(params.gate), config)
+    y_weight = (rng.standard_normal((tokens, hidden)) * checks.Y_WEIGHT_SCALE).astype(np.float32)
     x, y_weight = jax.device_put((x, y_weight), gpu)
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
         x, params, y_weight)
-    ref.compare(got, reference(x, params, config, y_weight), config,
+    checks.compare(got, reference(x, params, config, y_weight), config,
                 context=describe("mixtral_float32", config, tokens, hidden, ffn, seed))
 
 
@@ -165,5 +166,5 @@ def test_expert_parallel_layer_over_gpus_matches_the_dense_reference(case, seed,
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
     got = jax.device_put(got, first)
     expected = reference(x, params, config, y_weight)
-    ref.compare(got, expected, config,
+    checks.compare(got, expected, config,
                 context=describe(name, config, tokens, hidden, ffn, seed) + f", data={data}, expert={ep}")
