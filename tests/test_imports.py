@@ -1,7 +1,9 @@
 """The core library stays free of the tools' dependencies: importing oxmoe, its plain-JAX
 references and its model shapes loads none of rich, matplotlib or optax (the benchmark's
-progress and chart, the training job's optimiser)."""
+progress and chart, the training job's optimiser); the model shapes import nothing at all
+from oxmoe."""
 
+import ast
 import os
 import pathlib
 import subprocess
@@ -23,3 +25,13 @@ def test_importing_oxmoe_and_its_references_loads_no_tool():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [], f"importing {', '.join(MODULES)} loads {result.stdout.strip()}"
+
+
+def test_model_shapes_import_nothing_from_the_layer():
+    # Plain data that tests, benchmarks and scripts share: no oxmoe import, not even a lazy one.
+    source = (ROOT / "jax_bindings" / "oxmoe" / "model_shapes.py").read_text()
+    imported = {alias.name.split(".")[0] for node in ast.walk(ast.parse(source))
+                for alias in getattr(node, "names", []) if isinstance(node, ast.Import)}
+    imported |= {node.module.split(".")[0] for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported <= {"__future__", "dataclasses"}, f"oxmoe/model_shapes.py imports {sorted(imported)}"

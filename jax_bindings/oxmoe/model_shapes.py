@@ -73,10 +73,12 @@ class LayerShape:
 
     @property
     def num_experts(self) -> int:
+        """E, the router's."""
         return self.router.num_experts
 
     @property
     def topk(self) -> int:
+        """k, the router's."""
         return self.router.topk
 
     def _gemm(self, projection: str, k: int, n: int, expert_parallel: int) -> GemmShape:

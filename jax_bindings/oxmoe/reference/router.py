@@ -37,8 +37,8 @@ def top_experts(logits, topk: int, *, score_function="softmax", use_pre_softmax=
 
     Args:
       logits: ``[T, E]`` router logits (any float dtype).
-      topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
-        expert_bias: as :func:`oxmoe.router.topk`.
+      topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias: as
+        :func:`oxmoe.router.topk`.
 
     Returns:
       ``(weights [T, k] float32, experts [T, k] int32)``: each token's experts in
@@ -76,12 +76,12 @@ def topk(logits, topk: int, *, score_function="softmax", use_pre_softmax=False, 
 
     Args:
       logits: ``[T, E]`` router logits (any float dtype).
-      topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor,
-        expert_bias: as :func:`oxmoe.router.topk` (``expert_bias`` counts with sigmoid only).
+      topk, score_function, use_pre_softmax, num_groups, group_topk, scaling_factor, expert_bias: as
+        :func:`oxmoe.router.topk` (``expert_bias`` counts with sigmoid only).
 
     Returns:
-      ``(probs [T, E]`` in the logits' dtype, zero off the selection, ``routing_map
-      [T, E]`` bool``)``.
+      ``(probs, routing_map)``: ``probs [T, E]`` in the logits' dtype, zero off the
+      selection; ``routing_map [T, E]`` bool.
     """
     weights, chosen = top_experts(logits, topk, score_function=score_function, use_pre_softmax=use_pre_softmax,
                                   num_groups=num_groups, group_topk=group_topk, scaling_factor=scaling_factor,
