@@ -12,14 +12,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from profile_moe import seconds  # bench/ is the script's directory
 
-TOKENS, TOPK, HIDDEN = 8192, 8, 7168
+from oxmoe.bench.moe import EP_TOKENS
+from oxmoe.model_shapes import DEEPSEEK_V3_LAYER
+
+TOPK, HIDDEN = DEEPSEEK_V3_LAYER.topk, DEEPSEEK_V3_LAYER.hidden
 
 
 def main():
     devices = jax.devices()
     n = len(devices)
     mesh = jax.sharding.Mesh(np.array(devices), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    rows = TOKENS * TOPK
+    rows = EP_TOKENS * TOPK
     share = rows // n
 
     def sharded(fn, out_specs=P("x")):
@@ -34,9 +37,9 @@ def main():
                                          sizes, axis_name="x")
 
     tests = {
-        "all_gather (tokens)": (sharded(lambda x: jax.lax.all_gather(x, "x", tiled=True)), (TOKENS, HIDDEN)),
+        "all_gather (tokens)": (sharded(lambda x: jax.lax.all_gather(x, "x", tiled=True)), (EP_TOKENS, HIDDEN)),
         "psum_scatter (ring's partial outputs)": (
-            sharded(lambda x: jax.lax.psum_scatter(x, "x", scatter_dimension=0, tiled=True)), (n * TOKENS, HIDDEN)),
+            sharded(lambda x: jax.lax.psum_scatter(x, "x", scatter_dimension=0, tiled=True)), (n * EP_TOKENS, HIDDEN)),
         "all_to_all (dispatched rows, equal shares)": (
             sharded(lambda x: jax.lax.all_to_all(x.reshape(n, share, HIDDEN), "x", 0, 0).reshape(rows, HIDDEN)),
             (rows, HIDDEN)),

@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from oxmoe import moe, ragged_dot, transposed_ragged_dot
+from oxmoe.model_shapes import MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER
 
-SHAPES = {"mixtral": (32768, 1024, 4096, 8, 2), "qwen3": (16384, 2048, 768, 128, 8)}
+SHAPES = {"mixtral": MIXTRAL_LAYER, "qwen3": QWEN3_30B_A3B_LAYER}
 
 
 def seconds(fn, *args, iters=20):
@@ -35,8 +36,9 @@ def main():
     peak = 2 * 8192**3 / seconds(jax.jit(lambda a: a @ a), a)
     print(f"dense bf16 8192^3: {peak / 1e12:.0f} TFLOP/s")
     for name in args.shape or sorted(SHAPES):
-        t, h, f, e, k = SHAPES[name]
-        config = moe.MoEConfig(e, k, aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
+        shape = SHAPES[name]
+        t, h, f, e, k = shape.tokens, shape.hidden, shape.ffn, shape.num_experts, shape.topk
+        config = moe.MoEConfig(**shape.router.moe_kwargs(), aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
         params = moe.init_params(jax.random.key(1), config, h, f, jnp.bfloat16)
         x = jax.random.normal(jax.random.key(2), (t, h), jnp.bfloat16)
 

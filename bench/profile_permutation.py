@@ -9,18 +9,17 @@ import jax
 import jax.numpy as jnp
 
 from oxmoe import permutation
-
-T = 32768
-SHAPES = {"deepseek_v3": (7168, 256, 8), "mixtral": (1024, 8, 2)}
+from oxmoe.bench.permutation import MODELS
 
 
 def main():
     key = jax.random.key(0)
-    for hidden, experts, topk in SHAPES.values():
-        x = jax.random.normal(key, (T, hidden), jnp.bfloat16)
-        scores = jax.random.normal(key, (T, experts))
+    for model in MODELS:
+        t, hidden, experts, topk = model.tokens, model.hidden, model.num_experts, model.topk
+        x = jax.random.normal(key, (t, hidden), jnp.bfloat16)
+        scores = jax.random.normal(key, (t, experts))
         chosen = jax.lax.top_k(scores, topk)[1]
-        routing_map = jnp.zeros((T, experts), bool).at[jnp.arange(T)[:, None], chosen].set(True)
+        routing_map = jnp.zeros((t, experts), bool).at[jnp.arange(t)[:, None], chosen].set(True)
         probs = jnp.where(routing_map, jax.nn.softmax(scores), 0.0)
         for align_size in (None, 128):
             dispatch = jax.jit(lambda x, p: permutation.dispatch(

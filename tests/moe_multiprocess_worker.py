@@ -23,6 +23,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
+import moe_checks as checks  # noqa: E402
 import moe_reference as ref  # noqa: E402
 from oxmoe import moe as moe_lib  # noqa: E402
 from oxmoe.moe import MoEConfig, MoEParams  # noqa: E402
@@ -48,9 +49,9 @@ def global_array(mesh, spec, value):
 
 def run_case(name, shape, names, data_axes, fields, x_shape, seed):
     rng = np.random.default_rng(seed)
-    config = MoEConfig(**fields, aux_loss_coeff=ref.AUX_LOSS_COEFF, z_loss_coeff=ref.Z_LOSS_COEFF)
+    config = MoEConfig(**fields, aux_loss_coeff=checks.AUX_LOSS_COEFF, z_loss_coeff=checks.Z_LOSS_COEFF)
     with jax.default_device(jax.local_devices()[0]):
-        x, params, y_weight = ref.draw_inputs(rng, config, x_shape, 32, make=MoEParams)
+        x, params, y_weight = checks.draw_inputs(rng, config, x_shape, 32, make=MoEParams)
         expected = jax.jit(ref.value_and_grads, static_argnums=2)(x, params, config, y_weight)
     mesh = jax.make_mesh(shape, names, devices=jax.devices())
     tokens, experts = P((*data_axes, "expert")), P("expert")
@@ -73,7 +74,7 @@ def run_case(name, shape, names, data_axes, fields, x_shape, seed):
     got = multihost_utils.process_allgather(value_and_grads(x_g, params_g, w_g), tiled=True)
     with jax.default_device(jax.local_devices()[0]):
         got = jax.tree.map(jnp.asarray, got)
-        errors = ref.compare(got, expected, config, context=f"{name}, process {jax.process_index()}, seed={seed}")
+        errors = checks.compare(got, expected, config, context=f"{name}, process {jax.process_index()}, seed={seed}")
     print(f"process {jax.process_index()} {name}: max relative error {max(errors.values()):.3g} "
           f"({', '.join(f'{k} {v:.2g}' for k, v in errors.items())})", flush=True)
 

@@ -34,6 +34,7 @@ from oxmoe.bench import chart
 from oxmoe.bench import grouped_gemm as bench_gemm
 from oxmoe.bench import moe as bench_moe
 from oxmoe.bench import timing
+from oxmoe.model_shapes import GemmShape
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -312,7 +313,7 @@ def test_only_grouped_gemm_lists_its_cases():
 
 
 #: A small shape whose cases the in-process tests run on the default device.
-SMALL = bench_gemm.Shape("small", m=200, k=48, n=40, groups=6)
+SMALL = GemmShape("small", m=200, k=48, n=40, groups=6)
 
 
 @pytest.mark.parametrize("product", bench_gemm.PRODUCTS, ids=lambda p: p.name)

@@ -26,10 +26,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import devices
+import moe_checks as checks
 import moe_reference as ref
-import ragged_dot_reference as shapes
 from oxmoe import model_shapes
 from oxmoe import moe as moe_lib
+from oxmoe.model_shapes import MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER
 from oxmoe.moe import MoEConfig, MoEParams
 
 GPUS = devices.gpu_devices()
@@ -46,13 +47,13 @@ def scaled(tokens: int, hidden: int, ffn: int) -> tuple[int, int, int]:
 
 def config_of(router: model_shapes.RouterConfig, **kwargs) -> MoEConfig:
     """The MoEConfig of a model's routing, bfloat16, with both losses."""
-    return router.moe_config(**{**dict(aux_loss_coeff=ref.AUX_LOSS_COEFF, z_loss_coeff=ref.Z_LOSS_COEFF,
-                                       dtype=BF16), **kwargs})
+    return MoEConfig(**router.moe_kwargs(), **{**dict(aux_loss_coeff=checks.AUX_LOSS_COEFF,
+                                                      z_loss_coeff=checks.Z_LOSS_COEFF, dtype=BF16), **kwargs})
 
 
 @functools.partial(jax.jit, static_argnames=("config", "hidden", "ffn"))
 def draw_weights(key, *, config: MoEConfig, hidden: int, ffn: int) -> MoEParams:
-    """bfloat16 weights of the layer's scale (moe_reference.draw_params' distribution), drawn on
+    """bfloat16 weights of the layer's scale (moe_checks.draw_params' distribution), drawn on
     the key's device: 128 experts' weights are 600M elements, too many to draw on the host."""
     e, width = config.num_experts, 2 * ffn if config.glu else ffn
     k_gate, k_up, k_down, k_bias = jax.random.split(key, 4)
@@ -69,9 +70,9 @@ def draw_inputs(rng, seed, config, tokens, hidden, ffn, device):
     """(x [T, H] bfloat16, params, y_weight) on `device`; tokens without near-ties (drawn on the
     host against the drawn router weight)."""
     params = draw_weights(jax.device_put(jax.random.key(seed), device), config=config, hidden=hidden, ffn=ffn)
-    x = ref.draw_tokens(rng, (tokens, hidden), np.asarray(params.gate.astype(jnp.float32)), config,
+    x = checks.draw_tokens(rng, (tokens, hidden), np.asarray(params.gate.astype(jnp.float32)), config,
                         None if params.expert_bias is None else np.asarray(params.expert_bias))
-    y_weight = (rng.standard_normal((tokens, hidden)) * ref.Y_WEIGHT_SCALE).astype(np.float32)
+    y_weight = (rng.standard_normal((tokens, hidden)) * checks.Y_WEIGHT_SCALE).astype(np.float32)
     return jax.device_put(jnp.asarray(x, BF16), device), params, jax.device_put(y_weight, device)
 
 
@@ -87,8 +88,8 @@ def describe(name, config, tokens, hidden, ffn, seed) -> str:
 
 # (name, routing, T, H, F, align_size)
 ONE_GPU_CASES = [
-    ("mixtral", model_shapes.MIXTRAL, 2048, shapes.MIXTRAL_UP.k, shapes.MIXTRAL_UP.n, None),
-    ("qwen3_30b_a3b", model_shapes.QWEN3_MOE, 2048, shapes.QWEN3_UP.k, shapes.QWEN3_UP.n, 128),
+    ("mixtral", model_shapes.MIXTRAL, 2048, MIXTRAL_LAYER.hidden, MIXTRAL_LAYER.ffn, None),
+    ("qwen3_30b_a3b", model_shapes.QWEN3_MOE, 2048, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn, 128),
     ("deepseek_v3_routing", model_shapes.DEEPSEEK_V3, 2048, 1024, 256, None),
 ]
 
@@ -104,7 +105,7 @@ def test_model_layer_on_one_gpu_matches_the_dense_reference(case, gpu, seed, rng
     for leaf in jax.tree.leaves(got):
         assert leaf.devices() == {gpu}, f"an output is on {leaf.devices()}, expected {gpu}"
     expected = reference(x, params, config, y_weight)
-    ref.compare(got, expected, config, context=describe(name, config, tokens, hidden, ffn, seed))
+    checks.compare(got, expected, config, context=describe(name, config, tokens, hidden, ffn, seed))
 
 
 def test_float32_layer_on_one_gpu_matches_the_dense_reference_at_float32_precision(gpu, seed, rng):
@@ -113,13 +114,13 @@ def test_float32_layer_on_one_gpu_matches_the_dense_reference_at_float32_precisi
     # miss the float32 tolerance and could choose other experts than float32 ones.
     tokens, hidden, ffn = scaled(512, 256, 512)
     config = config_of(model_shapes.MIXTRAL, dtype=jnp.float32)
-    params = jax.device_put(ref.draw_params(rng, config, hidden, ffn, glu=True, make=MoEParams), gpu)
-    x = ref.draw_tokens(rng, (tokens, hidden), np.asarray(params.gate), config)
-    y_weight = (rng.standard_normal((tokens, hidden)) * ref.Y_WEIGHT_SCALE).astype(np.float32)
+    params = jax.device_put(checks.draw_params(rng, config, hidden, ffn, glu=True, make=MoEParams), gpu)
+    x = checks.draw_tokens(rng, (tokens, hidden), np.asarray(params.gate), config)
+    y_weight = (rng.standard_normal((tokens, hidden)) * checks.Y_WEIGHT_SCALE).astype(np.float32)
     x, y_weight = jax.device_put((x, y_weight), gpu)
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
         x, params, y_weight)
-    ref.compare(got, reference(x, params, config, y_weight), config,
+    checks.compare(got, reference(x, params, config, y_weight), config,
                 context=describe("mixtral_float32", config, tokens, hidden, ffn, seed))
 
 
@@ -127,11 +128,12 @@ def test_float32_layer_on_one_gpu_matches_the_dense_reference_at_float32_precisi
 
 # (name, mesh shape (data, expert), routing, T in all, H, F, exchange)
 MULTI_GPU_CASES = [
-    ("ep2_ragged", (1, 2), model_shapes.QWEN3_MOE, 4096, shapes.QWEN3_UP.k, shapes.QWEN3_UP.n, "ragged_all_to_all"),
-    ("ep2_auto", (1, 2), model_shapes.MIXTRAL, 4096, shapes.MIXTRAL_UP.k, shapes.MIXTRAL_UP.n, "auto"),
+    ("ep2_ragged", (1, 2), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn,
+     "ragged_all_to_all"),
+    ("ep2_auto", (1, 2), model_shapes.MIXTRAL, 4096, MIXTRAL_LAYER.hidden, MIXTRAL_LAYER.ffn, "auto"),
     ("ep4_ragged", (1, 4), model_shapes.DEEPSEEK_V3, 4096, 1024, 256, "ragged_all_to_all"),
-    ("ep4_auto", (1, 4), model_shapes.QWEN3_MOE, 4096, shapes.QWEN3_UP.k, shapes.QWEN3_UP.n, "auto"),
-    ("data2_ep2_ragged", (2, 2), model_shapes.QWEN3_MOE, 4096, shapes.QWEN3_UP.k, shapes.QWEN3_UP.n,
+    ("ep4_auto", (1, 4), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn, "auto"),
+    ("data2_ep2_ragged", (2, 2), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn,
      "ragged_all_to_all"),
 ]
 
@@ -164,5 +166,5 @@ def test_expert_parallel_layer_over_gpus_matches_the_dense_reference(case, seed,
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
     got = jax.device_put(got, first)
     expected = reference(x, params, config, y_weight)
-    ref.compare(got, expected, config,
+    checks.compare(got, expected, config,
                 context=describe(name, config, tokens, hidden, ffn, seed) + f", data={data}, expert={ep}")

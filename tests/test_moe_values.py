@@ -19,7 +19,7 @@
 Each case checks y, both losses, tokens_per_expert (exactly) and the gradients of the tokens
 and of gate, up and down for the loss sum(y * w) + losses (expert_bias's must be zero). The
 layer's result does not depend on the sharding, exchange or padding, so every case has the
-same reference; tokens whose routing is a near-tie are redrawn (moe_reference.draw_tokens).
+same reference; tokens whose routing is a near-tie are redrawn (moe_checks.draw_tokens).
 """
 
 import dataclasses
@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import devices
+import moe_checks as checks
 import moe_reference as ref
 import router_reference as router_ref
 from oxmoe import moe as moe_lib
@@ -58,7 +59,7 @@ ROUTINGS = {
 
 
 def make_config(routing: str, **kwargs) -> MoEConfig:
-    fields = dict(ROUTINGS[routing], aux_loss_coeff=ref.AUX_LOSS_COEFF, z_loss_coeff=ref.Z_LOSS_COEFF)
+    fields = dict(ROUTINGS[routing], aux_loss_coeff=checks.AUX_LOSS_COEFF, z_loss_coeff=checks.Z_LOSS_COEFF)
     fields.update(kwargs)
     return MoEConfig(**fields)
 
@@ -102,7 +103,7 @@ def test_reference_router_and_loss_equal_the_float64_router_reference(routing, s
     e, t = config.num_experts, 256
     logits = (rng.standard_normal((t, e)) * 2).astype(np.float32)
     bias = (rng.standard_normal(e) * 0.05).astype(np.float32) if config.use_expert_bias else None
-    keep = ref.selection_margin(logits, config, bias) > 1e-5  # float32 may order a near-tie either way
+    keep = checks.selection_margin(logits, config, bias) > 1e-5  # float32 may order a near-tie either way
     context = f"{routing}, {int((~keep).sum())} near-ties left out, seed={seed}"
     probs, chosen = ref.route(jnp.asarray(logits), config, None if bias is None else jnp.asarray(bias))
     expected = router_ref.topk(logits, config.topk, expert_bias=bias, score_function=config.score_function,
@@ -134,7 +135,7 @@ def test_reference_layer_equals_a_loop_over_tokens_and_their_experts(activation,
     # y[t] = sum over t's chosen experts e of probs[t, e] * act(x[t] @ up[e]) @ down[e], in float64,
     # the gate half of a fused up weight first.
     config = MoEConfig(num_experts=6, topk=2, activation=activation, dtype=F32)
-    x, params, _ = ref.draw_inputs(rng, config, (2, 5, 24), 8)
+    x, params, _ = checks.draw_inputs(rng, config, (2, 5, 24), 8)
     y, aux = ref.moe(x, params, config)
     xs = np.asarray(x, np.float64).reshape(-1, 24)
     probs, chosen = (np.asarray(a) for a in ref.route(ref.router_logits(x, params.gate, F32), config))
@@ -214,12 +215,12 @@ def test_layer_inside_shard_map_matches_the_dense_reference(case, cpu, seed, rng
     data, ep, exchange, align, routing, dtype, bsh = case
     config = make_config(routing, dtype=dtype, exchange=exchange, align_size=align)
     x_shape = (16, TOKENS // 16, HIDDEN) if bsh else (TOKENS, HIDDEN)
-    x, params, y_weight = jax.device_put(ref.draw_inputs(rng, config, x_shape, FFN, make=MoEParams), cpu)
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, x_shape, FFN, make=MoEParams), cpu)
     context = f"{describe(config)}, data={data}, expert={ep}, x {x_shape}, seed={seed}"
     mesh = mesh_of(data, ep)
     layer = layer_in_shard_map(config, mesh, has_bias=params.expert_bias is not None)
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
-    ref.compare(got, reference(x, params, config, y_weight), config, context=context)
+    checks.compare(got, reference(x, params, config, y_weight), config, context=context)
 
 
 # --------------------------------------------------------------- without shard_map
@@ -243,14 +244,14 @@ LOCAL_CASES = [
 @pytest.mark.parametrize("case", LOCAL_CASES, ids=[c[0] for c in LOCAL_CASES])
 def test_layer_without_shard_map_matches_the_dense_reference(case, cpu, seed, rng):
     _, routing, activation, x_shape, ffn, dtype, param_dtype, x_dtype, align, losses = case
-    coeffs = dict(aux_loss_coeff=ref.AUX_LOSS_COEFF, z_loss_coeff=ref.Z_LOSS_COEFF) if losses else {}
+    coeffs = dict(aux_loss_coeff=checks.AUX_LOSS_COEFF, z_loss_coeff=checks.Z_LOSS_COEFF) if losses else {}
     config = MoEConfig(**routing, **coeffs, activation=activation, dtype=dtype, align_size=align)
-    x, params, y_weight = jax.device_put(ref.draw_inputs(rng, config, x_shape, ffn, make=MoEParams,
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, x_shape, ffn, make=MoEParams,
                                                          param_dtype=param_dtype, x_dtype=x_dtype), cpu)
     context = f"{describe(config)}, x {x.dtype}{list(x_shape)}, weights {jnp.dtype(param_dtype).name}, seed={seed}"
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
         x, params, y_weight)
-    errors = ref.compare(got, reference(x, params, config, y_weight), config, context=context)
+    errors = checks.compare(got, reference(x, params, config, y_weight), config, context=context)
     if not losses:
         assert "load_balancing_loss" not in errors and "z_loss" not in errors
 
@@ -264,7 +265,7 @@ def test_float32_gate_logits_routes_as_a_float32_router(seed, rng):
     # which differ for a few tokens in a thousand (about 70 of these 4096).
     num_experts, topk, hidden, tokens = 64, 8, 256, 4096
     x = jnp.asarray(rng.standard_normal((tokens, hidden)), F32)
-    params = ref.draw_params(rng, MoEConfig(num_experts=num_experts, topk=topk), hidden, 8, glu=True,
+    params = checks.draw_params(rng, MoEConfig(num_experts=num_experts, topk=topk), hidden, 8, glu=True,
                              make=MoEParams)
     maps = {}
     for option, router_dtype in ((True, F32), (False, BF16)):
@@ -293,7 +294,7 @@ def test_layer_with_float32_gate_logits_matches_the_dense_reference(case, cpu, s
     # the gate in their own dtypes, and the layer's must as well.
     data, ep, x_dtype, param_dtype = FLOAT32_GATE_LOGITS_CASES[case]
     config = make_config("softmax_top2", dtype=BF16, exchange="all_to_all", float32_gate_logits=True)
-    x, params, y_weight = jax.device_put(ref.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams,
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams,
                                                          param_dtype=param_dtype, x_dtype=x_dtype), cpu)
     context = f"{case}, {describe(config)}, seed={seed}"
     if data is None:
@@ -302,7 +303,7 @@ def test_layer_with_float32_gate_logits_matches_the_dense_reference(case, cpu, s
         mesh = mesh_of(data, ep)
         layer, args = layer_in_shard_map(config, mesh, has_bias=False), put_on_mesh(mesh, x, params, y_weight)
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*args)
-    ref.compare(got, reference(x, params, config, y_weight), config, context=context)
+    checks.compare(got, reference(x, params, config, y_weight), config, context=context)
 
 
 # ---------------------------------------------------------------------- shard_map_moe
@@ -318,7 +319,7 @@ SHARD_MAP_MOE_CASES = {
 def test_shard_map_moe_matches_the_reference_and_keeps_the_shardings(case, cpu, seed, rng):
     shape, names, expert_axis, data_axes, x_shape = SHARD_MAP_MOE_CASES[case]
     config = make_config("sigmoid_groups", dtype=F32, exchange="all_to_all", align_size=128)
-    x, params, y_weight = jax.device_put(ref.draw_inputs(rng, config, x_shape, 32, make=MoEParams), cpu)
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, x_shape, 32, make=MoEParams), cpu)
     mesh = jax.make_mesh(shape, names, devices=host_devices(int(np.prod(shape))))
     x_d, params_d, w_d = put_on_mesh(mesh, x, params, y_weight, data_axes=data_axes, expert_axis=expert_axis)
 
@@ -327,7 +328,7 @@ def test_shard_map_moe_matches_the_reference_and_keeps_the_shardings(case, cpu, 
 
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(x_d, params_d, w_d)
     context = f"{case}, {describe(config)}, seed={seed}"
-    ref.compare(got, reference(x, params, config, y_weight), config, context=context)
+    checks.compare(got, reference(x, params, config, y_weight), config, context=context)
     (y, aux), (dx, dparams) = got
     for name, value, like in (("y", y, x_d), ("d x", dx, x_d), ("d gate", dparams.gate, params_d.gate),
                               ("d up", dparams.up, params_d.up), ("d down", dparams.down, params_d.down),

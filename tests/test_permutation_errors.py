@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import permutation_checks as checks
 import permutation_reference as ref
 from error_cases import check_raises, check_raises_while_tracing
 from oxmoe import permutation
@@ -155,7 +156,7 @@ def test_num_out_tokens_below_the_routed_count_is_a_silent_drop_under_jit():
     dispatched = jax.jit(lambda x, m: dispatch(x, m, num_out_tokens=9))(TOKENS, MAP)
     layout = ref.dispatch_layout(np.asarray(MAP), num_out_tokens=9)
     assert layout.dropped.sum() == 1
-    ref.check_dispatch_layout(dispatched, layout, context="jit, num_out_tokens=9 of 10")
+    checks.check_dispatch_layout(dispatched, layout, context="jit, num_out_tokens=9 of 10")
 
 
 # name: dispatch(tokens, MAP as a constant, num_out_tokens=9) under a transformation -> its Dispatched
@@ -173,7 +174,7 @@ def test_a_constant_map_below_num_out_tokens_is_a_silent_drop_under_a_transforma
     # constant) the copies past the capacity are dropped as for a traced map.
     x = rng.standard_normal((T, H)).astype(np.float32)
     dispatched = CONSTANT_MAP_CALLS[call](jnp.asarray(x))
-    layout = ref.check_dispatch(dispatched, x, np.asarray(MAP), None, num_out_tokens=9, align_size=None,
+    layout = checks.check_dispatch(dispatched, x, np.asarray(MAP), None, num_out_tokens=9, align_size=None,
                                 context=f"{call}, num_out_tokens=9 of 10, seed={seed}")
     assert layout.dropped.sum() == 1
 
@@ -189,7 +190,7 @@ def test_a_constant_map_below_num_out_tokens_drops_the_copy_s_gradient_under_gra
 
 def test_num_out_tokens_equal_to_the_routed_count_is_accepted_eagerly():
     dispatched = dispatch(TOKENS, MAP, num_out_tokens=10, align_size=4)
-    ref.check_dispatch_layout(dispatched, ref.dispatch_layout(np.asarray(MAP), num_out_tokens=10, align_size=4),
+    checks.check_dispatch_layout(dispatched, ref.dispatch_layout(np.asarray(MAP), num_out_tokens=10, align_size=4),
                               context="num_out_tokens=10 of 10")
 
 
@@ -216,7 +217,7 @@ def test_sorted_indices_that_are_not_a_permutation_are_not_checked_under_jit(see
     x = rng.standard_normal((T, H)).astype(np.float32)
     order = np.asarray([0, 0, 0], np.int32)
     out = jax.jit(lambda x: sort_chunks(x, SPLITS, order))(x)
-    ref.assert_bitwise_equal(out, ref.sort_chunks(x, SPLITS, order).astype(np.float32), what="jit sort_chunks",
+    checks.assert_bitwise_equal(out, ref.sort_chunks(x, SPLITS, order).astype(np.float32), what="jit sort_chunks",
                              context=f"order={order.tolist()}, seed={seed}")
 
 
@@ -234,7 +235,7 @@ def test_arguments_at_their_limits_are_accepted(kwargs):
         routing_map = np.eye(T, E, dtype=bool)
     dispatched = dispatch(TOKENS, routing_map, **kwargs)
     num_out_tokens = kwargs.get("num_out_tokens", T * kwargs.get("topk", 0))
-    ref.check_dispatch(dispatched, np.asarray(TOKENS), routing_map, None, num_out_tokens=num_out_tokens,
+    checks.check_dispatch(dispatched, np.asarray(TOKENS), routing_map, None, num_out_tokens=num_out_tokens,
                        align_size=kwargs.get("align_size"), context=str(kwargs))
 
 
@@ -264,7 +265,7 @@ def test_combine_with_out_of_range_dest_rows_gives_nan_for_those_tokens(seed, rn
     assert np.isnan(out[[1, 3, 4]]).all(), f"rows 1, 3, 4 should be NaN, got {out[[1, 3, 4], :4]}"
     good = [0, 2]
     expected = ref.combine(np.asarray(y), dest_rows[good])
-    ref.assert_rounded_sum_close(out[good], expected, ref.combine(np.abs(np.asarray(y)), dest_rows[good]),
+    checks.assert_rounded_sum_close(out[good], expected, ref.combine(np.abs(np.asarray(y)), dest_rows[good]),
                                  np.float32, num_terms=2, what="combine of the untouched tokens", context=f"seed={seed}")
 
 
@@ -273,4 +274,4 @@ def test_combine_accepts_the_dispatch_s_pad_offsets_and_num_tokens(seed, rng):
     y = jnp.asarray(rng.normal(size=(_D_ALIGNED.tokens.shape[0], H)), jnp.float32)
     plain = combine(y, _D_ALIGNED.row_id_map)
     spelled_out = combine(y, _D_ALIGNED.row_id_map, pad_offsets=_D_ALIGNED.pad_offsets, num_tokens=MAP.shape[0])
-    ref.assert_bitwise_equal(spelled_out, plain, what="combine with pad_offsets and num_tokens", context=f"seed={seed}")
+    checks.assert_bitwise_equal(spelled_out, plain, what="combine with pad_offsets and num_tokens", context=f"seed={seed}")

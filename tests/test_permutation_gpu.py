@@ -33,8 +33,10 @@ import numpy as np
 import pytest
 
 import devices
+import permutation_checks as checks
 import permutation_reference as ref
 from oxmoe import permutation
+from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, LAYER_SHAPES, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER
 
 GPUS = devices.gpu_devices()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not GPUS, reason=devices.NO_GPU_REASON)]
@@ -55,9 +57,9 @@ SAMPLE = 512
 
 def big_cases():
     cases = []
-    for model in ref.MODEL_SHAPES:
+    for model in LAYER_SHAPES:
         for name, dtype in DTYPES.items():
-            num_tokens = DEEPSEEK_F32_TOKENS if (model is ref.DEEPSEEK_V3 and name == "f32") else BIG_TOKENS
+            num_tokens = DEEPSEEK_F32_TOKENS if (model is DEEPSEEK_V3_LAYER and name == "f32") else BIG_TOKENS
             for align_size in ALIGN_SIZES:
                 cases.append(pytest.param(model, num_tokens, dtype, align_size,
                                           id=f"{model.name}-T{num_tokens}-{name}-align{align_size}"))
@@ -106,7 +108,7 @@ def test_hashed_grid_is_the_same_in_numpy_and_on_the_gpu(gpu):
     rows, cols = np.array([0, 1, 7, 65535, 294655]), 300
     on_gpu = run_on(gpu, lambda r: hashed_grid(jnp, r, jnp.arange(cols, dtype=jnp.uint32), 12345, jnp.bfloat16),
                     rows.astype(np.uint32))
-    ref.assert_bitwise_equal(on_gpu, host_grid(rows, cols, 12345, jnp.bfloat16), what="hashed grid", context="")
+    checks.assert_bitwise_equal(on_gpu, host_grid(rows, cols, 12345, jnp.bfloat16), what="hashed grid", context="")
     values = np.unique(np.asarray(host_grid(np.arange(1000), 64, 1, jnp.float32)))
     np.testing.assert_array_equal(values, np.arange(-8, 9) / 16)
 
@@ -129,7 +131,7 @@ def assert_same_bits(gpu_out, cpu_out, *, what: str, context: str, row_chunk: in
         name = f"{what}{jax.tree_util.keystr(path)}"
         assert g.shape == c.shape and g.dtype == c.dtype, f"{name}: GPU {g.dtype}{g.shape}, CPU {c.dtype}{c.shape}"
         for start in range(0, max(g.shape[0], 1), row_chunk):
-            ref.assert_bitwise_equal(g[start : start + row_chunk], c[start : start + row_chunk],
+            checks.assert_bitwise_equal(g[start : start + row_chunk], c[start : start + row_chunk],
                                      what=f"GPU vs CPU {name} rows from {start}", context=context)
 
 
@@ -145,7 +147,7 @@ def exact(values_f64: np.ndarray, dtype) -> np.ndarray:
 
 
 def inputs(model, num_tokens, dtype, align_size, rng):
-    routing_map = ref.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, VARIANT_OF_ALIGN[align_size])
+    routing_map = checks.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, VARIANT_OF_ALIGN[align_size])
     x = grid_tokens(rng, (num_tokens, model.hidden), dtype)
     probs = grid_weights(rng, routing_map.shape, dtype)
     return x, routing_map, probs
@@ -185,7 +187,7 @@ def test_dispatch_and_its_vjp_on_gpu_match_the_cpu_and_the_reference(model, num_
     fn = dispatch_fn(model.topk, align_size)
     gpu_d = run_on(gpu, fn, x, routing_map, probs)
     # Every row against the reference (bit for bit), then against the CPU implementation.
-    layout = ref.check_dispatch(gpu_d, x, routing_map, probs, num_out_tokens=num_tokens * model.topk,
+    layout = checks.check_dispatch(gpu_d, x, routing_map, probs, num_out_tokens=num_tokens * model.topk,
                                 align_size=align_size, context=f"GPU, {context}")
     cpu_d = run_on(cpu, fn, x, routing_map, probs)
     assert_same_bits(gpu_d, cpu_d, what="dispatch", context=context)
@@ -198,7 +200,7 @@ def test_dispatch_and_its_vjp_on_gpu_match_the_cpu_and_the_reference(model, num_
     # d probs: the cotangent of each (t, e)'s row, in full.
     g_probs = host_grid(np.arange(layout.num_rows), 1, SALT_PROBS, dtype)[:, 0]
     _, expected_dp = ref.dispatch_backward(np.zeros((layout.num_rows, 1)), g_probs, layout.dest_rows)
-    ref.assert_bitwise_equal(gpu_dp, expected_dp.astype(probs.dtype), what="GPU d probs", context=context)
+    checks.assert_bitwise_equal(gpu_dp, expected_dp.astype(probs.dtype), what="GPU d probs", context=context)
     # d tokens on a sample of tokens: the sum of the cotangent rows of their copies.
     tokens = sample_indices(rng, num_tokens)
     dest = layout.dest_rows[tokens]
@@ -206,7 +208,7 @@ def test_dispatch_and_its_vjp_on_gpu_match_the_cpu_and_the_reference(model, num_
     g_rows = host_grid(needed, model.hidden, SALT_ROWS, dtype)
     compact_dest = np.where(dest >= 0, np.searchsorted(needed, dest), -1)
     expected_dx, _ = ref.dispatch_backward(g_rows, None, compact_dest)
-    ref.assert_bitwise_equal(gpu_dx[tokens], exact(expected_dx, dtype), what="GPU d tokens (sampled tokens)",
+    checks.assert_bitwise_equal(gpu_dx[tokens], exact(expected_dx, dtype), what="GPU d tokens (sampled tokens)",
                              context=context)
 
 
@@ -236,7 +238,7 @@ def reference_row_id_map(layout):
 @BIG_CASES
 def test_combine_and_its_vjp_on_gpu_match_the_cpu_and_the_reference(model, num_tokens, dtype, align_size, gpu, cpu,
                                                                     seed, rng):
-    routing_map = ref.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, VARIANT_OF_ALIGN[align_size])
+    routing_map = checks.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, VARIANT_OF_ALIGN[align_size])
     merging_probs = grid_weights(rng, routing_map.shape, dtype)
     layout = ref.dispatch_layout(routing_map, num_out_tokens=num_tokens * model.topk, align_size=align_size)
     row_id_map = reference_row_id_map(layout)
@@ -256,10 +258,10 @@ def test_combine_and_its_vjp_on_gpu_match_the_cpu_and_the_reference(model, num_t
     compact_dest = np.where(dest >= 0, np.searchsorted(needed, dest), -1)
     g = host_grid(tokens, model.hidden, SALT_OUT, dtype)
     expected_out = ref.combine(y, compact_dest, merging_probs[tokens])
-    ref.assert_bitwise_equal(out[tokens], exact(expected_out, dtype), what="GPU combine (sampled tokens)",
+    checks.assert_bitwise_equal(out[tokens], exact(expected_out, dtype), what="GPU combine (sampled tokens)",
                              context=context)
     _, expected_dp = ref.combine_backward(g, y, compact_dest, merging_probs[tokens])
-    ref.assert_bitwise_equal(d_probs[tokens], exact(expected_dp, dtype), what="GPU d merging_probs (sampled tokens)",
+    checks.assert_bitwise_equal(d_probs[tokens], exact(expected_dp, dtype), what="GPU d merging_probs (sampled tokens)",
                              context=context)
     # d expert_tokens: w[t, e] * g[t] on the rows of the sampled tokens, exactly zero on every row
     # no (t, e) refers to.
@@ -267,10 +269,10 @@ def test_combine_and_its_vjp_on_gpu_match_the_cpu_and_the_reference(model, num_t
     t_of_rows = np.broadcast_to(tokens[:, None], dest.shape)[dest >= 0]
     w_of_rows = ref.as_f64(merging_probs[tokens])[dest >= 0]
     expected_rows = w_of_rows[:, None] * ref.as_f64(host_grid(t_of_rows, model.hidden, SALT_OUT, dtype))
-    ref.assert_bitwise_equal(d_rows[rows_of_sample], exact(expected_rows, dtype),
+    checks.assert_bitwise_equal(d_rows[rows_of_sample], exact(expected_rows, dtype),
                              what="GPU d expert_tokens (rows of sampled tokens)", context=context)
     unused = np.flatnonzero(layout.source_tokens < 0)
-    ref.assert_bitwise_equal(d_rows[unused], np.zeros((len(unused), model.hidden), d_rows.dtype),
+    checks.assert_bitwise_equal(d_rows[unused], np.zeros((len(unused), model.hidden), d_rows.dtype),
                              what="GPU d expert_tokens on padding and unused rows", context=context)
 
 
@@ -281,10 +283,10 @@ def chunk_cases():
     # Rows after an expert-parallel all-to-all: T * k rows of the model's hidden size, in chunks
     # (source shard, local expert): 8 shards x (E / 8) local experts.
     cases = []
-    for model in ref.MODEL_SHAPES:
+    for model in LAYER_SHAPES:
         for name, dtype in DTYPES.items():
-            num_tokens = DEEPSEEK_F32_TOKENS if (model is ref.DEEPSEEK_V3 and name == "f32") else BIG_TOKENS
-            num_rows = num_tokens * model.topk // (4 if model is ref.DEEPSEEK_V3 else 1)
+            num_tokens = DEEPSEEK_F32_TOKENS if (model is DEEPSEEK_V3_LAYER and name == "f32") else BIG_TOKENS
+            num_rows = num_tokens * model.topk // (4 if model is DEEPSEEK_V3_LAYER else 1)
             cases.append(pytest.param(model, num_rows, dtype, 8 * (model.num_experts // 8),
                                       id=f"{model.name}-N{num_rows}-{name}"))
     return cases
@@ -325,13 +327,13 @@ def test_sort_and_unsort_chunks_and_their_vjps_on_gpu_match_the_cpu_and_the_refe
     # Every row of the output; the gradient's rows on a sample (its cotangent lives on the device).
     sources = forward(num_rows, sizes, order)
     for start in range(0, num_rows, 16384):
-        ref.assert_bitwise_equal(gpu_out[start : start + 16384], ref.gather_rows(x, sources[start : start + 16384]),
+        checks.assert_bitwise_equal(gpu_out[start : start + 16384], ref.gather_rows(x, sources[start : start + 16384]),
                                  what=f"GPU output rows from {start}", context=context)
     rows = sample_indices(rng, num_rows)
     grad_sources = backward(num_rows, sizes, order)[rows]
     g = host_grid(np.maximum(grad_sources, 0), model.hidden, SALT_OUT, dtype)
     g[grad_sources < 0] = 0
-    ref.assert_bitwise_equal(gpu_dx[rows], g, what="GPU d tokens (sampled rows)", context=context)
+    checks.assert_bitwise_equal(gpu_dx[rows], g, what="GPU d tokens (sampled rows)", context=context)
 
 
 # -- poison: outputs placed in memory that was just full of NaN --------------------------
@@ -393,7 +395,7 @@ def assert_no_nan(tree, *, what: str, context: str) -> None:
                                    f"(first at {np.argwhere(nan)[0].tolist()}) left from the poisoned memory ({context})")
 
 
-POISON_MODELS = pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], ids=lambda m: m.name)
+POISON_MODELS = pytest.mark.parametrize("model", [MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER], ids=lambda m: m.name)
 
 
 @POISON_MODELS
@@ -401,22 +403,22 @@ POISON_MODELS = pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], i
 def test_dispatch_on_poisoned_memory_zeroes_padding_and_tail_rows(model, align_size, gpu, seed, rng):
     # A ragged map: padding rows (align_size) and tail rows (fewer entries than T * k).
     num_tokens, dtype = BIG_TOKENS, jnp.bfloat16
-    routing_map = ref.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, "ragged")
+    routing_map = checks.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, "ragged")
     x = grid_tokens(rng, (num_tokens, model.hidden), dtype)
     probs = grid_weights(rng, routing_map.shape, dtype)
     context = f"{model.name}, T={num_tokens}, align_size={align_size}, seed={seed}"
     d = run_poisoned(gpu, dispatch_fn(model.topk, align_size), x, routing_map, probs)
     assert_no_nan(d, what="dispatch", context=context)
-    layout = ref.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_tokens * model.topk,
+    layout = checks.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_tokens * model.topk,
                                 align_size=align_size, context=context)
     assert (layout.source_tokens < 0).sum() > 0, "the test meant to leave padding / tail rows"
     dx, dp = run_poisoned(gpu, dispatch_vjp_fn(model.topk, align_size), x, routing_map, probs)
     assert_no_nan((dx, dp), what="dispatch vjp", context=context)
     # A token routed nowhere gets an exactly zero gradient.
     nowhere = np.flatnonzero(~routing_map.any(axis=1))
-    ref.assert_bitwise_equal(dx[nowhere], np.zeros((len(nowhere), model.hidden), dx.dtype),
+    checks.assert_bitwise_equal(dx[nowhere], np.zeros((len(nowhere), model.hidden), dx.dtype),
                              what="d tokens of unrouted tokens", context=context)
-    ref.assert_bitwise_equal(dp[~routing_map], np.zeros(int((~routing_map).sum()), dp.dtype),
+    checks.assert_bitwise_equal(dp[~routing_map], np.zeros(int((~routing_map).sum()), dp.dtype),
                              what="d probs off the map", context=context)
 
 
@@ -426,7 +428,7 @@ def test_dispatch_on_poisoned_memory_zeroes_padding_and_tail_rows(model, align_s
 def test_combine_backward_on_poisoned_memory_zeroes_the_rows_no_token_uses(model, align_size, with_probs, gpu, seed,
                                                                             rng):
     num_tokens, dtype = BIG_TOKENS, jnp.bfloat16
-    routing_map = ref.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, "ragged")
+    routing_map = checks.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, "ragged")
     layout = ref.dispatch_layout(routing_map, num_out_tokens=num_tokens * model.topk, align_size=align_size)
     merging_probs = grid_weights(rng, routing_map.shape, dtype) if with_probs else None
     hidden = model.hidden
@@ -442,10 +444,10 @@ def test_combine_backward_on_poisoned_memory_zeroes_the_rows_no_token_uses(model
     assert_no_nan((out, d_rows), what="combine and d expert_tokens", context=context)
     unused = np.flatnonzero(layout.source_tokens < 0)
     assert len(unused) > 0, "the test meant to leave padding / tail rows"
-    ref.assert_bitwise_equal(d_rows[unused], np.zeros((len(unused), hidden), d_rows.dtype),
+    checks.assert_bitwise_equal(d_rows[unused], np.zeros((len(unused), hidden), d_rows.dtype),
                              what="d expert_tokens on padding / unused rows", context=context)
     nowhere = np.flatnonzero(~routing_map.any(axis=1))
-    ref.assert_bitwise_equal(out[nowhere], np.zeros((len(nowhere), hidden), out.dtype),
+    checks.assert_bitwise_equal(out[nowhere], np.zeros((len(nowhere), hidden), out.dtype),
                              what="combine of tokens routed nowhere", context=context)
 
 
@@ -459,10 +461,10 @@ def test_sort_chunks_on_poisoned_memory_zeroes_the_rows_past_the_chunks(inverse,
     out, dx = run_poisoned(gpu, sort_fn(inverse), x, sizes, order)
     assert_no_nan((out, dx), what="sort_chunks and vjp", context=context)
     forward = ref.unsort_chunks_sources if inverse else ref.sort_chunks_sources
-    ref.assert_bitwise_equal(out, ref.gather_rows(x, forward(num_rows, sizes, order)), what="GPU output",
+    checks.assert_bitwise_equal(out, ref.gather_rows(x, forward(num_rows, sizes, order)), what="GPU output",
                              context=context)
     tail = int(sizes.sum())
-    ref.assert_bitwise_equal(dx[tail:], np.zeros((num_rows - tail, hidden), dx.dtype),
+    checks.assert_bitwise_equal(dx[tail:], np.zeros((num_rows - tail, hidden), dx.dtype),
                              what="d tokens past the chunks", context=context)
 
 

@@ -16,8 +16,10 @@ import pytest
 from jax.test_util import check_grads
 
 from finite_differences import vjp_by_finite_differences
+import permutation_checks as checks
 import permutation_reference as ref
 from oxmoe import permutation
+from oxmoe.model_shapes import LAYER_SHAPES, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER
 from test_permutation_values import (ALIGN_SIZES, DTYPES, capacity_that_drops, dispatch_combine_cases,
                                      dispatch_with_layout, draw, draw_probs,
                                      expert_rows_for, model_inputs, random_chunks)
@@ -70,9 +72,9 @@ def check_dispatch_grads(dx, dp, x, probs, g_tokens, g_probs, layout, *, num_ter
     compact_probs, _ = ref.compact_rows(g_probs, layout.dest_rows)
     expected_dx, expected_dp = ref.dispatch_backward(rows, compact_probs, compact_dest)
     terms, _ = ref.dispatch_backward(np.abs(ref.as_f64(rows)), None, compact_dest)
-    ref.assert_rounded_sum_close(dx, expected_dx, terms, x.dtype, num_terms=num_terms, what="d tokens", context=context)
+    checks.assert_rounded_sum_close(dx, expected_dx, terms, x.dtype, num_terms=num_terms, what="d tokens", context=context)
     # d probs[t, e] is one element of the cotangent (zero off the map and where dropped).
-    ref.assert_bitwise_equal(dp, expected_dp.astype(probs.dtype), what="d probs", context=context)
+    checks.assert_bitwise_equal(dp, expected_dp.astype(probs.dtype), what="d probs", context=context)
 
 
 # --------------------------------------------------------------------- dispatch
@@ -87,12 +89,12 @@ def test_dispatch_vjp_matches_reference(model, align_size, dtype, seed, rng):
     fn = dispatch_with_vjp(routing_map, topk=model.topk, align_size=align_size)
     d, dx, dp = fn(x, probs, g_tokens, g_probs)
     context = f"{model.name}, align_size={align_size}, {jnp.dtype(dtype).name}, seed={seed}"
-    ref.check_dispatch(d, x, routing_map, probs, num_out_tokens=x.shape[0] * model.topk, align_size=align_size,
+    checks.check_dispatch(d, x, routing_map, probs, num_out_tokens=x.shape[0] * model.topk, align_size=align_size,
                        context=context)
     check_dispatch_grads(dx, dp, x, probs, g_tokens, g_probs, layout, num_terms=model.topk, context=context)
 
 
-@pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], ids=lambda m: m.name)
+@pytest.mark.parametrize("model", [MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER], ids=lambda m: m.name)
 @ALIGNS
 def test_dispatch_vjp_after_a_capacity_drop_gives_dropped_entries_nothing(model, align_size, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.float32, "topk")
@@ -103,14 +105,14 @@ def test_dispatch_vjp_after_a_capacity_drop_gives_dropped_entries_nothing(model,
     fn = dispatch_with_vjp(routing_map, num_out_tokens=num_out_tokens, align_size=align_size)
     d, dx, dp = fn(x, probs, g_tokens, g_probs)
     context = f"{model.name}, num_out_tokens={num_out_tokens}, align_size={align_size}, seed={seed}"
-    ref.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size,
+    checks.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size,
                        context=context)
     assert layout.dropped.any(), f"the test meant to drop entries, but none was dropped ({context})"
     check_dispatch_grads(dx, dp, x, probs, g_tokens, g_probs, layout, num_terms=model.topk, context=context)
 
 
 def test_dispatch_vjp_without_probs_is_the_sum_of_each_tokens_rows(seed, rng):
-    model = ref.QWEN3_MOE
+    model = QWEN3_30B_A3B_LAYER
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, "idle_experts")
     layout = ref.dispatch_layout(routing_map, num_out_tokens=x.shape[0] * model.topk, align_size=16)
     g_tokens = expert_rows_for(layout, rng, model.hidden, jnp.bfloat16)  # NaN on padding rows
@@ -119,7 +121,7 @@ def test_dispatch_vjp_without_probs_is_the_sum_of_each_tokens_rows(seed, rng):
     rows, compact_dest = ref.compact_rows(g_tokens, layout.dest_rows)
     expected, _ = ref.dispatch_backward(rows, None, compact_dest)
     terms, _ = ref.dispatch_backward(np.abs(ref.as_f64(rows)), None, compact_dest)
-    ref.assert_rounded_sum_close(dx, expected, terms, jnp.bfloat16, num_terms=model.topk, what="d tokens",
+    checks.assert_rounded_sum_close(dx, expected, terms, jnp.bfloat16, num_terms=model.topk, what="d tokens",
                                  context=f"seed={seed}")
 
 
@@ -132,18 +134,18 @@ def check_combine_grads(d_rows, d_probs, g_out, expert_tokens, merging_probs, la
     used = np.unique(layout.dest_rows[layout.dest_rows >= 0])
     expected_rows, expected_probs = ref.combine_backward(g_out, rows, compact_dest, merging_probs)
     # A used row takes one (t, e)'s w * d_out: a product rounded to the dtype.
-    ref.assert_rounded_sum_close(np.asarray(d_rows)[used], expected_rows, np.abs(expected_rows), expert_tokens.dtype,
+    checks.assert_rounded_sum_close(np.asarray(d_rows)[used], expected_rows, np.abs(expected_rows), expert_tokens.dtype,
                                  num_terms=1, what="d expert_tokens", context=context)
     # Rows no (t, e) refers to (padding, the tail) get exactly zero.
-    ref.assert_rows_zero(d_rows, layout.source_tokens < 0, what="d expert_tokens on padding / unused rows",
+    checks.assert_rows_zero(d_rows, layout.source_tokens < 0, what="d expert_tokens on padding / unused rows",
                          context=context)
     if merging_probs is None:
         assert d_probs is None
         return
     terms = ref.combine_backward_abs_terms(g_out, rows, compact_dest)
-    ref.assert_rounded_sum_close(d_probs, expected_probs, terms, merging_probs.dtype,
+    checks.assert_rounded_sum_close(d_probs, expected_probs, terms, merging_probs.dtype,
                                  num_terms=expert_tokens.shape[1], what="d merging_probs", context=context)
-    ref.assert_bitwise_equal(np.asarray(d_probs)[layout.dest_rows < 0],
+    checks.assert_bitwise_equal(np.asarray(d_probs)[layout.dest_rows < 0],
                              np.zeros(int((layout.dest_rows < 0).sum()), merging_probs.dtype),
                              what="d merging_probs off the map", context=context)
 
@@ -153,7 +155,7 @@ def test_combine_vjp_matches_reference(model, align_size, dtype, seed, rng):
     x, routing_map = model_inputs(model, rng, dtype, "ragged")
     d, layout = dispatch_with_layout(x, routing_map, model, align_size)
     context = f"{model.name}, align_size={align_size}, {jnp.dtype(dtype).name}, seed={seed}"
-    ref.check_dispatch_layout(d, layout, context=context)
+    checks.check_dispatch_layout(d, layout, context=context)
     # NaN on the rows combine never reads: they must reach neither the output nor d merging_probs.
     expert_tokens = expert_rows_for(layout, rng, model.hidden, dtype)
     merging_probs = draw_probs(rng, routing_map, dtype)
@@ -162,7 +164,7 @@ def test_combine_vjp_matches_reference(model, align_size, dtype, seed, rng):
     check_combine_grads(d_rows, d_probs, g_out, expert_tokens, merging_probs, layout, context=context)
 
 
-@pytest.mark.parametrize("model", ref.MODEL_SHAPES, ids=lambda m: m.name)
+@pytest.mark.parametrize("model", LAYER_SHAPES, ids=lambda m: m.name)
 @pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
 def test_combine_vjp_without_merging_probs_copies_the_cotangent(model, align_size, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, "idle_experts")
@@ -172,18 +174,18 @@ def test_combine_vjp_without_merging_probs_copies_the_cotangent(model, align_siz
     _, d_rows, _ = combine_with_vjp(d.row_id_map, False)(expert_tokens, None, g_out)
     # With weight one, row dest_rows[t, e] of d expert_tokens is d_out[t] itself (zero elsewhere).
     expected = ref.gather_rows(g_out, layout.source_tokens)
-    ref.assert_bitwise_equal(d_rows, expected, what="d expert_tokens",
+    checks.assert_bitwise_equal(d_rows, expected, what="d expert_tokens",
                              context=f"{model.name}, align_size={align_size}, seed={seed}")
 
 
 def test_combine_vjp_after_a_capacity_drop(seed, rng):
-    model = ref.QWEN3_MOE
+    model = QWEN3_30B_A3B_LAYER
     x, routing_map = model_inputs(model, rng, jnp.float32, "topk")
     num_out_tokens = capacity_that_drops(routing_map, 16, rng)
     d = jax.jit(lambda x, m: permutation.dispatch(x, m, num_out_tokens=num_out_tokens, align_size=16))(x, routing_map)
     layout = ref.dispatch_layout(routing_map, num_out_tokens=num_out_tokens, align_size=16)
     context = f"num_out_tokens={num_out_tokens}, seed={seed}"
-    ref.check_dispatch_layout(d, layout, context=context)
+    checks.check_dispatch_layout(d, layout, context=context)
     assert layout.dropped.any()
     expert_tokens = expert_rows_for(layout, rng, model.hidden, jnp.float32)
     merging_probs = draw_probs(rng, routing_map, jnp.float32)
@@ -196,7 +198,7 @@ def maps_no_dispatch_made(rng, num_tokens: int, num_experts: int, num_rows: int)
     """A RowIdMap of a top-2 dispatch, then broken: dest_rows entries past the rows and below
     -1, source_tokens entries past the tokens and below -1, rows that name a token whose
     dest_rows do not list them, and a token that lists one row for two experts."""
-    routing_map = ref.random_topk_map(rng, num_tokens, num_experts, 2)
+    routing_map = checks.random_topk_map(rng, num_tokens, num_experts, 2)
     layout = ref.dispatch_layout(routing_map, num_out_tokens=num_rows)
     dest_rows, source_tokens = layout.dest_rows.copy(), layout.source_tokens.copy()
     picks = rng.permutation(num_tokens)
@@ -243,7 +245,7 @@ def test_combine_merging_probs_gradient_in_float32_is_within_1e_6_of_float64(see
     # shape and bound: 4096 tokens of hidden 4096. (The GPU sums in float32; its tests allow
     # a float32 sum's error.)
     num_tokens, num_experts, hidden = 4096, 8, 4096
-    routing_map = ref.random_topk_map(rng, num_tokens, num_experts, 2)
+    routing_map = checks.random_topk_map(rng, num_tokens, num_experts, 2)
     d = permutation.dispatch(jnp.zeros((num_tokens, hidden), jnp.float32), routing_map, topk=2)
     y = draw(rng, (num_tokens * 2, hidden), jnp.float32)
     w, g = draw(rng, routing_map.shape, jnp.float32), draw(rng, (num_tokens, hidden), jnp.float32)
@@ -270,9 +272,9 @@ def test_sort_and_unsort_chunks_vjps_are_each_other(num_rows, hidden, num_chunks
     context = f"sizes={sizes.tolist()}, order={order.tolist()}, seed={seed}"
     _, sort_vjp = jax.vjp(lambda x: permutation.sort_chunks(x, sizes, order), x)
     _, unsort_vjp = jax.vjp(lambda x: permutation.unsort_chunks(x, sizes, order), x)
-    ref.assert_bitwise_equal(sort_vjp(g)[0], ref.sort_chunks_backward(g, sizes, order).astype(x.dtype),
+    checks.assert_bitwise_equal(sort_vjp(g)[0], ref.sort_chunks_backward(g, sizes, order).astype(x.dtype),
                              what="d sort_chunks", context=context)
-    ref.assert_bitwise_equal(unsort_vjp(g)[0], ref.unsort_chunks_backward(g, sizes, order).astype(x.dtype),
+    checks.assert_bitwise_equal(unsort_vjp(g)[0], ref.unsort_chunks_backward(g, sizes, order).astype(x.dtype),
                              what="d unsort_chunks", context=context)
 
 
@@ -287,7 +289,7 @@ def test_sort_chunks_vjp_under_jit_with_repeated_and_foreign_indices_is_its_tran
     for forward, backward, name in ((permutation.sort_chunks, ref.sort_chunks_backward, "sort"),
                                     (permutation.unsort_chunks, ref.unsort_chunks_backward, "unsort")):
         d_x = jax.jit(lambda x, g: jax.vjp(lambda x: forward(x, sizes, order), x)[1](g)[0])(x, g)
-        ref.assert_bitwise_equal(d_x, backward(g, sizes, order).astype(np.float32), what=f"d {name}_chunks",
+        checks.assert_bitwise_equal(d_x, backward(g, sizes, order).astype(np.float32), what=f"d {name}_chunks",
                                  context=context)
         # The transpose, checked as one: <forward(x), g> == <x, d_x>.
         forward_x = np.asarray(jax.jit(forward)(x, sizes, order), np.float64)
@@ -310,7 +312,7 @@ FD_LAYOUTS = {
 @pytest.mark.parametrize("case", FD_LAYOUTS)
 def test_reference_dispatch_backward_equals_finite_differences(case, seed, rng):
     num_tokens, num_experts, hidden, num_out_tokens, align_size = FD_LAYOUTS[case]
-    routing_map = ref.routing_map_variant(rng, num_tokens, num_experts, 2, "ragged")
+    routing_map = checks.routing_map_variant(rng, num_tokens, num_experts, 2, "ragged")
     routing_map[0, :2] = True  # at least a few entries
     x, probs = rng.standard_normal((num_tokens, hidden)), rng.random((num_tokens, num_experts))
     forward = functools.partial(ref.dispatch, routing_map=routing_map, num_out_tokens=num_out_tokens,
@@ -327,7 +329,7 @@ def test_reference_dispatch_backward_equals_finite_differences(case, seed, rng):
 @pytest.mark.parametrize("case", FD_LAYOUTS)
 def test_reference_combine_backward_equals_finite_differences(case, seed, rng):
     num_tokens, num_experts, hidden, num_out_tokens, align_size = FD_LAYOUTS[case]
-    routing_map = ref.routing_map_variant(rng, num_tokens, num_experts, 2, "ragged")
+    routing_map = checks.routing_map_variant(rng, num_tokens, num_experts, 2, "ragged")
     layout = ref.dispatch_layout(routing_map, num_out_tokens=num_out_tokens, align_size=align_size)
     y, w = rng.standard_normal((layout.num_rows, hidden)), rng.random((num_tokens, num_experts))
     g = rng.standard_normal((num_tokens, hidden))
@@ -360,7 +362,7 @@ F32_FD = dict(order=1, modes=["rev"], eps=1e-2, atol=2e-3, rtol=2e-3)
 def test_oxmoe_dispatch_float32_gradient_equals_finite_differences(case, seed, rng):
     num_tokens, num_experts, hidden, num_out_tokens, align_size = FD_LAYOUTS[case]
     num_tokens, hidden = 5 * num_tokens, 4 * hidden
-    routing_map = ref.routing_map_variant(rng, num_tokens, 2 * num_experts, 2, "ragged")
+    routing_map = checks.routing_map_variant(rng, num_tokens, 2 * num_experts, 2, "ragged")
     x = jnp.asarray(draw(rng, (num_tokens, hidden), jnp.float32))
     probs = jnp.asarray(draw_probs(rng, routing_map, jnp.float32))
     fn = jax.jit(lambda x, m, p: permutation.dispatch(x, m, probs=p, num_out_tokens=5 * num_out_tokens,
@@ -372,7 +374,7 @@ def test_oxmoe_dispatch_float32_gradient_equals_finite_differences(case, seed, r
 def test_oxmoe_combine_float32_gradient_equals_finite_differences(case, seed, rng):
     num_tokens, num_experts, hidden, num_out_tokens, align_size = FD_LAYOUTS[case]
     num_tokens, hidden = 5 * num_tokens, 4 * hidden
-    routing_map = ref.routing_map_variant(rng, num_tokens, 2 * num_experts, 2, "ragged")
+    routing_map = checks.routing_map_variant(rng, num_tokens, 2 * num_experts, 2, "ragged")
     d = jax.jit(lambda x, m: permutation.dispatch(x, m, num_out_tokens=5 * num_out_tokens, align_size=align_size))(
         jnp.zeros((num_tokens, hidden)), routing_map)
     expert_tokens = jnp.asarray(draw(rng, d.tokens.shape, jnp.float32))

@@ -6,7 +6,7 @@ results under jit, vmap and with the tokens sharded over eight devices.
 
 dispatch, sort_chunks and unsort_chunks only move data, so their outputs must equal the
 reference bit for bit; combine sums in float32 and rounds once to the output dtype
-(ref.assert_rounded_sum_close)."""
+(checks.assert_rounded_sum_close)."""
 
 import jax
 import jax.numpy as jnp
@@ -18,16 +18,18 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import devices
+import permutation_checks as checks
 import permutation_reference as ref
 from oxmoe import permutation
+from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, LAYER_SHAPES, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 ALIGN_SIZES = [None, 16, 128]
 VARIANTS = ["topk", "idle_experts", "ragged"]
 # Small token counts, none a power of two: the CPU suite must stay fast.
-NUM_TOKENS = {"mixtral": 300, "deepseek_v3": 67, "qwen3_moe": 131}
+NUM_TOKENS = {"mixtral": 300, "deepseek_v3": 67, "qwen3_30b_a3b": 131}
 
-MODELS = pytest.mark.parametrize("model", ref.MODEL_SHAPES, ids=lambda m: m.name)
+MODELS = pytest.mark.parametrize("model", LAYER_SHAPES, ids=lambda m: m.name)
 ALIGNS = pytest.mark.parametrize("align_size", ALIGN_SIZES, ids=lambda a: f"align{a}")
 DTYPE_PARAMS = pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 
@@ -48,7 +50,7 @@ def draw_probs(rng, routing_map, dtype) -> np.ndarray:
 
 def model_inputs(model, rng, dtype, variant="topk", num_tokens=None):
     num_tokens = num_tokens or NUM_TOKENS[model.name]
-    routing_map = ref.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, variant)
+    routing_map = checks.routing_map_variant(rng, num_tokens, model.num_experts, model.topk, variant)
     return draw(rng, (num_tokens, model.hidden), dtype), routing_map
 
 
@@ -67,7 +69,7 @@ def check_combine(out, expert_tokens, dest_rows, merging_probs, *, context, what
     expected = ref.combine(rows, compact_dest, merging_probs)
     terms = ref.combine_abs_terms(rows, compact_dest, merging_probs)
     num_terms = max(int((np.asarray(dest_rows) >= 0).sum(axis=1).max(initial=0)), 1)
-    ref.assert_rounded_sum_close(out, expected, terms, np.asarray(expert_tokens).dtype, num_terms=num_terms,
+    checks.assert_rounded_sum_close(out, expected, terms, np.asarray(expert_tokens).dtype, num_terms=num_terms,
                                  what=what, context=context)
 
 
@@ -96,19 +98,19 @@ def capacity_that_drops(routing_map, align_size, rng) -> int:
 def is_heavy(model, align_size) -> bool:
     """DeepSeek-V3 with align_size 128: room for 256 experts' padding makes ~33k rows of 7168
     even at small T. The CPU suite runs it in a few tests only (test_permutation_gpu.py at scale)."""
-    return model is ref.DEEPSEEK_V3 and align_size == 128
+    return model is DEEPSEEK_V3_LAYER and align_size == 128
 
 
 def model_align_params():
     """(model, align_size) for every model and alignment, but the heavy one."""
-    return [pytest.param(m, a, id=f"{m.name}-align{a}") for m in ref.MODEL_SHAPES for a in ALIGN_SIZES
+    return [pytest.param(m, a, id=f"{m.name}-align{a}") for m in LAYER_SHAPES for a in ALIGN_SIZES
             if not is_heavy(m, a)]
 
 
 def dispatch_combine_cases(with_heavy: bool = True):
     """(model, align_size, dtype) for every combination; the heavy one in bf16 only, if at all."""
     cases = []
-    for model in ref.MODEL_SHAPES:
+    for model in LAYER_SHAPES:
         for align_size in ALIGN_SIZES:
             for name, dtype in DTYPES.items():
                 if is_heavy(model, align_size) and (name != "bf16" or not with_heavy):
@@ -130,16 +132,16 @@ def test_reference_dispatch_of_a_hand_computed_example():
     assert layout.num_rows == 8  # ((6 + 3 * 1) // 2) * 2
     np.testing.assert_array_equal(layout.dest_rows, [[0, -1, 6], [-1, -1, 7], [1, 4, -1], [2, -1, -1]])
     np.testing.assert_array_equal(layout.source_tokens, [0, 2, 3, -1, 2, -1, 0, 1])
-    np.testing.assert_array_equal(layout.tokens_per_expert, [4, 2, 2])
-    np.testing.assert_array_equal(layout.real_tokens_per_expert, [3, 1, 2])
+    np.testing.assert_array_equal(layout.group_sizes, [4, 2, 2])
+    np.testing.assert_array_equal(layout.tokens_per_expert, [3, 1, 2])
     np.testing.assert_array_equal(layout.pad_offsets, [0, 1, 2])
     # Room for 6 rows only: expert 2's block (rows 6, 7) falls off the end.
     dropped = ref.dispatch_layout(routing_map, num_out_tokens=4, align_size=2)
     assert dropped.num_rows == 6
     np.testing.assert_array_equal(dropped.dest_rows, [[0, -1, -1], [-1, -1, -1], [1, 4, -1], [2, -1, -1]])
     np.testing.assert_array_equal(dropped.source_tokens, [0, 2, 3, -1, 2, -1])
-    np.testing.assert_array_equal(dropped.tokens_per_expert, [4, 2, 0])
-    np.testing.assert_array_equal(dropped.real_tokens_per_expert, [3, 1, 0])
+    np.testing.assert_array_equal(dropped.group_sizes, [4, 2, 0])
+    np.testing.assert_array_equal(dropped.tokens_per_expert, [3, 1, 0])
     np.testing.assert_array_equal(dropped.dropped, [[0, 0, 1], [0, 0, 1], [0, 0, 0], [0, 0, 0]])
 
 
@@ -172,14 +174,14 @@ def test_dispatched_rows_matches_the_reference_formula():
 
 
 @pytest.mark.parametrize("model, align_size, variant", [
-    pytest.param(m, a, v, id=f"{m.name}-align{a}-{v}") for m in ref.MODEL_SHAPES for a in ALIGN_SIZES for v in VARIANTS
+    pytest.param(m, a, v, id=f"{m.name}-align{a}-{v}") for m in LAYER_SHAPES for a in ALIGN_SIZES for v in VARIANTS
     if not is_heavy(m, a) or v == "ragged"])
 def test_dispatch_matches_reference(model, align_size, variant, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, variant)
     probs = draw_probs(rng, routing_map, jnp.float32)
     d = permutation.dispatch(x, routing_map, probs=probs, topk=model.topk, align_size=align_size)
     num_out_tokens = x.shape[0] * model.topk
-    ref.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size,
+    checks.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size,
                        context=f"{model.name}, {variant}, align_size={align_size}, seed={seed}")
 
 
@@ -195,7 +197,7 @@ def test_dispatch_copies_every_dtype_bit_for_bit(model, dtype, probs_dtype, seed
     d = permutation.dispatch(x, routing_map, probs=probs, topk=model.topk, align_size=16)
     assert d.tokens.dtype == x.dtype and d.probs.dtype == probs.dtype, (
         f"dtypes: tokens {d.tokens.dtype}, probs {d.probs.dtype}; expected {x.dtype}, {probs.dtype}")
-    ref.check_dispatch(d, x, routing_map, probs, num_out_tokens=x.shape[0] * model.topk, align_size=16,
+    checks.check_dispatch(d, x, routing_map, probs, num_out_tokens=x.shape[0] * model.topk, align_size=16,
                        context=f"{model.name}, seed={seed}")
 
 
@@ -203,30 +205,30 @@ def test_dispatch_copies_every_dtype_bit_for_bit(model, dtype, probs_dtype, seed
 def test_dispatch_without_probs_returns_no_probs(model, align_size, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.float32, "idle_experts")
     d = permutation.dispatch(x, routing_map, topk=model.topk, align_size=align_size)
-    ref.check_dispatch(d, x, routing_map, None, num_out_tokens=x.shape[0] * model.topk, align_size=align_size,
+    checks.check_dispatch(d, x, routing_map, None, num_out_tokens=x.shape[0] * model.topk, align_size=align_size,
                        context=f"{model.name}, align_size={align_size}, seed={seed}")
 
 
-@pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], ids=lambda m: m.name)
+@pytest.mark.parametrize("model", [MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER], ids=lambda m: m.name)
 @ALIGNS
 def test_dispatch_with_room_to_spare_leaves_zero_tail_rows(model, align_size, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.float16, "ragged")
     num_out_tokens = int(routing_map.sum()) + int(rng.integers(1, 200))
     probs = draw_probs(rng, routing_map, jnp.float16)
     d = permutation.dispatch(x, routing_map, probs=probs, num_out_tokens=num_out_tokens, align_size=align_size)
-    layout = ref.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size,
+    layout = checks.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size,
                                 context=f"{model.name}, num_out_tokens={num_out_tokens}, seed={seed}")
     assert layout.num_rows > layout.padded_counts.sum(), "the test meant to leave tail rows"
 
 
-@pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], ids=lambda m: m.name)
+@pytest.mark.parametrize("model", [MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER], ids=lambda m: m.name)
 @ALIGNS
 def test_dispatch_with_num_out_tokens_equal_to_the_routed_count(model, align_size, seed, rng):
     # The tightest valid capacity: no entry may be dropped, however the padding falls.
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, "ragged")
     num_out_tokens = int(routing_map.sum())
     d = permutation.dispatch(x, routing_map, num_out_tokens=num_out_tokens, align_size=align_size)
-    layout = ref.check_dispatch(d, x, routing_map, None, num_out_tokens=num_out_tokens, align_size=align_size,
+    layout = checks.check_dispatch(d, x, routing_map, None, num_out_tokens=num_out_tokens, align_size=align_size,
                                 context=f"{model.name}, num_out_tokens={num_out_tokens}, seed={seed}")
     assert not layout.dropped.any()
 
@@ -246,12 +248,12 @@ def test_dispatch_under_jit_drops_what_does_not_fit_num_out_tokens(model, align_
 
     d, out = dispatch_then_combine(x, routing_map, probs)
     context = f"{model.name}, num_out_tokens={num_out_tokens} of {int(routing_map.sum())}, seed={seed}"
-    layout = ref.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size,
+    layout = checks.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=align_size,
                                 context=context)
     assert layout.dropped.any(), f"the test meant to drop entries, but none was dropped ({context})"
     # The round trip sums only the entries that were kept.
     kept = routing_map & ~layout.dropped
-    ref.assert_rounded_sum_close(out, weighted_sum_of_each_token(x, kept, probs),
+    checks.assert_rounded_sum_close(out, weighted_sum_of_each_token(x, kept, probs),
                                  weighted_sum_of_each_token(np.abs(x), kept, probs), jnp.float32,
                                  num_terms=model.topk, what="combine after a capacity drop", context=context)
 
@@ -261,9 +263,9 @@ def test_dispatch_of_nothing_into_zero_rows(seed, rng):
     routing_map = np.zeros((37, 8), dtype=bool)
     probs = draw_probs(rng, routing_map, jnp.float32)
     d = permutation.dispatch(x, routing_map, probs=probs, num_out_tokens=0)
-    ref.check_dispatch(d, x, routing_map, probs, num_out_tokens=0, align_size=None, context=f"seed={seed}")
+    checks.check_dispatch(d, x, routing_map, probs, num_out_tokens=0, align_size=None, context=f"seed={seed}")
     out = permutation.combine(d.tokens, d.row_id_map, merging_probs=probs)
-    ref.assert_bitwise_equal(out, np.zeros((37, 64), np.float32), what="combine of no rows", context=f"seed={seed}")
+    checks.assert_bitwise_equal(out, np.zeros((37, 64), np.float32), what="combine of no rows", context=f"seed={seed}")
 
 
 # -------------------------------------------------------------------------- combine
@@ -274,7 +276,7 @@ def test_combine_matches_reference(model, align_size, dtype, seed, rng):
     x, routing_map = model_inputs(model, rng, dtype, "ragged")
     d, layout = dispatch_with_layout(x, routing_map, model, align_size)
     context = f"{model.name}, align_size={align_size}, {jnp.dtype(dtype).name}, seed={seed}"
-    ref.check_dispatch_layout(d, layout, context=context)
+    checks.check_dispatch_layout(d, layout, context=context)
     expert_tokens = expert_rows_for(layout, rng, model.hidden, dtype)
     merging_probs = draw_probs(rng, routing_map, dtype)
     out = permutation.combine(expert_tokens, d.row_id_map, merging_probs=merging_probs)
@@ -291,7 +293,7 @@ def test_combine_without_merging_probs_sums_with_weight_one(model, align_size, s
 
 
 def test_combine_with_f32_merging_probs_on_bf16_rows_returns_bf16(seed, rng):
-    model = ref.QWEN3_MOE
+    model = QWEN3_30B_A3B_LAYER
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, "topk")
     d = permutation.dispatch(x, routing_map, topk=model.topk)
     layout = ref.dispatch_layout(routing_map, num_out_tokens=x.shape[0] * model.topk)
@@ -308,7 +310,7 @@ def test_dispatch_then_combine_is_the_weighted_sum_of_each_token(model, align_si
     probs = draw_probs(rng, routing_map, dtype)
     d = permutation.dispatch(x, routing_map, probs=probs, topk=model.topk, align_size=align_size)
     out = permutation.combine(d.tokens, d.row_id_map, merging_probs=probs)
-    ref.assert_rounded_sum_close(out, weighted_sum_of_each_token(x, routing_map, probs),
+    checks.assert_rounded_sum_close(out, weighted_sum_of_each_token(x, routing_map, probs),
                                  weighted_sum_of_each_token(np.abs(x), routing_map, probs), dtype,
                                  num_terms=model.topk, what="combine(dispatch(x))",
                                  context=f"{model.name}, {variant}, align_size={align_size}, seed={seed}")
@@ -342,14 +344,14 @@ def test_sort_and_unsort_chunks_match_reference_and_invert_each_other(num_rows, 
     flat = x.reshape(num_rows, -1)
     sorted_x = permutation.sort_chunks(x, sizes, order)
     expected = ref.sort_chunks(flat, sizes, order).astype(x.dtype).reshape(x.shape)
-    ref.assert_bitwise_equal(sorted_x, expected, what="sort_chunks", context=context)
+    checks.assert_bitwise_equal(sorted_x, expected, what="sort_chunks", context=context)
     back = permutation.unsort_chunks(sorted_x, sizes, order)
     expected_back = ref.unsort_chunks(expected.reshape(num_rows, -1), sizes, order).astype(x.dtype).reshape(x.shape)
-    ref.assert_bitwise_equal(back, expected_back, what="unsort_chunks", context=context)
+    checks.assert_bitwise_equal(back, expected_back, what="unsort_chunks", context=context)
     # The round trip restores the rows that belong to a chunk; the rest are zero.
     total = int(sizes.sum())
     round_trip = np.concatenate([x[:total], np.zeros_like(x[total:])])
-    ref.assert_bitwise_equal(back, round_trip, what="unsort_chunks(sort_chunks(x))", context=context)
+    checks.assert_bitwise_equal(back, round_trip, what="unsort_chunks(sort_chunks(x))", context=context)
 
 
 def test_unsort_chunks_of_unsorted_input_matches_reference(seed, rng):
@@ -358,7 +360,7 @@ def test_unsort_chunks_of_unsorted_input_matches_reference(seed, rng):
     x = draw(rng, (1000, 256), jnp.float32)
     sizes, order = random_chunks(rng, 32, 1000, fill=0.9)
     out = permutation.unsort_chunks(x, sizes, order)
-    ref.assert_bitwise_equal(out, ref.unsort_chunks(x, sizes, order).astype(np.float32), what="unsort_chunks",
+    checks.assert_bitwise_equal(out, ref.unsort_chunks(x, sizes, order).astype(np.float32), what="unsort_chunks",
                              context=f"sizes={sizes.tolist()}, order={order.tolist()}, seed={seed}")
 
 
@@ -373,7 +375,7 @@ def test_sort_chunks_under_jit_clips_at_n_and_ignores_negative_sizes_and_foreign
     order = np.concatenate([rng.permutation(num_chunks)[:8], [num_chunks, -1, 100]])
     order = rng.permutation(order).astype(np.int32)
     out = jax.jit(permutation.sort_chunks)(x, sizes, order)
-    ref.assert_bitwise_equal(out, ref.sort_chunks(x, sizes, order).astype(x.dtype), what="sort_chunks",
+    checks.assert_bitwise_equal(out, ref.sort_chunks(x, sizes, order).astype(x.dtype), what="sort_chunks",
                              context=f"sizes={sizes.tolist()}, order={order.tolist()}, seed={seed}")
 
 
@@ -387,16 +389,16 @@ def test_sort_chunks_under_jit_lists_a_repeated_index_once(seed, rng):
     sorted_x = jax.jit(permutation.sort_chunks)(x, np.append(sizes, 5).astype(np.int32), order)
     expected = ref.sort_chunks(x, np.append(sizes, 5), order)
     assert np.count_nonzero(np.abs(expected).sum(axis=1)) == 40 + 25 + 60, "each listed chunk's rows once"
-    ref.assert_bitwise_equal(sorted_x, expected.astype(np.float32), what="sort_chunks", context=context)
+    checks.assert_bitwise_equal(sorted_x, expected.astype(np.float32), what="sort_chunks", context=context)
     back = jax.jit(permutation.unsort_chunks)(sorted_x, np.append(sizes, 5).astype(np.int32), order)
-    ref.assert_bitwise_equal(back, ref.unsort_chunks(np.asarray(sorted_x), np.append(sizes, 5), order).astype(np.float32),
+    checks.assert_bitwise_equal(back, ref.unsort_chunks(np.asarray(sorted_x), np.append(sizes, 5), order).astype(np.float32),
                              what="unsort_chunks", context=context)
 
 
 # ----------------------------------------------------------------------------- jit
 
 
-@pytest.mark.parametrize("model", [ref.MIXTRAL, ref.QWEN3_MOE], ids=lambda m: m.name)
+@pytest.mark.parametrize("model", [MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER], ids=lambda m: m.name)
 @pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
 def test_dispatch_and_combine_under_jit_equal_the_eager_calls(model, align_size, seed, rng):
     x, routing_map = model_inputs(model, rng, jnp.bfloat16, "ragged")
@@ -409,8 +411,8 @@ def test_dispatch_and_combine_under_jit_equal_the_eager_calls(model, align_size,
     jitted, eager = jax.jit(fn)(x, routing_map, probs), fn(x, routing_map, probs)
     context = f"{model.name}, seed={seed}"
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(jitted), jax.tree.leaves(eager)):
-        ref.assert_bitwise_equal(a, b, what=f"jit vs eager {jax.tree_util.keystr(path)}", context=context)
-    ref.check_dispatch(jitted[0], x, routing_map, probs, num_out_tokens=x.shape[0] * model.topk,
+        checks.assert_bitwise_equal(a, b, what=f"jit vs eager {jax.tree_util.keystr(path)}", context=context)
+    checks.check_dispatch(jitted[0], x, routing_map, probs, num_out_tokens=x.shape[0] * model.topk,
                        align_size=align_size, context=context)
 
 
@@ -420,9 +422,9 @@ def test_sort_and_unsort_chunks_under_jit_equal_the_reference(seed, rng):
     sort, unsort = jax.jit(permutation.sort_chunks), jax.jit(permutation.unsort_chunks)
     sorted_x = sort(x, sizes, order)
     context = f"sizes={sizes.tolist()}, order={order.tolist()}, seed={seed}"
-    ref.assert_bitwise_equal(sorted_x, ref.sort_chunks(x, sizes, order).astype(x.dtype), what="jit sort_chunks",
+    checks.assert_bitwise_equal(sorted_x, ref.sort_chunks(x, sizes, order).astype(x.dtype), what="jit sort_chunks",
                              context=context)
-    ref.assert_bitwise_equal(unsort(sorted_x, sizes, order),
+    checks.assert_bitwise_equal(unsort(sorted_x, sizes, order),
                              ref.unsort_chunks(np.asarray(sorted_x), sizes, order).astype(x.dtype),
                              what="jit unsort_chunks", context=context)
 
@@ -434,8 +436,8 @@ BATCH = 3
 
 @pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
 def test_dispatch_and_combine_under_vmap_equal_the_call_on_each_batch_element(align_size, seed, rng):
-    model = ref.MIXTRAL
-    maps = np.stack([ref.routing_map_variant(rng, 200, model.num_experts, model.topk, v) for v in VARIANTS])
+    model = MIXTRAL_LAYER
+    maps = np.stack([checks.routing_map_variant(rng, 200, model.num_experts, model.topk, v) for v in VARIANTS])
     x = draw(rng, (BATCH, 200, model.hidden), jnp.float32)
     probs = np.stack([draw_probs(rng, m, jnp.float32) for m in maps])
 
@@ -448,10 +450,10 @@ def test_dispatch_and_combine_under_vmap_equal_the_call_on_each_batch_element(al
         context = f"batch element {b} ({VARIANTS[b]}), align_size={align_size}, seed={seed}"
         one = fn(x[b], maps[b], probs[b])
         for (path, a), c in zip(jax.tree_util.tree_leaves_with_path(batched), jax.tree.leaves(one)):
-            ref.assert_bitwise_equal(np.asarray(a)[b], c, what=f"vmap {jax.tree_util.keystr(path)}", context=context)
-        ref.check_dispatch(jax.tree.map(lambda a: a[b], batched[0]), x[b], maps[b], probs[b],
+            checks.assert_bitwise_equal(np.asarray(a)[b], c, what=f"vmap {jax.tree_util.keystr(path)}", context=context)
+        checks.check_dispatch(jax.tree.map(lambda a: a[b], batched[0]), x[b], maps[b], probs[b],
                            num_out_tokens=200 * model.topk, align_size=align_size, context=context)
-        ref.assert_rounded_sum_close(batched[1][b], weighted_sum_of_each_token(x[b], maps[b], probs[b]),
+        checks.assert_rounded_sum_close(batched[1][b], weighted_sum_of_each_token(x[b], maps[b], probs[b]),
                                      weighted_sum_of_each_token(np.abs(x[b]), maps[b], probs[b]), jnp.float32,
                                      num_terms=model.topk, what="vmap combine(dispatch(x))", context=context)
 
@@ -466,8 +468,8 @@ def test_sort_and_unsort_chunks_under_vmap_use_each_elements_splits(seed, rng):
     for b in range(BATCH):
         context = f"batch element {b}, sizes={sizes[b].tolist()}, order={order[b].tolist()}, seed={seed}"
         expected = ref.sort_chunks(x[b], sizes[b], order[b]).astype(x.dtype)
-        ref.assert_bitwise_equal(np.asarray(sorted_x)[b], expected, what="vmap sort_chunks", context=context)
-        ref.assert_bitwise_equal(np.asarray(back)[b], ref.unsort_chunks(expected, sizes[b], order[b]).astype(x.dtype),
+        checks.assert_bitwise_equal(np.asarray(sorted_x)[b], expected, what="vmap sort_chunks", context=context)
+        checks.assert_bitwise_equal(np.asarray(back)[b], ref.unsort_chunks(expected, sizes[b], order[b]).astype(x.dtype),
                                  what="vmap unsort_chunks", context=context)
 
 
@@ -479,7 +481,7 @@ def token_sharding(ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P("tokens", *([None] * (ndim - 1))))
 
 
-@pytest.mark.parametrize("model", ref.MODEL_SHAPES, ids=lambda m: m.name)
+@pytest.mark.parametrize("model", LAYER_SHAPES, ids=lambda m: m.name)
 @pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
 def test_dispatch_and_combine_with_tokens_sharded_over_eight_devices(model, align_size, seed, rng):
     # dispatch orders rows by expert over *all* tokens, whatever the sharding: the sharded call
@@ -497,21 +499,21 @@ def test_dispatch_and_combine_with_tokens_sharded_over_eight_devices(model, alig
 
     d, out = fn(*args)
     context = f"{model.name}, align_size={align_size}, 8 token shards, seed={seed}"
-    ref.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_tokens * model.topk, align_size=align_size,
+    checks.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_tokens * model.topk, align_size=align_size,
                        context=context)
-    ref.assert_rounded_sum_close(out, weighted_sum_of_each_token(x, routing_map, probs),
+    checks.assert_rounded_sum_close(out, weighted_sum_of_each_token(x, routing_map, probs),
                                  weighted_sum_of_each_token(np.abs(x), routing_map, probs), jnp.bfloat16,
                                  num_terms=model.topk, what="sharded combine(dispatch(x))", context=context)
     unsharded = fn(x, routing_map, probs)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path((d, out)), jax.tree.leaves(unsharded)):
-        ref.assert_bitwise_equal(a, b, what=f"sharded vs unsharded {jax.tree_util.keystr(path)}", context=context)
+        checks.assert_bitwise_equal(a, b, what=f"sharded vs unsharded {jax.tree_util.keystr(path)}", context=context)
 
 
 @pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
 def test_dispatch_and_combine_inside_shard_map_permute_each_shard_s_own_tokens(align_size, seed, rng):
     # Inside shard_map each of the 8 shards dispatches its own 24 tokens: nothing is exchanged,
     # the counts are each slice's, and values and gradients are the per-token formulas.
-    model = ref.QWEN3_MOE
+    model = QWEN3_30B_A3B_LAYER
     x, routing_map = model_inputs(model, rng, jnp.float32, "ragged", num_tokens=8 * 24)
     probs = draw_probs(rng, routing_map, jnp.float32)
     sharding = token_sharding(2)
@@ -557,8 +559,8 @@ def test_sort_chunks_with_rows_sharded_over_eight_devices(seed, rng):
     back = jax.jit(permutation.unsort_chunks)(out, sizes_r, order_r)
     context = f"sizes={sizes.tolist()}, order={order.tolist()}, seed={seed}"
     expected = ref.sort_chunks(x, sizes, order).astype(np.float32)
-    ref.assert_bitwise_equal(out, expected, what="sharded sort_chunks", context=context)
-    ref.assert_bitwise_equal(back, ref.unsort_chunks(expected, sizes, order).astype(np.float32),
+    checks.assert_bitwise_equal(out, expected, what="sharded sort_chunks", context=context)
+    checks.assert_bitwise_equal(back, ref.unsort_chunks(expected, sizes, order).astype(np.float32),
                              what="sharded unsort_chunks", context=context)
 
 
@@ -580,7 +582,7 @@ def test_dispatch_and_combine_of_small_random_configurations(config):
     # capacity of a single row. Under jit, so that a drop is silent.
     rng = np.random.default_rng(config["data_seed"])
     t, e, k, a = config["num_tokens"], config["num_experts"], config["topk"], config["align_size"]
-    routing_map = ref.routing_map_variant(rng, t, e, k, config["variant"] if e > k else "topk")
+    routing_map = checks.routing_map_variant(rng, t, e, k, config["variant"] if e > k else "topk")
     x, probs = draw(rng, (t, config["hidden"]), jnp.float32), draw_probs(rng, routing_map, jnp.float32)
     routed = int(routing_map.sum())
     if config["capacity"] == "topk":
@@ -597,9 +599,9 @@ def test_dispatch_and_combine_of_small_random_configurations(config):
 
     d, out = fn(x, routing_map, probs)
     context = f"{config}"
-    layout = ref.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=a, context=context)
+    layout = checks.check_dispatch(d, x, routing_map, probs, num_out_tokens=num_out_tokens, align_size=a, context=context)
     kept = routing_map & ~layout.dropped
-    ref.assert_rounded_sum_close(out, weighted_sum_of_each_token(x, kept, probs),
+    checks.assert_rounded_sum_close(out, weighted_sum_of_each_token(x, kept, probs),
                                  weighted_sum_of_each_token(np.abs(x), kept, probs), jnp.float32, num_terms=k,
                                  what="combine(dispatch(x))", context=context)
 
@@ -613,10 +615,10 @@ def test_sort_and_unsort_chunks_of_small_random_configurations(num_rows, num_chu
     order = rng.permutation(num_chunks).astype(np.int32)
     context = f"sizes={sizes.tolist()}, order={order.tolist()}"
     sorted_x = jax.jit(permutation.sort_chunks)(x, sizes, order)
-    ref.assert_bitwise_equal(sorted_x, ref.sort_chunks(x, sizes, order).astype(np.float32), what="sort_chunks",
+    checks.assert_bitwise_equal(sorted_x, ref.sort_chunks(x, sizes, order).astype(np.float32), what="sort_chunks",
                              context=context)
     if np.maximum(sizes, 0).sum() <= num_rows:  # where unsort_chunks is sort_chunks' inverse
         back = jax.jit(permutation.unsort_chunks)(sorted_x, sizes, order)
         total = int(np.maximum(sizes, 0).sum())
-        ref.assert_bitwise_equal(back, np.concatenate([x[:total], np.zeros_like(x[total:])]),
+        checks.assert_bitwise_equal(back, np.concatenate([x[:total], np.zeros_like(x[total:])]),
                                  what="unsort_chunks(sort_chunks(x))", context=context)

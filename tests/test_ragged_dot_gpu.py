@@ -40,8 +40,10 @@ import numpy as np
 import pytest
 
 import devices
+import ragged_dot_checks as checks
 import ragged_dot_reference as ref
 from oxmoe import grouped_gemm
+from oxmoe.model_shapes import EXPERT_GEMMS, GemmShape
 from test_permutation_gpu import run_poisoned
 from test_ragged_dot_values import (EDGE_CASES, EMPTY_DIMENSION_CASES, SMALL_SHAPES, WINDOW_OFFSETS, describe,
                                     edge_sizes, offset_array)
@@ -55,7 +57,7 @@ F32 = jnp.float32
 LAYOUTS = pytest.mark.parametrize("rhs_transposed", [False, True], ids=["rhs_KN", "rhs_NK"])
 
 # (shape, M at full size).
-FULL_SIZE = [(ref.MIXTRAL_UP, 65536), (ref.QWEN3_UP, 131072), (ref.DEEPSEEK_UP, 32768), (ref.DEEPSEEK_DOWN, 32768)]
+FULL_SIZE = [(shape, shape.m) for shape in EXPERT_GEMMS]
 # Per shape, (dtype, rhs layout, group size draw): each shape sees both dtypes, both layouts and
 # both draws (every dtype-layout pair of the tensor-core kernel is also crossed below, at
 # smaller sizes). Each case compiles its own references (a few seconds of XLA time), which
@@ -65,7 +67,7 @@ FULL_SIZE_VARIANTS = [(jnp.bfloat16, False, "dirichlet"), (jnp.float16, True, "e
 SAMPLE_GROUPS, SAMPLE_ROWS, SAMPLE_KN = 4, 64, 64
 
 
-def scaled(shape: ref.GemmShape, m: int) -> tuple[int, int, int, int]:
+def scaled(shape: GemmShape, m: int) -> tuple[int, int, int, int]:
     """(M, K, N, G) to run: full size, or the stand-in's fraction."""
     if STAND_IN:
         return m // 64, max(shape.k // 16, 8), max(shape.n // 16, 8), shape.groups
@@ -99,7 +101,7 @@ _HALF_BITS = {jnp.dtype(jnp.bfloat16): (0x81FF, 124 << 7), jnp.dtype(jnp.float16
 
 
 def _draw_bits(key, shape, dtype):
-    """ref.draw's distribution made on the device: random sign, exponent among four binades,
+    """checks.draw's distribution made on the device: random sign, exponent among four binades,
     random mantissa (|x| in [1/8, 2), zero mean), directly in the dtype."""
     dt = jnp.dtype(dtype)
     if dt == jnp.float32:
@@ -170,7 +172,7 @@ def violations(got, value, scale, acc_len, zero, *, eps_out, tiny):
     reference errs too) or non-zero where they must be zero; the worst one and the first
     non-zero one (flat index, got, reference value), and the worst ratio to the bound."""
     g = got.astype(F32)
-    allowed = eps_out * jnp.abs(value) + 2 * ref.C * ref.EPS_ACC * jnp.sqrt(jnp.asarray(acc_len, F32)) * scale + tiny
+    allowed = eps_out * jnp.abs(value) + 2 * checks.C * checks.EPS_ACC * jnp.sqrt(jnp.asarray(acc_len, F32)) * scale + tiny
     error = jnp.abs(g - value)
     bad = ~(error <= allowed)
     ratio = jnp.where(bad & ~jnp.isfinite(error), jnp.inf, error / allowed).ravel()
@@ -275,18 +277,18 @@ def check_float64_sample(got, sample, sizes, *, rhs_transposed, dtype, context):
     sampled groups, against the float64 reference."""
     r, groups = sample["num_rows"], sample["groups"]
     sample_context = f"{context}, sampled groups {groups.tolist()}"
-    ref.assert_gemm_close(got["out"][:r], ref.ragged_dot(got["lhs"][:r], got["rhs"][:len(groups)], sample["counts"],
+    checks.assert_gemm_close(got["out"][:r], ref.ragged_dot(got["lhs"][:r], got["rhs"][:len(groups)], sample["counts"],
                                                          rhs_transposed=rhs_transposed),
                           dtype, what="forward (sampled rows, float64)", context=sample_context)
     # d lhs = d out_g @ rhs[g].T: the same product with rhs read the other way round.
-    ref.assert_gemm_close(got["d_lhs"][:r], ref.ragged_dot(got["dout"][:r], got["rhs"][:len(groups)], sample["counts"],
+    checks.assert_gemm_close(got["d_lhs"][:r], ref.ragged_dot(got["dout"][:r], got["rhs"][:len(groups)], sample["counts"],
                                                            rhs_transposed=not rhs_transposed),
                           dtype, what="d lhs (sampled rows, float64)", context=sample_context)
     for i, g in enumerate(sample["block_groups"]):
         size = int(sizes[g])
         expected = ref.transposed_ragged_dot(got["a"][i, :size], got["b"][i, :size], np.array([size], np.int32))
         block = got["d_rhs"][i].T if rhs_transposed else got["d_rhs"][i]
-        ref.assert_gemm_close(block[None], expected, dtype,
+        checks.assert_gemm_close(block[None], expected, dtype,
                               what=f"d rhs[{g}] (rows {sample['ks'][:4].tolist()}..., columns "
                                    f"{sample['ns'][:4].tolist()}..., float64)", context=sample_context)
 
@@ -299,7 +301,7 @@ def test_full_size_forward_and_vjp_match_the_references(shape, full_m, dtype, rh
                                                         rng):
     m, k, n, g = scaled(shape, full_m)
     total = m if draw_kind == "dirichlet" else m - int(rng.integers(1, m // 50 + 2))  # a tail of rows in no group
-    sizes = ref.group_size_draw(rng, draw_kind, g, total)
+    sizes = checks.group_size_draw(rng, draw_kind, g, total)
     if draw_kind == "empty10":
         assert (sizes == 0).any() and total < m
     layout = "[G, N, K]" if rhs_transposed else "[G, K, N]"
@@ -323,8 +325,8 @@ def test_full_size_forward_and_vjp_match_the_references(shape, full_m, dtype, rh
     indices, sample = draw_sample(rng, sizes, k, n)
     args = (out, d_lhs, d_rhs, lhs, rhs, dout, starts_d, sizes_d, jax.device_put((np.arange(m) >= total)[:, None], gpu),
             jax.device_put(indices, gpu))
-    static = dict(rhs_transposed=rhs_transposed, block=bucket(sizes.max()), eps_out=ref.eps_out(dtype),
-                  tiny=ref.tiny_out(dtype))
+    static = dict(rhs_transposed=rhs_transposed, block=bucket(sizes.max()), eps_out=checks.eps_out(dtype),
+                  tiny=checks.tiny_out(dtype))
     found_out, found_d_lhs, found_d_rhs, gathered = compile_without_autotuning(check_all, *args, **static)(*args)
     assert_no_violations(found_out, out.shape, dtype, what="forward", context=context)
     assert_no_violations(found_d_lhs, d_lhs.shape, dtype, what="d lhs", context=context)
@@ -352,20 +354,20 @@ def check_forward_and_vjp(gpu, rng, lhs, rhs, sizes, g0, *, rhs_transposed, cont
     """ragged_dot and its vjp (for a random cotangent) on the GPU against the float64 reference."""
     m = lhs.shape[0]
     n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
-    out_dtype = ref.np_dtype(lhs.dtype if pref is None else pref)
-    dout = ref.draw(rng, (m, n), out_dtype)
+    out_dtype = checks.np_dtype(lhs.dtype if pref is None else pref)
+    dout = checks.draw(rng, (m, n), out_dtype)
     offset = offset_array(g0)
     out, d_lhs, d_rhs = run_on(gpu, forward_and_vjp_fn(rhs_transposed, pref), lhs, rhs, sizes, offset, dout)
-    ref.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes, group_offset=offset, rhs_transposed=rhs_transposed),
+    checks.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes, group_offset=offset, rhs_transposed=rhs_transposed),
                           out_dtype, what="GPU forward", context=context)
     e_lhs, e_rhs = ref.ragged_dot_backward(lhs, rhs, sizes, dout.astype(lhs.dtype), group_offset=offset,
                                            rhs_transposed=rhs_transposed)
-    ref.assert_gemm_close(d_lhs, e_lhs, lhs.dtype, what="GPU d lhs", context=context)
-    ref.assert_gemm_close(d_rhs, e_rhs, lhs.dtype, what="GPU d rhs", context=context)
+    checks.assert_gemm_close(d_lhs, e_lhs, lhs.dtype, what="GPU d lhs", context=context)
+    checks.assert_gemm_close(d_rhs, e_rhs, lhs.dtype, what="GPU d rhs", context=context)
 
 
 def draw_rhs(rng, num_local, k, n, dtype, rhs_transposed):
-    return ref.draw(rng, (num_local, n, k) if rhs_transposed else (num_local, k, n), dtype)
+    return checks.draw(rng, (num_local, n, k) if rhs_transposed else (num_local, k, n), dtype)
 
 
 @pytest.mark.parametrize("m, k, n, g", SMALL_SHAPES, ids=[f"M{m}_K{k}_N{n}_G{g}" for m, k, n, g in SMALL_SHAPES])
@@ -373,8 +375,8 @@ def draw_rhs(rng, num_local, k, n, dtype, rhs_transposed):
 @LAYOUTS
 def test_small_odd_shapes_on_gpu(m, k, n, g, dtype, rhs_transposed, gpu, seed, rng):
     total = m - int(rng.integers(0, min(4, m) + 1))
-    sizes = ref.group_size_draw(rng, ["dirichlet", "empty10"][int(rng.integers(2))], g, total)
-    lhs, rhs = ref.draw(rng, (m, k), dtype), draw_rhs(rng, g, k, n, dtype, rhs_transposed)
+    sizes = checks.group_size_draw(rng, ["dirichlet", "empty10"][int(rng.integers(2))], g, total)
+    lhs, rhs = checks.draw(rng, (m, k), dtype), draw_rhs(rng, g, k, n, dtype, rhs_transposed)
     check_forward_and_vjp(gpu, rng, lhs, rhs, sizes, None, rhs_transposed=rhs_transposed,
                           context=f"{describe(sizes)}, seed={seed}")
 
@@ -391,7 +393,7 @@ TILE_SHAPES = [(1000, 72, 200), (839, 8, 8), (900, 1024, 24), (860, 256, 4104)]
 @LAYOUTS
 def test_tensor_core_shapes_with_groups_across_tiles_on_gpu(m, k, n, dtype, pref, rhs_transposed, gpu, seed, rng):
     sizes = rng.permutation(TILE_SIZES).astype(np.int32)
-    lhs, rhs = ref.draw(rng, (m, k), dtype), draw_rhs(rng, len(sizes), k, n, dtype, rhs_transposed)
+    lhs, rhs = checks.draw(rng, (m, k), dtype), draw_rhs(rng, len(sizes), k, n, dtype, rhs_transposed)
     check_forward_and_vjp(gpu, rng, lhs, rhs, sizes, None, rhs_transposed=rhs_transposed, pref=pref,
                           context=f"{describe(sizes)}, seed={seed}")
 
@@ -406,7 +408,7 @@ KERNEL_VARIANTS = pytest.mark.parametrize("dtype, k, n, rhs_transposed", [
 @KERNEL_VARIANTS
 def test_group_structure_on_gpu(case, dtype, k, n, rhs_transposed, gpu, seed, rng):
     sizes = edge_sizes(case, rng)
-    lhs, rhs = ref.draw(rng, (41, k), dtype), draw_rhs(rng, 6, k, n, dtype, rhs_transposed)
+    lhs, rhs = checks.draw(rng, (41, k), dtype), draw_rhs(rng, 6, k, n, dtype, rhs_transposed)
     check_forward_and_vjp(gpu, rng, lhs, rhs, sizes, None, rhs_transposed=rhs_transposed,
                           context=f"{case}, {describe(sizes)}, seed={seed}")
 
@@ -415,8 +417,8 @@ def test_group_structure_on_gpu(case, dtype, k, n, rhs_transposed, gpu, seed, rn
 @KERNEL_VARIANTS
 def test_window_of_groups_on_gpu(g0, dtype, k, n, rhs_transposed, gpu, seed, rng):
     m = 300
-    sizes = ref.sizes_with_empty_groups(rng, 8, m - 3, fraction=0.25)
-    lhs, rhs = ref.draw(rng, (m, k), dtype), draw_rhs(rng, 3, k, n, dtype, rhs_transposed)
+    sizes = checks.sizes_with_empty_groups(rng, 8, m - 3, fraction=0.25)
+    lhs, rhs = checks.draw(rng, (m, k), dtype), draw_rhs(rng, 3, k, n, dtype, rhs_transposed)
     check_forward_and_vjp(gpu, rng, lhs, rhs, sizes, g0, rhs_transposed=rhs_transposed,
                           context=f"g0={g0}, {describe(sizes)}, seed={seed}")
 
@@ -425,11 +427,11 @@ def test_window_of_groups_on_gpu(g0, dtype, k, n, rhs_transposed, gpu, seed, rng
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16], ids=["f32", "f16_tc"])
 def test_transposed_ragged_dot_window_on_gpu(g0, dtype, gpu, seed, rng):
     m, k, n = 700, 64, 80
-    sizes = ref.sizes_with_empty_groups(rng, 8, m - 9, fraction=0.25)
-    lhs, rhs = ref.draw(rng, (m, k), dtype), ref.draw(rng, (m, n), dtype)
+    sizes = checks.sizes_with_empty_groups(rng, 8, m - 9, fraction=0.25)
+    lhs, rhs = checks.draw(rng, (m, k), dtype), checks.draw(rng, (m, n), dtype)
     out = run_on(gpu, lambda a, b, s, o: grouped_gemm.transposed_ragged_dot(a, b, s, num_groups=3, group_offset=o),
                  lhs, rhs, sizes, offset_array(g0))
-    ref.assert_gemm_close(out, ref.transposed_ragged_dot(lhs, rhs, sizes, num_groups=3, group_offset=[g0]), dtype,
+    checks.assert_gemm_close(out, ref.transposed_ragged_dot(lhs, rhs, sizes, num_groups=3, group_offset=[g0]), dtype,
                           what="GPU transposed_ragged_dot", context=f"g0={g0}, {describe(sizes)}, seed={seed}")
 
 
@@ -439,8 +441,8 @@ def test_many_groups_on_gpu(num_groups, dtype, gpu, seed, rng):
     # The tensor-core kernel keeps up to 1024 groups' bounds in shared memory; more take the
     # generic kernel. Most groups hold a row or two, many none.
     m, k, n = 3000, 64, 136
-    sizes = ref.sizes_with_empty_groups(rng, num_groups, m - 17, fraction=0.3)
-    lhs, rhs = ref.draw(rng, (m, k), dtype), draw_rhs(rng, num_groups, k, n, dtype, False)
+    sizes = checks.sizes_with_empty_groups(rng, num_groups, m - 17, fraction=0.3)
+    lhs, rhs = checks.draw(rng, (m, k), dtype), draw_rhs(rng, num_groups, k, n, dtype, False)
     check_forward_and_vjp(gpu, rng, lhs, rhs, sizes, None, rhs_transposed=False,
                           context=f"G={num_groups}, {int((sizes == 0).sum())} empty groups, seed={seed}")
 
@@ -450,8 +452,8 @@ def test_many_groups_on_gpu(num_groups, dtype, gpu, seed, rng):
 def test_empty_dimensions_on_gpu(case, dtype, gpu, seed, rng):
     # K = 0 and N = 0 are multiples of 8: the tensor-core kernel's shapes.
     m, k, n, g_local, g0 = EMPTY_DIMENSION_CASES[case]
-    sizes = ref.dirichlet_sizes(rng, 4, m)
-    lhs, grad = ref.draw(rng, (m, k), dtype), ref.draw(rng, (m, n), dtype)
+    sizes = checks.dirichlet_sizes(rng, 4, m)
+    lhs, grad = checks.draw(rng, (m, k), dtype), checks.draw(rng, (m, n), dtype)
     rhs = draw_rhs(rng, g_local, k, n, dtype, False)
     offset = offset_array(g0)
     out, t = run_on(gpu, lambda a, b, c, s, o: (grouped_gemm.ragged_dot(a, b, s, group_offset=o),
@@ -459,9 +461,9 @@ def test_empty_dimensions_on_gpu(case, dtype, gpu, seed, rng):
                                                                                    group_offset=o)),
                     lhs, rhs, grad, sizes, offset)
     context = f"{case}, {describe(sizes)}, seed={seed}"
-    ref.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes, group_offset=offset), dtype, what="GPU ragged_dot",
+    checks.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes, group_offset=offset), dtype, what="GPU ragged_dot",
                           context=context)
-    ref.assert_gemm_close(t, ref.transposed_ragged_dot(lhs, grad, sizes, num_groups=g_local, group_offset=offset),
+    checks.assert_gemm_close(t, ref.transposed_ragged_dot(lhs, grad, sizes, num_groups=g_local, group_offset=offset),
                           dtype, what="GPU transposed_ragged_dot", context=context)
 
 
@@ -477,16 +479,16 @@ def test_ragged_dot_under_jit_takes_new_group_sizes_without_recompiling(gpu, see
         traces.append(1)
         return grouped_gemm.ragged_dot(lhs, rhs, sizes)
 
-    lhs, rhs = ref.draw(rng, (m, k), jnp.bfloat16), ref.draw(rng, (g, k, n), jnp.bfloat16)
+    lhs, rhs = checks.draw(rng, (m, k), jnp.bfloat16), checks.draw(rng, (g, k, n), jnp.bfloat16)
     lhs_d, rhs_d = jax.device_put((lhs, rhs), gpu)
-    all_sizes = [ref.dirichlet_sizes(rng, g, m), ref.sizes_with_empty_groups(rng, g, m - 100)]
+    all_sizes = [checks.dirichlet_sizes(rng, g, m), checks.sizes_with_empty_groups(rng, g, m - 100)]
     on_device = [jax.device_put(s, gpu) for s in all_sizes]
     with jax.transfer_guard("disallow"):  # every input already on the GPU: nothing moves
         outs = [fn(lhs_d, rhs_d, s) for s in on_device]
     assert len(traces) == 1, f"traced {len(traces)} times for two calls with new group sizes"
     for sizes, out in zip(all_sizes, outs):
         assert out.devices() == {gpu}
-        ref.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes), jnp.bfloat16, what="jit ragged_dot",
+        checks.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes), jnp.bfloat16, what="jit ragged_dot",
                               context=f"{describe(sizes)}, seed={seed}")
 
 
@@ -495,10 +497,10 @@ def test_ragged_dot_under_jit_takes_new_group_sizes_without_recompiling(gpu, see
 
 def test_rows_and_groups_outside_the_window_are_zero_in_poisoned_memory(gpu, seed, rng):
     m, k, n, g = (8192, 512, 1024, 8) if not STAND_IN else (512, 64, 64, 8)
-    sizes = ref.sizes_with_empty_groups(rng, g, m - m // 12, fraction=0.25)
+    sizes = checks.sizes_with_empty_groups(rng, g, m - m // 12, fraction=0.25)
     g0 = 2
-    lhs, rhs, dout = (ref.draw(rng, (m, k), jnp.bfloat16), ref.draw(rng, (4, k, n), jnp.bfloat16),
-                      ref.draw(rng, (m, n), jnp.bfloat16))
+    lhs, rhs, dout = (checks.draw(rng, (m, k), jnp.bfloat16), checks.draw(rng, (4, k, n), jnp.bfloat16),
+                      checks.draw(rng, (m, n), jnp.bfloat16))
 
     def fn(lhs, rhs, sizes, offset, dout):
         # Groups 2..5: rows of groups 0, 1, 6, 7 and the tail stay zero; the window reaching
@@ -509,7 +511,7 @@ def test_rows_and_groups_outside_the_window_are_zero_in_poisoned_memory(gpu, see
 
     out, t = run_poisoned(gpu, fn, lhs, rhs, sizes, offset_array(g0), dout)
     context = f"{describe(sizes)}, seed={seed}"
-    ref.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes, group_offset=[g0]), jnp.bfloat16,
+    checks.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes, group_offset=[g0]), jnp.bfloat16,
                           what="ragged_dot on poisoned memory", context=context)
-    ref.assert_gemm_close(t, ref.transposed_ragged_dot(lhs, dout, sizes, num_groups=4, group_offset=[g0 + 4]),
+    checks.assert_gemm_close(t, ref.transposed_ragged_dot(lhs, dout, sizes, num_groups=4, group_offset=[g0 + 4]),
                           jnp.bfloat16, what="transposed_ragged_dot on poisoned memory", context=context)

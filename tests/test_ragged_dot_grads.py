@@ -11,7 +11,7 @@ For ragged_dot (out = lhs_g @ rhs[i] per local group i, g = g0 + i):
 with the cotangent first cast to the input dtype; d lhs and d rhs have the inputs' dtypes.
 For transposed_ragged_dot (out[i] = lhs_g.T @ rhs_g): d lhs_g = rhs_g @ d out[i].T and
 d rhs_g = lhs_g @ d out[i]. Each is a float32 sum (over N, over the group's rows, over K)
-checked with ref.assert_gemm_close's bound for that sum's length.
+checked with ragged_dot_checks.assert_gemm_close's bound for that sum's length.
 """
 
 import functools
@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jax.test_util import check_grads
 
 from finite_differences import vjp_by_finite_differences
+import ragged_dot_checks as checks
 import ragged_dot_reference as ref
 from oxmoe import grouped_gemm
 from test_ragged_dot_values import (G_PER_SHARD, G_SHARDED, LAYOUTS, SHARDS, describe, draw_rhs, expert_mesh,
@@ -44,12 +45,12 @@ WINDOWS = pytest.mark.parametrize("windowed", [False, True], ids=["all_groups", 
 
 def grad_sizes(rng, num_groups: int, num_rows: int) -> np.ndarray:
     """Sizes with empty groups, a few rows past their total."""
-    return ref.sizes_with_empty_groups(rng, num_groups, num_rows - int(rng.integers(1, 6)), fraction=0.2)
+    return checks.sizes_with_empty_groups(rng, num_groups, num_rows - int(rng.integers(1, 6)), fraction=0.2)
 
 
 def cast_cotangent(grad, dtype) -> np.ndarray:
     """The cotangent as the backward sees it: cast to the input dtype."""
-    return np.asarray(grad).astype(ref.np_dtype(dtype))
+    return np.asarray(grad).astype(checks.np_dtype(dtype))
 
 
 @functools.partial(jax.jit, static_argnames=("rhs_transposed", "pref"))
@@ -125,18 +126,18 @@ def window_args(rng, windowed: bool):
 def test_ragged_dot_vjp_matches_reference(dtype, pref, rhs_transposed, windowed, seed, rng):
     g_local, g0 = window_args(rng, windowed)
     sizes = grad_sizes(rng, G, M)
-    lhs, rhs = ref.draw(rng, (M, K), dtype), draw_rhs(rng, g_local, K, N, dtype, rhs_transposed)
-    out_dtype = ref.np_dtype(dtype if pref is None else pref)
-    grad = ref.draw(rng, (M, N), out_dtype)  # in every row: rows outside the window must not leak
+    lhs, rhs = checks.draw(rng, (M, K), dtype), draw_rhs(rng, g_local, K, N, dtype, rhs_transposed)
+    out_dtype = checks.np_dtype(dtype if pref is None else pref)
+    grad = checks.draw(rng, (M, N), out_dtype)  # in every row: rows outside the window must not leak
     out, d_lhs, d_rhs = ragged_dot_and_vjp(lhs, rhs, sizes, offset_array(g0), grad, rhs_transposed=rhs_transposed,
                                            pref=pref)
     context = f"g0={g0}, {describe(sizes)}, seed={seed}"
-    ref.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes, group_offset=offset_array(g0),
+    checks.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes, group_offset=offset_array(g0),
                                               rhs_transposed=rhs_transposed), out_dtype, what="out", context=context)
     e_lhs, e_rhs = ref.ragged_dot_backward(lhs, rhs, sizes, cast_cotangent(grad, dtype), group_offset=offset_array(g0),
                                            rhs_transposed=rhs_transposed)
-    ref.assert_gemm_close(d_lhs, e_lhs, dtype, what="d lhs", context=context)
-    ref.assert_gemm_close(d_rhs, e_rhs, dtype, what="d rhs", context=context)
+    checks.assert_gemm_close(d_lhs, e_lhs, dtype, what="d lhs", context=context)
+    checks.assert_gemm_close(d_rhs, e_rhs, dtype, what="d rhs", context=context)
 
 
 @pytest.mark.parametrize("dtype, pref", [(jnp.float32, None), (jnp.bfloat16, None), (jnp.float16, jnp.float32)],
@@ -145,19 +146,19 @@ def test_ragged_dot_vjp_matches_reference(dtype, pref, rhs_transposed, windowed,
 def test_transposed_ragged_dot_vjp_matches_reference(dtype, pref, windowed, seed, rng):
     g_local, g0 = window_args(rng, windowed)
     sizes = grad_sizes(rng, G, M)
-    lhs, rhs = ref.draw(rng, (M, K), dtype), ref.draw(rng, (M, N), dtype)
-    out_dtype = ref.np_dtype(dtype if pref is None else pref)
-    grad = ref.draw(rng, (g_local, K, N), out_dtype)
+    lhs, rhs = checks.draw(rng, (M, K), dtype), checks.draw(rng, (M, N), dtype)
+    out_dtype = checks.np_dtype(dtype if pref is None else pref)
+    grad = checks.draw(rng, (g_local, K, N), out_dtype)
     out, d_lhs, d_rhs = transposed_and_vjp(lhs, rhs, sizes, offset_array(g0), grad,
                                            num_groups=g_local if windowed else None, pref=pref)
     context = f"g0={g0}, {describe(sizes)}, seed={seed}"
-    ref.assert_gemm_close(out, ref.transposed_ragged_dot(lhs, rhs, sizes, num_groups=g_local,
+    checks.assert_gemm_close(out, ref.transposed_ragged_dot(lhs, rhs, sizes, num_groups=g_local,
                                                          group_offset=offset_array(g0)),
                           out_dtype, what="out", context=context)
     e_lhs, e_rhs = ref.transposed_ragged_dot_backward(lhs, rhs, sizes, cast_cotangent(grad, dtype),
                                                       group_offset=offset_array(g0))
-    ref.assert_gemm_close(d_lhs, e_lhs, dtype, what="d lhs", context=context)
-    ref.assert_gemm_close(d_rhs, e_rhs, dtype, what="d rhs", context=context)
+    checks.assert_gemm_close(d_lhs, e_lhs, dtype, what="d lhs", context=context)
+    checks.assert_gemm_close(d_rhs, e_rhs, dtype, what="d rhs", context=context)
 
 
 @LAYOUTS
@@ -166,8 +167,8 @@ def test_ragged_dot_grad_of_a_loss_under_jit(rhs_transposed, seed, rng):
     # reference's for d out = c.
     g0 = int(rng.integers(0, G - G_LOCAL + 1))
     sizes = grad_sizes(rng, G, M)
-    lhs, rhs = ref.draw(rng, (M, K), jnp.bfloat16), draw_rhs(rng, G_LOCAL, K, N, jnp.bfloat16, rhs_transposed)
-    c = ref.draw(rng, (M, N), jnp.float32)
+    lhs, rhs = checks.draw(rng, (M, K), jnp.bfloat16), draw_rhs(rng, G_LOCAL, K, N, jnp.bfloat16, rhs_transposed)
+    c = checks.draw(rng, (M, N), jnp.float32)
 
     @jax.jit
     def grads(lhs, rhs, sizes, offset, c):
@@ -182,8 +183,8 @@ def test_ragged_dot_grad_of_a_loss_under_jit(rhs_transposed, seed, rng):
     e_lhs, e_rhs = ref.ragged_dot_backward(lhs, rhs, sizes, cast_cotangent(c, jnp.bfloat16),
                                            group_offset=offset_array(g0), rhs_transposed=rhs_transposed)
     context = f"g0={g0}, {describe(sizes)}, seed={seed}"
-    ref.assert_gemm_close(d_lhs, e_lhs, jnp.bfloat16, what="grad lhs", context=context)
-    ref.assert_gemm_close(d_rhs, e_rhs, jnp.bfloat16, what="grad rhs", context=context)
+    checks.assert_gemm_close(d_lhs, e_lhs, jnp.bfloat16, what="grad lhs", context=context)
+    checks.assert_gemm_close(d_rhs, e_rhs, jnp.bfloat16, what="grad rhs", context=context)
 
 
 def test_gradient_with_sizes_traced_needs_no_retrace(seed, rng):
@@ -195,15 +196,15 @@ def test_gradient_with_sizes_traced_needs_no_retrace(seed, rng):
         _, vjp = jax.vjp(lambda l, r: grouped_gemm.ragged_dot(l, r, sizes), lhs, rhs)
         return vjp(grad)
 
-    lhs, rhs, grad = ref.draw(rng, (M, K), jnp.float32), draw_rhs(rng, G, K, N, jnp.float32, False), ref.draw(
+    lhs, rhs, grad = checks.draw(rng, (M, K), jnp.float32), draw_rhs(rng, G, K, N, jnp.float32, False), checks.draw(
         rng, (M, N), jnp.float32)
     for call in range(3):
         sizes = grad_sizes(rng, G, M)
         d_lhs, d_rhs = grads(lhs, rhs, sizes, grad)
         e_lhs, e_rhs = ref.ragged_dot_backward(lhs, rhs, sizes, grad)
         context = f"call {call}, {describe(sizes)}, seed={seed}"
-        ref.assert_gemm_close(d_lhs, e_lhs, jnp.float32, what="d lhs", context=context)
-        ref.assert_gemm_close(d_rhs, e_rhs, jnp.float32, what="d rhs", context=context)
+        checks.assert_gemm_close(d_lhs, e_lhs, jnp.float32, what="d lhs", context=context)
+        checks.assert_gemm_close(d_rhs, e_rhs, jnp.float32, what="d rhs", context=context)
     assert len(traces) == 1, f"traced {len(traces)} times for 3 calls with new group sizes"
 
 
@@ -213,12 +214,12 @@ def test_gradient_with_sizes_traced_needs_no_retrace(seed, rng):
 @pytest.mark.parametrize("fn_name", ["ragged_dot", "transposed_ragged_dot"])
 def test_group_sizes_and_group_offset_get_no_gradient(fn_name, rng):
     sizes, offset = np.array([3, 0, 4], np.int32), np.array([1], np.int32)
-    lhs = ref.draw(rng, (9, 4), jnp.float32)
+    lhs = checks.draw(rng, (9, 4), jnp.float32)
     if fn_name == "ragged_dot":
         rhs = draw_rhs(rng, 2, 4, 5, jnp.float32, False)
         fn = lambda l, r, s, o: grouped_gemm.ragged_dot(l, r, s, group_offset=o)  # noqa: E731
     else:
-        rhs = ref.draw(rng, (9, 5), jnp.float32)
+        rhs = checks.draw(rng, (9, 5), jnp.float32)
         fn = lambda l, r, s, o: grouped_gemm.transposed_ragged_dot(l, r, s, num_groups=2, group_offset=o)  # noqa: E731
     out, vjp = jax.vjp(fn, lhs, rhs, sizes, offset)
     d_lhs, d_rhs, d_sizes, d_offset = vjp(jnp.ones_like(out))
@@ -279,10 +280,10 @@ def test_gradients_inside_shard_map_with_experts_sharded(rhs_transposed, seed, r
     # Each shard multiplies its 4 experts' rows; the outputs are summed over the shards. d rhs
     # stays sharded (each shard's own experts), d lhs sums the shards' contributions.
     m, k, n = 160, 48, 40
-    sizes = ref.sizes_with_empty_groups(rng, G_SHARDED, m - 3)
-    lhs = ref.draw(rng, (m, k), jnp.float32)
+    sizes = checks.sizes_with_empty_groups(rng, G_SHARDED, m - 3)
+    lhs = checks.draw(rng, (m, k), jnp.float32)
     rhs = draw_rhs(rng, G_SHARDED, k, n, jnp.float32, rhs_transposed)
-    grad = ref.draw(rng, (m, n), jnp.float32)
+    grad = checks.draw(rng, (m, n), jnp.float32)
     mesh = expert_mesh()
 
     def per_shard(lhs, rhs_local, sizes):
@@ -298,8 +299,8 @@ def test_gradients_inside_shard_map_with_experts_sharded(rhs_transposed, seed, r
 
     out, d_lhs, d_rhs = fn(lhs, jax.device_put(rhs, NamedSharding(mesh, P("experts"))), sizes, grad)
     context = f"{SHARDS} shards of {G_PER_SHARD} experts, {describe(sizes)}, seed={seed}"
-    ref.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes, rhs_transposed=rhs_transposed), jnp.float32,
+    checks.assert_gemm_close(out, ref.ragged_dot(lhs, rhs, sizes, rhs_transposed=rhs_transposed), jnp.float32,
                           what="out", context=context)
     e_lhs, e_rhs = ref.ragged_dot_backward(lhs, rhs, sizes, grad, rhs_transposed=rhs_transposed)
-    ref.assert_gemm_close(d_lhs, e_lhs, jnp.float32, what="d lhs", context=context)
-    ref.assert_gemm_close(d_rhs, e_rhs, jnp.float32, what="d rhs", context=context)
+    checks.assert_gemm_close(d_lhs, e_lhs, jnp.float32, what="d lhs", context=context)
+    checks.assert_gemm_close(d_rhs, e_rhs, jnp.float32, what="d rhs", context=context)

@@ -13,7 +13,7 @@ against the float64 reference (ragged_dot_reference.py), on fresh random data:
   inside shard_map with the experts split over eight devices.
 
 Every result must lie within the float32-accumulation error bound of the reference
-(ref.assert_gemm_close: |got - ref| <= eps_out |ref| + 4 eps32 sqrt(n) (|lhs| @ |rhs|)), and
+(checks.assert_gemm_close: |got - ref| <= eps_out |ref| + 4 eps32 sqrt(n) (|lhs| @ |rhs|)), and
 every row (ragged_dot) or group (transposed_ragged_dot) outside the groups of the window must
 be exactly zero.
 """
@@ -27,8 +27,12 @@ from jax.sharding import PartitionSpec as P
 
 import devices
 import oxmoe
+import ragged_dot_checks as checks
 import ragged_dot_reference as ref
 from oxmoe import grouped_gemm
+from oxmoe.model_shapes import EXPERT_GEMMS
+
+MIXTRAL_UP, QWEN3_UP, DEEPSEEK_UP, DEEPSEEK_DOWN = EXPERT_GEMMS
 
 DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 DTYPE_PARAMS = pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -36,24 +40,24 @@ LAYOUTS = pytest.mark.parametrize("rhs_transposed", [False, True], ids=["rhs_KN"
 
 
 def out_dtype_of(dtype, preferred_element_type):
-    return ref.np_dtype(dtype if preferred_element_type is None else preferred_element_type)
+    return checks.np_dtype(dtype if preferred_element_type is None else preferred_element_type)
 
 
 def draw_rhs(rng, num_local: int, k: int, n: int, dtype, rhs_transposed: bool) -> np.ndarray:
-    return ref.draw(rng, (num_local, n, k) if rhs_transposed else (num_local, k, n), dtype)
+    return checks.draw(rng, (num_local, n, k) if rhs_transposed else (num_local, k, n), dtype)
 
 
 def check_ragged_dot(out, lhs, rhs, group_sizes, *, group_offset=None, rhs_transposed=False, out_dtype=None,
                      what="ragged_dot", context=""):
     expected = ref.ragged_dot(lhs, rhs, group_sizes, group_offset=group_offset, rhs_transposed=rhs_transposed)
-    ref.assert_gemm_close(out, expected, out_dtype or lhs.dtype, what=what, context=context)
+    checks.assert_gemm_close(out, expected, out_dtype or lhs.dtype, what=what, context=context)
     return expected
 
 
 def check_transposed(out, lhs, rhs, group_sizes, *, num_groups=None, group_offset=None, out_dtype=None,
                      what="transposed_ragged_dot", context=""):
     expected = ref.transposed_ragged_dot(lhs, rhs, group_sizes, num_groups=num_groups, group_offset=group_offset)
-    ref.assert_gemm_close(out, expected, out_dtype or lhs.dtype, what=what, context=context)
+    checks.assert_gemm_close(out, expected, out_dtype or lhs.dtype, what=what, context=context)
     return expected
 
 
@@ -102,14 +106,14 @@ def test_reference_of_a_hand_computed_example():
 def test_reference_error_bound_admits_float32_rounding_and_rejects_a_wrong_row(seed, rng):
     # The bound is neither vacuous nor too tight: a float32 matmul of the same data passes, a
     # result with one element changed by a bfloat16 ulp of its terms fails.
-    lhs, rhs = ref.draw(rng, (64, 1000), np.float32), ref.draw(rng, (1, 1000, 32), np.float32)
+    lhs, rhs = checks.draw(rng, (64, 1000), np.float32), checks.draw(rng, (1, 1000, 32), np.float32)
     expected = ref.ragged_dot(lhs, rhs, np.array([64], np.int32))
     f32 = (lhs @ rhs[0]).astype(np.float32)
-    ref.assert_gemm_close(f32, expected, np.float32, what="numpy float32 matmul", context=f"seed={seed}")
+    checks.assert_gemm_close(f32, expected, np.float32, what="numpy float32 matmul", context=f"seed={seed}")
     wrong = f32.copy()
     wrong[17, 3] += np.float32(2.0**-8 * expected.scale[17, 3])
     with pytest.raises(AssertionError, match=r"\(17, 3\)"):
-        ref.assert_gemm_close(wrong, expected, np.float32, what="perturbed", context="")
+        checks.assert_gemm_close(wrong, expected, np.float32, what="perturbed", context="")
 
 
 # --------------------------------------------------------------- real-model shapes
@@ -122,15 +126,15 @@ def test_reference_error_bound_admits_float32_rounding_and_rejects_a_wrong_row(s
 # 200M and 470M elements, more than the CPU suite's time allows to draw, copy and check: they
 # take windows (test_ragged_dot_gpu.py multiplies all of them).
 MODEL_CASES = [
-    (ref.MIXTRAL_UP, 256, jnp.bfloat16, False, None, "dirichlet", None),
-    (ref.MIXTRAL_UP, 256, jnp.float16, True, jnp.float32, "empty10", None),
-    (ref.MIXTRAL_UP, 200, jnp.float32, False, None, "empty10", None),
-    (ref.QWEN3_UP, 256, jnp.bfloat16, False, None, "dirichlet", 32),
-    (ref.QWEN3_UP, 300, jnp.float16, True, jnp.float32, "empty10", 16),
-    (ref.DEEPSEEK_UP, 128, jnp.bfloat16, True, None, "dirichlet", 4),
-    (ref.DEEPSEEK_UP, 128, jnp.float32, False, None, "empty10", 2),
-    (ref.DEEPSEEK_DOWN, 128, jnp.float16, False, jnp.float32, "empty10", 4),
-    (ref.DEEPSEEK_DOWN, 128, jnp.bfloat16, True, None, "dirichlet", 2),
+    (MIXTRAL_UP, 256, jnp.bfloat16, False, None, "dirichlet", None),
+    (MIXTRAL_UP, 256, jnp.float16, True, jnp.float32, "empty10", None),
+    (MIXTRAL_UP, 200, jnp.float32, False, None, "empty10", None),
+    (QWEN3_UP, 256, jnp.bfloat16, False, None, "dirichlet", 32),
+    (QWEN3_UP, 300, jnp.float16, True, jnp.float32, "empty10", 16),
+    (DEEPSEEK_UP, 128, jnp.bfloat16, True, None, "dirichlet", 4),
+    (DEEPSEEK_UP, 128, jnp.float32, False, None, "empty10", 2),
+    (DEEPSEEK_DOWN, 128, jnp.float16, False, jnp.float32, "empty10", 4),
+    (DEEPSEEK_DOWN, 128, jnp.bfloat16, True, None, "dirichlet", 2),
 ]
 
 
@@ -144,7 +148,7 @@ def model_case_id(case):
 def sizes_for(rng, draw_kind, num_groups, num_rows):
     """Group sizes of a draw; the empty10 draw also leaves a few rows past the total."""
     total = num_rows if draw_kind == "dirichlet" else num_rows - int(rng.integers(1, 9))
-    return ref.group_size_draw(rng, draw_kind, num_groups, total)
+    return checks.group_size_draw(rng, draw_kind, num_groups, total)
 
 
 def window_for(rng, sizes, window):
@@ -160,7 +164,7 @@ def test_ragged_dot_on_model_shapes(case, seed, rng):
     shape, m, dtype, rhs_transposed, pref, draw_kind, window = case
     sizes = sizes_for(rng, draw_kind, shape.groups, m)
     kwargs = window_for(rng, sizes, window)
-    lhs = ref.draw(rng, (m, shape.k), dtype)
+    lhs = checks.draw(rng, (m, shape.k), dtype)
     rhs = draw_rhs(rng, window or shape.groups, shape.k, shape.n, dtype, rhs_transposed)
     out = grouped_gemm.ragged_dot(lhs, rhs, sizes, rhs_transposed=rhs_transposed, preferred_element_type=pref, **kwargs)
     context = f"{model_case_id(case)}, {describe(sizes)}, {kwargs}, seed={seed}"
@@ -171,11 +175,11 @@ def test_ragged_dot_on_model_shapes(case, seed, rng):
 # transposed_ragged_dot's output is [G, K, N] (and the reference's float64 copies of it): all
 # groups for Mixtral, windows of the others.
 TRANSPOSED_MODEL_CASES = [
-    (ref.MIXTRAL_UP, 256, jnp.bfloat16, None, "empty10", None),
-    (ref.MIXTRAL_UP, 200, jnp.float32, None, "dirichlet", 2),
-    (ref.QWEN3_UP, 256, jnp.float16, jnp.float32, "empty10", 16),
-    (ref.DEEPSEEK_UP, 128, jnp.bfloat16, jnp.float32, "dirichlet", 2),
-    (ref.DEEPSEEK_DOWN, 128, jnp.float16, None, "empty10", 2),
+    (MIXTRAL_UP, 256, jnp.bfloat16, None, "empty10", None),
+    (MIXTRAL_UP, 200, jnp.float32, None, "dirichlet", 2),
+    (QWEN3_UP, 256, jnp.float16, jnp.float32, "empty10", 16),
+    (DEEPSEEK_UP, 128, jnp.bfloat16, jnp.float32, "dirichlet", 2),
+    (DEEPSEEK_DOWN, 128, jnp.float16, None, "empty10", 2),
 ]
 
 
@@ -191,7 +195,7 @@ def test_transposed_ragged_dot_on_model_shapes(case, seed, rng):
     kwargs = window_for(rng, sizes, window)
     if window is not None:
         kwargs["num_groups"] = window
-    lhs, rhs = ref.draw(rng, (m, shape.k), dtype), ref.draw(rng, (m, shape.n), dtype)
+    lhs, rhs = checks.draw(rng, (m, shape.k), dtype), checks.draw(rng, (m, shape.n), dtype)
     out = grouped_gemm.transposed_ragged_dot(lhs, rhs, sizes, preferred_element_type=pref, **kwargs)
     context = f"{shape.name}, {jnp.dtype(dtype).name}, {describe(sizes)}, {kwargs}, seed={seed}"
     check_transposed(out, lhs, rhs, sizes, out_dtype=out_dtype_of(dtype, pref), context=context, **kwargs)
@@ -214,7 +218,7 @@ def random_sizes(rng, num_groups, num_rows):
     """A Dirichlet split or one with empty groups, of all rows or of a few less."""
     kind = ["dirichlet", "empty10"][int(rng.integers(2))]
     total = num_rows - int(rng.integers(0, min(4, num_rows) + 1))
-    return ref.group_size_draw(rng, kind, num_groups, total)
+    return checks.group_size_draw(rng, kind, num_groups, total)
 
 
 @SMALL
@@ -222,7 +226,7 @@ def random_sizes(rng, num_groups, num_rows):
 @LAYOUTS
 def test_ragged_dot_on_small_odd_shapes(m, k, n, g, dtype, pref, rhs_transposed, seed, rng):
     sizes = random_sizes(rng, g, m)
-    lhs, rhs = ref.draw(rng, (m, k), dtype), draw_rhs(rng, g, k, n, dtype, rhs_transposed)
+    lhs, rhs = checks.draw(rng, (m, k), dtype), draw_rhs(rng, g, k, n, dtype, rhs_transposed)
     out = grouped_gemm.ragged_dot(lhs, rhs, sizes, rhs_transposed=rhs_transposed, preferred_element_type=pref)
     check_ragged_dot(out, lhs, rhs, sizes, rhs_transposed=rhs_transposed, out_dtype=out_dtype_of(dtype, pref),
                      context=f"{describe(sizes)}, seed={seed}")
@@ -232,7 +236,7 @@ def test_ragged_dot_on_small_odd_shapes(m, k, n, g, dtype, pref, rhs_transposed,
 @OUT_TYPE_PARAMS
 def test_transposed_ragged_dot_on_small_odd_shapes(m, k, n, g, dtype, pref, seed, rng):
     sizes = random_sizes(rng, g, m)
-    lhs, rhs = ref.draw(rng, (m, k), dtype), ref.draw(rng, (m, n), dtype)
+    lhs, rhs = checks.draw(rng, (m, k), dtype), checks.draw(rng, (m, n), dtype)
     out = grouped_gemm.transposed_ragged_dot(lhs, rhs, sizes, preferred_element_type=pref)
     check_transposed(out, lhs, rhs, sizes, out_dtype=out_dtype_of(dtype, pref),
                      context=f"{describe(sizes)}, seed={seed}")
@@ -260,7 +264,7 @@ def edge_sizes(name: str, rng) -> np.ndarray:
     if name == "single_rows":
         return np.array([1, 1, 1, 1, 1, 1], np.int32)
     if name == "dirichlet":
-        return ref.dirichlet_sizes(rng, 6, M_EDGE)
+        return checks.dirichlet_sizes(rng, 6, M_EDGE)
     raise ValueError(name)
 
 
@@ -273,7 +277,7 @@ EDGE_CASES = ["empty_groups", "one_group_holds_everything", "first_group_holds_e
 @LAYOUTS
 def test_ragged_dot_group_structure(case, dtype, rhs_transposed, seed, rng):
     sizes = edge_sizes(case, rng)
-    lhs, rhs = ref.draw(rng, (M_EDGE, K_EDGE), dtype), draw_rhs(rng, 6, K_EDGE, N_EDGE, dtype, rhs_transposed)
+    lhs, rhs = checks.draw(rng, (M_EDGE, K_EDGE), dtype), draw_rhs(rng, 6, K_EDGE, N_EDGE, dtype, rhs_transposed)
     out = grouped_gemm.ragged_dot(lhs, rhs, sizes, rhs_transposed=rhs_transposed)
     expected = check_ragged_dot(out, lhs, rhs, sizes, rhs_transposed=rhs_transposed,
                                 context=f"{case}, {describe(sizes)}, seed={seed}")
@@ -286,7 +290,7 @@ def test_ragged_dot_group_structure(case, dtype, rhs_transposed, seed, rng):
 def test_transposed_ragged_dot_group_structure(case, dtype, seed, rng):
     # Empty groups give exactly zero [K, N] blocks.
     sizes = edge_sizes(case, rng)
-    lhs, rhs = ref.draw(rng, (M_EDGE, K_EDGE), dtype), ref.draw(rng, (M_EDGE, N_EDGE), dtype)
+    lhs, rhs = checks.draw(rng, (M_EDGE, K_EDGE), dtype), checks.draw(rng, (M_EDGE, N_EDGE), dtype)
     out = grouped_gemm.transposed_ragged_dot(lhs, rhs, sizes)
     check_transposed(out, lhs, rhs, sizes, context=f"{case}, {describe(sizes)}, seed={seed}")
 
@@ -305,8 +309,8 @@ EMPTY_DIMENSION_CASES = {
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 def test_empty_dimensions(case, dtype, seed, rng):
     m, k, n, g_local, g0 = EMPTY_DIMENSION_CASES[case]
-    sizes = ref.dirichlet_sizes(rng, 4, m)
-    lhs, grad = ref.draw(rng, (m, k), dtype), ref.draw(rng, (m, n), dtype)
+    sizes = checks.dirichlet_sizes(rng, 4, m)
+    lhs, grad = checks.draw(rng, (m, k), dtype), checks.draw(rng, (m, n), dtype)
     rhs = draw_rhs(rng, g_local, k, n, dtype, False)
     offset = offset_array(g0)
     context = f"{case}, {describe(sizes)}, seed={seed}"
@@ -326,7 +330,7 @@ WINDOW_OFFSETS = [0, 2, 5, 6, 7, 8]
 
 def window_sizes(rng, num_rows: int) -> np.ndarray:
     """8 groups, two of them empty, totalling a few rows less than num_rows."""
-    return ref.sizes_with_empty_groups(rng, G_WIN, num_rows - 3, fraction=0.25)
+    return checks.sizes_with_empty_groups(rng, G_WIN, num_rows - 3, fraction=0.25)
 
 
 @pytest.mark.parametrize("g0", WINDOW_OFFSETS, ids=lambda g: f"g0_{g}")
@@ -335,7 +339,7 @@ def window_sizes(rng, num_rows: int) -> np.ndarray:
 def test_ragged_dot_with_a_window_of_groups(g0, dtype, rhs_transposed, seed, rng):
     m = 97
     sizes = window_sizes(rng, m)
-    lhs, rhs = ref.draw(rng, (m, 40), dtype), draw_rhs(rng, G_LOCAL, 40, 33, dtype, rhs_transposed)
+    lhs, rhs = checks.draw(rng, (m, 40), dtype), draw_rhs(rng, G_LOCAL, 40, 33, dtype, rhs_transposed)
     out = grouped_gemm.ragged_dot(lhs, rhs, sizes, group_offset=offset_array(g0), rhs_transposed=rhs_transposed)
     expected = check_ragged_dot(out, lhs, rhs, sizes, group_offset=[g0], rhs_transposed=rhs_transposed,
                                 context=f"g0={g0}, {describe(sizes)}, seed={seed}")
@@ -349,7 +353,7 @@ def test_transposed_ragged_dot_with_a_window_of_groups(g0, dtype, seed, rng):
     # Local groups past G give zero blocks.
     m = 97
     sizes = window_sizes(rng, m)
-    lhs, rhs = ref.draw(rng, (m, 40), dtype), ref.draw(rng, (m, 33), dtype)
+    lhs, rhs = checks.draw(rng, (m, 40), dtype), checks.draw(rng, (m, 33), dtype)
     out = grouped_gemm.transposed_ragged_dot(lhs, rhs, sizes, num_groups=G_LOCAL, group_offset=offset_array(g0))
     check_transposed(out, lhs, rhs, sizes, num_groups=G_LOCAL, group_offset=[g0],
                      context=f"g0={g0}, {describe(sizes)}, seed={seed}")
@@ -361,18 +365,18 @@ def test_group_offset_as_a_scalar_or_a_one_element_array(form, seed, rng):
     sizes = window_sizes(rng, m)
     offset = {"scalar": np.int32(g0), "array1": np.array([g0], np.int32),
               "jax_scalar": jnp.asarray(g0, jnp.int32)}[form]
-    lhs, rhs = ref.draw(rng, (m, 16), jnp.float32), draw_rhs(rng, G_LOCAL, 16, 8, jnp.float32, False)
+    lhs, rhs = checks.draw(rng, (m, 16), jnp.float32), draw_rhs(rng, G_LOCAL, 16, 8, jnp.float32, False)
     out = grouped_gemm.ragged_dot(lhs, rhs, sizes, group_offset=offset)
     check_ragged_dot(out, lhs, rhs, sizes, group_offset=[g0], context=f"{form}, {describe(sizes)}, seed={seed}")
-    grad_rhs = ref.draw(rng, (m, 8), jnp.float32)
+    grad_rhs = checks.draw(rng, (m, 8), jnp.float32)
     t = grouped_gemm.transposed_ragged_dot(lhs, grad_rhs, sizes, num_groups=G_LOCAL, group_offset=offset)
     check_transposed(t, lhs, grad_rhs, sizes, num_groups=G_LOCAL, group_offset=[g0], context=f"{form}, seed={seed}")
 
 
 def test_a_full_window_at_offset_zero_equals_no_offset(seed, rng):
     m = 80
-    sizes = ref.dirichlet_sizes(rng, G_WIN, m)
-    lhs, rhs = ref.draw(rng, (m, 32), jnp.bfloat16), draw_rhs(rng, G_WIN, 32, 24, jnp.bfloat16, False)
+    sizes = checks.dirichlet_sizes(rng, G_WIN, m)
+    lhs, rhs = checks.draw(rng, (m, 32), jnp.bfloat16), draw_rhs(rng, G_WIN, 32, 24, jnp.bfloat16, False)
     plain = np.asarray(grouped_gemm.ragged_dot(lhs, rhs, sizes))
     windowed = np.asarray(grouped_gemm.ragged_dot(lhs, rhs, sizes, group_offset=offset_array(0)))
     np.testing.assert_array_equal(windowed.view(np.uint16), plain.view(np.uint16), err_msg=f"seed={seed}")
@@ -393,7 +397,7 @@ def test_under_jit_with_traced_group_sizes_and_offset_without_retracing(seed, rn
                 grouped_gemm.ragged_dot(lhs, rhs_window, sizes, group_offset=offset, rhs_transposed=True),
                 grouped_gemm.transposed_ragged_dot(lhs, grad, sizes, num_groups=G_LOCAL, group_offset=offset))
 
-    lhs, grad = ref.draw(rng, (m, k), jnp.float16), ref.draw(rng, (m, n), jnp.float16)
+    lhs, grad = checks.draw(rng, (m, k), jnp.float16), checks.draw(rng, (m, n), jnp.float16)
     rhs, rhs_window = draw_rhs(rng, G_WIN, k, n, jnp.float16, False), draw_rhs(rng, G_LOCAL, k, n, jnp.float16, True)
     for call in range(4):
         sizes = random_sizes(rng, G_WIN, m)
@@ -422,8 +426,8 @@ CLAMP_CASES = {
 def test_under_jit_out_of_range_sizes_and_offsets_are_clamped(case, seed, rng):
     sizes, g0 = CLAMP_CASES[case]
     sizes = np.array(sizes, np.int32)
-    lhs = ref.draw(rng, (M_EDGE, K_EDGE), jnp.float32)
-    rhs, grad = draw_rhs(rng, 4, K_EDGE, N_EDGE, jnp.float32, False), ref.draw(rng, (M_EDGE, N_EDGE), jnp.float32)
+    lhs = checks.draw(rng, (M_EDGE, K_EDGE), jnp.float32)
+    rhs, grad = draw_rhs(rng, 4, K_EDGE, N_EDGE, jnp.float32, False), checks.draw(rng, (M_EDGE, N_EDGE), jnp.float32)
 
     @jax.jit
     def fn(lhs, rhs, grad, sizes, offset):
@@ -438,8 +442,8 @@ def test_under_jit_out_of_range_sizes_and_offsets_are_clamped(case, seed, rng):
 
 def test_under_jit_without_offset_negative_and_overlong_sizes_are_clamped(seed, rng):
     sizes = np.array([7, -2, 30, 25, 0, 9], np.int32)  # ends at 7, 7, 37, 41 (cut), 41, 41
-    lhs = ref.draw(rng, (M_EDGE, K_EDGE), jnp.bfloat16)
-    rhs, grad = draw_rhs(rng, 6, K_EDGE, N_EDGE, jnp.bfloat16, True), ref.draw(rng, (M_EDGE, N_EDGE), jnp.bfloat16)
+    lhs = checks.draw(rng, (M_EDGE, K_EDGE), jnp.bfloat16)
+    rhs, grad = draw_rhs(rng, 6, K_EDGE, N_EDGE, jnp.bfloat16, True), checks.draw(rng, (M_EDGE, N_EDGE), jnp.bfloat16)
     out = jax.jit(lambda *a: grouped_gemm.ragged_dot(*a, rhs_transposed=True))(lhs, rhs, sizes)
     check_ragged_dot(out, lhs, rhs, sizes, rhs_transposed=True, context=f"{describe(sizes)}, seed={seed}")
     t = jax.jit(grouped_gemm.transposed_ragged_dot)(lhs, grad, sizes)
@@ -455,7 +459,7 @@ BATCH = 3
 def test_ragged_dot_under_vmap_over_lhs_equals_each_element(rhs_transposed, seed, rng):
     m, k, n, g = 70, 33, 40, 5
     sizes = random_sizes(rng, g, m)
-    lhs = ref.draw(rng, (BATCH, m, k), jnp.bfloat16)
+    lhs = checks.draw(rng, (BATCH, m, k), jnp.bfloat16)
     rhs = draw_rhs(rng, g, k, n, jnp.bfloat16, rhs_transposed)
     fn = lambda x: grouped_gemm.ragged_dot(x, rhs, sizes, rhs_transposed=rhs_transposed,  # noqa: E731
                                            preferred_element_type=jnp.float32)
@@ -476,7 +480,7 @@ def test_ragged_dot_under_vmap_over_lhs_and_group_sizes(seed, rng):
     m, k, n = 50, 16, 12
     sizes = np.stack([random_sizes(rng, G_WIN, m) for _ in range(BATCH)])
     offsets = np.array([[0], [4], [G_WIN - 1]], np.int32)
-    lhs = ref.draw(rng, (BATCH, m, k), jnp.float32)
+    lhs = checks.draw(rng, (BATCH, m, k), jnp.float32)
     rhs = draw_rhs(rng, G_LOCAL, k, n, jnp.float32, False)
     out = jax.vmap(lambda x, s, o: grouped_gemm.ragged_dot(x, rhs, s, group_offset=o))(lhs, sizes, offsets)
     for b in range(BATCH):
@@ -487,7 +491,7 @@ def test_ragged_dot_under_vmap_over_lhs_and_group_sizes(seed, rng):
 def test_transposed_ragged_dot_under_vmap_over_lhs(seed, rng):
     m, k, n, g = 70, 20, 24, 4
     sizes = random_sizes(rng, g, m)
-    lhs, rhs = ref.draw(rng, (BATCH, m, k), jnp.float16), ref.draw(rng, (m, n), jnp.float16)
+    lhs, rhs = checks.draw(rng, (BATCH, m, k), jnp.float16), checks.draw(rng, (m, n), jnp.float16)
     out = jax.vmap(lambda x: grouped_gemm.transposed_ragged_dot(x, rhs, sizes))(lhs)
     assert out.shape == (BATCH, g, k, n)
     for b in range(BATCH):
@@ -516,8 +520,8 @@ def test_ragged_dot_inside_shard_map_with_experts_sharded(rhs_transposed, seed, 
     # rows of its own groups (group_offset = shard index * 4); every other row is zero, so the
     # shards' outputs sum to the whole ragged_dot.
     m, k, n = 200, 64, 48
-    sizes = ref.sizes_with_empty_groups(rng, G_SHARDED, m - 5)
-    lhs = ref.draw(rng, (m, k), jnp.bfloat16)
+    sizes = checks.sizes_with_empty_groups(rng, G_SHARDED, m - 5)
+    lhs = checks.draw(rng, (m, k), jnp.bfloat16)
     rhs = draw_rhs(rng, G_SHARDED, k, n, jnp.bfloat16, rhs_transposed)
     mesh = expert_mesh()
 
@@ -544,8 +548,8 @@ def test_transposed_ragged_dot_inside_shard_map_with_experts_sharded(seed, rng):
     # The weight gradient of expert parallelism: each shard sums its 4 groups' outer products;
     # concatenated they are the whole transposed_ragged_dot.
     m, k, n = 200, 40, 56
-    sizes = ref.sizes_with_empty_groups(rng, G_SHARDED, m - 2)
-    lhs, rhs = ref.draw(rng, (m, k), jnp.float32), ref.draw(rng, (m, n), jnp.float32)
+    sizes = checks.sizes_with_empty_groups(rng, G_SHARDED, m - 2)
+    lhs, rhs = checks.draw(rng, (m, k), jnp.float32), checks.draw(rng, (m, n), jnp.float32)
 
     def per_shard(lhs, rhs, sizes):
         return grouped_gemm.transposed_ragged_dot(lhs, rhs, sizes, num_groups=G_PER_SHARD, group_offset=shard_offset())

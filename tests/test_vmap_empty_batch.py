@@ -14,9 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import moe_reference
-from oxmoe import grouped_gemm, permutation, router
-from oxmoe.moe import MoEConfig
+from oxmoe import grouped_gemm, permutation, reference, router
 
 T, E, K, H, N, G = 4, 8, 2, 6, 5, 3
 BATCHES = pytest.mark.parametrize("batch", [0, 2], ids=["empty_batch", "batch_of_2"])
@@ -64,25 +62,17 @@ def group_sizes(rng, *shape):
 
 # ----------------------------------------------------------------- plain-JAX formulas
 
-SOFTMAX_TOPK = MoEConfig(num_experts=E, topk=K, dtype=jnp.float32)
-
-
 def plain_topk(logits):
-    """(probs, routing_map): softmax over each token's top-k logits (moe_reference's router)."""
-    return moe_reference.route(logits, SOFTMAX_TOPK)
+    """(probs, routing_map): softmax over each token's top-k logits."""
+    return reference.router.topk(logits, K)
 
 
 def plain_aux_loss_scores(logits):
-    scores = jax.nn.softmax(logits, axis=-1)
-    _, index = jax.lax.top_k(scores, K)
-    return jax.nn.one_hot(index, E, dtype=jnp.int32).sum(-2) > 0, scores
+    return reference.router.aux_loss_scores(logits, K)
 
 
 AUX = dict(total_num_tokens=T, topk=K, coeff=0.1)
-
-
-def plain_aux_loss(probs, counts):
-    return AUX["coeff"] * E / (K * T * T) * jnp.sum(probs.sum(0) * counts)
+plain_aux_loss = functools.partial(reference.router.aux_loss, **AUX)
 
 
 def dispatch(x, routing_map):

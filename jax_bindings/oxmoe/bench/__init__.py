@@ -4,7 +4,8 @@
 
 :mod:`oxmoe.bench.timing` holds what every benchmark shares for timing (device
 work from Python, the copy ceiling, byte counts, random inputs);
-:mod:`oxmoe.bench.cases` a case, its check against plain JAX and running it;
+:mod:`oxmoe.bench.cases` a case, its check against plain JAX (:mod:`oxmoe.reference`,
+at the models' sizes of :mod:`oxmoe.model_shapes`) and running it;
 :mod:`oxmoe.bench.router`, :mod:`oxmoe.bench.permutation`,
 :mod:`oxmoe.bench.grouped_gemm` and :mod:`oxmoe.bench.moe` (the whole layer's
 training step, and expert parallelism where there are several devices) the

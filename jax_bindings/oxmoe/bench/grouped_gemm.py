@@ -59,9 +59,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxmoe import grouped_gemm
+from oxmoe import grouped_gemm, reference
 from oxmoe.bench import timing
 from oxmoe.bench.cases import CheckFailed, Family, OwnCasesReport, error_text, failure_text, format_tflops, format_us, rel_err, text_table
+from oxmoe.model_shapes import EXPERT_GEMMS, GemmShape
 
 DTYPE = jnp.dtype(jnp.bfloat16)
 #: The Dirichlet concentration of the group sizes, and the empty groups' share of the second draw.
@@ -79,31 +80,11 @@ FWD_PRIMITIVE, BWD_PRIMITIVE = "oxmoe_ragged_dot", "oxmoe_transposed_ragged_dot"
 JAX_PRIMITIVE, DENSE_PRIMITIVE = "ragged_dot_general", "dot_general"
 
 
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """One grouped GEMM: ``M`` rows in ``groups`` groups, ``[M, K] x [G, K, N]``."""
-
-    name: str
-    m: int
-    k: int
-    n: int
-    groups: int
-
-
-SHAPES = (
-    Shape("mixtral up", m=65536, k=1024, n=4096, groups=8),
-    Shape("qwen3_30b_a3b up", m=131072, k=2048, n=768, groups=128),
-    Shape("deepseek_v3 ep=8 up", m=32768, k=7168, n=2048, groups=32),
-    Shape("deepseek_v3 ep=8 down", m=32768, k=2048, n=7168, groups=32),
-)
+SHAPES = EXPERT_GEMMS
 #: The smoke run: the same groups, tiny M, K and N (multiples of 8, so that a GPU takes its
 #: tensor-core path), the shapes' proportions roughly kept.
-SMOKE_SHAPES = (
-    Shape("mixtral up", m=256, k=64, n=128, groups=8),
-    Shape("qwen3_30b_a3b up", m=256, k=64, n=24, groups=128),
-    Shape("deepseek_v3 ep=8 up", m=256, k=112, n=32, groups=32),
-    Shape("deepseek_v3 ep=8 down", m=256, k=32, n=112, groups=32),
-)
+SMOKE_SHAPES = tuple(dataclasses.replace(shape, m=256, k=k, n=n)
+                     for shape, (k, n) in zip(SHAPES, ((64, 128), (64, 24), (112, 32), (32, 112))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,31 +134,24 @@ def _oxmoe_drhs(lhs, dout, group_sizes):
     return grouped_gemm.transposed_ragged_dot(lhs, dout, group_sizes)
 
 
-#: ``jax.lax.ragged_dot`` with ``rhs [G, N, K]``: contract lhs's K with rhs's last dimension.
-_NK_DIMENSIONS = jax.lax.RaggedDotDimensionNumbers(
-    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
-
-
 def _jax_fwd(lhs, rhs, group_sizes):
-    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+    return reference.grouped_gemm.ragged_dot(lhs, rhs, group_sizes)
 
 
 def _jax_fwd_nk(lhs, rhs, group_sizes):
-    return jax.lax.ragged_dot_general(lhs, rhs, group_sizes, _NK_DIMENSIONS)
+    return reference.grouped_gemm.ragged_dot(lhs, rhs, group_sizes, rhs_transposed=True)
 
 
 def _jax_dlhs(dout, rhs, group_sizes):
     """d lhs of ``jax.lax.ragged_dot(lhs, rhs, gs)``: what ``jax.vjp`` applies to ``dout``."""
     lhs = jax.ShapeDtypeStruct((dout.shape[0], rhs.shape[1]), dout.dtype)
-    (grad,) = jax.linear_transpose(lambda x: jax.lax.ragged_dot(x, rhs, group_sizes), lhs)(dout)
+    (grad,) = jax.linear_transpose(lambda x: reference.grouped_gemm.ragged_dot(x, rhs, group_sizes), lhs)(dout)
     return grad
 
 
 def _jax_drhs(lhs, dout, group_sizes):
     """d rhs of ``jax.lax.ragged_dot(lhs, rhs, gs)``: what ``jax.vjp`` applies to ``dout``."""
-    rhs = jax.ShapeDtypeStruct((group_sizes.shape[0], lhs.shape[1], dout.shape[1]), lhs.dtype)
-    (grad,) = jax.linear_transpose(lambda w: jax.lax.ragged_dot(lhs, w, group_sizes), rhs)(dout)
-    return grad
+    return reference.grouped_gemm.transposed_ragged_dot(lhs, dout, group_sizes)
 
 
 def _dense(a, b):
@@ -291,9 +265,9 @@ class Product:
 
     name: str
     """The case name's last part."""
-    operands: Callable[[Shape], tuple[tuple[int, ...], tuple[int, ...]]]
+    operands: Callable[[GemmShape], tuple[tuple[int, ...], tuple[int, ...]]]
     """The shapes of the two arrays it multiplies (group sizes come third)."""
-    output: Callable[[Shape], tuple[int, ...]]
+    output: Callable[[GemmShape], tuple[int, ...]]
     oxmoe: Callable
     jax: Callable
     primitive: str
@@ -360,7 +334,7 @@ def _nbytes(*shapes) -> int:
 class GemmCase:
     """One grouped product at one shape and one draw of the group sizes."""
 
-    shape: Shape
+    shape: GemmShape
     draw: Draw
     product: Product
 
@@ -500,9 +474,9 @@ class DenseTimes:
     """The dense GEMMs of a run, each timed once (per shape and product) on its own input sets."""
 
     def __init__(self):
-        self._done: dict[tuple[Shape, str], Dense] = {}
+        self._done: dict[tuple[GemmShape, str], Dense] = {}
 
-    def get(self, shape: Shape, key: str, settings: timing.Settings, seed: int = 0) -> Dense:
+    def get(self, shape: GemmShape, key: str, settings: timing.Settings, seed: int = 0) -> Dense:
         if (shape, key) not in self._done:
             a_shape, b_shape = DENSE[key](shape)
             set_bytes = _nbytes(a_shape, b_shape) + 2 * _nbytes((a_shape[0], b_shape[1]))

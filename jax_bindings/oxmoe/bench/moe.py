@@ -23,8 +23,8 @@ activation and the permutations are not counted. Each case times, on the default
   the down projection) as dense bf16 ``jnp.dot`` of the same shapes, each timed as the
   grouped GEMM family times its dense GEMMs (:class:`oxmoe.bench.grouped_gemm.DenseTimes`);
   dense TFLOP/s = the step's FLOPs / the sum of the six times;
-- one device: the step of :func:`plain_moe`, the layer in plain JAX as MaxText writes it
-  (``jax.lax.top_k`` routing, the token copies sorted by expert with ``argsort``,
+- one device: the step of :func:`oxmoe.reference.moe.moe`, the layer in plain JAX as
+  MaxText writes it (``jax.lax.top_k`` routing, the token copies sorted by expert with ``argsort``,
   ``jax.lax.ragged_dot`` for the fused ``[E, H, 2F]`` up and the ``[E, F, H]`` down
   projection, unsorted with ``argsort`` and weight-summed), differentiated by JAX. If it
   runs out of device memory that is reported as ``OOM``, not as a failure; a slow one is
@@ -44,13 +44,13 @@ ceiling's TFLOP/s (about :data:`MIN_SPEEDUP` x the plain-JAX layer, which the go
 counts too). The EP case reports its share of the dense ceiling without a goal: its step
 includes the exchanges.
 
-Before anything is timed, oxmoe's step is checked against :func:`plain_moe`'s: ``y``, the
-load-balancing and z-losses, the tokens per expert and the gradients of ``x`` and every parameter
+Before anything is timed, oxmoe's step is checked against
+:func:`oxmoe.reference.moe.moe`'s: ``y``, the load-balancing and z-losses, the tokens per expert and the gradients of ``x`` and every parameter
 (:func:`compare`; a disagreement past :func:`limits_of` fails the case, which is then not
 timed). One device: on every input set at full size, or, if plain JAX fails there (out of
 memory, as XLA's dense lowering of jax.lax.ragged_dot may at Qwen3's 128 experts), at a
 small sample of fresh tokens (:func:`sample_tokens`). The EP case: at such a sample, against
-:func:`plain_moe` on one device with all the experts. The timed functions' jaxprs
+:func:`oxmoe.reference.moe.moe` on one device with all the experts. The timed functions' jaxprs
 are checked too: oxmoe's step holds oxmoe's grouped GEMMs and no ``ragged_dot_general``;
 plain JAX's holds ``ragged_dot_general`` and no oxmoe primitive.
 """
@@ -68,12 +68,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oxmoe import moe, permutation, router
+from oxmoe import moe, permutation, reference, router
 from oxmoe.bench import grouped_gemm, timing
 from oxmoe.bench.cases import CheckFailed, Family, OwnCasesReport, failure_text, format_tflops, format_us, rel_err, text_table
-from oxmoe.bench.grouped_gemm import OOM, DenseTimes, Shape
-from oxmoe.bench.router import plain_top_experts
-from oxmoe.model_shapes import DEEPSEEK_V3, MIXTRAL, QWEN3_MOE, RouterConfig
+from oxmoe.bench.grouped_gemm import OOM, DenseTimes
+from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER, GemmShape, LayerShape
 
 DTYPE = jnp.dtype(jnp.bfloat16)
 F32 = jnp.float32
@@ -110,9 +109,9 @@ JAX_PRIMITIVE = "ragged_dot_general"
 OXMOE_PRIMITIVES = ("oxmoe_ragged_dot", "oxmoe_transposed_ragged_dot")
 
 
-def _config(model: RouterConfig, **changes) -> moe.MoEConfig:
-    return model.moe_config(**{**dict(aux_loss_coeff=AUX_LOSS_COEFF, z_loss_coeff=Z_LOSS_COEFF,
-                                      activation="swiglu", dtype=DTYPE), **changes})
+def _config(model: LayerShape) -> moe.MoEConfig:
+    return moe.MoEConfig(**model.router.moe_kwargs(), aux_loss_coeff=AUX_LOSS_COEFF, z_loss_coeff=Z_LOSS_COEFF,
+                         activation="swiglu", dtype=DTYPE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,11 +145,11 @@ class Layer:
         """The expert GEMMs of a step on one device: forward, d lhs and d rhs of up and down."""
         return 3 * (2 * self.rows * self.hidden * self.up_width + 2 * self.rows * self.ffn * self.hidden)
 
-    def gemms(self) -> tuple[Shape, Shape]:
+    def gemms(self) -> tuple[GemmShape, GemmShape]:
         """The up and down projections of a device as grouped GEMMs (for the dense ceiling)."""
         e = self.local_experts
-        return (Shape(f"{self.name} up", m=self.rows, k=self.hidden, n=self.up_width, groups=e),
-                Shape(f"{self.name} down", m=self.rows, k=self.ffn, n=self.hidden, groups=e))
+        return (GemmShape(f"{self.name} up", m=self.rows, k=self.hidden, n=self.up_width, groups=e),
+                GemmShape(f"{self.name} down", m=self.rows, k=self.ffn, n=self.hidden, groups=e))
 
     def param_bytes(self) -> int:
         """A device's parameters at their dtypes."""
@@ -186,68 +185,28 @@ class Layer:
                     exchange=c.exchange if self.devices > 1 else None, rows_per_device=self.rows)
 
 
+def _layer(model: LayerShape, *, devices: int = 1, **sizes) -> Layer:
+    """``model``'s layer on ``devices`` devices of expert parallelism, at its sizes or at those of
+    ``sizes`` (``tokens``, ``hidden``, ``ffn``) where given."""
+    sizes = {**dict(tokens=model.tokens, hidden=model.hidden, ffn=model.ffn), **sizes}
+    name = model.name + (f" ep={devices}" if devices > 1 else "")
+    return Layer(name, **sizes, config=_config(model), devices=devices)
+
+
+#: Tokens per device of the expert-parallel DeepSeek-V3 cases.
+EP_TOKENS = 8192
 LAYERS = (
-    Layer("mixtral", tokens=32768, hidden=1024, ffn=4096, config=_config(MIXTRAL)),
-    Layer("qwen3_30b_a3b", tokens=16384, hidden=2048, ffn=768, config=_config(QWEN3_MOE)),
-    Layer("deepseek_v3 ep=2", tokens=8192, hidden=7168, ffn=2048, config=_config(DEEPSEEK_V3), devices=2),
-    Layer("deepseek_v3 ep=4", tokens=8192, hidden=7168, ffn=2048, config=_config(DEEPSEEK_V3), devices=4),
+    _layer(MIXTRAL_LAYER),
+    _layer(QWEN3_30B_A3B_LAYER),
+    _layer(DEEPSEEK_V3_LAYER, devices=2, tokens=EP_TOKENS),
+    _layer(DEEPSEEK_V3_LAYER, devices=4, tokens=EP_TOKENS),
 )
 #: The smoke run: the same routing (experts, top-k, groups), tiny T, H and F (multiples of 8).
 SMOKE_LAYERS = (
-    Layer("mixtral", tokens=256, hidden=64, ffn=128, config=_config(MIXTRAL)),
-    Layer("qwen3_30b_a3b", tokens=64, hidden=64, ffn=32, config=_config(QWEN3_MOE)),
-    Layer("deepseek_v3 ep=4", tokens=64, hidden=64, ffn=32, config=_config(DEEPSEEK_V3), devices=4),
+    _layer(MIXTRAL_LAYER, tokens=256, hidden=64, ffn=128),
+    _layer(QWEN3_30B_A3B_LAYER, tokens=64, hidden=64, ffn=32),
+    _layer(DEEPSEEK_V3_LAYER, devices=4, tokens=64, hidden=64, ffn=32),
 )
-
-
-# -- the layer in plain JAX ---------------------------------------------------------
-
-def _load_balancing_loss(logits, config: moe.MoEConfig):
-    """``coeff * E / (k T^2) * sum_e P_e f_e`` over the plain top-k of the scores (no groups, no bias)."""
-    t, e = logits.shape
-    if config.score_function == "softmax":
-        scores = jax.nn.softmax(logits, axis=-1)
-    else:
-        scores = jax.nn.sigmoid(logits)
-        scores = scores / scores.sum(-1, keepdims=True)
-    _, chosen = jax.lax.top_k(scores, config.topk)
-    counts = jnp.bincount(chosen.reshape(-1), length=e).astype(F32)
-    scale = config.aux_loss_coeff * e / (config.topk * float(t) ** 2)
-    return scale * jnp.sum(scores.sum(0) * counts)
-
-
-def _z_loss(logits, config: moe.MoEConfig):
-    return config.z_loss_coeff * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
-
-
-def _swiglu(u):
-    """``silu(gate half) * up half`` in float32, rounded to the compute dtype."""
-    f = u.shape[-1] // 2
-    u = u.astype(F32)
-    return (jax.nn.silu(u[:, :f]) * u[:, f:]).astype(DTYPE)
-
-
-def plain_moe(x, params: moe.MoEParams, config: moe.MoEConfig):
-    """:func:`oxmoe.moe.moe` on one device in plain JAX, as MaxText writes it: ``(y, MoEAux)``."""
-    if config.activation != "swiglu":
-        raise ValueError(f"plain_moe implements activation='swiglu' only, got {config.activation!r}")
-    h, e, k = x.shape[-1], config.num_experts, config.topk
-    xs = x.reshape(-1, h).astype(DTYPE)
-    t = xs.shape[0]
-    logits = jnp.dot(xs, params.gate.astype(DTYPE), preferred_element_type=F32)
-    weights, experts = plain_top_experts(logits, params.expert_bias if config.use_expert_bias else None, config)
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat)  # the token copies grouped by expert
-    group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
-    rows = jnp.take(xs, order // k, axis=0)
-    hidden = _swiglu(jax.lax.ragged_dot(rows, params.up.astype(DTYPE), group_sizes))
-    out = jax.lax.ragged_dot(hidden, params.down.astype(DTYPE), group_sizes)
-    out = jnp.take(out, jnp.argsort(order), axis=0).reshape(t, k, h)
-    # An elementwise sum, not an einsum: a float32 dot could run in TF32 on a GPU.
-    y = (out.astype(F32) * weights[..., None]).sum(1).astype(DTYPE)
-    aux = moe.MoEAux(load_balancing_loss=_load_balancing_loss(logits, config), z_loss=_z_loss(logits, config),
-                     tokens_per_expert=group_sizes)
-    return y.reshape(x.shape), aux
 
 
 # -- the steps ------------------------------------------------------------------------
@@ -281,7 +240,7 @@ def oxmoe_ep_layer(config: moe.MoEConfig, mesh: Mesh) -> Callable:
 
 
 def plain_layer(config: moe.MoEConfig) -> Callable:
-    return lambda x, params: plain_moe(x, params, config)
+    return lambda x, params: reference.moe.moe(x, params, config)
 
 
 def ep_routing(config: moe.MoEConfig, mesh: Mesh) -> Callable:
@@ -426,8 +385,8 @@ def sample_tokens(layer: Layer) -> int:
 
 
 def check_at_sample(ox_layer: Callable, layer: Layer, place: Placement, params: moe.MoEParams, seed: tuple):
-    """oxmoe's step against :func:`plain_moe`'s on one device, at a sample of fresh tokens
-    (:func:`sample_tokens` per device) with ``params``: ``(sample tokens, errors)``."""
+    """oxmoe's step against :func:`oxmoe.reference.moe.moe`'s on one device, at a sample of
+    fresh tokens (:func:`sample_tokens` per device) with ``params``: ``(sample tokens, errors)``."""
     tokens = sample_tokens(layer)
     x, w = draw_tokens(layer, place, (*seed, CHECK_SET), tokens)
     ox = jax.jit(step(ox_layer))(x, params, w)

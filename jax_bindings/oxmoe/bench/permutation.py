@@ -20,10 +20,10 @@ Cases (T tokens, H hidden, E experts, top-k routing; bf16 tokens, float32 probs)
 Models: DeepSeek-V3 (T=32768, H=7168, E=256, k=8) and Mixtral (T=32768, H=1024,
 E=8, k=2). The smoke run takes T=256 and H=128.
 
-Plain JAX is the formulation a JAX user writes (MaxText's ``permute`` /
-``unpermute``), written independently of oxmoe: it takes the routing as the
-top-k expert ids ``[T, k]`` and weights ``[T, k]`` that ``lax.top_k`` gives,
-flattens the ids, sorts them stably (``argsort``), gathers the token rows
+Plain JAX is :mod:`oxmoe.reference.permutation`, the formulation a JAX user
+writes (MaxText's ``permute`` / ``unpermute``), written independently of oxmoe: it
+takes the routing as the top-k expert ids ``[T, k]`` and weights ``[T, k]`` that
+``lax.top_k`` gives, flattens the ids, sorts them stably (``argsort``), gathers the token rows
 (``x[sorted_token_ids]``); with ``align_size`` it computes each expert's padded
 offset and scatters the sorted rows into a zero buffer. Its combine gathers the
 rows back through the inverse permutation (computed by the dispatch, as oxmoe's
@@ -50,11 +50,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe import permutation as perm
+from oxmoe import reference
 from oxmoe.bench import timing
 from oxmoe.bench.cases import Case, Family, Goals, Inputs, apply_vjp, apply_vjp_all, rel_err
+from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, MIXTRAL_LAYER, LayerShape
 
-#: Tokens per case in the full run, and in the smoke run.
-TOKENS, SMOKE_TOKENS = 32768, 256
+#: Tokens per case in the full run (the models' step: DeepSeek-V3's, as many as Mixtral's), and in the
+#: smoke run.
+TOKENS, SMOKE_TOKENS = DEEPSEEK_V3_LAYER.tokens, 256
 #: Hidden size of the smoke run (at most): DeepSeek-V3's align=128 dispatch has R=34560 rows at T=256.
 SMOKE_HIDDEN = 128
 #: The padding of the aligned cases (a grouped GEMM's tile).
@@ -77,90 +80,10 @@ GOALS = Goals(max_x_floor=1 / MIN_FRACTION_OF_COPY, min_speedup=MIN_SPEEDUP,
 MAX_REL_ERR = {jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float32): 1e-4}
 
 
-@dataclasses.dataclass(frozen=True)
-class Model:
-    name: str
-    hidden: int
-    num_experts: int
-    topk: int
-
-
-DEEPSEEK_V3 = Model("deepseek_v3", hidden=7168, num_experts=256, topk=8)
-MIXTRAL = Model("mixtral", hidden=1024, num_experts=8, topk=2)
-MODELS = (DEEPSEEK_V3, MIXTRAL)
+MODELS = (DEEPSEEK_V3_LAYER, MIXTRAL_LAYER)
 
 DTYPE = jnp.dtype(jnp.bfloat16)
 PROBS_DTYPE = jnp.dtype(jnp.float32)
-
-
-# -- plain JAX ------------------------------------------------------------------
-
-def plain_routing(topk_ids, num_experts: int, align_size: int | None):
-    """The expert-major layout of a top-k routing, MaxText's way.
-
-    Returns ``order [N]`` (the flat ``t * k + j`` of each sorted position: argsort of
-    the flattened ids, stable, so tokens increase within an expert), ``rows [N]`` (the
-    output row of each sorted position), ``dest [T, k]`` (the output row of each
-    (token, choice): the inverse permutation), ``counts [E]`` and padded ``counts [E]``.
-    """
-    t, k = topk_ids.shape
-    flat = topk_ids.reshape(-1)
-    order = jnp.argsort(flat, stable=True)
-    counts = jnp.bincount(flat, length=num_experts).astype(jnp.int32)
-    if align_size is None:
-        padded = counts
-        rows = jnp.arange(t * k, dtype=jnp.int32)
-    else:
-        padded = (counts + align_size - 1) // align_size * align_size
-        offsets = jnp.cumsum(padded) - padded
-        starts = jnp.cumsum(counts) - counts
-        sorted_experts = flat[order]
-        rows = offsets[sorted_experts] + jnp.arange(t * k, dtype=jnp.int32) - starts[sorted_experts]
-    dest = jnp.zeros(t * k, jnp.int32).at[order].set(rows, unique_indices=True).reshape(t, k)
-    return order, rows, dest, counts, padded
-
-
-def plain_dispatch(tokens, topk_ids, weights, num_experts: int, align_size: int | None, num_rows: int):
-    """``(tokens [R, H], probs [R], dest [T, k], counts [E], padded counts [E])``."""
-    k = topk_ids.shape[1]
-    order, rows, dest, counts, padded = plain_routing(topk_ids, num_experts, align_size)
-    sorted_tokens = tokens[order // k]
-    sorted_probs = weights.reshape(-1)[order]
-    if align_size is not None:
-        def scatter(x):
-            buffer = jnp.zeros((num_rows, *x.shape[1:]), x.dtype)
-            return buffer.at[rows].set(x, unique_indices=True, indices_are_sorted=True)
-        sorted_tokens, sorted_probs = scatter(sorted_tokens), scatter(sorted_probs)
-    return sorted_tokens, sorted_probs, dest, counts, padded
-
-
-def plain_combine(expert_tokens, dest, weights):
-    """``out[t] = sum_j weights[t, j] * expert_tokens[dest[t, j]]`` in float32, as MaxText's unpermute."""
-    t, k = dest.shape
-    gathered = expert_tokens[dest.reshape(-1)].reshape(t, k, -1)
-    out = jnp.einsum("tkh,tk->th", gathered.astype(jnp.float32), weights.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
-    return out.astype(expert_tokens.dtype)
-
-
-def plain_sort_chunks(tokens, split_sizes, sorted_indices):
-    """Chunks of rows reordered by ``sorted_indices``: one gather, its row indices computed
-    from the chunk sizes (a binary search of each row in the output chunks' ends); rows past
-    the chunks' total are zero."""
-    n, c = tokens.shape[0], split_sizes.shape[0]
-    sizes = jnp.maximum(split_sizes, 0)
-    starts = jnp.cumsum(sizes) - sizes
-    out_sizes = sizes[sorted_indices]
-    out_starts = jnp.cumsum(out_sizes) - out_sizes
-    row = jnp.arange(n)
-    chunk = jnp.minimum(jnp.searchsorted(out_starts + out_sizes, row, side="right"), c - 1)
-    valid = row < out_sizes.sum()
-    source = jnp.where(valid, starts[sorted_indices[chunk]] + row - out_starts[chunk], 0)
-    # The row indices are computed once: without the barrier XLA fuses their computation into
-    # the gather and redoes it for every element (on an H200 at 32768 x 7168 bf16: 5.0 ms
-    # instead of 0.41 ms; jnp.repeat in place of searchsorted is no faster).
-    source = jax.lax.optimization_barrier(source)
-    return jnp.where(valid[:, None], tokens[source], 0).astype(tokens.dtype)
 
 
 # -- comparisons (on the device, one input set at a time) -----------------------
@@ -193,8 +116,8 @@ def _compare_dispatch_fwd(ox, plain, topk_ids):
     row_map = ox.row_id_map
     source = jnp.full(row_map.source_tokens.shape, -1, jnp.int32).at[dest.reshape(-1)].set(
         jnp.repeat(jnp.arange(t, dtype=jnp.int32), k))
-    counts_differing = (_count(ox.tokens_per_expert != padded)
-                        + _count(ox.real_tokens_per_expert != counts))
+    counts_differing = (_count(ox.group_sizes != padded)
+                        + _count(ox.tokens_per_expert != counts))
     if ox.pad_offsets is not None:
         pad_offsets = (jnp.cumsum(padded) - padded) - (jnp.cumsum(counts) - counts)
         counts_differing += _count(ox.pad_offsets != pad_offsets)
@@ -243,7 +166,7 @@ def _compare_rows(ox, plain, context):
 class Shape:
     """One case's sizes: a model's experts and top-k at ``tokens`` x ``hidden``."""
 
-    model: Model
+    model: LayerShape
     tokens: int
     hidden: int
     align_size: int | None
@@ -288,7 +211,8 @@ def _dispatch_fn(shape: Shape):
 
 def _plain_dispatch_fn(shape: Shape):
     def dispatch(tokens, topk_ids, weights):
-        return plain_dispatch(tokens, topk_ids, weights, shape.model.num_experts, shape.align_size, shape.num_rows)
+        return reference.permutation.dispatch(tokens, topk_ids, weights, shape.model.num_experts, shape.align_size,
+                                              shape.num_rows)
     return dispatch
 
 
@@ -319,7 +243,7 @@ def _row_id_map(routing_map, *, shape: Shape):
 
 @functools.partial(jax.jit, static_argnames=("shape",))
 def _plain_dest(topk_ids, *, shape: Shape):
-    return plain_routing(topk_ids, shape.model.num_experts, shape.align_size)[2]
+    return reference.permutation.expert_major_layout(topk_ids, shape.model.num_experts, shape.align_size)[2]
 
 
 @jax.jit
@@ -329,7 +253,7 @@ def _ox_combine(expert_tokens, probs, row_id_map):
 
 @jax.jit
 def _plain_combine(expert_tokens, weights, dest):
-    return plain_combine(expert_tokens, dest, weights)
+    return reference.permutation.combine(expert_tokens, dest, weights)
 
 
 @jax.jit
@@ -339,14 +263,14 @@ def _ox_sort_chunks(tokens, split_sizes, sorted_indices):
 
 @jax.jit
 def _plain_sort_chunks(tokens, split_sizes, sorted_indices):
-    return plain_sort_chunks(tokens, split_sizes, sorted_indices)
+    return reference.permutation.sort_chunks(tokens, split_sizes, sorted_indices)
 
 
 def _dispatch_fwd_bytes(s: Shape) -> int:
     """Reads tokens ``T*H*d``, the routing map ``T*E`` (bool) and probs ``T*E*4``; writes every
     row of the output ``R*H*d`` (padding and unused rows too), its probs ``R*4``, the row id
-    map (``dest_rows`` ``T*E*4``, ``source_tokens`` ``R*4``) and the counts (tokens_per_expert,
-    real_tokens_per_expert, and pad_offsets with align_size: ``E*4`` each)."""
+    map (``dest_rows`` ``T*E*4``, ``source_tokens`` ``R*4``) and the counts (group_sizes,
+    tokens_per_expert, and pad_offsets with align_size: ``E*4`` each)."""
     t, h, e, r, d = s.tokens, s.hidden, s.model.num_experts, s.num_rows, DTYPE.itemsize
     num_counts = 2 if s.align_size is None else 3
     return t * h * d + t * e + t * e * 4 + r * h * d + r * 4 + t * e * 4 + r * 4 + num_counts * e * 4
@@ -430,7 +354,7 @@ def combine_fwd_case(s: Shape) -> Case:
         name=s.name("combine", "fwd"), bytes=_combine_fwd_bytes(s),
         draw=lambda random: _combine_inputs(random, s), prepare=prepare, jit_prepare=False,
         oxmoe=lambda et, row_id_map, probs: perm.combine(et, row_id_map, merging_probs=probs),
-        plain=plain_combine,
+        plain=reference.permutation.combine,
         compare=_compare_combine_fwd, limits=dict(out_rel_err=MAX_REL_ERR[DTYPE]),
         primitive="oxmoe_combine_fwd", excluded=("oxmoe_dispatch_fwd",),
         info=s.info("combine", "fwd"))
@@ -462,7 +386,7 @@ class ChunkShape:
     """sort_chunks after an expert-parallel all-to-all: ``rows`` rows of ``hidden`` in
     ``EP_RANKS`` x ``local_experts`` chunks, source-major; sorted expert-major."""
 
-    model: Model
+    model: LayerShape
     rows: int
     hidden: int
 
@@ -503,7 +427,7 @@ def _sort_draw(s: ChunkShape):
 def sort_fwd_case(s: ChunkShape) -> Case:
     return Case(
         name=s.name("fwd"), bytes=_sort_bytes(s), draw=_sort_draw(s), prepare=None,
-        oxmoe=perm.sort_chunks, plain=plain_sort_chunks,
+        oxmoe=perm.sort_chunks, plain=reference.permutation.sort_chunks,
         compare=_compare_rows, limits=dict(rows_differing=0),
         primitive="oxmoe_sort_chunks",
         # Plain JAX's sort_chunks is one gather: no kernel is 8x faster than that.
@@ -538,7 +462,7 @@ def cases(tokens: int, max_hidden: int | None = None) -> list[Case]:
         for align_size in (None, ALIGN):
             s = Shape(model, tokens, hidden, align_size)
             out += [dispatch_fwd_case(s), dispatch_bwd_case(s), combine_fwd_case(s), combine_bwd_case(s)]
-    model = DEEPSEEK_V3
+    model = DEEPSEEK_V3_LAYER
     chunks = ChunkShape(model, rows=tokens * model.topk // EP_RANKS,
                         hidden=model.hidden if max_hidden is None else min(model.hidden, max_hidden))
     return out + [sort_fwd_case(chunks), sort_bwd_case(chunks)]

@@ -8,10 +8,10 @@ Cases (T tokens, bf16 logits unless named f32):
 - ``aux_loss E=<E> <dtype> fwd|bwd``: :func:`oxmoe.router.aux_loss` on
   ``[T, E]`` probs and int32 token counts (the backward gives d probs).
 
-Each case also runs :func:`plain_topk`, :func:`plain_aux_loss_scores` or
-:func:`plain_aux_loss`: the same semantics in plain JAX (float32 arithmetic,
-``lax.top_k``, scatter), written independently of oxmoe; a backward is
-``jax.vjp`` of that forward. Before anything is timed the two are compared on
+Each case also runs :func:`oxmoe.reference.router.topk`,
+:func:`oxmoe.reference.router.aux_loss_scores` or :func:`oxmoe.reference.router.aux_loss`:
+the same semantics in plain JAX (float32 arithmetic, ``lax.top_k``, scatter), written
+independently of oxmoe; a backward is ``jax.vjp`` of that forward. Before anything is timed the two are compared on
 every input set of the case, and a case whose outputs disagree is reported as
 failed, not timed. A timed backward contains the backward only: its jit takes
 the ``jax.vjp`` function (the forward's residuals) and the cotangent, and its
@@ -23,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from oxmoe import router
+from oxmoe import reference, router
 from oxmoe.model_shapes import DEEPSEEK_V3, MIXTRAL, QWEN3_MOE, RouterConfig
 from oxmoe.bench import timing
 from oxmoe.bench.cases import Case, Family, Goals, Inputs, apply_vjp, rel_err
@@ -52,80 +52,6 @@ MAX_LOSS_REL_ERR = 1e-3
 
 
 MODELS = (DEEPSEEK_V3, QWEN3_MOE, MIXTRAL)
-
-
-# -- plain JAX ----------------------------------------------------------------
-
-def _scatter_rows(shape, indices, values, dtype):
-    """A ``shape`` array of zeros with ``values [T, k]`` at ``indices [T, k]`` of each row."""
-    rows = jnp.arange(shape[0])[:, None]
-    return jnp.zeros(shape, dtype).at[rows, indices].set(values.astype(dtype))
-
-
-def _best_groups_only(selection, num_groups: int, group_topk: int, topk: int):
-    """``selection [T, E]`` with -inf outside each token's ``group_topk`` best groups;
-    a group's score is the sum of its best ``topk // group_topk`` selection scores."""
-    t, e = selection.shape
-    grouped = selection.reshape(t, num_groups, e // num_groups)
-    group_scores = jax.lax.top_k(grouped, topk // group_topk)[0].sum(-1)
-    _, best = jax.lax.top_k(group_scores, group_topk)  # ties: the lower group
-    keep = _scatter_rows((t, num_groups), best, jnp.ones_like(best), jnp.bool_)
-    return jnp.where(keep[:, :, None], grouped, -jnp.inf).reshape(t, e)
-
-
-def plain_top_experts(logits, expert_bias, config: RouterConfig):
-    """The choice of :func:`oxmoe.router.topk` in plain JAX: ``(weights [T, k] float32,
-    experts [T, k])``, differentiable in ``logits`` (the choice itself is not). ``config``
-    is any object with the routing fields of :class:`RouterConfig` (e.g. a ``MoEConfig``)."""
-    x = logits.astype(jnp.float32)
-    if config.score_function == "sigmoid":
-        scores = jax.nn.sigmoid(x)
-        selection = scores if expert_bias is None else scores + expert_bias
-    elif config.use_pre_softmax:
-        scores = selection = jax.nn.softmax(x, axis=-1)
-    else:
-        scores, selection = None, x
-    if config.num_groups is not None:
-        selection = _best_groups_only(selection, config.num_groups, config.group_topk, config.topk)
-    _, chosen = jax.lax.top_k(selection, config.topk)  # ties: the lower expert
-    if config.score_function == "sigmoid":
-        weights = jnp.take_along_axis(scores, chosen, axis=-1)
-        if config.topk > 1:
-            weights = weights / weights.sum(-1, keepdims=True)
-    elif config.use_pre_softmax:
-        weights = jnp.take_along_axis(scores, chosen, axis=-1)
-    else:
-        weights = jax.nn.softmax(jnp.take_along_axis(x, chosen, axis=-1), axis=-1)
-    if config.scaling_factor is not None:
-        weights = weights * config.scaling_factor
-    return weights, chosen
-
-
-def plain_topk(logits, expert_bias, config: RouterConfig):
-    """:func:`oxmoe.router.topk` in plain JAX: ``(probs [T, E] logits' dtype, routing_map bool)``."""
-    weights, chosen = plain_top_experts(logits, expert_bias, config)
-    probs = _scatter_rows(logits.shape, chosen, weights, logits.dtype)
-    routing_map = _scatter_rows(logits.shape, chosen, jnp.ones_like(chosen), jnp.bool_)
-    return probs, routing_map
-
-
-def plain_aux_loss_scores(logits, topk: int, score_function: str):
-    """:func:`oxmoe.router.aux_loss_scores` in plain JAX: ``(routing_map bool, scores f32)``."""
-    x = logits.astype(jnp.float32)
-    if score_function == "softmax":
-        scores = jax.nn.softmax(x, axis=-1)
-    else:
-        scores = jax.nn.sigmoid(x)
-        scores = scores / scores.sum(-1, keepdims=True)
-    _, chosen = jax.lax.top_k(scores, topk)
-    return _scatter_rows(x.shape, chosen, jnp.ones_like(chosen), jnp.bool_), scores
-
-
-def plain_aux_loss(probs, tokens_per_expert, *, total_num_tokens: int, topk: int, coeff: float):
-    """:func:`oxmoe.router.aux_loss` in plain JAX: a float32 scalar."""
-    scale = coeff * probs.shape[-1] / (topk * float(total_num_tokens) ** 2)
-    per_expert = probs.astype(jnp.float32).sum(0)
-    return scale * jnp.sum(per_expert * tokens_per_expert.astype(jnp.float32))
 
 
 # -- comparisons (on the device, one input set at a time) -----------------------
@@ -184,7 +110,7 @@ def _oxmoe_topk(config: RouterConfig):
 
 
 def _plain_topk(config: RouterConfig):
-    return lambda logits, bias: plain_topk(logits, bias, config)
+    return lambda logits, bias: reference.router.topk(logits, config.topk, expert_bias=bias, **config.topk_kwargs())
 
 
 def _value_limit(what: str, dtype) -> dict[str, float]:
@@ -252,7 +178,7 @@ def scores_fwd_case(config: RouterConfig, tokens: int, dtype) -> Case:
         bytes=t * e * d + t * e * (1 + 4),  # logits -> routing map, f32 scores
         draw=draw, prepare=None,
         oxmoe=lambda x: router.aux_loss_scores(x, config.topk, score_function=config.score_function),
-        plain=lambda x: plain_aux_loss_scores(x, config.topk, config.score_function),
+        plain=lambda x: reference.router.aux_loss_scores(x, config.topk, score_function=config.score_function),
         compare=_compare_scores_fwd,
         limits=dict(routing_mismatch=MAX_ROUTING_MISMATCH, **_value_limit("scores", jnp.float32)),
         primitive="oxmoe_aux_loss_scores_fwd",
@@ -269,7 +195,8 @@ def scores_bwd_case(config: RouterConfig, tokens: int, dtype) -> Case:
         _, ox_vjp = jax.vjp(
             lambda x: router.aux_loss_scores(x, config.topk, score_function=config.score_function)[1], logits)
         _, plain_vjp = jax.vjp(
-            lambda x: plain_aux_loss_scores(x, config.topk, config.score_function)[1], logits)
+            lambda x: reference.router.aux_loss_scores(x, config.topk, score_function=config.score_function)[1],
+            logits)
         return Inputs((ox_vjp, grad_scores), (plain_vjp, grad_scores))
 
     return Case(
@@ -292,7 +219,7 @@ def _aux_loss_inputs(random: timing.RandomArrays, tokens: int, num_experts: int,
 def _aux_loss_fns(tokens: int):
     kwargs = dict(total_num_tokens=tokens, topk=AUX_LOSS_TOPK, coeff=AUX_LOSS_COEFF)
     return (lambda p, counts: router.aux_loss(p, counts, **kwargs),
-            lambda p, counts: plain_aux_loss(p, counts, **kwargs))
+            lambda p, counts: reference.router.aux_loss(p, counts, **kwargs))
 
 
 def aux_loss_fwd_case(num_experts: int, tokens: int, dtype) -> Case:
