@@ -9,6 +9,9 @@ import pathlib
 import subprocess
 import sys
 
+import oxmoe
+from oxmoe import _library
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TOOLS = ("rich", "matplotlib", "optax")
 MODULES = ("oxmoe", "oxmoe.reference", "oxmoe.reference.router", "oxmoe.reference.permutation",
@@ -20,8 +23,10 @@ def test_importing_oxmoe_and_its_references_loads_no_tool():
     code = (f"import importlib, sys\n"
             f"for name in {MODULES!r}: importlib.import_module(name)\n"
             f"print(' '.join(m for m in {TOOLS!r} if m in sys.modules))")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "jax_bindings"), env.get("PYTHONPATH")) if p)
+    # The package and library this process imported: from the source tree or installed.
+    env = dict(os.environ, OXMOE_LIBRARY=str(_library.library_path().resolve()))
+    package_root = str(pathlib.Path(oxmoe.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == [], f"importing {', '.join(MODULES)} loads {result.stdout.strip()}"
