@@ -68,11 +68,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oxmoe import moe, permutation, reference, router
+from oxmoe import moe, reference, router
 from oxmoe.bench import grouped_gemm, timing
 from oxmoe.bench.cases import CheckFailed, Family, OwnCasesReport, failure_text, format_tflops, format_us, rel_err, text_table
 from oxmoe.bench.grouped_gemm import OOM, DenseTimes
 from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER, GemmShape, LayerShape
+from oxmoe.moe.exchange import dispatch_rows
 
 DTYPE = jnp.dtype(jnp.bfloat16)
 F32 = jnp.float32
@@ -257,10 +258,8 @@ def ep_routing(config: moe.MoEConfig, mesh: Mesh) -> Callable:
 
 def exchange_capacity(layer: Layer) -> int:
     """The rows one device can send another, as :func:`oxmoe.moe.moe` sizes its receive buffer
-    (``devices`` slots of it): each token reaches at most ``min(k, El)`` of its experts."""
-    c = layer.config
-    return permutation.dispatched_rows(layer.tokens * min(c.topk, layer.local_experts), layer.local_experts,
-                                       c.align_size)
+    (``devices`` slots of it)."""
+    return dispatch_rows(layer.config, layer.tokens, layer.local_experts)
 
 
 def exchange_name(layer: Layer, method: str) -> str:
