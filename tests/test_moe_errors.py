@@ -172,11 +172,12 @@ def test_local_experts_that_do_not_match_the_expert_axis_inside_shard_map():
 
 # One token per shard and 2 experts per shard over 4 shards. The all_to_all exchange's receive
 # buffer (ragged_all_to_all's is the same, but a CPU mesh refuses that exchange) has 4 slots of
-# the 2 copies a shard sends padded to 2 * align_size rows; the ring dispatches the 4 gathered
-# tokens' 8 copies for 2 experts: 2 * align_size rows.
+# one token, whose 8 copies for the 2 local experts are dispatched in 2 * align_size rows; the
+# ring dispatches the 4 gathered tokens' 8 copies alike.
 # exchange: (align_size, pattern)
 PAST_INT32_ROWS = {
-    "all_to_all": (2**29, r"the exchange's receive buffer \(4 slots of 1073741824 rows\) would hold 4294967296 rows"),
+    "all_to_all": (2**30, r"the dispatch of the exchange's receive buffer \(4 slots of 1 tokens\) would hold "
+                          r"2147483648 rows"),
     "ring": (2**30, r"the dispatch of the expert axis's 4 gathered tokens would hold 2147483648 rows"),
 }
 

@@ -21,25 +21,34 @@ directions call the primitive level of :mod:`oxmoe.router` and
 :mod:`oxmoe.permutation`, so :func:`route`, :func:`dispatch` and
 :func:`combine` are not differentiable on their own: differentiate :func:`moe`.
 
-Token exchange between expert shards (``MoEConfig.exchange``):
+Token exchange between expert shards (``MoEConfig.exchange``;
+:mod:`oxmoe.moe.exchange`):
 
-- ``"ragged_all_to_all"``: each shard sends each other shard exactly the rows
-  of its experts (``jax.lax.ragged_all_to_all``), with sizes and offsets
-  computed on the device from every shard's per-expert counts; not on a CPU
-  mesh (refused when the layer is traced);
-- ``"all_to_all"``: the same rows in fixed-size slots (``jax.lax.all_to_all``),
-  which every platform has (XLA:CPU has no ragged collective);
-- ``"auto"`` (default): ``"all_to_all"``, the faster of the two wherever it
-  was measured: on two NVLink-connected H200s with jax 0.11.2, XLA's
-  ragged_all_to_all moved the DeepSeek-V3 rows of a device at 2.6 GB/s, the
-  dense all_to_all at 312 GB/s (``bench/profile_exchange.py``);
+- ``"all_to_all"``: each token goes once to each shard that owns any of its
+  experts, with its weights for that shard's experts, and is expanded into
+  its expert rows there; each shard sends back one row per token, its
+  experts' outputs already weighted and summed (so a token routed to several
+  experts of one shard crosses the wire once each way, and the returned sum
+  is rounded to ``dtype`` once more than on one device). The rows cross in
+  one ``jax.lax.all_to_all`` whose slot size is chosen on the device, from
+  every shard's counts, among static sizes at most 1.1x apart: the bytes on
+  the wire are those of the largest (source, destination) block, padded by
+  at most 10%, times the shards. Every platform has it;
+- ``"ragged_all_to_all"``: the same rows by ``jax.lax.ragged_all_to_all``,
+  each block alone; not on a CPU mesh (refused when the layer is traced).
+  On two NVLink-connected H200s with jax 0.11.2, XLA's ragged_all_to_all
+  moved rows at 2.6 GB/s, a dense all_to_all at 312 GB/s
+  (``bench/profile_exchange.py``), so ``"auto"`` never picks it;
 - ``"ring"``: no exchange of routed rows: every shard gathers all tokens of the
   expert axis, computes its own experts' share, and the partial outputs are
-  summed and scattered back (a reduce-scatter).
+  summed and scattered back (a reduce-scatter);
+- ``"auto"`` (default): ``"ring"`` or ``"all_to_all"``, whichever
+  :func:`oxmoe.moe.exchange.cost_model` says sends fewer bytes at the call's
+  shards, top-k, experts and hidden size (the ring on a tie).
 
-Both exchanges receive into a buffer sized for the worst case (every token of
-every shard routed to this shard's experts, plus alignment padding), so no
-token is ever dropped and the result does not depend on the exchange.
+The receive buffers are sized for the worst case (every token of every shard
+routed to this shard's experts, plus alignment padding), so no token is ever
+dropped and the result does not depend on the exchange beyond that rounding.
 """
 
 from oxmoe.moe.config import MoEAux, MoEConfig, MoEParams, init_params, update_expert_bias

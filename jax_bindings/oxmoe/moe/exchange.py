@@ -1,8 +1,20 @@
-"""The exchange of dispatched rows between expert shards: its plan, made on
-the device from every shard's counts, the two collectives that move the rows
-there and back, and the row buffers' sizes."""
+"""The exchange of tokens between expert shards: its plan, made on the device
+from every shard's counts, the collectives that move the rows there and back,
+the buffers' sizes, and the cost model behind ``exchange="auto"``.
+
+A token goes to each shard that owns any of its experts once, with its
+routing weights for that shard's experts beside it (DeepEP's layout), and is
+expanded into its expert rows on arrival; on the way back each shard returns
+one row per token: the weighted sum of its experts' outputs. So the rows on
+the wire are the (token, destination shard) pairs, not the (token, expert)
+copies, which with top-k routing are up to ``min(k, experts per shard)``
+times more.
+"""
 
 from __future__ import annotations
+
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -12,102 +24,169 @@ from oxmoe._checks import MAX_ROWS
 from oxmoe._primitive import _varying_axes
 from oxmoe.moe.config import Axes, MoEConfig, pytree_dataclass
 
+SLOT_STEP = 1.1
+"""Each slot size of the all_to_all is at most this factor above the next smaller one."""
 
-@pytree_dataclass(("send_sizes", "send_offsets", "recv_sizes", "return_offsets", "chunk_sizes", "group_sizes"),
-                  ("axis", "shards", "capacity", "method"))
+
+@pytree_dataclass(("token_rows", "send_sizes", "send_offsets", "recv_sizes", "return_offsets", "slot_choice"),
+                  ("axis", "shards", "slot_rows", "method"))
 class Exchange:
-    """How this shard's dispatched rows travel to the shards that own their
-    experts, and back. Made on the device by :func:`dispatch`.
+    """How this shard's tokens travel to the shards that own their experts,
+    and back. Made on the device by :func:`oxmoe.moe.dispatch`.
 
-    Rows for shard ``j`` are the contiguous block of its experts in the
-    expert-major dispatch layout. They land in ``j``'s receive buffer in slot
-    ``me`` of ``shards`` slots of ``capacity`` rows each, where a local chunk
-    sort groups them by local expert.
+    This shard's ``T`` tokens are first laid out one row per (token,
+    destination shard), shard-major (``token_rows``). Shard ``j``'s block of
+    rows lands in ``j``'s receive buffer of ``shards`` slots of ``T`` rows,
+    in slot ``me``; the rest of each slot is padding.
+
+    With ``method="all_to_all"`` the rows cross in one ``jax.lax.all_to_all``
+    of ``shards`` slots of ``slot_rows[slot_choice]`` rows: the smallest of
+    the static sizes ``slot_rows`` that holds the largest block any shard
+    sends any other, chosen on the device (``jax.lax.switch``) from every
+    shard's counts, so no token is dropped and the padding on the wire is at
+    most ``SLOT_STEP`` times the largest block. With
+    ``"ragged_all_to_all"`` each block crosses alone
+    (``jax.lax.ragged_all_to_all``).
     """
 
+    token_rows: permutation.RowIdMap
+    """This shard's tokens → one row per (token, destination shard)."""
     send_sizes: jax.Array
-    """``[n]`` int32: rows this shard sends to each shard."""
+    """``[n]`` int32: rows (tokens) this shard sends to each shard."""
     send_offsets: jax.Array
-    """``[n]`` int32: where those rows start in the dispatched rows."""
+    """``[n]`` int32: where those rows start in ``token_rows``' layout."""
     recv_sizes: jax.Array
     """``[n]`` int32: rows this shard receives from each shard."""
     return_offsets: jax.Array
-    """``[n]`` int32: where this shard's block starts in each shard's dispatched rows."""
-    chunk_sizes: jax.Array
-    """``[n * (El + 1)]`` int32: per slot, the rows of each local expert, then the unused rest."""
-    group_sizes: jax.Array
-    """``[El]`` int32: the received rows of each local expert (the grouped GEMM's sizes)."""
+    """``[n]`` int32: where this shard's block starts in each shard's layout."""
+    slot_choice: jax.Array
+    """int32 scalar: the index in ``slot_rows`` of the all_to_all's slot size."""
     axis: str
     """The ``shard_map`` axis the experts are split over."""
     shards: int
     """``n``, the size of that axis."""
-    capacity: int
-    """The rows of one slot: the most one shard can send another."""
+    slot_rows: tuple[int, ...]
+    """The slot sizes the all_to_all may use, ascending; the last is ``T``."""
     method: str
     """``"all_to_all"`` or ``"ragged_all_to_all"``: the collective that moves the rows."""
 
     @property
-    def local_experts(self) -> int:
-        """``El``, the experts this shard owns."""
-        return self.group_sizes.shape[0]
+    def tokens(self) -> int:
+        """``T``: this shard's tokens, the rows of one receive slot."""
+        return self.slot_rows[-1]
 
-    def _sorted_chunks(self):
-        """Chunk order by local expert, then by source slot; the unused rests last."""
-        n, el = self.shards, self.local_experts
-        order = [s * (el + 1) + e for e in range(el) for s in range(n)] + [s * (el + 1) + el for s in range(n)]
-        return jnp.asarray(order, jnp.int32)
+    def scatter_tokens(self, x):
+        """``[T, X]`` rows of this shard's tokens → ``[n * T, X]``: each token's
+        row in the receive buffer of every shard it is routed to (the
+        transpose of :meth:`gather_tokens`)."""
+        rows, _ = permutation.combine_bwd(x, None, self.token_rows)
+        (received,) = self.to_experts(rows)
+        return received
 
-    def to_experts(self, rows):
-        """``[R, H]`` dispatched rows → ``[n * capacity, H]`` rows of this shard's
-        experts, grouped by local expert, then zero rows."""
-        received = self._transfer(rows, back=False)
-        return permutation.permute_chunks(received, self.chunk_sizes, self._sorted_chunks(), inverse=False)
+    def gather_tokens(self, rows, weights=None):
+        """``[n * T, X]`` receive buffer rows → ``[T, X]``: each token's rows
+        back from every shard it went to, summed (in ``rows``' dtype).
 
-    def from_experts(self, rows, num_rows: int):
-        """The inverse of :meth:`to_experts`: ``[n * capacity, H]`` → ``[num_rows, H]``."""
-        slots = permutation.permute_chunks(rows, self.chunk_sizes, self._sorted_chunks(), inverse=True)
-        return self._transfer(slots, back=True, num_rows=num_rows)
+        With ``weights`` (``[n * T, El]`` per received row and local expert,
+        sent back in the same collective), also returns them as ``[T, n * El]``
+        for this shard's tokens and every expert, zero where a token did not
+        go to a shard."""
+        if weights is None:
+            (back,) = self.from_experts(rows)
+            return permutation.combine_fwd(back, self.token_rows)
+        back, back_weights = self.from_experts(rows, weights)
+        dest = self.token_rows.dest_rows  # [T, n]
+        zero_row = jnp.zeros((1, back_weights.shape[1]), back_weights.dtype)
+        picked = jnp.append(back_weights, zero_row, axis=0)[jnp.where(dest >= 0, dest, back_weights.shape[0])]
+        return permutation.combine_fwd(back, self.token_rows), picked.reshape(dest.shape[0], -1)
 
-    def _transfer(self, rows, *, back: bool, num_rows: int | None = None):
-        transfer = self._ragged if self.method == "ragged_all_to_all" else self._slotted
-        return transfer(rows, back=back, num_rows=num_rows)
+    def to_experts(self, *arrays, fills=None):
+        """``[R, X]`` arrays in ``token_rows``' layout → ``[n * T, X]``: slot
+        ``s`` holds what shard ``s`` sent, then its array's fill (``fills``,
+        default 0)."""
+        fills = fills or (0,) * len(arrays)
+        if self.method == "ragged_all_to_all":
+            me = jax.lax.axis_index(self.axis)
+            landing = jnp.full((self.shards,), me * self.tokens, jnp.int32)
+            return tuple(jax.lax.ragged_all_to_all(
+                rows, _varying_like(jnp.full((self.shards * self.tokens, rows.shape[1]), fill, rows.dtype), rows),
+                self.send_offsets, self.send_sizes, landing, self.recv_sizes, axis_name=self.axis)
+                for rows, fill in zip(arrays, fills))
 
-    def _ragged(self, rows, *, back: bool, num_rows):
-        me = jax.lax.axis_index(self.axis)
-        if not back:
-            out = jnp.zeros((self.shards * self.capacity, rows.shape[1]), rows.dtype)
-            offsets = jnp.full((self.shards,), me * self.capacity, jnp.int32)
-            args = (self.send_offsets, self.send_sizes, offsets, self.recv_sizes)
-        else:
-            out = jnp.zeros((num_rows, rows.shape[1]), rows.dtype)
-            slots = jnp.arange(self.shards, dtype=jnp.int32) * self.capacity
-            args = (slots, self.recv_sizes, self.return_offsets, self.send_sizes)
-        # The receive buffer starts as zeros that vary like the rows sent into it.
-        axes = tuple(_varying_axes(jax.typeof(rows)))
-        out = jax.lax.pcast(out, axes, to="varying") if axes else out
-        return jax.lax.ragged_all_to_all(rows, out, *args, axis_name=self.axis)
+        def send(size):
+            index = self.send_offsets[:, None] + jnp.arange(size, dtype=jnp.int32)
+            valid = (jnp.arange(size) < self.send_sizes[:, None])[..., None]
+            out = []
+            for rows, fill in zip(arrays, fills):
+                slots = jnp.where(valid, rows[jnp.clip(index, 0, rows.shape[0] - 1)], fill)
+                received = jax.lax.all_to_all(slots, self.axis, 0, 0)
+                padded = jnp.pad(received, ((0, 0), (0, self.tokens - size), (0, 0)), constant_values=fill)
+                out.append(padded.reshape(self.shards * self.tokens, rows.shape[1]))
+            return tuple(out)
 
-    def _slotted(self, rows, *, back: bool, num_rows):
-        n, cap, h = self.shards, self.capacity, rows.shape[1]
-        if not back:
-            index = self.send_offsets[:, None] + jnp.arange(cap, dtype=jnp.int32)
-            valid = jnp.arange(cap) < self.send_sizes[:, None]
-            slots = jnp.where(valid[..., None], rows[jnp.clip(index, 0, rows.shape[0] - 1)], 0)
-            return jax.lax.all_to_all(slots, self.axis, 0, 0).reshape(n * cap, h)
-        returned = jax.lax.all_to_all(rows.reshape(n, cap, h), self.axis, 0, 0).reshape(n * cap, h)
+        return self._switch(send)
+
+    def from_experts(self, *arrays):
+        """The inverse of :meth:`to_experts`: ``[n * T, X]`` arrays → ``[R, X]``
+        in ``token_rows``' layout, zero past the rows sent."""
+        num_rows = self.token_rows.source_tokens.shape[0]
+        if self.method == "ragged_all_to_all":
+            slots = jnp.arange(self.shards, dtype=jnp.int32) * self.tokens
+            return tuple(jax.lax.ragged_all_to_all(
+                rows, _varying_like(jnp.zeros((num_rows, rows.shape[1]), rows.dtype), rows),
+                slots, self.recv_sizes, self.return_offsets, self.send_sizes, axis_name=self.axis)
+                for rows in arrays)
+
+        def send_back(size):
+            return tuple(jnp.pad(jax.lax.all_to_all(rows.reshape(self.shards, self.tokens, -1)[:, :size],
+                                                    self.axis, 0, 0), ((0, 0), (0, self.tokens - size), (0, 0)))
+                         for rows in arrays)
+
         row = jnp.arange(num_rows, dtype=jnp.int32)
         ends = jnp.cumsum(self.send_sizes)
-        shard = jnp.minimum(jnp.searchsorted(ends, row, side="right"), n - 1).astype(jnp.int32)
-        index = shard * cap + row - self.send_offsets[shard]
-        return jnp.where((row < ends[-1])[:, None], returned[jnp.clip(index, 0, n * cap - 1)], 0)
+        shard = jnp.minimum(jnp.searchsorted(ends, row, side="right"), self.shards - 1).astype(jnp.int32)
+        index = jnp.clip(shard * self.tokens + row - self.send_offsets[shard], 0, self.shards * self.tokens - 1)
+        sent = (row < ends[-1])[:, None]
+        return tuple(jnp.where(sent, returned.reshape(self.shards * self.tokens, -1)[index], 0)
+                     for returned in self._switch(send_back))
+
+    def _switch(self, transfer):
+        """``transfer(size)`` for the chosen slot size; every shard chooses alike."""
+        if len(self.slot_rows) == 1:
+            return transfer(self.slot_rows[0])
+        return jax.lax.switch(self.slot_choice, [functools.partial(transfer, size) for size in self.slot_rows])
+
+
+def _varying_like(buffer, rows):
+    """``buffer`` typed as varying over the axes ``rows`` varies over (a
+    collective's output buffer must match its input)."""
+    axes = tuple(_varying_axes(jax.typeof(rows)))
+    return jax.lax.pcast(buffer, axes, to="varying") if axes else buffer
 
 
 def _exclusive_cumsum(x, axis=-1):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def exchange_method(config: MoEConfig, axes: Axes) -> str | None:
-    """The collective that moves the rows (``"ring"``: none); None without expert shards."""
+def slot_sizes(tokens: int, shards: int, topk: int) -> tuple[int, ...]:
+    """The slot sizes of an all_to_all exchange of ``tokens`` tokens per shard,
+    ascending: from ``tokens`` (every token to one shard) down by factors of
+    at most :data:`SLOT_STEP`, in multiples of 8 rows, to half the rows a
+    balanced load sends each shard (each token to ``min(topk, shards)``
+    shards). Below that, the smallest size is used."""
+    floor = max(1, math.ceil(tokens * min(topk, shards) / shards / 2))
+    sizes = [tokens]
+    while sizes[-1] > floor:
+        smaller = -(-math.ceil(sizes[-1] / SLOT_STEP) // 8) * 8
+        if smaller >= sizes[-1]:
+            break
+        sizes.append(smaller)
+    return tuple(reversed(sizes))
+
+
+def exchange_method(config: MoEConfig, axes: Axes, tokens: int, hidden: int) -> str | None:
+    """The exchange of a call (``"ring"``: gather every token instead); None
+    without expert shards. ``"auto"`` asks :func:`cost_model`."""
     if axes.expert_shards == 1:
         return None
     # Inside shard_map the mesh is abstract, but it knows its devices' platform.
@@ -115,32 +194,85 @@ def exchange_method(config: MoEConfig, axes: Axes) -> str | None:
     if config.exchange == "ragged_all_to_all" and getattr(device, "platform", None) == "cpu":
         raise ValueError("exchange 'ragged_all_to_all' is not implemented on CPU (XLA:CPU has no ragged all-to-all; "
                          "the layer would fail when it runs): use exchange 'auto', 'all_to_all' or 'ring' on a CPU mesh")
-    return "all_to_all" if config.exchange == "auto" else config.exchange
+    if config.exchange != "auto":
+        return config.exchange
+    costs = cost_model(config, axes.expert_shards, tokens, hidden)
+    return min(("ring", "all_to_all"), key=costs.__getitem__)  # ring first: it wins a tie
 
 
-def plan_exchange(group_sizes, config: MoEConfig, axes: Axes, num_tokens: int, method: str) -> Exchange:
-    """The :class:`Exchange` of a dispatch of ``num_tokens`` tokens whose
-    expert blocks hold ``group_sizes`` rows, from every shard's blocks."""
-    n, e = axes.expert_shards, config.num_experts
-    el = e // n
+def shards_per_token(config: MoEConfig, shards: int) -> float:
+    """The expected number of expert shards a token goes to when its ``k``
+    experts are a uniformly random choice (within ``group_topk`` of
+    ``num_groups`` groups for group-limited routing)."""
+    e, k, el = config.num_experts, config.topk, config.num_experts // shards
+    if config.num_groups and el % (e // config.num_groups) == 0:
+        # Whole groups per shard: the token's groups fall on at most group_topk shards.
+        groups_per_shard = el // (e // config.num_groups)
+        return shards * (1 - math.comb(config.num_groups - groups_per_shard, config.group_topk)
+                         / math.comb(config.num_groups, config.group_topk))
+    return shards * (1 - math.comb(e - el, k) / math.comb(e, k))
+
+
+def cost_model(config: MoEConfig, shards: int, tokens: int, hidden: int) -> dict[str, float]:
+    """The bytes one shard sends over its links in a training step (forward
+    and backward), for each exchange ``"auto"`` chooses from, with a balanced
+    load of uniformly random routing.
+
+    - ``"all_to_all"``: four exchanges of the (token, shard) pairs leaving
+      the shard (:func:`shards_per_token` per token, all but the ``1 / n``
+      that stay), each row padded by up to :data:`SLOT_STEP`, plus the
+      routing weights out and their gradients back (float32, ``E / n`` per row);
+    - ``"ring"``: all-gathers of the tokens and of the output's gradient,
+      reduce-scatters of the output and of the tokens' gradient, each
+      ``(n - 1) * T`` rows, and the weights' gather and their gradients'
+      reduce-scatter (float32, ``E`` per row).
+
+    The links' bandwidth is the same for both, so bytes decide; ``"auto"``
+    picks the fewer, and the ring on a tie (its collectives need no plan).
+    """
+    n, el = shards, config.num_experts // shards
+    row = hidden * config.dtype.itemsize
+    pairs = tokens * shards_per_token(config, n) * (n - 1) / n
+    routed = 4 * pairs * row * SLOT_STEP + 2 * pairs * el * 4
+    ring = 4 * (n - 1) * tokens * row + 2 * (n - 1) * tokens * config.num_experts * 4
+    return {"all_to_all": routed, "ring": ring}
+
+
+def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, method: str):
+    """Sends this shard's tokens to the shards of their experts.
+
+    Returns ``(exchange, rows, weights)``: the :class:`Exchange`, the ``[n * T,
+    H]`` received rows, and ``[n * T, El]`` float32 weights of each received
+    row for this shard's experts, ``-1`` where it is not routed there (and on
+    padding rows).
+    """
+    n, t = axes.expert_shards, tokens.shape[0]
+    el = config.num_experts // n
+    per_shard = routing_map.reshape(t, n, el)
+    by_shard = permutation.dispatch_fwd(tokens, per_shard.any(-1), None, num_rows=t * min(config.topk, n),
+                                        align_size=None)
+    sizes = by_shard.group_sizes
+    every = jax.lax.all_gather(sizes, axes.expert_axis)  # every[s, j]: rows shard s sends shard j
     me = jax.lax.axis_index(axes.expert_axis)
-    # blocks[s, j, l]: rows shard s sends to shard j for j's local expert l.
-    blocks = jax.lax.all_gather(group_sizes, axes.expert_axis).reshape(n, n, el)
-    per_pair = blocks.sum(-1)
-    mine = blocks[:, me, :]
-    capacity = dispatch_rows(config, num_tokens, el)  # all of a shard's tokens sent to one shard's experts
-    chunks = jnp.concatenate([mine, capacity - mine.sum(-1, keepdims=True)], axis=1).reshape(-1)
-    return Exchange(
-        send_sizes=per_pair[me], send_offsets=_exclusive_cumsum(per_pair[me]), recv_sizes=per_pair[:, me],
-        return_offsets=_exclusive_cumsum(per_pair, axis=1)[:, me], chunk_sizes=chunks.astype(jnp.int32),
-        group_sizes=mine.sum(0), axis=axes.expert_axis, shards=n, capacity=capacity, method=method)
+    slots = slot_sizes(t, n, config.topk)
+    choice = jnp.minimum(jnp.searchsorted(jnp.asarray(slots, jnp.int32), every.max()), len(slots) - 1)
+    exchange = Exchange(token_rows=by_shard.row_id_map, send_sizes=sizes, send_offsets=_exclusive_cumsum(sizes),
+                        recv_sizes=every[:, me], return_offsets=_exclusive_cumsum(every, axis=1)[:, me],
+                        slot_choice=choice.astype(jnp.int32), axis=axes.expert_axis, shards=n, slot_rows=slots,
+                        method=method)
+    # Each row's weights for its destination's experts: token source[r], shard shard[r].
+    source = by_shard.row_id_map.source_tokens
+    row = jnp.arange(source.shape[0], dtype=jnp.int32)
+    shard = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), row, side="right"), n - 1)
+    weights = jnp.where(per_shard, probs.astype(jnp.float32).reshape(t, n, el), -1.0)[jnp.maximum(source, 0), shard]
+    weights = jnp.where((source >= 0)[:, None], weights, -1.0)
+    return (exchange, *exchange.to_experts(by_shard.tokens, weights, fills=(0, -1.0)))
 
 
 def dispatch_rows(config: MoEConfig, num_tokens: int, num_experts: int) -> int:
     """The rows of a dispatch of ``num_tokens`` tokens to ``num_experts`` of the
     experts: each token reaches at most ``min(topk, num_experts)`` of them, each
-    expert's block padded to ``align_size``. With a shard's ``El`` experts, the
-    most rows one shard can send another."""
+    expert's block padded to ``align_size``."""
     return permutation.padded_rows(num_tokens * min(config.topk, num_experts), num_experts, config.align_size)
 
 
@@ -150,12 +282,10 @@ def check_rows(config: MoEConfig, axes: Axes, num_tokens: int, method: str | Non
     n, el = axes.expert_shards, config.num_experts // axes.expert_shards
     if method is None:
         what, rows = "the dispatch", dispatch_rows(config, num_tokens, el)
-    elif method == "ring":
-        what, rows = (f"the dispatch of the expert axis's {n * num_tokens} gathered tokens",
-                      dispatch_rows(config, n * num_tokens, el))
     else:
-        capacity = dispatch_rows(config, num_tokens, el)
-        what, rows = f"the exchange's receive buffer ({n} slots of {capacity} rows)", n * capacity
+        what = (f"the dispatch of the expert axis's {n * num_tokens} gathered tokens" if method == "ring" else
+                f"the dispatch of the exchange's receive buffer ({n} slots of {num_tokens} tokens)")
+        rows = dispatch_rows(config, n * num_tokens, el)
     if rows > MAX_ROWS:
         raise ValueError(f"{what} would hold {rows} rows, more than 2**31 - 1 (row indices are int32): {num_tokens} "
                          f"tokens per shard, topk={config.topk}, {el} experts per shard, align_size={config.align_size}")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from oxmoe import grouped_gemm, permutation, router
 from oxmoe._checks import FLOAT_DTYPES, check_array
 from oxmoe.moe.config import Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, mesh_axes, pytree_dataclass
-from oxmoe.moe.exchange import Exchange, check_rows, dispatch_rows, exchange_method, plan_exchange
+from oxmoe.moe.exchange import Exchange, check_rows, dispatch_rows, exchange_method, exchange_tokens
 
 _F32 = jnp.float32
 
@@ -147,26 +147,24 @@ def dispatch(tokens, routing: Routing, config: MoEConfig, *, expert_axis=None, d
 
 
 def _dispatch(tokens, routing: Routing, config: MoEConfig, axes: Axes) -> ExpertInput:
-    method, align = exchange_method(config, axes), config.align_size
+    method, align = exchange_method(config, axes, *tokens.shape), config.align_size
     check_rows(config, axes, len(tokens), method)
+    el = config.num_experts // axes.expert_shards
     if method == "ring":
-        el = config.num_experts // axes.expert_shards
         first = jax.lax.axis_index(axes.expert_axis) * el
         gather = functools.partial(jax.lax.all_gather, axis_name=axes.expert_axis, tiled=True)
         local = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=el, axis=1)
         tokens, routing_map, probs = gather(tokens), local(gather(routing.routing_map)), local(gather(routing.probs))
-        local_rows = permutation.dispatch_fwd(tokens, routing_map, None,
-                                              num_rows=dispatch_rows(config, len(tokens), el), align_size=align)
-        return ExpertInput(local_rows.tokens, local_rows.group_sizes, local_rows.row_id_map, probs, None, True)
-    local_rows = permutation.dispatch_fwd(tokens, routing.routing_map, None,
-                                          num_rows=dispatch_rows(config, len(tokens), config.num_experts),
+        exchange = None
+    elif method is None:
+        routing_map, probs, exchange = routing.routing_map, routing.probs, None
+    else:
+        exchange, tokens, weights = exchange_tokens(tokens, routing.routing_map, routing.probs, config, axes, method)
+        routing_map, probs = weights >= 0, jnp.maximum(weights, 0)
+    local_rows = permutation.dispatch_fwd(tokens, routing_map, None, num_rows=dispatch_rows(config, len(tokens), el),
                                           align_size=align)
-    if method is None:
-        return ExpertInput(local_rows.tokens, local_rows.group_sizes, local_rows.row_id_map, routing.probs,
-                           None, False)
-    exchange = plan_exchange(local_rows.group_sizes, config, axes, len(tokens), method)
-    return ExpertInput(exchange.to_experts(local_rows.tokens), exchange.group_sizes, local_rows.row_id_map,
-                       routing.probs, exchange, False)
+    return ExpertInput(local_rows.tokens, local_rows.group_sizes, local_rows.row_id_map, probs, exchange,
+                       method == "ring")
 
 
 # -- expert FFN --------------------------------------------------------------------------
@@ -241,18 +239,15 @@ def combine(out: ExpertOutput, dispatched: ExpertInput, config: MoEConfig, *, ex
       config, expert_axis, data_axes: as for :func:`moe`.
     """
     axes = mesh_axes(config, expert_axis, data_axes)
-    return _combine(_returned_rows(out, dispatched), dispatched, axes)
+    return _combine(out.rows, dispatched, axes)
 
 
-def _returned_rows(out: ExpertOutput, dispatched: ExpertInput):
-    """The expert rows in this shard's dispatch layout (after the way back)."""
-    if dispatched.exchange is None:
-        return out.rows
-    return dispatched.exchange.from_experts(out.rows, dispatched.row_id_map.source_tokens.shape[0])
-
-
-def _combine(returned, dispatched: ExpertInput, axes: Axes):
-    y = permutation.combine_fwd(returned, dispatched.row_id_map, dispatched.probs)
+def _combine(rows, dispatched: ExpertInput, axes: Axes):
+    """With an exchange, each received token's rows are summed where they
+    were computed and the sums go back, one row per (token, shard)."""
+    y = permutation.combine_fwd(rows, dispatched.row_id_map, dispatched.probs)
+    if dispatched.exchange is not None:
+        y = dispatched.exchange.gather_tokens(y)
     if dispatched.ring:
         y = jax.lax.psum_scatter(y, axes.expert_axis, scatter_dimension=0, tiled=True)
     return y
@@ -260,7 +255,7 @@ def _combine(returned, dispatched: ExpertInput, axes: Axes):
 
 # -- the layer -------------------------------------------------------------------------
 
-@pytree_dataclass(("tokens", "params", "routing", "dispatched", "expert_output", "returned"),
+@pytree_dataclass(("tokens", "params", "routing", "dispatched", "expert_output"),
                   ("x_shape", "x_dtype"))
 class Residuals:
     """What the forward pass keeps for the backward."""
@@ -271,9 +266,6 @@ class Residuals:
     routing: Routing
     dispatched: ExpertInput
     expert_output: ExpertOutput
-    returned: jax.Array
-    """``[R, H]``: the expert rows in this shard's own dispatch layout, the ones
-    the weights multiplied (not the rows of the experts this shard computed)."""
     x_shape: tuple[int, ...]
     """The layer input's shape, to give its gradient."""
     x_dtype: Any
@@ -360,10 +352,9 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     routing = _route(router_tokens, params, config, axes)
     dispatched = _dispatch(flat.astype(config.dtype), routing, config, axes)
     out = expert_ffn(dispatched, params, config)
-    returned = _returned_rows(out, dispatched)
-    y = _combine(returned, dispatched, axes).reshape(x.shape)
+    y = _combine(out.rows, dispatched, axes).reshape(x.shape)
     aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert)
-    return (y, aux), Residuals(router_tokens, params, routing, dispatched, out, returned, x.shape, x.dtype)
+    return (y, aux), Residuals(router_tokens, params, routing, dispatched, out, x.shape, x.dtype)
 
 
 def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
@@ -372,13 +363,13 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     grad_y = grad_y.reshape(-1, grad_y.shape[-1]).astype(config.dtype)
     if d.ring:
         grad_y = jax.lax.all_gather(grad_y, axes.expert_axis, tiled=True)
-    # combine: the rows' gradient in this shard's layout; the weights' from the returned rows.
-    grad_returned, grad_probs = permutation.combine_bwd(grad_y, res.returned, d.row_id_map, d.probs)
-    grad_rows = d.exchange.to_experts(grad_returned) if d.exchange else grad_returned
+    if d.exchange is not None:
+        grad_y = d.exchange.scatter_tokens(grad_y)
+    grad_rows, grad_probs = permutation.combine_bwd(grad_y, res.expert_output.rows, d.row_id_map, d.probs)
     grad_in, grad_up, grad_down = _expert_ffn_bwd(grad_rows, d, res.expert_output, params, config)
-    if d.exchange:
-        grad_in = d.exchange.from_experts(grad_in, len(grad_returned))
     grad_tokens, _ = permutation.dispatch_bwd(grad_in, d.row_id_map)
+    if d.exchange is not None:
+        grad_tokens, grad_probs = d.exchange.gather_tokens(grad_tokens, grad_probs)
     if d.ring:
         grad_tokens = jax.lax.psum_scatter(grad_tokens, axes.expert_axis, scatter_dimension=0, tiled=True)
         grad_probs = _scatter_expert_columns(grad_probs, config, axes)

@@ -1,0 +1,167 @@
+"""The bytes the expert-parallel layer puts on the wire, read from the optimized HLO of its
+training step (forward and backward) compiled for the host's CPU devices, at EP 2, 4 and 8 with
+the routing, hidden size and FFN size of real models and fresh random tokens.
+
+The layer's exchange sends each token once to each shard that owns any of its experts, in one
+all_to_all whose slot size is chosen on the device from a ladder of static sizes (one branch of an
+HLO conditional per size). So the test:
+
+- routes the tokens with the layer's own router on the mesh and counts, in NumPy, the routed
+  rows (token, expert copies) and the (token, shard) pairs each shard sends each other;
+- takes from the HLO every all-to-all, and of each conditional only the branch whose slot holds
+  the largest (source, destination) block, and sums their elements (XLA:CPU sends bfloat16 as
+  float32; the count is at the layer's dtype, as a GPU sends it);
+- checks that the four exchanges of a step carry at most 1.25x the routed rows' bytes, that
+  no other collective carries token rows, and that the layer chose that slot size at run time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import devices
+from oxmoe import model_shapes, moe
+from oxmoe.moe import MoEConfig, MoEParams
+
+# (router, tokens per shard, hidden, ffn, expert shards)
+CASES = {
+    "deepseek_v3_ep2": (model_shapes.DEEPSEEK_V3, 2048, 7168, 2048, 2),
+    "deepseek_v3_ep4": (model_shapes.DEEPSEEK_V3, 2048, 7168, 2048, 4),
+    "deepseek_v3_ep8": (model_shapes.DEEPSEEK_V3, 2048, 7168, 2048, 8),
+    "qwen3_ep8": (model_shapes.QWEN3_MOE, 2048, 2048, 768, 8),
+    "mixtral_ep8": (model_shapes.MIXTRAL, 4096, 4096, 14336, 8),
+}
+EXCHANGES_PER_STEP = 4  # tokens out and back in the forward, their gradients in the backward
+WIRE_GOAL = 1.25
+
+_SHAPE = re.compile(r"(bf16|f16|f32|s32|pred|u8|s8|f64|s64|u32)\[([0-9,]*)\]")
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{$")
+_COLLECTIVE = re.compile(r"= (.*?) (all-to-all|all-gather|reduce-scatter|collective-permute|all-reduce)"
+                         r"(?:-start)?\(")
+
+
+@dataclasses.dataclass
+class Collective:
+    kind: str
+    shapes: list  # the result's array shapes (an all-to-all's equal its operands')
+    computation: str
+
+
+def collectives_of(hlo: str) -> tuple[list[Collective], list[list[str]]]:
+    """Every collective of the module with the computation it sits in, and every
+    conditional's branch computations in order."""
+    found, conditionals, computation = [], [], None
+    for line in hlo.splitlines():
+        stripped = line.strip()
+        header = _COMPUTATION.match(stripped)
+        if header and "=" not in stripped.split("{")[0].split("->")[0].split("(")[0]:
+            computation = header.group(1)
+            continue
+        match = _COLLECTIVE.search(stripped)
+        if match and not stripped.startswith("ROOT %tuple"):
+            shapes = [tuple(int(d) for d in dims.split(",") if d) for _, dims in _SHAPE.findall(match.group(1))]
+            found.append(Collective(match.group(2), shapes, computation))
+        if " conditional(" in stripped:
+            branches = re.search(r"branch_computations=\{([^}]*)\}", stripped)
+            conditionals.append([b.strip().lstrip("%") for b in branches.group(1).split(",")])
+    return found, conditionals
+
+
+def route_on_mesh(x, gate, bias, config, mesh):
+    """Each shard's routing map and the slot size its exchange chose, by the layer's own steps."""
+    def per_shard(x, gate, bias):
+        params = MoEParams(gate, None, None, bias)
+        routing = moe.route(x, params, config, expert_axis="expert")
+        exchange = moe.dispatch(x, routing, config, expert_axis="expert").exchange
+        slot = jnp.asarray(exchange.slot_rows, jnp.int32)[exchange.slot_choice]
+        return routing.routing_map, slot[None]
+
+    return jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P("expert"), P(), None if bias is None else P()),
+                                 out_specs=(P("expert"), P("expert"))))(x, gate, bias)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_exchange_bytes_are_the_routed_rows(case, seed, rng):
+    router, tokens, hidden, ffn, shards = CASES[case]
+    config = MoEConfig(**router.moe_kwargs(), exchange="all_to_all")
+    e, el = config.num_experts, config.num_experts // shards
+    mesh = jax.make_mesh((shards,), ("expert",), devices=devices.cpu_devices()[:shards],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(jnp.asarray(rng.standard_normal((shards * tokens, hidden)), jnp.bfloat16),
+                       NamedSharding(mesh, P("expert")))
+    gate = jnp.asarray(rng.standard_normal((hidden, e)) / math.sqrt(hidden), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal(e) * 0.01, jnp.float32) if config.use_expert_bias else None
+    context = f"{case}, seed={seed}"
+
+    routing_map, chosen = route_on_mesh(x, gate, bias, config, mesh)
+    per_shard = np.asarray(routing_map).reshape(shards, tokens, shards, el)
+    routed_rows = per_shard.sum() / shards  # (token, expert) copies a shard sends, on average
+    blocks = per_shard.any(-1).sum(1)  # blocks[s, j]: tokens shard s sends shard j
+    pairs = blocks.sum() / shards
+
+    # The training step's optimized HLO, its parameters abstract (no expert weights allocated).
+    def spec(shape, dtype, pspec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, pspec))
+
+    up_width = 2 * ffn if config.glu else ffn
+    params = MoEParams(spec((hidden, e), jnp.float32, P()), spec((e, hidden, up_width), jnp.bfloat16, P("expert")),
+                       spec((e, ffn, hidden), jnp.bfloat16, P("expert")),
+                       spec((e,), jnp.float32, P()) if config.use_expert_bias else None)
+
+    def loss(x, params):
+        y, aux = moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert")
+        return jnp.sum(jnp.square(y.astype(jnp.float32))) + aux.load_balancing_loss  # needs y, as a model does
+
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, params).compile().as_text()
+    found, conditionals = collectives_of(hlo)
+
+    largest = int(blocks.max())
+    branch_of = {name: (i, b) for i, branches in enumerate(conditionals) for b, name in enumerate(branches)}
+    # Each conditional's branch that runs: the one whose all-to-all slot is the smallest holding `largest`.
+    slot_of_branch = {}
+    for c in found:
+        if c.kind == "all-to-all" and c.computation in branch_of:
+            slot_of_branch[c.computation] = c.shapes[0][-2]
+    runs = {}
+    for i, branches in enumerate(conditionals):
+        fits = [b for b in branches if slot_of_branch.get(b, -1) >= largest]
+        if fits:
+            runs[i] = min(fits, key=slot_of_branch.__getitem__)
+    executed = [c for c in found if c.computation not in branch_of or runs.get(branch_of[c.computation][0]) ==
+                c.computation]
+
+    row_elements = weight_elements = other_bytes = 0
+    for c in executed:
+        elements = sum(math.prod(s) for s in c.shapes)
+        if c.kind == "all-to-all" and c.shapes[0][-1] == hidden:
+            row_elements += elements
+        elif c.kind == "all-to-all" and c.shapes[0][-1] == el:
+            weight_elements += elements
+        elif c.kind != "all-reduce":  # all-reduces sum the replicated gate's gradient and the losses
+            assert hidden not in c.shapes[0], f"{context}: a {c.kind} of {c.shapes} carries token rows"
+            other_bytes += 4 * sum(math.prod(s) for s in c.shapes)
+    slot = int(np.asarray(chosen).reshape(-1)[0])
+    assert (np.asarray(chosen) == slot).all(), f"{context}: the shards chose different slot sizes {chosen}"
+    expected = min(slot_of_branch[b] for b in slot_of_branch if slot_of_branch[b] >= largest) \
+        if slot_of_branch else tokens
+    assert slot == expected, f"{context}: the layer chose slots of {slot} rows, the smallest holding {largest} " \
+                             f"is {expected}"
+
+    row_bytes = hidden * jnp.dtype(config.dtype).itemsize
+    wire = (row_elements * jnp.dtype(config.dtype).itemsize + weight_elements * 4 + other_bytes) / EXCHANGES_PER_STEP
+    assert row_elements == EXCHANGES_PER_STEP * shards * slot * hidden, \
+        f"{context}: {row_elements} token-row elements in the step's all-to-alls, expected 4 of {shards}x{slot}x{hidden}"
+    ratio, pair_ratio = wire / (routed_rows * row_bytes), wire / (pairs * row_bytes)
+    print(f"{case}: {wire / 2**20:.1f} MiB per exchange per shard; {ratio:.3f}x the routed rows "
+          f"({routed_rows:.0f}), {pair_ratio:.3f}x the (token, shard) pairs ({pairs:.0f}); slot {slot} rows for "
+          f"a largest block of {largest}")
+    assert ratio <= WIRE_GOAL, f"{context}: {ratio:.3f}x the routed rows' bytes on the wire"
