@@ -193,6 +193,8 @@ def compare(got, expected, config, *, context: str) -> dict:
     counts, counts_ref = np.asarray(aux.tokens_per_expert), np.asarray(aux_ref.tokens_per_expert)
     assert aux.tokens_per_expert.dtype == jnp.int32, f"tokens_per_expert: dtype {aux.tokens_per_expert.dtype}"
     np.testing.assert_array_equal(counts, counts_ref, err_msg=f"tokens_per_expert ({context})")
+    assert int(aux.dropped_copies) == int(aux_ref.dropped_copies), (
+        f"dropped_copies: {int(aux.dropped_copies)}, expected {int(aux_ref.dropped_copies)} ({context})")
     errors = {}
     for name in ("load_balancing_loss", "z_loss"):
         value, value_ref = getattr(aux, name), getattr(aux_ref, name)

@@ -22,6 +22,7 @@ Random inputs and the comparison of a result with this reference: moe_checks.py.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -53,11 +54,12 @@ GLU_ACTIVATIONS = ("swiglu", "geglu")
 class Aux:
     load_balancing_loss: Any  # f32 scalar, times aux_loss_coeff
     z_loss: Any  # f32 scalar, times z_loss_coeff
-    tokens_per_expert: Any  # [E] int32
+    tokens_per_expert: Any  # [E] int32, before capacity drops
+    dropped_copies: Any  # int32 scalar
 
 
-jax.tree_util.register_dataclass(Aux, data_fields=["load_balancing_loss", "z_loss", "tokens_per_expert"],
-                                 meta_fields=[])
+jax.tree_util.register_dataclass(Aux, data_fields=["load_balancing_loss", "z_loss", "tokens_per_expert",
+                                                   "dropped_copies"], meta_fields=[])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +118,24 @@ def moe(x, params, config):
     xs = x.reshape(-1, x.shape[-1]).astype(dtype)
     logits = router_logits(x, params.gate, router_dtype(config))
     probs, chosen = route(logits, config, params.expert_bias)
+    kept = within_capacity(chosen, config)
     o = expert_outputs(xs, params.up, params.down, config)
-    y = jnp.einsum("te,eth->th", probs, o.astype(F32), precision=HIGHEST).astype(dtype)
-    aux = Aux(load_balancing_loss(logits, config), z_loss(logits, config), chosen.sum(axis=0).astype(jnp.int32))
+    y = jnp.einsum("te,eth->th", jnp.where(kept, probs, 0), o.astype(F32), precision=HIGHEST).astype(dtype)
+    aux = Aux(load_balancing_loss(logits, config), z_loss(logits, config), chosen.sum(axis=0).astype(jnp.int32),
+              (chosen & ~kept).sum(dtype=jnp.int32))
     return y.reshape(x.shape), aux
+
+
+def within_capacity(chosen, config):
+    """[T, E] bool: the chosen copies within capacity_factor's room, ceil(factor * T k / E) per
+    expert, taken in token order (all of them without a capacity_factor)."""
+    factor = getattr(config, "capacity_factor", None)
+    if factor is None:
+        return chosen
+    tokens, experts = chosen.shape
+    room = max(1, math.ceil(factor * tokens * config.topk / experts))
+    earlier = jnp.cumsum(chosen, axis=0, dtype=jnp.int32) - chosen  # earlier tokens that chose the expert
+    return chosen & (earlier < room)
 
 
 def total_loss(y, aux, y_weight):

@@ -492,7 +492,7 @@ def _step_outputs(rng: np.random.Generator, tokens=64, hidden=16, ffn=8, experts
 
     counts = rng.multinomial(tokens * topk - experts, np.full(experts, 1 / experts)) + 1
     aux = bench_moe.moe.MoEAux(load_balancing_loss=jnp.float32(0.31), z_loss=jnp.float32(0.02),
-                               tokens_per_expert=jnp.asarray(counts, jnp.int32))
+                               tokens_per_expert=jnp.asarray(counts, jnp.int32), dropped_copies=jnp.int32(0))
     grads = bench_moe.moe.MoEParams(gate=normal(hidden, experts), up=normal(experts, hidden, 2 * ffn),
                                     down=normal(experts, ffn, hidden), expert_bias=jnp.zeros(experts, jnp.float32))
     return (jnp.float32(12.5), (normal(tokens, hidden), aux)), (normal(tokens, hidden), grads)

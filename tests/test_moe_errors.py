@@ -57,6 +57,12 @@ CONFIG_CASES = {
     "use_expert_bias_an_int": (dict(num_experts=8, topk=2, score_function="sigmoid", use_expert_bias=1),
                                r"use_expert_bias must be a bool, got 1"),
     "use_pre_softmax_an_int": (dict(num_experts=8, topk=2, use_pre_softmax=1), r"use_pre_softmax must be a bool, got 1"),
+    "capacity_factor_zero": (dict(num_experts=8, topk=2, capacity_factor=0),
+                             r"capacity_factor must be positive \(None: no capacity, no drops\), got 0"),
+    "negative_capacity_factor": (dict(num_experts=8, topk=2, capacity_factor=-1.0),
+                                 r"capacity_factor must be >= 0, got -1\.0"),
+    "nan_capacity_factor": (dict(num_experts=8, topk=2, capacity_factor=float("nan")),
+                            r"capacity_factor must be a finite real number, got nan"),
 }
 
 

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as P
 import devices
 from oxmoe import model_shapes, moe
 from oxmoe.moe import MoEConfig, MoEParams
+from oxmoe.moe.exchange import cost_model, shards_per_token
 
 # (router, tokens per shard, hidden, ffn, expert shards)
 CASES = {
@@ -165,3 +166,47 @@ def test_exchange_bytes_are_the_routed_rows(case, seed, rng):
           f"({routed_rows:.0f}), {pair_ratio:.3f}x the (token, shard) pairs ({pairs:.0f}); slot {slot} rows for "
           f"a largest block of {largest}")
     assert ratio <= WIRE_GOAL, f"{context}: {ratio:.3f}x the routed rows' bytes on the wire"
+    # The cost model's shards per token, against this routing's.
+    np.testing.assert_allclose(pairs / tokens, shards_per_token(config, shards), rtol=0.03, err_msg=context)
+
+
+# (model shape, tokens per shard, expert shards, the exchange "auto" must choose, why). The
+# EP = 2 choices are what the benchmark measured fastest on two H200s (bench/RESULTS.md, issue
+# 16: the ring's step 43.4 and 11.2 ms against the slotted all_to_all's 58.0 and 19.4 ms); past
+# EP = 2 the ring moves every token to every shard, (n - 1) T rows, against about
+# shards_per_token(n) T of the (token, shard) pairs.
+AUTO_CASES = {
+    "deepseek_v3_ep2": (model_shapes.DEEPSEEK_V3_LAYER, 8192, 2, "ring"),
+    "qwen3_ep2": (model_shapes.QWEN3_30B_A3B_LAYER, 16384, 2, "ring"),
+    "deepseek_v3_ep8": (model_shapes.DEEPSEEK_V3_LAYER, 8192, 8, "all_to_all"),
+    "qwen3_ep8": (model_shapes.QWEN3_30B_A3B_LAYER, 16384, 8, "all_to_all"),
+    "mixtral_ep8": (model_shapes.MIXTRAL_LAYER, 32768, 8, "all_to_all"),
+}
+
+
+@pytest.mark.parametrize("case", AUTO_CASES)
+def test_auto_chooses_by_the_cost_model(case):
+    shape, tokens, shards, expected = AUTO_CASES[case]
+    config = MoEConfig(**shape.router.moe_kwargs())
+    mesh = jax.make_mesh((shards,), ("expert",), devices=devices.cpu_devices()[:shards],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    chosen = {}
+
+    def per_shard(x, gate, bias):
+        params = MoEParams(gate, None, None, bias)
+        routing = moe.route(x, params, config, expert_axis="expert")
+        d = moe.dispatch(x, routing, config, expert_axis="expert")
+        chosen["method"] = "ring" if d.ring else d.exchange.method
+        return x
+
+    bias = jax.ShapeDtypeStruct((config.num_experts,), jnp.float32) if config.use_expert_bias else None
+    jax.eval_shape(jax.shard_map(per_shard, mesh=mesh, in_specs=(P("expert"), P(), None if bias is None else P()),
+                                 out_specs=P("expert")),
+                   jax.ShapeDtypeStruct((shards * tokens, shape.hidden), jnp.bfloat16),
+                   jax.ShapeDtypeStruct((shape.hidden, config.num_experts), jnp.float32), bias)
+    costs = cost_model(config, shards, tokens, shape.hidden)
+    # Its ring bytes: (n - 1) T rows in each of four collectives, the weights' gather and their
+    # gradients' reduce-scatter (float32 [T, E] each).
+    row = shape.hidden * 2
+    assert costs["ring"] == 4 * (shards - 1) * tokens * row + 2 * (shards - 1) * tokens * config.num_experts * 4
+    assert chosen["method"] == expected, f"{case}: auto chose {chosen['method']}, costs {costs}"

@@ -8,8 +8,8 @@ when jax has no GPU device.
   bias and scaling) at reduced widths; y, the losses, the counts and the gradients.
 - One GPU, float32 (small): float32 products throughout, the router's included.
 - Two and four GPUs (skipped when jax sees fewer): experts split over them inside
-  jax.shard_map with the ragged_all_to_all exchange and "auto" (the slotted all_to_all), and 2
-  data x 2 expert shards; the results gathered onto the first GPU and checked there.
+  jax.shard_map with each exchange ("all_to_all", "ring", "ragged_all_to_all", and "auto"),
+  and 2 data x 2 expert shards; the results gathered onto the first GPU and checked there.
 
 With OXMOE_TEST_GPU_STAND_IN=cpu (devices.py) the one-GPU tests run on a CPU device at a
 sixteenth of the tokens and widths, which checks the tests' own logic only.
@@ -131,6 +131,8 @@ MULTI_GPU_CASES = [
     ("ep2_ragged", (1, 2), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn,
      "ragged_all_to_all"),
     ("ep2_auto", (1, 2), model_shapes.MIXTRAL, 4096, MIXTRAL_LAYER.hidden, MIXTRAL_LAYER.ffn, "auto"),
+    ("ep2_all_to_all", (1, 2), model_shapes.DEEPSEEK_V3, 4096, 1024, 256, "all_to_all"),
+    ("ep2_ring", (1, 2), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn, "ring"),
     ("ep4_ragged", (1, 4), model_shapes.DEEPSEEK_V3, 4096, 1024, 256, "ragged_all_to_all"),
     ("ep4_auto", (1, 4), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn, "auto"),
     ("data2_ep2_ragged", (2, 2), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn,

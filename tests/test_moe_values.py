@@ -306,6 +306,38 @@ def test_layer_with_float32_gate_logits_matches_the_dense_reference(case, cpu, s
     checks.compare(got, reference(x, params, config, y_weight), config, context=context)
 
 
+# ----------------------------------------------------------------- capacity_factor
+
+# (expert shards or None: no shard_map, exchange, align_size, routing, capacity_factor, dtype):
+# drops on one device and over 2, 4 and 8 expert shards with each exchange the CPU runs; the
+# reference drops the same copies (each expert's past ceil(factor * T k / E), in token order).
+CAPACITY_CASES = {
+    "local_softmax_top2_cf1": (None, "auto", None, "softmax_top2", 1.0, F32),
+    "ep2_ring_sigmoid_groups_cf0.5": (2, "ring", 128, "sigmoid_groups", 0.5, BF16),
+    "ep4_all_to_all_softmax_top2_cf1": (4, "all_to_all", None, "softmax_top2", 1.0, F32),
+    "ep8_all_to_all_sigmoid_groups_cf1.25": (8, "all_to_all", 128, "sigmoid_groups", 1.25, F32),
+}
+
+
+@pytest.mark.parametrize("case", CAPACITY_CASES)
+def test_capacity_factor_drops_the_reference_copies(case, cpu, seed, rng):
+    ep, exchange, align, routing, factor, dtype = CAPACITY_CASES[case]
+    config = make_config(routing, dtype=dtype, exchange=exchange, align_size=align, capacity_factor=factor)
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
+    context = f"{case}, {describe(config)}, seed={seed}"
+    if ep is None:
+        layer, args = (lambda x, p: moe_lib.moe(x, p, config)), (x, params, y_weight)
+    else:
+        mesh = mesh_of(1, ep)
+        layer = layer_in_shard_map(config, mesh, has_bias=params.expert_bias is not None)
+        args = put_on_mesh(mesh, x, params, y_weight)
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*args)
+    expected = reference(x, params, config, y_weight)
+    checks.compare(got, expected, config, context=context)
+    if factor <= 1:  # a random routing overfills some expert
+        assert int(got[0][1].dropped_copies) > 0, f"nothing dropped ({context})"
+
+
 # ---------------------------------------------------------------------- shard_map_moe
 
 # (mesh shape, axis names, expert_axis, data_axes, x shape)

@@ -68,6 +68,16 @@ class MoEConfig:
     ``exchange``: how tokens travel between expert shards: ``"auto"``,
     ``"ragged_all_to_all"``, ``"all_to_all"`` or ``"ring"`` (see
     :mod:`oxmoe.moe`).
+
+    ``capacity_factor`` (MaxText's meaning; default None: no token is ever
+    dropped): each expert takes at most ``ceil(capacity_factor * T k / E)``
+    token copies, ``T`` the tokens of the expert axis (every token without
+    one): its room relative to a balanced load. The copies past it are
+    dropped in token order (the expert axis's shards in order, then each
+    shard's tokens), counted in :attr:`MoEAux.dropped_copies`, add nothing to
+    the output and get no gradient; the layer's row buffers shrink to that
+    room. Dropping depends on the expert axis's size, not on the data axes
+    (each data shard drops on its own).
     """
 
     num_experts: int
@@ -85,6 +95,7 @@ class MoEConfig:
     dtype: Any = jnp.bfloat16
     exchange: str = "auto"
     float32_gate_logits: bool = False
+    capacity_factor: float | None = None
 
     def __post_init__(self):
         check_count("num_experts", self.num_experts, 1)
@@ -106,6 +117,17 @@ class MoEConfig:
         object.__setattr__(self, "dtype", dtype)
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        if self.capacity_factor is not None:
+            check_real("capacity_factor", self.capacity_factor, low=0)
+            if self.capacity_factor == 0:
+                raise ValueError("capacity_factor must be positive (None: no capacity, no drops), got 0")
+
+    def expert_capacity(self, tokens: int) -> int | None:
+        """The token copies one expert takes from ``tokens`` tokens (those of the
+        expert axis) with ``capacity_factor``; None without it."""
+        if self.capacity_factor is None:
+            return None
+        return max(1, math.ceil(self.capacity_factor * tokens * self.topk / self.num_experts))
 
     @property
     def topk_config(self) -> router.TopkConfig:
@@ -147,7 +169,7 @@ class MoEParams:
     """``[E]`` float32 with ``use_expert_bias``, else None. Its gradient is zero."""
 
 
-@pytree_dataclass(("load_balancing_loss", "z_loss", "tokens_per_expert"))
+@pytree_dataclass(("load_balancing_loss", "z_loss", "tokens_per_expert", "dropped_copies"))
 class MoEAux:
     """What :func:`moe` returns beside the output: the losses to add to the
     model's loss, and the load for logging. The same on every shard."""
@@ -157,7 +179,11 @@ class MoEAux:
     z_loss: jax.Array
     """float32 scalar, already times ``z_loss_coeff`` (0 when that is 0)."""
     tokens_per_expert: jax.Array
-    """``[E]`` int32: the tokens routed to each expert, over every token shard."""
+    """``[E]`` int32: the tokens routed to each expert, over every token shard
+    (before any capacity drop)."""
+    dropped_copies: jax.Array
+    """int32 scalar: the token copies dropped past ``capacity_factor``, over
+    every token shard (0 without it)."""
 
 
 def init_params(key, config: MoEConfig, hidden: int, ffn: int, dtype=jnp.float32) -> MoEParams:

@@ -168,14 +168,15 @@ def _exclusive_cumsum(x, axis=-1):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def slot_sizes(tokens: int, shards: int, topk: int) -> tuple[int, ...]:
+def slot_sizes(tokens: int, shards: int, topk: int, largest: int | None = None) -> tuple[int, ...]:
     """The slot sizes of an all_to_all exchange of ``tokens`` tokens per shard,
-    ascending: from ``tokens`` (every token to one shard) down by factors of
-    at most :data:`SLOT_STEP`, in multiples of 8 rows, to half the rows a
-    balanced load sends each shard (each token to ``min(topk, shards)``
-    shards). Below that, the smallest size is used."""
+    ascending: from ``largest`` (the most one shard can send another; default
+    ``tokens``, every token to one shard) down by factors of at most
+    :data:`SLOT_STEP`, in multiples of 8 rows, to half the rows a balanced
+    load sends each shard (each token to ``min(topk, shards)`` shards). Below
+    that, the smallest size is used."""
     floor = max(1, math.ceil(tokens * min(topk, shards) / shards / 2))
-    sizes = [tokens]
+    sizes = [tokens if largest is None else min(tokens, largest)]
     while sizes[-1] > floor:
         smaller = -(-math.ceil(sizes[-1] / SLOT_STEP) // 8) * 8
         if smaller >= sizes[-1]:
@@ -238,8 +239,11 @@ def cost_model(config: MoEConfig, shards: int, tokens: int, hidden: int) -> dict
     return {"all_to_all": routed, "ring": ring}
 
 
-def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, method: str):
-    """Sends this shard's tokens to the shards of their experts.
+def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, method: str,
+                    capacity: int | None = None):
+    """Sends this shard's tokens to the shards of their experts (each of which
+    takes at most ``capacity`` copies, so at most ``El * capacity`` tokens
+    from one shard).
 
     Returns ``(exchange, rows, weights)``: the :class:`Exchange`, the ``[n * T,
     H]`` received rows, and ``[n * T, El]`` float32 weights of each received
@@ -254,7 +258,7 @@ def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, m
     sizes = by_shard.group_sizes
     every = jax.lax.all_gather(sizes, axes.expert_axis)  # every[s, j]: rows shard s sends shard j
     me = jax.lax.axis_index(axes.expert_axis)
-    slots = slot_sizes(t, n, config.topk)
+    slots = slot_sizes(t, n, config.topk, None if capacity is None else el * capacity)
     choice = jnp.minimum(jnp.searchsorted(jnp.asarray(slots, jnp.int32), every.max()), len(slots) - 1)
     exchange = Exchange(token_rows=by_shard.row_id_map, send_sizes=sizes, send_offsets=_exclusive_cumsum(sizes),
                         recv_sizes=every[:, me], return_offsets=_exclusive_cumsum(every, axis=1)[:, me],
@@ -269,23 +273,28 @@ def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, m
     return (exchange, *exchange.to_experts(by_shard.tokens, weights, fills=(0, -1.0)))
 
 
-def dispatch_rows(config: MoEConfig, num_tokens: int, num_experts: int) -> int:
+def dispatch_rows(config: MoEConfig, num_tokens: int, num_experts: int, capacity: int | None = None) -> int:
     """The rows of a dispatch of ``num_tokens`` tokens to ``num_experts`` of the
     experts: each token reaches at most ``min(topk, num_experts)`` of them, each
-    expert's block padded to ``align_size``."""
-    return permutation.padded_rows(num_tokens * min(config.topk, num_experts), num_experts, config.align_size)
+    expert at most ``capacity`` copies (:meth:`MoEConfig.expert_capacity`;
+    None: no bound), each expert's block padded to ``align_size``."""
+    rows = permutation.padded_rows(num_tokens * min(config.topk, num_experts), num_experts, config.align_size)
+    if capacity is None:
+        return rows
+    return min(rows, permutation.padded_rows(num_experts * capacity, num_experts, config.align_size))
 
 
 def check_rows(config: MoEConfig, axes: Axes, num_tokens: int, method: str | None) -> None:
     """The layer's largest buffer of rows (which holds at least as many as the
     others) must fit int32 row indices."""
     n, el = axes.expert_shards, config.num_experts // axes.expert_shards
+    capacity = config.expert_capacity(n * num_tokens)
     if method is None:
-        what, rows = "the dispatch", dispatch_rows(config, num_tokens, el)
+        what, rows = "the dispatch", dispatch_rows(config, num_tokens, el, capacity)
     else:
         what = (f"the dispatch of the expert axis's {n * num_tokens} gathered tokens" if method == "ring" else
                 f"the dispatch of the exchange's receive buffer ({n} slots of {num_tokens} tokens)")
-        rows = dispatch_rows(config, n * num_tokens, el)
+        rows = dispatch_rows(config, n * num_tokens, el, capacity)
     if rows > MAX_ROWS:
         raise ValueError(f"{what} would hold {rows} rows, more than 2**31 - 1 (row indices are int32): {num_tokens} "
                          f"tokens per shard, topk={config.topk}, {el} experts per shard, align_size={config.align_size}")

@@ -25,7 +25,7 @@ def _sum_over(x, axes: tuple[str, ...]):
 # -- route ---------------------------------------------------------------------------
 
 @pytree_dataclass(("logits", "probs", "routing_map", "tokens_per_expert", "aux_tokens_per_expert",
-                   "load_balancing_loss", "z_loss"))
+                   "load_balancing_loss", "z_loss", "kept", "dropped_copies"))
 class Routing:
     """The result of :func:`route` for this shard's ``T`` tokens."""
 
@@ -44,6 +44,18 @@ class Routing:
     """float32 scalar, times ``aux_loss_coeff``."""
     z_loss: jax.Array
     """float32 scalar, times ``z_loss_coeff``."""
+    kept: jax.Array | None
+    """``[T, E]`` bool: the chosen experts whose capacity holds this token's
+    copy (``capacity_factor``); None without a capacity."""
+    dropped_copies: jax.Array
+    """int32 scalar: the copies past capacity, over every token shard."""
+
+    def dispatched(self):
+        """``(routing_map, probs)`` of the copies that are computed: the chosen
+        ones within capacity."""
+        if self.kept is None:
+            return self.routing_map, self.probs
+        return self.kept, jnp.where(self.kept, self.probs, 0)
 
 
 def _router_dot(a, b):
@@ -89,7 +101,23 @@ def _route(tokens, params: MoEParams, config: MoEConfig, axes: Axes) -> Routing:
         lse = jax.nn.logsumexp(logits, axis=-1)
         z_loss = config.z_loss_coeff / (len(tokens) * axes.token_shards) * jnp.sum(lse * lse)
     loss, z_loss = _sum_over((loss, z_loss), axes.token_axes)
-    return Routing(logits, probs, routing_map, counts, aux_counts, loss, z_loss)
+    kept, dropped = None, jnp.zeros((), jnp.int32)
+    if config.capacity_factor is not None:
+        kept = _within_capacity(routing_map, config, axes)
+        dropped = _sum_over((routing_map & ~kept).sum(dtype=jnp.int32), axes.token_axes)
+    return Routing(logits, probs, routing_map, counts, aux_counts, loss, z_loss, kept, dropped)
+
+
+def _within_capacity(routing_map, config: MoEConfig, axes: Axes):
+    """``[T, E]`` bool: the chosen copies each expert has room for, in token
+    order over the expert axis (its shards in order, then their tokens)."""
+    capacity = config.expert_capacity(routing_map.shape[0] * axes.expert_shards)
+    chosen = routing_map.astype(jnp.int32)
+    position = jnp.cumsum(chosen, axis=0) - chosen  # this expert's copies before each token on this shard
+    if axes.expert_shards > 1:
+        every = jax.lax.all_gather(chosen.sum(0), axes.expert_axis)  # [n, E]
+        position = position + (jnp.cumsum(every, axis=0) - every)[jax.lax.axis_index(axes.expert_axis)]
+    return routing_map & (position < capacity)
 
 
 def _route_bwd(routing: Routing, grad_probs, aux: MoEAux, config: MoEConfig, axes: Axes):
@@ -150,19 +178,19 @@ def _dispatch(tokens, routing: Routing, config: MoEConfig, axes: Axes) -> Expert
     method, align = exchange_method(config, axes, *tokens.shape), config.align_size
     check_rows(config, axes, len(tokens), method)
     el = config.num_experts // axes.expert_shards
+    capacity = config.expert_capacity(len(tokens) * axes.expert_shards)
+    routing_map, probs = routing.dispatched()
+    exchange = None
     if method == "ring":
         first = jax.lax.axis_index(axes.expert_axis) * el
         gather = functools.partial(jax.lax.all_gather, axis_name=axes.expert_axis, tiled=True)
         local = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=el, axis=1)
-        tokens, routing_map, probs = gather(tokens), local(gather(routing.routing_map)), local(gather(routing.probs))
-        exchange = None
-    elif method is None:
-        routing_map, probs, exchange = routing.routing_map, routing.probs, None
-    else:
-        exchange, tokens, weights = exchange_tokens(tokens, routing.routing_map, routing.probs, config, axes, method)
+        tokens, routing_map, probs = gather(tokens), local(gather(routing_map)), local(gather(probs))
+    elif method is not None:
+        exchange, tokens, weights = exchange_tokens(tokens, routing_map, probs, config, axes, method, capacity)
         routing_map, probs = weights >= 0, jnp.maximum(weights, 0)
-    local_rows = permutation.dispatch_fwd(tokens, routing_map, None, num_rows=dispatch_rows(config, len(tokens), el),
-                                          align_size=align)
+    local_rows = permutation.dispatch_fwd(tokens, routing_map, None,
+                                          num_rows=dispatch_rows(config, len(tokens), el, capacity), align_size=align)
     return ExpertInput(local_rows.tokens, local_rows.group_sizes, local_rows.row_id_map, probs, exchange,
                        method == "ring")
 
@@ -353,7 +381,7 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     dispatched = _dispatch(flat.astype(config.dtype), routing, config, axes)
     out = expert_ffn(dispatched, params, config)
     y = _combine(out.rows, dispatched, axes).reshape(x.shape)
-    aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert)
+    aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert, routing.dropped_copies)
     return (y, aux), Residuals(router_tokens, params, routing, dispatched, out, x.shape, x.dtype)
 
 
@@ -437,7 +465,7 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
         x, params = place(x, split_tokens), jax.tree.map(place, params, param_specs)
     layer = functools.partial(moe, config=config, expert_axis=expert_axis, data_axes=data_axes)
     return jax.shard_map(layer, mesh=mesh, in_specs=(split_tokens, param_specs),
-                         out_specs=(split_tokens, MoEAux(P(), P(), P())))(x, params)
+                         out_specs=(split_tokens, MoEAux(P(), P(), P(), P())))(x, params)
 
 
 def _reshard(x, spec, *, mesh):

@@ -9,7 +9,8 @@ layer's: tokens and weights in ``config.dtype``, products accumulated in float32
 and rounded to ``config.dtype`` after each GEMM and after the activation; the
 router's product in ``config.dtype`` (float32 with ``float32_gate_logits``); the
 router and the losses in float32. Differentiable by JAX's autodiff (the choice of
-experts held fixed, as in the layer).
+experts held fixed, as in the layer). With ``capacity_factor``, each expert's copies
+past its capacity (in token order) get weight zero.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def moe(x, params: MoEParams, config: MoEConfig):
       x: ``[..., H]`` tokens.
       params: the layer's weights (:class:`oxmoe.moe.MoEParams`).
       config: what the layer computes (:class:`oxmoe.moe.MoEConfig`; ``exchange`` and
-        ``align_size`` do not change the result).
+        ``align_size`` do not change the result; with ``capacity_factor``, ``x``'s tokens
+        are those of the expert axis, in its order).
 
     Returns:
       ``(y, aux)``: ``y`` like ``x`` in ``config.dtype`` and an :class:`oxmoe.moe.MoEAux`.
@@ -83,8 +85,16 @@ def moe(x, params: MoEParams, config: MoEConfig):
         num_groups=config.num_groups, group_topk=config.group_topk, scaling_factor=config.scaling_factor,
         expert_bias=params.expert_bias if config.use_expert_bias else None)
     flat = experts.reshape(-1)
-    order = jnp.argsort(flat)  # the token copies grouped by expert
+    order = jnp.argsort(flat)  # the token copies grouped by expert, in token order (a stable sort)
     group_sizes = jnp.bincount(flat, length=e).astype(jnp.int32)
+    dropped = jnp.zeros((), jnp.int32)
+    capacity = config.expert_capacity(t)
+    if capacity is not None:
+        starts = jnp.cumsum(group_sizes) - group_sizes
+        position = jnp.zeros_like(flat).at[order].set(jnp.arange(t * k) - starts[flat[order]])
+        kept = (position < capacity).reshape(t, k)
+        weights = jnp.where(kept, weights, 0)
+        dropped = (~kept).sum(dtype=jnp.int32)
     rows = jnp.take(xs, order // k, axis=0)
     hidden = _activate(jax.lax.ragged_dot(rows, params.up.astype(dtype), group_sizes), config.activation, dtype)
     out = jax.lax.ragged_dot(hidden, params.down.astype(dtype), group_sizes)
@@ -92,5 +102,5 @@ def moe(x, params: MoEParams, config: MoEConfig):
     # An elementwise sum, not an einsum: a float32 dot could run in TF32 on a GPU.
     y = (out.astype(_F32) * weights[..., None]).sum(1).astype(dtype)
     aux = MoEAux(load_balancing_loss=load_balancing_loss(logits, config), z_loss=z_loss(logits, config),
-                 tokens_per_expert=group_sizes)
+                 tokens_per_expert=group_sizes, dropped_copies=dropped)
     return y.reshape(x.shape), aux

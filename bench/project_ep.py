@@ -1,0 +1,43 @@
+"""Projects the expert-parallel training step at DeepSeek-V3 sizes per GPU (8192 tokens,
+H 7168, 256 experts, top-8 in the best 4 of 8 groups) to EP = 8, 16 and 64, from:
+
+- the one-GPU step without an exchange, measured on an H200 (bench/RESULTS.md, issue 6:
+  38.7 ms with 128 experts; the expert GEMMs multiply T k rows whatever the experts per GPU);
+- the all_to_all bandwidth measured between two NVLink H200s (bench/RESULTS.md, issue 6: 940 MB
+  in 4.10 ms, 229 GB/s per GPU);
+- an assumed 50 GB/s per GPU between nodes of 8 GPUs (one 400 Gb/s NIC per GPU): NOT measured;
+- the bytes of the all_to_all exchange (oxmoe.moe.exchange): the (token, shard) pairs,
+  shards_per_token(n) per token, padded by the slot ladder (the HLO test saw 3-16% at EP 2-8),
+  four exchanges a step, nothing overlapped.
+
+Prints a Markdown table. Run: PYTHONPATH=jax_bindings python3 bench/project_ep.py
+"""
+
+from oxmoe import model_shapes
+from oxmoe.moe import MoEConfig
+from oxmoe.moe.exchange import shards_per_token
+
+TOKENS, HIDDEN, BYTES = 8192, model_shapes.DEEPSEEK_V3_LAYER.hidden, 2
+ONE_GPU_STEP_MS = 38.7
+NVLINK_GBPS, NETWORK_GBPS, GPUS_PER_NODE = 229.0, 50.0, 8
+PADDING = 1.16
+EXCHANGES_PER_STEP = 4
+
+
+def main() -> None:
+    config = MoEConfig(**model_shapes.DEEPSEEK_V3.moe_kwargs())
+    print("| EP | experts per GPU | shards per token | MB per exchange per GPU | leaving the node | "
+          "ms per exchange | projected step ms | × one-GPU step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for shards in (2, 8, 16, 64):
+        u = shards_per_token(config, shards)
+        wire = TOKENS * u * PADDING * HIDDEN * BYTES * (shards - 1) / shards  # the self share stays
+        remote = max(0, shards - GPUS_PER_NODE) / shards * shards / (shards - 1)  # of what leaves the GPU
+        ms = max(wire * (1 - remote) / NVLINK_GBPS, wire * remote / NETWORK_GBPS) / 1e6
+        step = ONE_GPU_STEP_MS + EXCHANGES_PER_STEP * ms
+        print(f"| {shards} | {config.num_experts // shards} | {u:.2f} | {wire / 1e6:.0f} | {100 * remote:.0f}% | "
+              f"{ms:.2f} | {step:.1f} | {step / ONE_GPU_STEP_MS:.2f}× |")
+
+
+if __name__ == "__main__":
+    main()
