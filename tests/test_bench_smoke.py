@@ -377,15 +377,50 @@ MOE_EP_CASE = "deepseek_v3 ep=4 fwd+bwd"
 #: What the moe_layer check compares: both losses, the routing, y and every gradient.
 MOE_LAYER_ERRORS = {"load_balancing_loss_rel_err", "z_loss_rel_err", "routing_mismatch",
                     "y_rel_err", "dx_rel_err", "dgate_rel_err", "dup_rel_err", "ddown_rel_err"}
-#: The expert-parallel case's breakdown: its exchange as "auto" makes it, four a step, and off
-#: a CPU the ragged_all_to_all exchange beside it; each with how many a step has.
-_EP_STEP = [("step (fwd+bwd)", 1), ("forward", 1), ("routing forward (gate GEMM, oxmoe.router.topk)", 1),
-            ("all_to_all: 512 x 64 bfloat16 rows in 4 x 512 slots", 4)]
+#: The smoke EP layer: 64 tokens per device of H=64 on 4 devices, 64 experts each (two of
+#: DeepSeek-V3's 8 groups), top-8 in the best 4 groups: a token reaches
+#: 4 * (1 - C(6, 4) / C(8, 4)) = 3.14 devices, so a device sends round(64 * 3.14) = 201
+#: (token, shard) rows, at most 51 to one device; the layer's only slot size is T = 64, so
+#: an all_to_all moves 4 x 64 rows of 64 bf16 = 32768 bytes.
+EP_LAYER = bench_moe.SMOKE_LAYERS[2]
+EP_EXCHANGE_ROWS, EP_SLOT, EP_WIRE_BYTES = 201, 64, 4 * 64 * 64 * 2
+#: The expert-parallel case's breakdown: the step with exchange "auto" (all_to_all: the cost
+#: model's fewer bytes) and with each exchange the platform runs, then the forward, the routing,
+#: one all_to_all exchange (four a step), off a CPU the ragged_all_to_all exchange beside it, and
+#: the layer on one device; each with how many a step has.
+_EP_STEPS = [("step (fwd+bwd), exchange 'auto' = 'all_to_all'", 1), ("step (fwd+bwd), exchange 'all_to_all'", None),
+             ("step (fwd+bwd), exchange 'ring'", None)]
+_EP_PIECES = [("forward", 1), ("routing forward (gate GEMM, oxmoe.router.topk)", 1),
+              (f"all_to_all exchange: {EP_EXCHANGE_ROWS} x 64 bfloat16 (token, shard) rows in 4 x {EP_SLOT} slots, "
+               f"{EP_WIRE_BYTES} bytes", 4)]
 _EP_ONE_DEVICE = [("1 device, E=64: step (fwd+bwd)", None), ("1 device, E=64: forward", None)]
 MOE_EP_PARTS = {
-    "cpu": _EP_STEP + _EP_ONE_DEVICE,
-    "gpu": _EP_STEP + [("ragged_all_to_all (not used by 'auto'): 512 x 64 bfloat16 rows into 4 x 512", None)]
+    "cpu": _EP_STEPS + _EP_PIECES + _EP_ONE_DEVICE,
+    "gpu": _EP_STEPS + [("step (fwd+bwd), exchange 'ragged_all_to_all'", None)] + _EP_PIECES
+    + [(f"ragged_all_to_all exchange: {EP_EXCHANGE_ROWS} x 64 bfloat16 (token, shard) rows", None)]
     + _EP_ONE_DEVICE}
+
+
+def check_ep_exchanges(parts: list[dict], platform: str) -> None:
+    """Every exchange's step was timed, with the cost model's bytes of the two it models and a
+    peak memory that holds at least the step's arguments; "auto" is the cheaper by the model;
+    the all_to_all exchange moves the bytes of its slots."""
+    costs = bench_moe.moe.exchange.cost_model(EP_LAYER.config, 4, EP_LAYER.tokens, EP_LAYER.hidden)
+    assert costs["all_to_all"] < costs["ring"]
+    steps = {p["exchange"]: p for p in parts if p["exchange"] is not None}
+    assert sorted(steps) == sorted(["auto", "all_to_all", "ring"] + (["ragged_all_to_all"] if platform == "gpu" else []))
+    arguments = 2 * EP_LAYER.tokens * EP_LAYER.hidden * 2 + EP_LAYER.param_bytes()  # x, w and the parameters
+    for method, part in steps.items():
+        assert 0 < part["min_us"] <= part["median_us"] <= part["max_us"], method
+        assert part["cost_model_bytes_per_step"] == costs.get("all_to_all" if method == "auto" else method), method
+        # XLA:CPU gives a memory analysis; a platform without one reports None.
+        peak = part["peak_bytes_per_device"]
+        assert (peak is None and platform != "cpu") or peak >= arguments, (method, peak, arguments)
+    assert steps["auto"]["peak_bytes_per_device"] == steps["all_to_all"]["peak_bytes_per_device"]
+    wire = [p["wire_bytes"] for p in parts]
+    assert wire == [EP_WIRE_BYTES if p["part"].startswith("all_to_all exchange") else None for p in parts]
+    assert EP_EXCHANGE_ROWS == round(EP_LAYER.tokens * bench_moe.moe.exchange.shards_per_token(EP_LAYER.config, 4))
+    assert bench_moe.moe.exchange.slot_sizes(EP_LAYER.tokens, 4, EP_LAYER.config.topk) == (EP_SLOT,)
 
 
 def _expert_flops(case: dict) -> int:
@@ -460,11 +495,14 @@ def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
             assert [p["part"] for p in parts] == expected_parts, name
             assert [p["per_step"] for p in parts] == [n for _, n in MOE_EP_PARTS[report["platform"]]], name
             assert parts[0]["median_us"] == ox["median_us"], name
+            assert case["auto_exchange"] == "all_to_all", name
+            check_ep_exchanges(parts, report["platform"])
             for part in parts:
                 assert 0 < part["min_us"] <= part["median_us"] <= part["max_us"], (name, part)
             breakdown = lines[4 + len(names):]
             assert breakdown[0] == f"{name}: where a step's time goes"
             assert breakdown[1].split()[:3] == ["part", "(per", "device)"]
+            assert breakdown[1].split()[-5:] == ["peak", "MB", "cost", "model", "MB"]
             assert [line.split("  ")[0] for line in breakdown[3:]] == expected_parts
 
 

@@ -11,7 +11,8 @@ Cases:
   and 4 devices (each listed as skipped when JAX has fewer): 8192 tokens per device,
   H=7168, F=2048, 256 experts (128 or 64 per device),
   top-8 of sigmoid scores in the best 4 of 8 groups, scaling 2.5, expert bias;
-  :func:`oxmoe.moe.shard_map_moe` with ``expert_axis``, exchange ``"auto"``.
+  :func:`oxmoe.moe.shard_map_moe` with ``expert_axis``, exchange ``"auto"`` (and the others
+  in the breakdown).
 
 FLOPs of a step are those of its expert GEMMs on one device: 3 x the forward's (forward,
 d lhs, d rhs), forward ``= 2 T k H (2F) + 2 T k F H`` (with expert parallelism T is a
@@ -29,15 +30,32 @@ activation and the permutations are not counted. Each case times, on the default
   projection, unsorted with ``argsort`` and weight-summed), differentiated by JAX. If it
   runs out of device memory that is reported as ``OOM``, not as a failure; a slow one is
   timed with fewer samples (about :data:`PLAIN_BUDGET_S` seconds);
-- the EP case: where a step's time goes, per device: the step and its forward alone,
-  the routing (gate GEMM and :func:`oxmoe.router.topk`) alone, one exchange of the
-  dispatched rows alone as the layer makes it with exchange ``"auto"`` (``T k`` rows of
-  ``H`` per device, an equal share to every device, into the layer's receive buffer of
-  ``devices x capacity`` rows, in slots by ``jax.lax.all_to_all``; a step has four:
-  dispatch and combine, and their transposes), off a CPU the same exchange by
-  ``jax.lax.ragged_all_to_all`` (exchange ``"ragged_all_to_all"``), and the step and forward of the same layer on one device with as many
-  experts as a device owns (no exchange; not checked again: its semantics are the EP
-  layer's). Each piece runs alone, with only its own arrays alive.
+- the EP case: where a step's time goes, per device:
+
+  - the step with exchange ``"auto"`` (the case's time; the layer's default), named with
+    the exchange it chose (:func:`oxmoe.moe.exchange.exchange_method`: the fewer bytes of
+    :func:`oxmoe.moe.exchange.cost_model`, the ring on a tie), and the step with each
+    exchange the platform runs: ``"all_to_all"``, ``"ring"`` and, off a CPU,
+    ``"ragged_all_to_all"``; each with its bytes sent per device by the cost model (which
+    models the first two) and its peak device memory by XLA's memory analysis of the
+    compiled step (:func:`peak_device_bytes`; none where the platform gives none);
+  - the forward alone, and the routing (gate GEMM and :func:`oxmoe.router.topk`) alone;
+  - one exchange of the (token, shard) rows alone, by the layer's own
+    :class:`oxmoe.moe.Exchange`, under a balanced load: each device sends
+    ``round(T * shards_per_token)`` rows of ``H`` (:func:`exchange_blocks`), shared as
+    equally as rows allow among all devices (itself included), in one
+    ``jax.lax.all_to_all`` of ``devices`` slots of the smallest of the layer's slot sizes
+    that holds the largest share (:func:`exchange_slot`; ``devices x slot x H x 2``
+    bytes); a step has four (dispatch and combine, and their transposes) where ``"auto"``
+    exchanges by all_to_all; off a CPU the same rows by ``jax.lax.ragged_all_to_all`` too;
+  - the step and forward of the same layer on one device with as many experts as a device
+    owns (no exchange; not checked again: its semantics are the EP layer's).
+
+  Each piece runs alone, with only its own arrays alive. In results.json each part of
+  ``breakdown`` has, besides its timing, ``per_step``, ``exchange`` (a step's),
+  ``cost_model_bytes_per_step``, ``peak_bytes_per_device`` and ``wire_bytes`` (the
+  all_to_all exchange's), None where they do not apply; ``auto_exchange`` is what
+  ``"auto"`` chose.
 
 The goal: each single-device step at >= :data:`MIN_FRACTION_OF_DENSE` of the dense
 ceiling's TFLOP/s (about :data:`MIN_SPEEDUP` x the plain-JAX layer, which the goals line
@@ -68,12 +86,13 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from oxmoe import moe, reference, router
+from oxmoe import moe, permutation, reference, router
 from oxmoe.bench import grouped_gemm, timing
 from oxmoe.bench.cases import CheckFailed, Family, OwnCasesReport, failure_text, format_tflops, format_us, rel_err, text_table
 from oxmoe.bench.grouped_gemm import OOM, DenseTimes
 from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER, GemmShape, LayerShape
-from oxmoe.moe.exchange import dispatch_rows
+from oxmoe.moe.config import Axes
+from oxmoe.moe.exchange import cost_model, exchange_method, shards_per_token, slot_sizes
 
 DTYPE = jnp.dtype(jnp.bfloat16)
 F32 = jnp.float32
@@ -99,7 +118,7 @@ MAX_AUX_LOSS_REL_ERR = 1e-3
 MAX_ROUTING_MISMATCH = 1e-3
 #: Device seconds the plain-JAX layer's timing may take: a slower one gets fewer samples.
 PLAIN_BUDGET_S = grouped_gemm.RAGGED_DOT_BUDGET_S
-#: The mesh axis of the EP case, and how many exchanges of the dispatched rows a step has
+#: The mesh axis of the EP case, and how many exchanges of the (token, shard) rows a step has
 #: (dispatch and combine in the forward, their transposes in the backward).
 EXPERT_AXIS, EXCHANGES_PER_STEP = "expert", 4
 
@@ -256,41 +275,89 @@ def ep_routing(config: moe.MoEConfig, mesh: Mesh) -> Callable:
     return lambda x, params, w: routed(x, params.gate, params.expert_bias)
 
 
-def exchange_capacity(layer: Layer) -> int:
-    """The rows one device can send another, as :func:`oxmoe.moe.moe` sizes its receive buffer
-    (``devices`` slots of it)."""
-    return dispatch_rows(layer.config, layer.tokens, layer.local_experts)
+def exchange_blocks(layer: Layer) -> tuple[int, ...]:
+    """The (token, shard) rows a device sends each device under a balanced load of uniformly
+    random routing: ``round(T * shards_per_token)`` in all, shared as equally as rows allow."""
+    n = layer.devices
+    total = round(layer.tokens * shards_per_token(layer.config, n))
+    return tuple(total // n + (j < total % n) for j in range(n))
+
+
+def exchange_slot(layer: Layer) -> int:
+    """The all_to_all's slot rows, as the layer chooses them: the smallest of its slot sizes
+    that holds the largest block."""
+    largest = max(exchange_blocks(layer))
+    return next(size for size in _slot_sizes(layer) if size >= largest)
+
+
+def _slot_sizes(layer: Layer) -> tuple[int, ...]:
+    return slot_sizes(layer.tokens, layer.devices, layer.config.topk)
+
+
+def exchange_wire_bytes(layer: Layer) -> int:
+    """The bytes of one all_to_all a device takes part in: ``devices`` slots of
+    :func:`exchange_slot` rows of ``H``."""
+    return layer.devices * exchange_slot(layer) * layer.hidden * DTYPE.itemsize
 
 
 def exchange_name(layer: Layer, method: str) -> str:
-    rows, cap = f"{layer.rows} x {layer.hidden} {DTYPE.name} rows", exchange_capacity(layer)
+    rows = f"{sum(exchange_blocks(layer))} x {layer.hidden} {DTYPE.name} (token, shard) rows"
     if method == "all_to_all":
-        return f"all_to_all: {rows} in {layer.devices} x {cap} slots"
-    return f"ragged_all_to_all (not used by 'auto'): {rows} into {layer.devices} x {cap}"
+        return (f"all_to_all exchange: {rows} in {layer.devices} x {exchange_slot(layer)} slots, "
+                f"{exchange_wire_bytes(layer)} bytes")
+    return f"ragged_all_to_all exchange: {rows}"
+
+
+def exchange_args(layer: Layer, place: Placement, seed: tuple, num_sets: int) -> list[tuple]:
+    """The input sets of :func:`ep_exchange`: each device's rows, the blocks' sizes and the
+    slot's index in the slot sizes (arguments, not constants, so that XLA plans the
+    exchange at run time as it does in the layer)."""
+    replicated = NamedSharding(place.mesh, P())
+    sizes = jax.device_put(np.asarray(exchange_blocks(layer), np.int32), replicated)
+    choice = jax.device_put(np.int32(_slot_sizes(layer).index(exchange_slot(layer))), replicated)
+    rows = sum(exchange_blocks(layer))
+    return [(place.split((*seed, n, 6), (rows, layer.hidden), DTYPE), sizes, choice) for n in range(num_sets)]
 
 
 def ep_exchange(layer: Layer, mesh: Mesh, method: str) -> Callable:
-    """``rows -> received``: one exchange of each device's ``[R, H]`` dispatched rows, an equal
-    share to every device (itself included), into the layer's receive buffer: ``devices``
-    slots of :func:`exchange_capacity` rows (zeros past what arrives)."""
-    n, capacity = layer.devices, exchange_capacity(layer)
+    """``(rows, sizes, slot_choice) -> received``: one exchange of each device's (token, shard)
+    rows, ``sizes[j]`` of them to device ``j`` (the same on every device), by the layer's
+    own :class:`oxmoe.moe.Exchange`, into its receive buffer of ``devices`` slots of ``T``
+    rows."""
+    n, tokens = layer.devices, layer.tokens
 
-    def ragged(rows):
-        share = rows.shape[0] // n
-        offsets = jnp.arange(n, dtype=jnp.int32) * share
-        sizes = jnp.full((n,), share, jnp.int32)
-        landing = jnp.full((n,), jax.lax.axis_index(EXPERT_AXIS) * capacity, jnp.int32)  # this device's slot
-        # As the layer's: zeros that vary over the axis like the rows sent into them.
-        buffer = jax.lax.pcast(jnp.zeros((n * capacity, rows.shape[1]), rows.dtype), (EXPERT_AXIS,), to="varying")
-        return jax.lax.ragged_all_to_all(rows, buffer, offsets, sizes, landing, sizes, axis_name=EXPERT_AXIS)
+    def local(rows, sizes, slot_choice):
+        me = jax.lax.axis_index(EXPERT_AXIS)
+        offsets = jnp.cumsum(sizes) - sizes
+        exchange = moe.Exchange(
+            # to_experts does not read the token map: a stand-in of its type.
+            token_rows=permutation.RowIdMap(dest_rows=jnp.full((tokens, n), -1, jnp.int32),
+                                            source_tokens=jnp.full((rows.shape[0],), -1, jnp.int32)),
+            send_sizes=sizes, send_offsets=offsets, recv_sizes=jnp.full((n,), sizes[me]),
+            return_offsets=jnp.full((n,), offsets[me]), slot_choice=slot_choice, axis=EXPERT_AXIS, shards=n,
+            slot_rows=_slot_sizes(layer), method=method)
+        (received,) = exchange.to_experts(rows)
+        return received
 
-    def slotted(rows):
-        shares = rows.reshape(n, -1, rows.shape[1])
-        slots = jnp.pad(shares, ((0, 0), (0, capacity - shares.shape[1]), (0, 0)))
-        return jax.lax.all_to_all(slots, EXPERT_AXIS, 0, 0).reshape(n * capacity, rows.shape[1])
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(EXPERT_AXIS), P(), P()), out_specs=P(EXPERT_AXIS))
 
-    local = slotted if method == "all_to_all" else ragged
-    return jax.shard_map(local, mesh=mesh, in_specs=P(EXPERT_AXIS), out_specs=P(EXPERT_AXIS))
+
+def auto_exchange(layer: Layer, mesh: Mesh) -> str:
+    """The exchange ``"auto"`` resolves to, asked of the layer's own choice."""
+    axes = Axes(expert_axis=EXPERT_AXIS, data_axes=(), expert_shards=layer.devices, token_shards=layer.devices)
+    with jax.set_mesh(mesh):  # the choice reads the mesh's platform
+        return exchange_method(layer.config, axes, layer.tokens, layer.hidden)
+
+
+def peak_device_bytes(fn: Callable, args: tuple) -> int | None:
+    """A device's peak memory in ``jit(fn)(*args)`` by XLA's memory analysis of the compiled
+    program: its temporaries, arguments and outputs, less the outputs that alias arguments
+    (None where the platform gives no analysis)."""
+    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+    if stats is None:
+        return None
+    return (stats.temp_size_in_bytes + stats.argument_size_in_bytes + stats.output_size_in_bytes
+            - stats.alias_size_in_bytes)
 
 
 # -- inputs -------------------------------------------------------------------------
@@ -454,7 +521,21 @@ class Part:
     name: str
     timing: timing.Timing
     per_step: int | None
-    """None: not a piece of the EP step (the one-device layer)."""
+    """None: not a piece of the EP step (another exchange's step or exchange, the one-device layer)."""
+    exchange: str | None = None
+    """A step's ``MoEConfig.exchange``; None for the other parts."""
+    cost_model_bytes: float | None = None
+    """A step's bytes sent per device by :func:`oxmoe.moe.exchange.cost_model` (it models
+    ``"ring"`` and ``"all_to_all"`` only)."""
+    peak_bytes: int | None = None
+    """A step's peak device memory (:func:`peak_device_bytes`; None where XLA gives none)."""
+    wire_bytes: int | None = None
+    """An all_to_all exchange's bytes (:func:`exchange_wire_bytes`)."""
+
+    def to_json(self) -> dict:
+        return dict(part=self.name, per_step=self.per_step, **self.timing.to_json(), exchange=self.exchange,
+                    cost_model_bytes_per_step=self.cost_model_bytes, peak_bytes_per_device=self.peak_bytes,
+                    wire_bytes=self.wire_bytes)
 
 
 @dataclasses.dataclass
@@ -472,6 +553,8 @@ class LayerResult:
     """oxmoe's grouped GEMM primitives per step in the timed jaxpr."""
     set_bytes: int | None = None
     breakdown: list[Part] = dataclasses.field(default_factory=list)
+    auto_exchange: str | None = None
+    """The exchange ``"auto"`` chose (EP)."""
     skipped: str | None = None
     failure: str | None = None
 
@@ -567,6 +650,7 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
     place = Placement(mesh)
     base = (seed, zlib.crc32(case.name.encode()))
     ep = oxmoe_ep_layer(layer.config, mesh)
+    ragged = [] if devices[0].platform == "cpu" else ["ragged_all_to_all"]  # XLA:CPU has none
     try:
         num_sets, result.set_bytes = _num_sets(settings, layer)
         arg_sets = _draw_sets(layer, place, base, num_sets)
@@ -574,19 +658,28 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
         step_run = timing.rotated(step(ep))
         result.primitives = _count_primitives("oxmoe", step_run, arg_sets, OXMOE_PRIMITIVES, (JAX_PRIMITIVE,))
         result.oxmoe = timing.measure(step_run, arg_sets, settings)
-        parts = [Part("step (fwd+bwd)", result.oxmoe, 1),
-                 Part("forward", timing.measure(timing.rotated(forward(ep)), arg_sets, settings), 1),
-                 Part("routing forward (gate GEMM, oxmoe.router.topk)",
-                      timing.measure(timing.rotated(ep_routing(layer.config, mesh)), arg_sets, settings), 1)]
+        result.auto_exchange = auto_exchange(layer, mesh)
+        costs = cost_model(layer.config, layer.devices, layer.tokens, layer.hidden)
+        parts = [Part(f"step (fwd+bwd), exchange 'auto' = {result.auto_exchange!r}", result.oxmoe, 1, "auto",
+                      costs[result.auto_exchange], peak_device_bytes(step(ep), arg_sets[0]))]
+        for method in ["all_to_all", "ring", *ragged]:
+            method_step = step(oxmoe_ep_layer(dataclasses.replace(layer.config, exchange=method), mesh))
+            parts.append(Part(f"step (fwd+bwd), exchange {method!r}",
+                              timing.measure(timing.rotated(method_step), arg_sets, settings), None, method,
+                              costs.get(method), peak_device_bytes(method_step, arg_sets[0])))
+        parts += [Part("forward", timing.measure(timing.rotated(forward(ep)), arg_sets, settings), 1),
+                  Part("routing forward (gate GEMM, oxmoe.router.topk)",
+                       timing.measure(timing.rotated(ep_routing(layer.config, mesh)), arg_sets, settings), 1)]
         del arg_sets
 
-        rows = [(place.split((*base, n, 6), (layer.rows, layer.hidden), DTYPE),) for n in range(num_sets)]
-        methods = ["all_to_all"] + (["ragged_all_to_all"] if devices[0].platform != "cpu" else [])
-        for method in methods:
-            per_step = EXCHANGES_PER_STEP if method == "all_to_all" else None
-            exchange = timing.rotated(ep_exchange(layer, mesh, method))
-            parts.append(Part(exchange_name(layer, method), timing.measure(exchange, rows, settings), per_step))
-        del rows
+        exchange_sets = exchange_args(layer, place, base, num_sets)
+        for method in ["all_to_all", *ragged]:
+            # Four a step where "auto" exchanges by it (by ragged_all_to_all it never does).
+            per_step = EXCHANGES_PER_STEP if method == result.auto_exchange else None
+            exchange = timing.measure(timing.rotated(ep_exchange(layer, mesh, method)), exchange_sets, settings)
+            wire_bytes = exchange_wire_bytes(layer) if method == "all_to_all" else None
+            parts.append(Part(exchange_name(layer, method), exchange, per_step, wire_bytes=wire_bytes))
+        del exchange_sets
 
         # Its semantics are the EP layer's (checked above) on fewer experts: not checked again.
         single = layer.one_device()
@@ -613,6 +706,10 @@ def run_case(case: LayerCase, settings: timing.Settings, dense: DenseTimes, seed
 
 # -- the report ---------------------------------------------------------------------
 
+
+
+def _megabytes(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.3g}"
 
 
 class Summary:
@@ -654,11 +751,12 @@ class Summary:
         """The EP case's parts, per device, against its step."""
         r = self.result
         step_s = r.oxmoe.median_s
-        rows = [["part (per device)", "us", "x step", "% of step"]]
+        rows = [["part (per device)", "us", "x step", "% of step", "peak MB", "cost model MB"]]
         for part in r.breakdown:
             t = part.timing.median_s
             rows.append([part.name, format_us(t), "-" if part.per_step is None else str(part.per_step),
-                         f"{100 * t * (part.per_step or 1) / step_s:.0f}%"])
+                         f"{100 * t * (part.per_step or 1) / step_s:.0f}%", _megabytes(part.peak_bytes),
+                         _megabytes(part.cost_model_bytes)])
         return text_table(rows)
 
     def log_line(self) -> str:
@@ -693,7 +791,7 @@ class Summary:
             speedup=self.speedup,
             check=dict(passed=r.failure is None and r.skipped is None, tokens=r.check_tokens, errors=r.errors,
                        limits=case.limits, primitives_per_step=r.primitives),
-            breakdown=[dict(part=p.name, per_step=p.per_step, **p.timing.to_json()) for p in r.breakdown],
+            breakdown=[p.to_json() for p in r.breakdown], auto_exchange=r.auto_exchange,
             device_bytes_per_set=r.set_bytes, skipped=r.skipped, failure=r.failure)
 
 
