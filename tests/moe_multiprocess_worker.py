@@ -5,8 +5,8 @@ devices, two in each process, with the processes' collectives over gloo.
 
 Both processes draw the same data from SEED, build global arrays of it, run the layer's
 forward and gradients under jit + shard_map (experts over 4 devices; then 2 data x 2 expert
-shards), gather the results and check them against the dense reference computed locally on
-the whole data. Prints one line per case with the largest relative error; exits non-zero
+shards, the expert weights split over the data axis too), gather the results and check them
+against the dense reference computed locally on the whole data. Prints one line per case with the largest relative error; exits non-zero
 (with the assertion) on a mismatch. The environment must give each process two host devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=2) and JAX_PLATFORMS=cpu.
 """
@@ -30,12 +30,13 @@ from oxmoe.moe import MoEConfig, MoEParams  # noqa: E402
 
 NUM_PROCESSES = 2
 
-# (name, mesh shape, axis names, data_axes, config fields, x shape): the experts over all four
-# devices; two data shards of two expert shards (each process holds one data shard).
+# (name, mesh shape, axis names, data_axes, weight_axes, config fields, x shape): the experts over
+# all four devices; two data shards of two expert shards (each process holds one data shard),
+# the expert weights' hidden dimension split over the data axis too (gathered across processes).
 CASES = [
-    ("expert4", (4,), ("expert",), (),
+    ("expert4", (4,), ("expert",), (), (),
      dict(num_experts=8, topk=2, dtype=jnp.float32, exchange="all_to_all"), (64, 64)),
-    ("data2_expert2", (2, 2), ("data", "expert"), ("data",),
+    ("data2_expert2_sharded_weights", (2, 2), ("data", "expert"), ("data",), ("data",),
      dict(num_experts=16, topk=4, score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5,
           use_expert_bias=True, dtype=jnp.bfloat16, exchange="ring", align_size=128), (8, 8, 64)),
 ]
@@ -47,19 +48,21 @@ def global_array(mesh, spec, value):
     return jax.make_array_from_callback(value.shape, NamedSharding(mesh, spec), lambda index: value[index])
 
 
-def run_case(name, shape, names, data_axes, fields, x_shape, seed):
+def run_case(name, shape, names, data_axes, weight_axes, fields, x_shape, seed):
     rng = np.random.default_rng(seed)
     config = MoEConfig(**fields, aux_loss_coeff=checks.AUX_LOSS_COEFF, z_loss_coeff=checks.Z_LOSS_COEFF)
     with jax.default_device(jax.local_devices()[0]):
         x, params, y_weight = checks.draw_inputs(rng, config, x_shape, 32, make=MoEParams)
         expected = jax.jit(ref.value_and_grads, static_argnums=2)(x, params, config, y_weight)
     mesh = jax.make_mesh(shape, names, devices=jax.devices())
-    tokens, experts = P((*data_axes, "expert")), P("expert")
-    specs = MoEParams(gate=P(), up=experts, down=experts, expert_bias=None if params.expert_bias is None else P())
+    tokens, hidden = P((*data_axes, "expert")), weight_axes or None
+    specs = MoEParams(gate=P(), up=P("expert", hidden, None), down=P("expert", None, hidden),
+                      expert_bias=None if params.expert_bias is None else P())
     x_g, w_g = global_array(mesh, tokens, x), global_array(mesh, tokens, y_weight)
     params_g = jax.tree.map(lambda s, v: global_array(mesh, s, v), specs, params)
     layer = jax.shard_map(
-        lambda x, p: moe_lib.moe(x, p, config, expert_axis="expert", data_axes=data_axes), mesh=mesh,
+        lambda x, p: moe_lib.moe(x, p, config, expert_axis="expert", data_axes=data_axes, weight_axes=weight_axes),
+        mesh=mesh,
         in_specs=(tokens, specs), out_specs=(tokens, P()))
 
     @jax.jit

@@ -1,7 +1,9 @@
 """The MoE layer across two processes (multi-controller JAX): two Python processes with two
 host CPU devices each, joined by jax.distributed (coordinator on localhost) with gloo
-collectives, run the expert-parallel layer on the four devices; each checks the gathered
-result against the dense reference (moe_multiprocess_worker.py does the work)."""
+collectives, run the expert-parallel layer on the four devices (the experts over all four; two
+data shards of two expert shards with the expert weights split over the data axis too); each
+checks the gathered result against the dense reference (moe_multiprocess_worker.py does the
+work)."""
 
 import os
 import pathlib
@@ -53,7 +55,7 @@ def test_expert_parallel_layer_across_two_processes_matches_the_reference(seed):
                              + "\n".join(f"--- process {i}:\n{out[-4000:]}" for i, out in enumerate(outputs)))
     for i, (p, out) in enumerate(zip(processes, outputs)):
         assert p.returncode == 0, f"process {i} exited with {p.returncode} (seed={seed}):\n{out[-6000:]}"
-        for case in ("expert4", "data2_expert2"):
+        for case in ("expert4", "data2_expert2_sharded_weights"):
             assert re.search(rf"process {i} {case}: max relative error", out), (
                 f"process {i} did not report case {case} (seed={seed}):\n{out[-4000:]}")
         print(out)

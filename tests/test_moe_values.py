@@ -338,6 +338,44 @@ def test_capacity_factor_drops_the_reference_copies(case, cpu, seed, rng):
         assert int(got[0][1].dropped_copies) > 0, f"nothing dropped ({context})"
 
 
+# ------------------------------------------------------------ sharded expert weights
+
+# (data shards, expert shards, exchange, align_size, routing, dtype): the expert weights'
+# hidden dimension split over the data axis too (weight_axes), through shard_map_moe, whose
+# gradients must come back split alike.
+SHARDED_WEIGHT_CASES = {
+    "expert2_data4_all_to_all_softmax": (4, 2, "all_to_all", None, "softmax_top2", F32),
+    "expert2_data4_ring_sigmoid_groups_align": (4, 2, "ring", 128, "sigmoid_groups", BF16),
+    "expert4_data2_all_to_all_sigmoid_groups_align": (2, 4, "all_to_all", 128, "sigmoid_groups", F32),
+    "expert4_data2_auto_softmax": (2, 4, "auto", None, "softmax_top2", BF16),
+}
+
+
+@pytest.mark.parametrize("case", SHARDED_WEIGHT_CASES)
+def test_expert_weights_sharded_over_the_data_axis_match_the_dense_reference(case, cpu, seed, rng):
+    data, ep, exchange, align, routing, dtype = SHARDED_WEIGHT_CASES[case]
+    config = make_config(routing, dtype=dtype, exchange=exchange, align_size=align)
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
+    context = f"{case}, {describe(config)}, seed={seed}"
+    mesh = mesh_of(data, ep)
+    hidden_split = MoEParams(gate=P(), up=P("expert", "data", None), down=P("expert", None, "data"),
+                             expert_bias=None if params.expert_bias is None else P())
+    placed = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), params, hidden_split)
+    tokens = NamedSharding(mesh, P(("data", "expert")))
+
+    def layer(x, params):
+        return moe_lib.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert", data_axes=("data",),
+                                     weight_axes=("data",))
+
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
+        jax.device_put(x, tokens), placed, jax.device_put(y_weight, tokens))
+    checks.compare(got, reference(x, params, config, y_weight), config, context=context)
+    (_, _), (_, grads) = got
+    for name in ("up", "down"):
+        sharding = getattr(grads, name).sharding
+        assert sharding.is_equivalent_to(getattr(placed, name).sharding, 3), f"d {name}: {sharding} ({context})"
+
+
 # ---------------------------------------------------------------------- shard_map_moe
 
 # (mesh shape, axis names, expert_axis, data_axes, x shape)

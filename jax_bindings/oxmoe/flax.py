@@ -20,6 +20,12 @@ The gate's expert dimension has no name: every token shard routes over all
 experts, so :func:`~oxmoe.moe.shard_map_moe` wants the gate whole. ``"exp"``
 should map to the block's ``expert_axis`` (the experts' weights are split
 over it inside the shard map; any other layout is resharded at its edge).
+To shard the expert weights over the data axes as well (FSDP), map
+``"embed"`` to those axes and give them as ``weight_axes``::
+
+    rules = (("exp", "expert"), ("embed", "data"), ("mlp", None))
+    block = MoEBlock(config=config, ffn=ffn, expert_axis="expert", data_axes=("data",),
+                     weight_axes=("data",), mesh=mesh)
 
 The expert bias (aux-loss-free balancing) is state, not a trained parameter:
 it lives in the ``"moe_state"`` collection, receives no gradient, and is moved
@@ -75,7 +81,7 @@ def check_hidden(x, hidden: int | None) -> int:
 
 
 def call_moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None, data_axes: Sequence[str],
-             mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, MoEAux]:
+             weight_axes: Sequence[str], mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, MoEAux]:
     """Runs :func:`oxmoe.moe.moe` on global arrays: directly without mesh axes, else through
     :func:`oxmoe.moe.shard_map_moe` on ``mesh`` (``None``: the context mesh of ``jax.set_mesh``)."""
     data_axes = tuple(data_axes)
@@ -87,7 +93,8 @@ def call_moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None
         if mesh.empty:
             raise ValueError(f"expert_axis={expert_axis!r} and data_axes={data_axes!r} name mesh axes, but the layer "
                              "has no mesh: pass mesh=... or call it under `with jax.set_mesh(mesh):`")
-    return _moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis=expert_axis, data_axes=data_axes)
+    return _moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis=expert_axis, data_axes=data_axes,
+                              weight_axes=tuple(weight_axes))
 
 
 class MoEBlock(nn.Module, kw_only=True):
@@ -107,6 +114,9 @@ class MoEBlock(nn.Module, kw_only=True):
       expert_axis: the mesh axis the experts are split over (expert parallelism),
         or ``None``.
       data_axes: further mesh axes the tokens are split over (data parallelism).
+      weight_axes: those of ``data_axes`` that also split the expert weights'
+        hidden dimension (FSDP: see :func:`oxmoe.moe.moe`); give ``"embed"``
+        those axes in the logical rules so the variables are made that way.
       mesh: the mesh of those axes; ``None``: the context mesh (``jax.set_mesh``).
       param_dtype: the parameters' dtype (cast to ``config.dtype`` for compute).
       gate_init, up_init, down_init: initialisers ``(key, shape, dtype)`` of the
@@ -119,6 +129,7 @@ class MoEBlock(nn.Module, kw_only=True):
     hidden: int | None = None
     expert_axis: str | None = None
     data_axes: tuple[str, ...] = ()
+    weight_axes: tuple[str, ...] = ()
     mesh: jax.sharding.Mesh | None = None
     param_dtype: Any = jnp.float32
     gate_init: Initializer = default_gate_init
@@ -144,7 +155,8 @@ class MoEBlock(nn.Module, kw_only=True):
             expert_bias = self.variable(STATE_COLLECTION, "expert_bias", zeros, (config.num_experts,),
                                         jnp.float32).value
         params = MoEParams(gate=gate, up=up, down=down, expert_bias=expert_bias)
-        return call_moe(x, params, config, expert_axis=self.expert_axis, data_axes=self.data_axes, mesh=self.mesh)
+        return call_moe(x, params, config, expert_axis=self.expert_axis, data_axes=self.data_axes,
+                        weight_axes=self.weight_axes, mesh=self.mesh)
 
 
 def update_expert_bias(variables: Mapping, tokens_per_expert, rate, *, path: Sequence[str] = ()) -> dict:

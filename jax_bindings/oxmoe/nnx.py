@@ -73,6 +73,8 @@ class MoE(nnx.Module):
       rngs: the ``params`` stream initialises the weights.
       expert_axis: the mesh axis the experts are split over, or ``None``.
       data_axes: further mesh axes the tokens are split over.
+      weight_axes: those of ``data_axes`` that also split the expert weights'
+        hidden dimension (FSDP; map ``"embed"`` to them in the rules).
       mesh: the mesh of those axes; ``None``: the context mesh (``jax.set_mesh``).
       param_dtype: the parameters' dtype (cast to ``config.dtype`` for compute).
       gate_init, up_init, down_init: initialisers ``(key, shape, dtype)`` of the
@@ -88,13 +90,14 @@ class MoE(nnx.Module):
 
     def __init__(self, config: MoEConfig, hidden: int, ffn: int, *, rngs: nnx.Rngs,
                  expert_axis: str | None = None, data_axes: tuple[str, ...] = (),
-                 mesh: jax.sharding.Mesh | None = None, param_dtype: Any = jnp.float32,
+                 weight_axes: tuple[str, ...] = (), mesh: jax.sharding.Mesh | None = None, param_dtype: Any = jnp.float32,
                  gate_init: Initializer = default_gate_init, up_init: Initializer = default_expert_init,
                  down_init: Initializer = default_expert_init):
         self.config = config
         self.hidden = hidden
         self.expert_axis = expert_axis
         self.data_axes = tuple(data_axes)
+        self.weight_axes = tuple(weight_axes)
         self.mesh = mesh
         # Eager sharding needs a mesh; without one the names are kept for later placement.
         eager = nnx.using_eager_sharding() and _mesh_in_scope(mesh)
@@ -118,7 +121,7 @@ class MoE(nnx.Module):
         params = MoEParams(gate=self.gate[...], up=self.up[...], down=self.down[...],
                            expert_bias=None if self.expert_bias is None else self.expert_bias[...])
         return call_moe(x, params, self.config, expert_axis=self.expert_axis, data_axes=self.data_axes,
-                        mesh=self.mesh)
+                        weight_axes=self.weight_axes, mesh=self.mesh)
 
     def update_expert_bias(self, tokens_per_expert, rate) -> None:
         """Moves the expert bias in place by :func:`oxmoe.moe.update_expert_bias`.

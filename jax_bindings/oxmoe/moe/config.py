@@ -238,6 +238,10 @@ class Axes:
     data_axes: tuple[str, ...]
     expert_shards: int
     token_shards: int
+    weight_axes: tuple[str, ...] = ()
+    """The data axes that also split the expert weights' hidden dimension."""
+    weight_shards: int = 1
+    """The product of their sizes."""
 
     @property
     def token_axes(self) -> tuple[str, ...]:
@@ -265,14 +269,28 @@ def as_data_axes(expert_axis, data_axes) -> tuple[str, ...]:
     return data_axes
 
 
-def mesh_axes(config: MoEConfig, expert_axis, data_axes) -> Axes:
+def as_weight_axes(data_axes: tuple[str, ...], weight_axes) -> tuple[str, ...]:
+    """``weight_axes`` as a tuple, each one of ``data_axes``, in their order."""
+    weight_axes = (weight_axes,) if isinstance(weight_axes, str) else tuple(weight_axes)
+    stray = [a for a in weight_axes if a not in data_axes]
+    if stray:
+        raise ValueError(f"weight_axes {weight_axes} must be data axes (data_axes {data_axes}); {stray} are not")
+    if len(set(weight_axes)) != len(weight_axes):
+        raise ValueError(f"weight_axes {weight_axes} names an axis twice")
+    return tuple(a for a in data_axes if a in weight_axes)
+
+
+def mesh_axes(config: MoEConfig, expert_axis, data_axes, weight_axes=()) -> Axes:
     """The axes of a call, checked: each an axis of the enclosing ``shard_map``,
-    the experts split evenly over ``expert_axis``."""
+    the experts split evenly over ``expert_axis``, ``weight_axes`` among the
+    data axes."""
     data_axes = as_data_axes(expert_axis, data_axes)
+    weight_axes = as_weight_axes(data_axes, weight_axes)
     sizes = [_axis_size(a, "data_axes entry") for a in data_axes]
     expert_shards = 1 if expert_axis is None else _axis_size(expert_axis, "expert_axis")
     if config.num_experts % expert_shards:
         raise ValueError(f"num_experts ({config.num_experts}) must divide by the size of expert_axis "
                          f"{expert_axis!r} ({expert_shards})")
-    return Axes(expert_axis, data_axes, expert_shards, math.prod(sizes) * expert_shards)
+    weight_shards = math.prod(size for a, size in zip(data_axes, sizes) if a in weight_axes)
+    return Axes(expert_axis, data_axes, expert_shards, math.prod(sizes) * expert_shards, weight_axes, weight_shards)
 

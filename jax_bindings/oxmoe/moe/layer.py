@@ -3,6 +3,7 @@ and :func:`moe` with :func:`shard_map_moe`."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Any
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 
 from oxmoe import grouped_gemm, permutation, router
 from oxmoe._checks import FLOAT_DTYPES, check_array
-from oxmoe.moe.config import Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, mesh_axes, pytree_dataclass
+from oxmoe.moe.config import (Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, as_weight_axes, mesh_axes,
+                              pytree_dataclass)
 from oxmoe.moe.exchange import Exchange, check_rows, dispatch_rows, exchange_method, exchange_tokens
 
 _F32 = jnp.float32
@@ -312,14 +314,19 @@ def _check_params(params, config: MoEConfig, axes: Axes, hidden: int) -> None:
         raise ValueError(f"params.gate must have shape [hidden, num_experts] = [{hidden}, {e}], "
                          f"got {list(params.gate.shape)}")
     where = f" (num_experts {e} / expert_axis size {axes.expert_shards})" if axes.expert_shards > 1 else ""
+    if hidden % axes.weight_shards:
+        raise ValueError(f"hidden ({hidden}) must divide by the {axes.weight_shards} shards of weight_axes "
+                         f"{axes.weight_axes}")
+    part = hidden // axes.weight_shards
+    name = f"{part} (hidden {hidden} / weight_axes size {axes.weight_shards})" if axes.weight_shards > 1 else hidden
     up, down = params.up.shape, params.down.shape
-    if len(down) != 3 or down[0] != el or down[2] != hidden:
-        raise ValueError(f"params.down must have shape [local experts, ffn, hidden] = [{el}{where}, F, {hidden}], "
+    if len(down) != 3 or down[0] != el or down[2] != part:
+        raise ValueError(f"params.down must have shape [local experts, ffn, hidden] = [{el}{where}, F, {name}], "
                          f"got {list(down)}")
     f = down[1]
     width, form = (2 * f, "2 * ffn (gate and up halves)") if config.glu else (f, "ffn")
-    if up != (el, hidden, width):
-        raise ValueError(f"params.up must have shape [local experts, hidden, {form}] = [{el}{where}, {hidden}, "
+    if up != (el, part, width):
+        raise ValueError(f"params.up must have shape [local experts, hidden, {form}] = [{el}{where}, {name}, "
                          f"{width}] for activation {config.activation!r} and ffn = {f}, got {list(up)}")
     if config.use_expert_bias:
         bias = params.expert_bias
@@ -334,7 +341,7 @@ def _check_params(params, config: MoEConfig, axes: Axes, hidden: int) -> None:
 
 
 def moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None = None,
-        data_axes: tuple[str, ...] = ()) -> tuple[jax.Array, MoEAux]:
+        data_axes: tuple[str, ...] = (), weight_axes: tuple[str, ...] = ()) -> tuple[jax.Array, MoEAux]:
     """The MoE layer, forward and (by its custom VJP) backward.
 
     Args:
@@ -348,7 +355,13 @@ def moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None = No
       expert_axis: the ``shard_map`` axis the experts are split over; the
         tokens are split over it too. None: every expert is local.
       data_axes: further ``shard_map`` axes the tokens are split over (data
-        parallelism); the expert weights are replicated over them.
+        parallelism); the expert weights are replicated over them, except
+        over ``weight_axes``.
+      weight_axes: those of ``data_axes`` that also split ``up`` and ``down``
+        along the hidden dimension (FSDP; ``up [El, H / D, 2F]``, ``down
+        [El, F, H / D]``, ``D`` the product of their sizes): the layer
+        all-gathers its experts' weights for the step (again in the backward)
+        and reduce-scatters their gradients over them.
 
     Returns:
       ``(y, aux)``: ``y`` has ``x``'s shape in ``config.dtype``; ``aux`` is
@@ -363,7 +376,7 @@ def moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None = No
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if not isinstance(config, MoEConfig):
         raise TypeError(f"config must be an oxmoe.moe.MoEConfig, got {type(config).__name__}")
-    axes = mesh_axes(config, expert_axis, data_axes)
+    axes = mesh_axes(config, expert_axis, data_axes, weight_axes)
     _check_params(params, config, axes, x.shape[-1])
     return _layer(config, axes, x, params)
 
@@ -379,7 +392,7 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     router_tokens = flat.astype(config.router_dtype)
     routing = _route(router_tokens, params, config, axes)
     dispatched = _dispatch(flat.astype(config.dtype), routing, config, axes)
-    out = expert_ffn(dispatched, params, config)
+    out = expert_ffn(dispatched, _gather_weights(params, axes), config)
     y = _combine(out.rows, dispatched, axes).reshape(x.shape)
     aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert, routing.dropped_copies)
     return (y, aux), Residuals(router_tokens, params, routing, dispatched, out, x.shape, x.dtype)
@@ -394,7 +407,8 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     if d.exchange is not None:
         grad_y = d.exchange.scatter_tokens(grad_y)
     grad_rows, grad_probs = permutation.combine_bwd(grad_y, res.expert_output.rows, d.row_id_map, d.probs)
-    grad_in, grad_up, grad_down = _expert_ffn_bwd(grad_rows, d, res.expert_output, params, config)
+    grad_in, grad_up, grad_down = _expert_ffn_bwd(grad_rows, d, res.expert_output, _gather_weights(params, axes),
+                                                  config)
     grad_tokens, _ = permutation.dispatch_bwd(grad_in, d.row_id_map)
     if d.exchange is not None:
         grad_tokens, grad_probs = d.exchange.gather_tokens(grad_tokens, grad_probs)
@@ -405,11 +419,36 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     gate = params.gate.astype(config.router_dtype)
     grad_x = grad_tokens.astype(_F32) + _router_dot(grad_logits, gate.T)
     grad_gate = _sum_over(_router_dot(res.tokens.T, grad_logits), axes.token_axes)
-    grad_up, grad_down = _sum_over((grad_up, grad_down), axes.data_axes)
+    grad_up, grad_down = _reduce_weight_grads(grad_up, grad_down, axes)
     bias = None if params.expert_bias is None else jnp.zeros_like(params.expert_bias)
     grads = MoEParams(grad_gate.astype(params.gate.dtype), grad_up.astype(params.up.dtype),
                       grad_down.astype(params.down.dtype), bias)
     return grad_x.reshape(res.x_shape).astype(res.x_dtype), grads
+
+
+# The expert weights' hidden dimension: up [El, H, 2F], down [El, F, H].
+_UP_HIDDEN, _DOWN_HIDDEN = 1, 2
+
+
+def _gather_weights(params: MoEParams, axes: Axes) -> MoEParams:
+    """``params`` with this shard's experts' whole ``up`` and ``down`` (gathered
+    over ``weight_axes``)."""
+    if not axes.weight_axes:
+        return params
+    gather = functools.partial(jax.lax.all_gather, axis_name=axes.weight_axes, tiled=True)
+    return dataclasses.replace(params, up=gather(params.up, axis=_UP_HIDDEN), down=gather(params.down, axis=_DOWN_HIDDEN))
+
+
+def _reduce_weight_grads(grad_up, grad_down, axes: Axes):
+    """The whole weights' gradients summed over the data axes, each shard
+    keeping its part of ``weight_axes``."""
+    replicated = tuple(a for a in axes.data_axes if a not in axes.weight_axes)
+    grad_up, grad_down = _sum_over((grad_up, grad_down), replicated)
+    if axes.weight_axes:
+        scatter = functools.partial(jax.lax.psum_scatter, axis_name=axes.weight_axes, tiled=True)
+        grad_up, grad_down = (scatter(grad_up, scatter_dimension=_UP_HIDDEN),
+                              scatter(grad_down, scatter_dimension=_DOWN_HIDDEN))
+    return grad_up, grad_down
 
 
 def _scatter_expert_columns(grad_probs, config: MoEConfig, axes: Axes):
@@ -428,21 +467,23 @@ _layer.defvjp(_layer_fwd, _layer_bwd)
 # -- the layer under its own shard_map ------------------------------------------------------
 
 def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_axis: str | None = None,
-                  data_axes: tuple[str, ...] = ()) -> tuple[jax.Array, MoEAux]:
+                  data_axes: tuple[str, ...] = (), weight_axes: tuple[str, ...] = ()) -> tuple[jax.Array, MoEAux]:
     """:func:`moe` on whole (global) arrays, under ``jax.shard_map`` over ``mesh``.
 
     ``x``'s first dimension is split over ``(*data_axes, expert_axis)``, the
-    expert weights' first over ``expert_axis``; ``gate`` and ``expert_bias``
-    are replicated. Returns ``y`` split like ``x`` and a replicated
+    expert weights' first over ``expert_axis`` and their hidden one over
+    ``weight_axes`` (``up``'s second, ``down``'s third); ``gate`` and
+    ``expert_bias`` are replicated. Returns ``y`` split like ``x`` and a replicated
     :class:`MoEAux`.
 
     Args:
       x, params, config: as for :func:`moe`, with every expert's weights.
       mesh: the mesh (default: the context mesh, ``jax.set_mesh``).
-      expert_axis, data_axes: mesh axis names.
+      expert_axis, data_axes, weight_axes: mesh axis names, as for :func:`moe`.
     """
     mesh = mesh if mesh is not None else jax.sharding.get_abstract_mesh()
     data_axes = as_data_axes(expert_axis, data_axes)
+    weight_axes = as_weight_axes(data_axes, weight_axes)
     token_axes = data_axes + ((expert_axis,) if expert_axis is not None else ())
     for axis in token_axes:
         if axis not in mesh.axis_names:
@@ -456,14 +497,20 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
     if expert_axis is not None and config.num_experts % mesh.shape[expert_axis]:
         raise ValueError(f"num_experts ({config.num_experts}) must divide by the size of expert_axis "
                          f"{expert_axis!r} ({mesh.shape[expert_axis]})")
+    weight_shards = math.prod(mesh.shape[a] for a in weight_axes)
+    if x.shape[-1] % weight_shards:
+        raise ValueError(f"hidden ({x.shape[-1]}) must divide by the {weight_shards} shards of weight_axes "
+                         f"{weight_axes}")
     P = jax.sharding.PartitionSpec
-    split_tokens, split_experts = P(token_axes or None), P(expert_axis)
-    param_specs = MoEParams(P(), split_experts, split_experts, None if params.expert_bias is None else P())
+    split_tokens, hidden = P(token_axes or None), weight_axes or None
+    param_specs = MoEParams(P(), P(expert_axis, hidden, None), P(expert_axis, None, hidden),
+                            None if params.expert_bias is None else P())
     if jax.sharding.AxisType.Explicit in mesh.axis_types:
         # shard_map takes arrays of an explicit-axes mesh as they are sharded.
         place = functools.partial(_reshard, mesh=mesh)
         x, params = place(x, split_tokens), jax.tree.map(place, params, param_specs)
-    layer = functools.partial(moe, config=config, expert_axis=expert_axis, data_axes=data_axes)
+    layer = functools.partial(moe, config=config, expert_axis=expert_axis, data_axes=data_axes,
+                              weight_axes=weight_axes)
     return jax.shard_map(layer, mesh=mesh, in_specs=(split_tokens, param_specs),
                          out_specs=(split_tokens, MoEAux(P(), P(), P(), P())))(x, params)
 

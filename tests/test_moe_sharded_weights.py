@@ -1,0 +1,80 @@
+"""Expert weights sharded over the data axes too (weight_axes, FSDP): the memory they take per
+device in the compiled training step, on the host's eight CPU devices, and the errors for
+weight axes that cannot split them. (The values against the dense reference:
+test_moe_values.py, test_expert_weights_sharded_over_the_data_axis_match_the_dense_reference.)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import devices
+from oxmoe import model_shapes, moe
+from oxmoe.moe import MoEConfig, MoEParams
+
+# (data shards, expert shards): both splits of the eight devices the issue names.
+MESHES = {"expert2_data4": (4, 2), "expert4_data2": (2, 4)}
+
+
+def step_memory(config: MoEConfig, mesh, hidden: int, ffn: int, tokens: int, weight_axes: tuple[str, ...]):
+    """XLA's memory analysis of the compiled training step (gradients of x and every parameter),
+    its inputs abstract: nothing is allocated."""
+    split = weight_axes or None
+
+    def spec(shape, dtype, pspec):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, pspec))
+
+    e = config.num_experts
+    params = MoEParams(spec((hidden, e), jnp.float32, P()), spec((e, hidden, 2 * ffn), jnp.bfloat16, P("expert", split)),
+                       spec((e, ffn, hidden), jnp.bfloat16, P("expert", None, split)),
+                       spec((e,), jnp.float32, P()) if config.use_expert_bias else None)
+    x = spec((mesh.size * tokens, hidden), jnp.bfloat16, P(("data", "expert")))
+
+    def loss(x, params):
+        y, aux = moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert", data_axes=("data",),
+                                   weight_axes=weight_axes)
+        return jnp.sum(jnp.square(y.astype(jnp.float32))) + aux.load_balancing_loss
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, params).compile().memory_analysis()
+
+
+@pytest.mark.parametrize("mesh_name", MESHES)
+def test_expert_weight_memory_per_device_divides_by_the_data_shards(mesh_name):
+    # DeepSeek-V3's routing and widths, 256 tokens per device (the weights dominate).
+    data, ep = MESHES[mesh_name]
+    shape = model_shapes.DEEPSEEK_V3_LAYER
+    config = MoEConfig(**shape.router.moe_kwargs(), exchange="ring")  # the weights do not depend on it
+    mesh = jax.make_mesh((data, ep), ("data", "expert"), devices=devices.cpu_devices()[:data * ep],
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    replicated = step_memory(config, mesh, shape.hidden, shape.ffn, 256, ())
+    sharded = step_memory(config, mesh, shape.hidden, shape.ffn, 256, ("data",))
+    # A device's experts' up [El, H, 2F] and down [El, F, H] in bf16, whole or a data shard's part.
+    weights = (config.num_experts // ep) * 3 * shape.hidden * shape.ffn * 2
+    saved = weights - weights // data
+    context = f"{mesh_name}: expert weights {weights} bytes per device replicated"
+    # The arguments (x, the params) and the outputs (their gradients) each hold the weights once.
+    assert replicated.argument_size_in_bytes - sharded.argument_size_in_bytes == saved, context
+    assert replicated.output_size_in_bytes - sharded.output_size_in_bytes == saved, context
+
+
+def test_weight_axes_outside_the_data_axes_are_named():
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), devices=devices.cpu_devices()[:8])
+    config = MoEConfig(num_experts=8, topk=2)
+    params = moe.init_params(jax.random.key(0), config, 64, 32)
+    with pytest.raises(ValueError, match=r"weight_axes \('expert',\) must be data axes \(data_axes \('data',\)\); "
+                                         r"\['expert'\] are not"):
+        moe.shard_map_moe(jnp.zeros((16, 64)), params, config, mesh=mesh, expert_axis="expert", data_axes=("data",),
+                          weight_axes=("expert",))
+
+
+def test_a_hidden_size_the_weight_axes_do_not_divide_is_named():
+    mesh = jax.make_mesh((2, 4), ("data", "expert"), devices=devices.cpu_devices()[:8])
+    config = MoEConfig(num_experts=8, topk=2)
+    params = moe.init_params(jax.random.key(0), config, 63, 32)
+    with pytest.raises(ValueError, match=r"hidden \(63\) must divide by the 2 shards of weight_axes \('data',\)"):
+        moe.shard_map_moe(jnp.zeros((16, 63)), params, config, mesh=mesh, expert_axis="expert", data_axes=("data",),
+                          weight_axes=("data",))
