@@ -312,6 +312,19 @@ def test_only_grouped_gemm_lists_its_cases():
     assert result.stdout.splitlines() == GEMM_CASES
 
 
+def test_list_into_a_reader_that_stops_early_exits_quietly():
+    # `python -m oxmoe.bench --list | head -1`: the reader is gone before the list is written.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "jax_bindings"),
+                                                                   os.environ.get("PYTHONPATH")) if p),
+               OXMOE_LIBRARY=str(_library.library_path().resolve()))
+    bench = subprocess.Popen([sys.executable, "-m", "oxmoe.bench", "--list"], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    bench.stdout.close()
+    stderr = bench.stderr.read().decode()
+    assert bench.wait(timeout=300) == 0, stderr
+    assert stderr == "", stderr
+
+
 #: A small shape whose cases the in-process tests run on the default device.
 SMALL = GemmShape("small", m=200, k=48, n=40, groups=6)
 

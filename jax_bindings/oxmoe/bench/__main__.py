@@ -26,6 +26,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import pathlib
 import sys
 
@@ -254,5 +255,17 @@ def main(argv=None) -> int:
     return 1 if any(r.failed for r in reports) else 0
 
 
+def run_from_command_line() -> int:
+    """``main()``, quiet when stdout's reader stops early (``python -m oxmoe.bench --list | head``)."""
+    try:
+        status = main()
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        # Python's recipe: point stdout at /dev/null so that the flush at exit raises nothing either.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_from_command_line())
