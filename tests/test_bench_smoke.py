@@ -6,10 +6,10 @@ one table per family.
 
 The benchmark runs in a subprocess, as CI and a user run it: from this checkout's
 `jax_bindings` (the benchmark is not part of an installed package), with the native
-library this test process loaded, on the default device (on a CPU machine one host
-device, not the eight that conftest.py sets up for the sharding tests, so the moe_layer
-family's expert-parallel case is skipped there and run by a test of its own on eight; on a
-GPU machine the GPU).
+library this test process loaded, on the default device (on a CPU machine the four virtual
+devices the benchmark makes itself, not the eight that conftest.py sets up for the sharding
+tests, so the moe_layer family's expert-parallel case runs there too; on a GPU machine the
+GPU).
 """
 
 import dataclasses
@@ -67,7 +67,7 @@ PRIMITIVES = {
 
 def run_bench(*args: str, host_devices: int | None = None) -> subprocess.CompletedProcess:
     """The benchmark in a subprocess; ``host_devices``: on that many CPU devices, the CPU the
-    default backend even on a GPU machine (default: one CPU device)."""
+    default backend even on a GPU machine (default: the benchmark's own choice)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "jax_bindings"), env.get("PYTHONPATH")) if p)
     env["OXMOE_LIBRARY"] = str(_library.library_path().resolve())
@@ -118,7 +118,8 @@ def test_smoke_run_checks_and_times_every_case(smoke_run):
         assert sorted(entry["cases"]) == sorted(expected), family
         assert entry["failed"] == []
         assert entry["goals"]["max_x_floor"] > 0 and entry["goals"]["min_speedup"] > 0
-        assert entry["goals_met"]["floor"][1] == len(expected)
+        # Smoke sizes are too small for the goals to mean anything: none is judged.
+        assert entry["goals_met"] == {"floor": [0, 0], "speedup": [0, 0]}, family
     assert [case["name"] for case in report["cases"]] == [
         name for entry in report["families"].values() for name in entry["cases"]]
 
@@ -142,6 +143,7 @@ def test_smoke_run_checks_and_times_every_case(smoke_run):
             assert timing["num_sets"] == num_sets >= 1
         assert case["bytes"] > 0 and case["floor_us"] > 0 and case["gb_per_s"] > 0, name
         assert case["x_floor"] > 0 and case["speedup"] > 0, name
+        assert case["goals"] == {"floor": None, "speedup": None}, name
         assert case["device_bytes_per_set"] > 0, name
 
     # The results tables are the last thing on stdout, one per family after a blank line:
@@ -150,7 +152,8 @@ def test_smoke_run_checks_and_times_every_case(smoke_run):
     for block, (family, entry) in zip(blocks, report["families"].items()):
         lines = block.splitlines()
         assert lines[0].startswith(f"{family}: "), lines[0]
-        assert lines[1].startswith(f"{family} goals met: "), lines[1]
+        assert lines[1].startswith(f"{family} goals not judged at smoke sizes ("), lines[1]
+        assert " met" not in lines[1] and "MISS" not in block and " ok " not in block, block
         assert lines[2].split()[:3] == ["case", "oxmoe", "us"]
         rows = lines[4:4 + len(entry["cases"])]
         assert [line.split("  ")[0].strip() for line in rows] == entry["cases"]
@@ -159,6 +162,8 @@ def test_smoke_run_checks_and_times_every_case(smoke_run):
 
     check_grouped_gemm_cases(report)
     check_moe_layer_cases(report, blocks[-1], MOE_LAYER_CASES)
+    if report["platform"] == "cpu":  # the benchmark's own 4 virtual CPU devices: the EP case runs too
+        assert report["families"]["moe_layer"]["skipped"] == []
 
     # stderr is not a terminal here: plain log lines (no live bar), one per case in order,
     # and last the paths of what the run wrote.
@@ -266,7 +271,7 @@ def check_grouped_gemm_cases(report: dict) -> None:
     assert entry["goals"] == {"min_fraction_of_dense": 0.8}
     cases = [case for case in report["cases"] if case["family"] == "grouped_gemm"]
     assert [case["name"] for case in cases] == GEMM_CASES
-    assert entry["goals_met"]["dense"] == [sum(case["goals"]["dense"] for case in cases), len(GEMM_CASES)]
+    assert entry["goals_met"]["dense"] == [0, 0]  # smoke sizes: no goal judged
 
     for case in cases:
         name, check = case["name"], case["check"]
@@ -293,7 +298,7 @@ def check_grouped_gemm_cases(report: dict) -> None:
         assert case["dense_tflops"] == pytest.approx(tflops["dense"]), name
         assert case["ragged_dot_tflops"] == pytest.approx(tflops["ragged_dot"]), name
         assert case["ratio_to_dense"] == pytest.approx(tflops["oxmoe"] / tflops["dense"]), name
-        assert case["goals"]["dense"] == (case["ratio_to_dense"] >= 0.8), name
+        assert case["goals"]["dense"] is None, name
         assert case["ratio_to_ragged_dot"] == pytest.approx(tflops["oxmoe"] / tflops["ragged_dot"]), name
         assert case["device_bytes_per_set"] > 0 and case["dense_device_bytes_per_set"] > 0, name
 
@@ -310,6 +315,19 @@ def test_only_grouped_gemm_lists_its_cases():
     result = run_bench("--only", "grouped_gemm", "--list")
     assert result.returncode == 0, result.stderr[-4000:]
     assert result.stdout.splitlines() == GEMM_CASES
+
+
+def test_list_into_a_reader_that_stops_early_exits_quietly():
+    # `python -m oxmoe.bench --list | head -1`: the reader is gone before the list is written.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "jax_bindings"),
+                                                                   os.environ.get("PYTHONPATH")) if p),
+               OXMOE_LIBRARY=str(_library.library_path().resolve()))
+    bench = subprocess.Popen([sys.executable, "-m", "oxmoe.bench", "--list"], cwd=ROOT, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    bench.stdout.close()
+    stderr = bench.stderr.read().decode()
+    assert bench.wait(timeout=300) == 0, stderr
+    assert stderr == "", stderr
 
 
 #: A small shape whose cases the in-process tests run on the default device.
@@ -440,12 +458,11 @@ def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
     cases = [case for case in report["cases"] if case["family"] == "moe_layer"]
     assert [case["name"] for case in cases] == names
     assert entry["skipped"] == [case["name"] for case in cases if case["skipped"]]
-    single = [case for case in cases if case["devices"] == 1]
-    assert entry["goals_met"]["dense"] == [sum(case["goals"]["dense"] for case in single), len(single)]
+    assert entry["goals_met"]["dense"] == [0, 0]  # smoke sizes: no goal judged
 
     lines = block.splitlines()
-    assert lines[1].startswith("moe_layer goals met: >= 60% of the dense bf16 GEMMs' TFLOP/s "), lines[1]
-    assert ">= 5x the plain-JAX layer" in lines[1]
+    assert lines[1].startswith("moe_layer goals not judged at smoke sizes (>= 60% of the dense bf16 GEMMs' "
+                               "TFLOP/s, >= 5x the plain-JAX layer)"), lines[1]
     assert lines[2].split("  ")[:1] == ["case"] and ">=60% dense" in lines[2] and "x plain JAX" in lines[2]
     rows = dict(zip(names, lines[4:4 + len(names)]))
 
@@ -485,8 +502,8 @@ def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
             assert isinstance(plain, dict), f"{name}: {plain}"  # a smoke size never runs out of memory
             assert 0 < plain["min_us"] <= plain["median_us"] <= plain["max_us"], name
             assert case["speedup"] == pytest.approx(plain["median_us"] / ox["median_us"]), name
-            assert case["goals"]["dense"] == (case["ratio_to_dense"] >= 0.6), name
-            assert cells[-4] == ("ok" if case["goals"]["dense"] else "MISS"), (name, cells)
+            assert case["goals"]["dense"] is None, name
+            assert cells[-4] == "-", (name, cells)
             assert case["breakdown"] == [], name
         else:
             assert case["plain_jax"] is None and case["speedup"] is None and case["goals"]["dense"] is None, name

@@ -151,6 +151,17 @@ def test_num_out_tokens_below_the_routed_count_raises_eagerly(align_size):
         dispatch(TOKENS, np.asarray(MAP), num_out_tokens=0, align_size=align_size)
 
 
+@pytest.mark.parametrize("align_size", [None, 4])
+def test_topk_below_the_routed_count_names_topk_not_num_out_tokens(align_size):
+    # MAP routes each token to 2 experts; topk=1 leaves room for 5 copies of 10. The caller gave
+    # topk, so the message names topk (and the room it made), never num_out_tokens.
+    with pytest.raises(ValueError) as raised:
+        dispatch(TOKENS, MAP, topk=1, align_size=align_size)
+    message = str(raised.value)
+    assert message.startswith("topk=1 (room for 5 tokens x 1 = 5 copies) is too small: routing_map routes 10 "), message
+    assert "num_out_tokens" not in message, message
+
+
 def test_num_out_tokens_below_the_routed_count_is_a_silent_drop_under_jit():
     # The same call under jit (the map abstract) drops the entries past the capacity instead.
     dispatched = jax.jit(lambda x, m: dispatch(x, m, num_out_tokens=9))(TOKENS, MAP)

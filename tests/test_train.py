@@ -150,6 +150,58 @@ def test_devices_must_divide_experts_and_batch():
         train.make_mesh(4, 8, 6)
 
 
+def test_more_devices_than_the_machine_has_are_named():
+    # Derived from the machine the test runs on (CPU virtual devices, one GPU, eight GPUs, ...).
+    available = jax.devices()
+    wanted = 2 * len(available)
+    with pytest.raises(SystemExit, match=rf"--devices {wanted}: only {len(available)} "
+                                         rf"{available[0].platform} device\(s\) here"):
+        train.make_mesh(wanted, 4 * wanted, 4 * wanted)
+
+
+@pytest.mark.parametrize("module", ["optax", "matplotlib"])
+def test_without_the_tools_extra_the_job_says_what_to_install(module):
+    code = (f"import sys, runpy; sys.modules[{module!r}] = None; sys.argv = ['train']; "
+            "runpy.run_module('oxmoe.train', run_name='__main__')")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1
+    assert run.stderr.strip().endswith(f"python -m oxmoe.train needs {module}: pip install 'oxmoe[tools]' "
+                                       "(flax, optax, rich and matplotlib)"), run.stderr
+    assert "Traceback" not in run.stderr, run.stderr
+
+
+@pytest.mark.parametrize("experts", [8, 32])
+def test_the_plots_mark_evaluations_as_points_and_name_the_expert_colours(experts, tmp_path, monkeypatch, rng):
+    import matplotlib.figure
+
+    saved = {}
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig", lambda figure, path, **_: saved.update({
+        pathlib.Path(path).name: figure}))
+    steps, layers = 60, 2
+    counts = rng.integers(0, 100, size=(steps, layers, experts))
+    tail = counts[-6:].sum(0)
+    summary = dict(devices=4, device="cpu", model=dict(layers=layers, hidden=64, experts=experts, topk=2,
+                                                       routing="softmax"),
+                   loss=dict(train=list(np.linspace(5, 2, steps)), validation=[(0, 5.5), (30, 3.0), (60, 2.5)],
+                             unigram_baseline=3.3),
+                   load_balance=dict(expert_share_final=(tail / tail.sum(1, keepdims=True)).tolist(),
+                                     imbalance_final=[1.2, 1.3]))
+    train.write_plots(tmp_path, summary, counts)
+
+    # loss.png: the three evaluations as markers, with no line drawn between them.
+    (validation,) = [line for line in saved["loss.png"].axes[0].get_lines()
+                     if line.get_label().startswith("validation")]
+    assert validation.get_marker() == "o" and validation.get_linestyle() == "None"
+    np.testing.assert_array_equal(validation.get_xdata(), [0, 30, 60])
+    # expert_share.png: which colour is which expert (a legend entry each; a colour bar past 20 experts).
+    share = saved["expert_share.png"]
+    if experts <= 20:
+        (legend,) = share.legends
+        assert [t.get_text() for t in legend.get_texts()] == [f"expert {e}" for e in range(experts)]
+    else:
+        assert any(axes.get_xlabel() == "expert" for axes in share.axes if axes not in share.axes[:2 * layers])
+
+
 def test_bad_routing_is_named():
     args = train.parse_args(["--groups", "3", "--group-topk", "1"])
     with pytest.raises(SystemExit, match="bad routing options: .*groups"):
@@ -189,6 +241,15 @@ def test_a_short_run_learns_and_reports_it(tmp_path):
     np.testing.assert_allclose(share.sum(1), 1, rtol=1e-12)
     np.testing.assert_allclose(summary["load_balance"]["imbalance_final"], share.max(1) * 8, rtol=1e-9)
     assert f"{loss['final_validation']:.3f}" in run.stderr and "below the unigram baseline" in run.stderr
+    # Each progress line shows the latest validation loss with the step it was measured at; the last
+    # line's is the final one.
+    evaluated = dict(loss["validation"])
+    lines = [line for line in run.stderr.splitlines() if line.startswith("step ")]
+    assert lines and lines[-1].startswith("step 60/60 "), run.stderr[-3000:]
+    for line in lines:
+        step = int(line.split()[1].split("/")[0])
+        val_step = step // 30 * 30
+        assert f"val {evaluated[val_step]:.3f} @ step {val_step} " in line, line
 
     assert _png_size(out / "loss.png") == (960, 540)
     assert _png_size(out / "expert_share.png") == (1320, int((2.6 * 2 + 0.6) * 120))

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxmoe._checks import called_eagerly, check_array, check_bool, check_count, check_float_dtype
+from oxmoe._checks import FLOAT_DTYPES, called_eagerly, check_array, check_bool, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 
 __all__ = ["ragged_dot", "transposed_ragged_dot"]
@@ -64,8 +64,9 @@ def _check_groups(group_sizes, group_offset, local_groups: int | None, local_gro
     ``local_groups`` is the window's group count, which the argument named
     ``local_groups_name`` gives (None: not given, the window is every group)."""
     check_array("group_sizes", group_sizes)
-    if group_sizes.dtype != jnp.int32:
-        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
+    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+        raise TypeError(f"group_sizes must be an integer array (int32, or another integer dtype that is cast "
+                        f"to int32), got {group_sizes.dtype}")
     if group_sizes.ndim != 1:
         raise ValueError(f"group_sizes must have shape [num_groups], got {tuple(group_sizes.shape)}")
     groups = group_sizes.shape[0]
@@ -76,14 +77,35 @@ def _check_groups(group_sizes, group_offset, local_groups: int | None, local_gro
         offset = jnp.zeros((1,), jnp.int32)
     else:
         check_array("group_offset", group_offset)
-        if group_offset.dtype != jnp.int32 or group_offset.shape not in ((), (1,)):
-            raise ValueError(f"group_offset must be an int32 scalar or [1] array, got "
+        if not jnp.issubdtype(group_offset.dtype, jnp.integer) or group_offset.shape not in ((), (1,)):
+            raise ValueError(f"group_offset must be an integer (int32) scalar or [1] array, got "
                              f"{group_offset.dtype}{list(group_offset.shape)}")
         if local_groups is not None and local_groups > groups:
             raise ValueError(f"{local_groups_name} is {local_groups}, more than the {groups} groups of group_sizes")
-        offset = jnp.reshape(group_offset, (1,))
+        offset = jnp.reshape(_as_int32("group_offset", group_offset), (1,))
     _check_concrete(group_sizes, group_offset, m)
-    return groups, offset
+    return groups, _as_int32("group_sizes", group_sizes), offset
+
+
+def _as_int32(name: str, values):
+    """Integer ``values`` (int64, unsigned, NumPy, ...) as an int32 JAX array.
+    Called eagerly, a value outside int32 raises; under a transformation it is
+    clamped to int32's range (the kernels clamp sizes to the rows anyway)."""
+    if values.dtype == jnp.int32:
+        return jnp.asarray(values)
+    info = np.iinfo(np.int32)
+    if called_eagerly():
+        concrete = np.asarray(values)
+        outside = (concrete < info.min) | (concrete > info.max)
+        if outside.any():
+            raise ValueError(f"{name} must fit in int32 (it is cast to int32), got {concrete[outside].flat[0]} "
+                             f"({values.dtype})")
+        return jnp.asarray(concrete.astype(np.int32))
+    values = jnp.asarray(values)
+    own = jnp.iinfo(values.dtype)
+    if own.min < info.min or own.max > info.max:  # wider than int32: clamp first (a narrower one would wrap)
+        values = jnp.clip(values, max(own.min, info.min), min(own.max, info.max))
+    return values.astype(jnp.int32)
 
 
 def _check_concrete(group_sizes, group_offset, m: int) -> None:
@@ -112,23 +134,36 @@ def _check_operands(lhs, rhs):
         raise ValueError(f"lhs must have shape [M, K], got {tuple(lhs.shape)}")
 
 
-def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offset=None, rhs_transposed=False):
+def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None,
+               out_sharding=None, *, rhs_transposed=False):
     """Grouped product: the rows of group ``g`` of ``lhs`` times ``rhs[g]``.
 
-    Group ``g`` holds rows ``[start_g, start_g + group_sizes[g])`` of ``lhs``,
+    Takes :func:`jax.lax.ragged_dot`'s arguments, in its order, with its
+    meaning, plus ``rhs_transposed``. Group ``g`` holds rows
+    ``[start_g, start_g + group_sizes[g])`` of ``lhs``,
     ``start_g = sum(group_sizes[:g])``. With ``group_offset = g0``, local group
     ``i`` of ``rhs`` multiplies global group ``g0 + i`` (the local experts of an
     expert-parallel shard).
 
     Args:
       lhs: ``[M, K]`` float32, bfloat16 or float16.
-      rhs: ``[G_local, K, N]`` in lhs's dtype; ``[G_local, N, K]`` with
-        ``rhs_transposed`` (then ``rhs[g]ᵀ`` multiplies, with no transpose
-        materialised).
-      group_sizes: ``[G]`` int32 row counts, on the device.
-      preferred_element_type: the output dtype: None (lhs's dtype) or float32.
-      group_offset: optional int32 scalar or ``[1]`` array, the first group of
-        the window; ``G_local`` must equal ``G`` without it.
+      rhs: ``[G_local, K, N]`` float32, bfloat16 or float16; ``[G_local, N, K]``
+        with ``rhs_transposed`` (then ``rhs[g]ᵀ`` multiplies, with no transpose
+        materialised). Operands of two dtypes are promoted as
+        :func:`jax.lax.ragged_dot` promotes them.
+      group_sizes: ``[G]`` integer row counts, on the device; int32, or any
+        other integer dtype (int64, NumPy arrays), cast to int32 (called
+        eagerly, a value outside int32 raises).
+      precision: accepted as :func:`jax.lax.ragged_dot` accepts it (None, a
+        :class:`jax.lax.Precision` or its name, or a pair of them) and changes
+        nothing: the kernels multiply the inputs in their own dtype and
+        accumulate in float32 always. A dot algorithm is refused.
+      preferred_element_type: the output dtype: None (the dtype
+        :func:`jax.lax.ragged_dot` gives, the promoted inputs' for one dtype),
+        float32, bfloat16 or float16 (rounded from the float32 sums).
+      group_offset: optional integer scalar or ``[1]`` array, the first group
+        of the window; ``G_local`` must equal ``G`` without it.
+      out_sharding: None only (an output sharding is refused).
       rhs_transposed: ``rhs`` is ``[G_local, N, K]``.
 
     Returns:
@@ -136,7 +171,16 @@ def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offs
       float32; every other row (other groups, rows past the groups' total) is
       zero. Differentiable in ``lhs`` and ``rhs``.
     """
-    _check_operands(lhs, rhs)
+    check_array("lhs", lhs)
+    check_array("rhs", rhs)
+    check_float_dtype("lhs", lhs)
+    check_float_dtype("rhs", rhs)
+    if lhs.ndim != 2:
+        raise ValueError(f"lhs must have shape [M, K], got {tuple(lhs.shape)}")
+    _check_precision(precision)
+    if out_sharding is not None:
+        raise ValueError(f"out_sharding is not supported by oxmoe.ragged_dot (None only), got {out_sharding!r}; "
+                         "shard the result with jax.lax.with_sharding_constraint or jax.sharding.reshard")
     rhs_transposed = check_bool("rhs_transposed", rhs_transposed)
     if rhs.ndim != 3:
         raise ValueError(f"rhs must have shape [groups, K, N] (or [groups, N, K] with rhs_transposed), "
@@ -146,9 +190,45 @@ def ragged_dot(lhs, rhs, group_sizes, *, preferred_element_type=None, group_offs
     if rhs_k != k:
         layout = "[groups, N, K]" if rhs_transposed else "[groups, K, N]"
         raise ValueError(f"rhs must be {layout} with K = {k} (lhs's second dimension), got {tuple(rhs.shape)}")
-    _, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", m)
-    out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
-    return _ragged_dot(*vary_alike(lhs, rhs, group_sizes, offset), (rhs_transposed, out_dtype))
+    _, sizes, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", m)
+    dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    out_dtype = _ragged_dot_out_dtype(preferred_element_type, lhs.dtype, rhs.dtype)
+    # The kernels write the inputs' dtype or float32; any other output is rounded from float32.
+    kernel_dtype = out_dtype if out_dtype in (dtype, jnp.dtype(jnp.float32)) else jnp.dtype(jnp.float32)
+    operands = vary_alike(jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), sizes, offset)
+    return _ragged_dot(*operands, (rhs_transposed, kernel_dtype)).astype(out_dtype)
+
+
+def _check_precision(precision) -> None:
+    """``precision`` as :func:`jax.lax.dot` takes it, but only the kinds that
+    name a precision (the kernels accumulate in float32 whatever it says)."""
+    parts = precision if isinstance(precision, (tuple, list)) and len(precision) == 2 else (precision,)
+    for part in parts:
+        if part is None or isinstance(part, jax.lax.Precision):
+            continue
+        if isinstance(part, str):
+            try:
+                jax.lax.Precision(part)
+                continue
+            except ValueError:
+                pass
+        raise ValueError(f"precision must be None, a jax.lax.Precision, its name, or a pair of them (oxmoe's kernels "
+                         f"accumulate in float32 always; a dot algorithm is not supported), got {precision!r}")
+
+
+def _ragged_dot_out_dtype(preferred_element_type, lhs_dtype, rhs_dtype):
+    """The output dtype :func:`jax.lax.ragged_dot` gives, of the float dtypes oxmoe writes."""
+    if preferred_element_type is not None:
+        out = jnp.dtype(preferred_element_type)
+        if out not in FLOAT_DTYPES:
+            raise TypeError(f"preferred_element_type must be None, float32, bfloat16 or float16, got {out}")
+        return out
+    if lhs_dtype == rhs_dtype:
+        return jnp.dtype(lhs_dtype)
+    # Two dtypes: lax's own rule (e.g. bfloat16 x float32 gives float32), read from its abstract evaluation.
+    return jax.eval_shape(jax.lax.ragged_dot, jax.ShapeDtypeStruct((1, 1), lhs_dtype),
+                          jax.ShapeDtypeStruct((1, 1, 1), rhs_dtype),
+                          jax.ShapeDtypeStruct((1,), jnp.int32)).dtype
 
 
 def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offset=None,
@@ -180,10 +260,10 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
         raise ValueError("num_groups (the groups of the result) is required with group_offset")
     if num_groups is not None:
         num_groups = check_count("num_groups", num_groups, 0)
-    groups, offset = _check_groups(group_sizes, group_offset, num_groups, "num_groups", lhs.shape[0])
+    groups, sizes, offset = _check_groups(group_sizes, group_offset, num_groups, "num_groups", lhs.shape[0])
     out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
     static = (groups if num_groups is None else num_groups, out_dtype)
-    return _transposed(*vary_alike(lhs, rhs, group_sizes, offset), static)
+    return _transposed(*vary_alike(lhs, rhs, sizes, offset), static)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))

@@ -141,15 +141,15 @@ def dispatched_rows(num_out_tokens: int, num_experts: int, align_size: int | Non
     return rows
 
 
-def _check_routed_count(routing_map, num_out_tokens: int) -> None:
-    """Called eagerly, more entries than rows is an error, not a drop."""
+def _check_routed_count(routing_map, num_out_tokens: int, room: str) -> None:
+    """Called eagerly, more entries than rows is an error, not a drop. ``room``
+    names the argument the caller gave the room with, as the message shows it."""
     if not called_eagerly():
         return
     routed = int(np.count_nonzero(np.asarray(routing_map)))
     if routed > num_out_tokens:
-        raise ValueError(f"num_out_tokens ({num_out_tokens}) is too small: routing_map routes {routed} "
-                         "(token, expert) pairs; under jit (or another transformation) the copies that do not "
-                         "fit would be dropped")
+        raise ValueError(f"{room} is too small: routing_map routes {routed} (token, expert) pairs; under jit "
+                         "(or another transformation) the copies that do not fit would be dropped")
 
 
 def dispatch(tokens, routing_map, *, probs=None, topk=None, num_out_tokens=None, align_size=None) -> Dispatched:
@@ -188,10 +188,14 @@ def dispatch(tokens, routing_map, *, probs=None, topk=None, num_out_tokens=None,
     if (topk is None) == (num_out_tokens is None):
         raise ValueError("give exactly one of topk (room for num_tokens * topk copies) and num_out_tokens, "
                          f"got topk={topk!r}, num_out_tokens={num_out_tokens!r}")
-    if topk is not None:
-        num_out_tokens = t * check_count("topk", topk, 1, e, f" (the number of experts is {e})")
+    if topk is None:
+        room = f"num_out_tokens ({num_out_tokens})"
+    else:
+        topk = check_count("topk", topk, 1, e, f" (the number of experts is {e})")
+        num_out_tokens = t * topk
+        room = f"topk={topk} (room for {t} tokens x {topk} = {num_out_tokens} copies)"
     rows = dispatched_rows(num_out_tokens, e, align_size)  # checks num_out_tokens and align_size
-    _check_routed_count(routing_map, num_out_tokens)
+    _check_routed_count(routing_map, num_out_tokens, room)
 
     static = (rows, None if align_size is None else int(align_size), None if probs is None else jnp.dtype(probs.dtype))
     return _dispatch(tokens, routing_map, probs, static)

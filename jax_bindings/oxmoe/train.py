@@ -24,6 +24,7 @@ import dataclasses
 import datetime
 import importlib.resources
 import json
+import math
 import pathlib
 import sys
 import time
@@ -31,8 +32,17 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-from flax import nnx
+
+#: What the job needs beyond oxmoe itself, and how to get it.
+TOOLS_HINT = "pip install 'oxmoe[tools]' (flax, optax, rich and matplotlib)"
+
+try:
+    import optax
+    from flax import nnx
+except ModuleNotFoundError as missing:
+    if __name__ == "__main__":
+        sys.exit(f"python -m oxmoe.train needs {missing.name}: {TOOLS_HINT}")
+    raise ModuleNotFoundError(f"oxmoe.train needs {missing.name}: {TOOLS_HINT}", name=missing.name) from missing
 
 import oxmoe
 from oxmoe._progress import Progress
@@ -330,6 +340,7 @@ def train(args: argparse.Namespace) -> dict:
             clock = time.perf_counter()  # the evaluation is not training time
 
         def record(step, result):
+            """Reads the step's numbers (timing it); ``show`` reports them."""
             nonlocal clock
             byte_loss, moe_loss, counts = jax.device_get(result)
             now = time.perf_counter()
@@ -338,10 +349,14 @@ def train(args: argparse.Namespace) -> dict:
             losses.append(float(byte_loss))
             moe_losses.append(float(moe_loss))
             tokens_per_expert[step] = counts
+
+        def show(step):
             recent = slice(max(1, len(step_seconds) - 20), None)  # the first step compiles
             rate = tokens_per_step / np.mean(step_seconds[recent]) if len(step_seconds) > 1 else 0.0
-            stats = (f"loss {np.mean(losses[-10:]):.3f}  val {validation_losses[-1][1]:.3f} "
-                     f"(unigram {baseline:.3f})  {rate / 1e3:.1f}k tok/s  load max/mean {imbalance(counts).max():.2f}")
+            # The validation loss is measured every --eval-every steps: shown with the step it was measured at.
+            val_step, val = validation_losses[-1]
+            stats = (f"loss {np.mean(losses[-10:]):.3f}  val {val:.3f} @ step {val_step} (unigram {baseline:.3f})  "
+                     f"{rate / 1e3:.1f}k tok/s  load max/mean {imbalance(tokens_per_expert[step]).max():.2f}")
             progress.running(stats)
             progress.advance()
             if not progress.live and ((step + 1) % log_every == 0 or step + 1 == args.steps):
@@ -356,11 +371,13 @@ def train(args: argparse.Namespace) -> dict:
             result = step_model(windows, bias_rate)
             if pending is not None:
                 record(*pending)
+                show(pending[0])
             pending = (step, result)
             if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
                 record(*pending)
                 pending = None
                 evaluate(step + 1)
+                show(step)  # after the evaluation: the line shows the validation loss of this step
 
     tail = slice(-max(1, args.steps // 10), None)
     steady_seconds = sum(step_seconds[1:])
@@ -423,7 +440,9 @@ def write_plots(out: pathlib.Path, summary: dict, tokens_per_expert: np.ndarray)
     axes.plot(steps, running_mean(np.asarray(loss["train"]), window), color="tab:blue",
               label=f"training (mean of {window} steps)")
     validation = np.asarray(loss["validation"])
-    axes.plot(validation[:, 0], validation[:, 1], "o-", color="tab:orange", label="validation")
+    # Points only: the validation loss is measured at these steps, not between them.
+    axes.plot(validation[:, 0], validation[:, 1], "o", color="tab:orange",
+              label=f"validation ({len(validation)} evaluations)")
     axes.axhline(loss["unigram_baseline"], color="gray", linestyle="--",
                  label=f"unigram baseline {loss['unigram_baseline']:.2f}")
     axes.set(xlabel="step", ylabel="next-byte loss (nats)", title=title,
@@ -438,7 +457,10 @@ def write_plots(out: pathlib.Path, summary: dict, tokens_per_expert: np.ndarray)
     share = tokens_per_expert / np.maximum(tokens_per_expert.sum(-1, keepdims=True), 1)
     figure, grid = plt.subplots(layers, 2, figsize=(11, 2.6 * layers + 0.6), dpi=120, squeeze=False,
                                 gridspec_kw=dict(width_ratios=(3, 1)))
-    colors = plt.get_cmap("tab20" if experts > 10 else "tab10")(np.arange(experts) % 20)
+    # Up to 20 experts: one distinct colour each, named in a legend; more: a colour scale with a colour bar.
+    many = experts > 20
+    colors = (plt.get_cmap("viridis")(np.linspace(0, 1, experts)) if many
+              else plt.get_cmap("tab20" if experts > 10 else "tab10")(np.arange(experts)))
     final = np.asarray(summary["load_balance"]["expert_share_final"])
     for layer, (over_time, at_end) in enumerate(grid):
         over_time.stackplot(np.arange(1, len(share) + 1), running_mean(share[:, layer], window).T, colors=colors)
@@ -451,7 +473,17 @@ def write_plots(out: pathlib.Path, summary: dict, tokens_per_expert: np.ndarray)
     grid[-1, 0].set_xlabel("step (each colour an expert, stacked)")
     grid[-1, 1].set_xlabel("expert (dashed: uniform)")
     figure.suptitle(f"Tokens routed to each expert: {title}")
-    figure.tight_layout()
+    # The legend (or colour bar) goes below the plots, in the room tight_layout leaves for it.
+    rows = 3 if many else math.ceil(experts / 10)
+    figure.tight_layout(rect=(0, 0.3 * rows / figure.get_figheight(), 1, 1))
+    if many:
+        scale = matplotlib.cm.ScalarMappable(matplotlib.colors.Normalize(0, experts - 1), plt.get_cmap("viridis"))
+        bar = figure.add_axes((0.3, 0.5 / figure.get_figheight(), 0.4, 0.12 / figure.get_figheight()))
+        figure.colorbar(scale, cax=bar, orientation="horizontal", label="expert")
+    else:
+        from matplotlib.patches import Patch
+        figure.legend(handles=[Patch(color=colors[e], label=f"expert {e}") for e in range(experts)],
+                      loc="lower center", ncol=min(experts, 10), fontsize="small", frameon=False)
     figure.savefig(out / "expert_share.png")
     plt.close(figure)
 
@@ -459,6 +491,11 @@ def write_plots(out: pathlib.Path, summary: dict, tokens_per_expert: np.ndarray)
 def main(argv=None) -> int:
     """``python -m oxmoe.train``: exit status 0 when the validation loss ended below the baseline."""
     args = parse_args(argv)
+    try:  # the progress bar and the plots: fail now, not after the training
+        import matplotlib  # noqa: F401
+        import rich  # noqa: F401
+    except ModuleNotFoundError as missing:
+        sys.exit(f"python -m oxmoe.train needs {missing.name}: {TOOLS_HINT}")
     # Only the CPU backend reads this (before any backend starts): virtual devices to split the experts over.
     jax.config.update("jax_num_cpu_devices", args.devices or 2)
     summary = train(args)

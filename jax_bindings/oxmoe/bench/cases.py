@@ -243,6 +243,10 @@ class Family:
     None: :func:`run_case` runs each case, ``__main__`` prints the byte-floor table."""
 
 
+#: The goals line of a smoke run: its sizes are too small for a goal to mean anything.
+NOT_JUDGED = "not judged at smoke sizes"
+
+
 def family_heading(family: Family, smoke: bool) -> str:
     """The line above a family's goals and table: its name and sizes."""
     return f"{family.name}: {family.sizes(smoke)}{' (smoke)' if smoke else ''}"
@@ -267,7 +271,7 @@ class OwnCasesReport:
 
     def run(self, case, settings: timing.Settings, log: Callable[[str], None]) -> None:
         result = self.run_case(case, settings, self.shared)
-        summary = self.summary(result)
+        summary = self.summary(result, judge_goals=not self.smoke)
         self.summaries.append(summary)
         log(f"    FAILED: {result.failure}" if result.failure else summary.log_line())
 

@@ -310,6 +310,10 @@ def _check_params(params, config: MoEConfig, axes: Axes, hidden: int) -> None:
         check_array(f"params.{name}", getattr(params, name))
         if getattr(params, name).dtype not in FLOAT_DTYPES:
             raise TypeError(f"params.{name} must be float32, bfloat16 or float16, got {getattr(params, name).dtype}")
+    if params.gate.shape != (hidden, e) and _params_hidden(params, axes) not in (None, hidden):
+        raise ValueError(f"x's hidden size (its last dimension) is {hidden}, but params are for hidden "
+                         f"{_params_hidden(params, axes)} (params.gate {list(params.gate.shape)}, params.down "
+                         f"{list(params.down.shape)})")
     if params.gate.shape != (hidden, e):
         raise ValueError(f"params.gate must have shape [hidden, num_experts] = [{hidden}, {e}], "
                          f"got {list(params.gate.shape)}")
@@ -338,6 +342,15 @@ def _check_params(params, config: MoEConfig, axes: Axes, hidden: int) -> None:
                              f"got {bias.dtype}{list(bias.shape)}")
     elif params.expert_bias is not None:
         raise ValueError("params.expert_bias is given but config.use_expert_bias is False")
+
+
+def _params_hidden(params: MoEParams, axes: Axes) -> int | None:
+    """The hidden size the params agree on (gate's rows, down's last dimension
+    times its shards), or None where they disagree among themselves."""
+    gate, down = params.gate.shape, params.down.shape
+    if len(gate) == 2 and len(down) == 3 and gate[0] == down[2] * axes.weight_shards:
+        return gate[0]
+    return None
 
 
 def moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None = None,
@@ -375,7 +388,11 @@ def moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None = No
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     if not isinstance(config, MoEConfig):
-        raise TypeError(f"config must be an oxmoe.moe.MoEConfig, got {type(config).__name__}")
+        hint = ""
+        if isinstance(config, jax.core.Tracer):
+            hint = ("; a transformation traced it: make config static, e.g. jax.jit(moe, static_argnames="
+                    "'config') or jax.jit(functools.partial(moe, config=config))")
+        raise TypeError(f"config must be an oxmoe.moe.MoEConfig, got {type(config).__name__}{hint}")
     axes = mesh_axes(config, expert_axis, data_axes, weight_axes)
     _check_params(params, config, axes, x.shape[-1])
     return _layer(config, axes, x, params)
