@@ -206,11 +206,11 @@ def shards_per_token(config: MoEConfig, shards: int) -> float:
     experts are a uniformly random choice (within ``group_topk`` of
     ``num_groups`` groups for group-limited routing)."""
     e, k, el = config.num_experts, config.topk, config.num_experts // shards
-    if config.num_groups and el % (e // config.num_groups) == 0:
+    groups, group_topk = config.num_groups, config.group_topk
+    if groups is not None and group_topk is not None and el % (e // groups) == 0:
         # Whole groups per shard: the token's groups fall on at most group_topk shards.
-        groups_per_shard = el // (e // config.num_groups)
-        return shards * (1 - math.comb(config.num_groups - groups_per_shard, config.group_topk)
-                         / math.comb(config.num_groups, config.group_topk))
+        groups_per_shard = el // (e // groups)
+        return shards * (1 - math.comb(groups - groups_per_shard, group_topk) / math.comb(groups, group_topk))
     return shards * (1 - math.comb(e - el, k) / math.comb(e, k))
 
 
@@ -250,19 +250,20 @@ def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, m
     row for this shard's experts, ``-1`` where it is not routed there (and on
     padding rows).
     """
-    n, t = axes.expert_shards, tokens.shape[0]
+    n, t, axis = axes.expert_shards, tokens.shape[0], axes.expert_axis
+    assert axis is not None, "an exchange needs an expert axis"
     el = config.num_experts // n
     per_shard = routing_map.reshape(t, n, el)
     by_shard = permutation.dispatch_fwd(tokens, per_shard.any(-1), None, num_rows=t * min(config.topk, n),
                                         align_size=None)
     sizes = by_shard.group_sizes
-    every = jax.lax.all_gather(sizes, axes.expert_axis)  # every[s, j]: rows shard s sends shard j
-    me = jax.lax.axis_index(axes.expert_axis)
+    every = jax.lax.all_gather(sizes, axis)  # every[s, j]: rows shard s sends shard j
+    me = jax.lax.axis_index(axis)
     slots = slot_sizes(t, n, config.topk, None if capacity is None else el * capacity)
     choice = jnp.minimum(jnp.searchsorted(jnp.asarray(slots, jnp.int32), every.max()), len(slots) - 1)
     exchange = Exchange(token_rows=by_shard.row_id_map, send_sizes=sizes, send_offsets=_exclusive_cumsum(sizes),
                         recv_sizes=every[:, me], return_offsets=_exclusive_cumsum(every, axis=1)[:, me],
-                        slot_choice=choice.astype(jnp.int32), axis=axes.expert_axis, shards=n, slot_rows=slots,
+                        slot_choice=choice.astype(jnp.int32), axis=axis, shards=n, slot_rows=slots,
                         method=method)
     # Each row's weights for its destination's experts: token source[r], shard shard[r].
     source = by_shard.row_id_map.source_tokens

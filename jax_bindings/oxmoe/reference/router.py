@@ -56,12 +56,10 @@ def top_experts(logits, topk: int, *, score_function="softmax", use_pre_softmax=
     if num_groups is not None:
         selection = _best_groups_only(selection, num_groups, group_topk, topk)
     _, chosen = jax.lax.top_k(selection, topk)  # ties: the lower expert
-    if score_function == "sigmoid":
+    if scores is not None:  # sigmoid, or softmax before the choice
         weights = jnp.take_along_axis(scores, chosen, axis=-1)
-        if topk > 1:
+        if score_function == "sigmoid" and topk > 1:
             weights = weights / weights.sum(-1, keepdims=True)
-    elif use_pre_softmax:
-        weights = jnp.take_along_axis(scores, chosen, axis=-1)
     else:
         weights = jax.nn.softmax(jnp.take_along_axis(x, chosen, axis=-1), axis=-1)
     if scaling_factor is not None:
