@@ -1,7 +1,7 @@
 """One of the two processes of test_moe_multiprocess.py: the MoE layer on a mesh of four CPU
 devices, two in each process, with the processes' collectives over gloo.
 
-    python moe_multiprocess_worker.py PROCESS_ID PORT SEED
+    python moe_multiprocess_worker.py PROCESS_ID PORT SEED [gpu]
 
 Both processes draw the same data from SEED, build global arrays of it, run the layer's
 forward and gradients under jit + shard_map (experts over 4 devices; then 2 data x 2 expert
@@ -9,6 +9,9 @@ shards, the expert weights split over the data axis too), gather the results and
 against the dense reference computed locally on the whole data. Prints one line per case with the largest relative error; exits non-zero
 (with the assertion) on a mismatch. The environment must give each process two host devices
 (XLA_FLAGS=--xla_force_host_platform_device_count=2) and JAX_PLATFORMS=cpu.
+
+With `gpu` (JAX_PLATFORMS=cuda): one GPU per process (local device id = process id), as a job
+across nodes runs, and the experts over the two GPUs (GPU_CASES).
 """
 
 import sys
@@ -39,6 +42,13 @@ CASES = [
     ("data2_expert2_sharded_weights", (2, 2), ("data", "expert"), ("data",), ("data",),
      dict(num_experts=16, topk=4, score_function="sigmoid", num_groups=4, group_topk=2, scaling_factor=2.5,
           use_expert_bias=True, dtype=jnp.bfloat16, exchange="ring", align_size=128), (8, 8, 64)),
+]
+
+
+# One GPU per process: the experts over both, Qwen3's routing and widths at 4096 tokens in all.
+GPU_CASES = [
+    ("gpu_expert2", (2,), ("expert",), (), (),
+     dict(num_experts=128, topk=8, dtype=jnp.bfloat16, exchange="all_to_all"), (4096, 2048)),
 ]
 
 
@@ -84,11 +94,14 @@ def run_case(name, shape, names, data_axes, weight_axes, fields, x_shape, seed):
 
 def main():
     process_id, port, seed = (int(a) for a in sys.argv[1:4])
+    gpu = sys.argv[4:] == ["gpu"]
     jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=NUM_PROCESSES,
-                               process_id=process_id, local_device_ids=None)
-    assert jax.process_count() == NUM_PROCESSES and jax.device_count() == 4 and jax.local_device_count() == 2, (
+                               process_id=process_id, local_device_ids=[process_id] if gpu else None)
+    local = 1 if gpu else 2
+    assert (jax.process_count() == NUM_PROCESSES and jax.local_device_count() == local
+            and jax.device_count() == NUM_PROCESSES * local), (
         f"{jax.process_count()} processes, {jax.device_count()} devices, {jax.local_device_count()} local")
-    for case in CASES:
+    for case in GPU_CASES if gpu else CASES:
         run_case(*case, seed=seed)
     jax.distributed.shutdown()
 
