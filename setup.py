@@ -1,34 +1,49 @@
-"""Builds the Rust library with cargo and ships it inside the `oxmoe` package.
+"""Builds the Rust library with setuptools-rust and ships it inside the `oxmoe` package.
 
-The library is loaded with ctypes, not imported as an extension module, so one
-build serves every Python version; the wheel is still platform-specific.
+Why setuptools-rust (not maturin): liboxmoe.so is a plain cdylib that Python loads
+with ctypes and hands to JAX as FFI capsules, with no PyO3 and no cffi.
+setuptools-rust builds exactly that (`Binding.NoBinding`), and keeps setuptools'
+package layout (`jax_bindings/`) and metadata from pyproject.toml; maturin's modes
+for a library without PyO3 (cffi, uniffi) generate Python bindings oxmoe does not use.
+
+The library is no extension module, so it keeps its plain name (`oxmoe/liboxmoe.so`,
+what `oxmoe._library` loads) and the wheel is tagged `py3-none-<platform>`: one build
+serves every Python 3. It is stripped (16 MB with line tables, about 1.2 MB without).
 """
 
-import os
-import pathlib
-import shutil
-import subprocess
-
 from setuptools import setup
-from setuptools.command.build_py import build_py
-from setuptools.dist import Distribution
+from setuptools.command.bdist_wheel import bdist_wheel
+from setuptools.command.build_ext import build_ext
+from setuptools_rust import Binding, RustExtension, Strip
 
-ROOT = pathlib.Path(__file__).resolve().parent
-
-
-class BuildWithNativeLibrary(build_py):
-    def run(self):
-        super().run()
-        subprocess.run(["cargo", "build", "--release", "--lib"], cwd=ROOT, check=True)
-        target_dir = pathlib.Path(os.environ.get("CARGO_TARGET_DIR", ROOT / "target"))
-        package_dir = pathlib.Path(self.build_lib) / "oxmoe"
-        package_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(target_dir / "release" / "liboxmoe.so", package_dir / "liboxmoe.so")
+LIBRARY = "liboxmoe"
 
 
-class NativeDistribution(Distribution):
-    def has_ext_modules(self):
-        return True
+class BuildExtPlainName(build_ext):
+    def get_ext_filename(self, fullname):
+        # Not `liboxmoe.cpython-311-x86_64-linux-gnu.so`: no Python version is involved.
+        if fullname.split(".")[-1] == LIBRARY:
+            return fullname.replace(".", "/") + ".so"
+        return super().get_ext_filename(fullname)
 
 
-setup(cmdclass={"build_py": BuildWithNativeLibrary}, distclass=NativeDistribution)
+class BdistWheelAnyPython3(bdist_wheel):
+    def get_tag(self):
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
+
+setup(
+    rust_extensions=[
+        RustExtension(
+            f"oxmoe.{LIBRARY}",
+            path="Cargo.toml",
+            binding=Binding.NoBinding,
+            # Release also for editable installs (setuptools-rust would build those
+            # in debug, whose CPU implementations are many times slower).
+            debug=False,
+            strip=Strip.All,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtPlainName, "bdist_wheel": BdistWheelAnyPython3},
+)
