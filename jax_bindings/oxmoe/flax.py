@@ -14,7 +14,13 @@ carry logical axis names, so a model's sharding is written once as rules::
   ``("exp", "embed", "mlp")``;
 - ``params/down``: ``[E, F, H]``, axes ``("exp", "mlp", "embed")``;
 - ``moe_state/expert_bias``: ``[E]`` float32 zeros, axes ``(None,)``, only
-  with ``config.use_expert_bias``.
+  with ``config.use_expert_bias``;
+- with ``config.shared_ffn`` (``Fs``), the shared experts: ``params/shared_up``
+  ``[H, 2Fs]`` (``[H, Fs]`` without a GLU), axes ``("embed", "mlp")``;
+  ``params/shared_down`` ``[Fs, H]``, axes ``("mlp", "embed")``; and with
+  ``config.shared_gate``, ``params/shared_gate`` ``[H, 1]``, axes
+  ``("embed", None)``. The layer takes them whole on every shard (a layout
+  the rules give otherwise is gathered at the shard map's edge).
 
 The gate's expert dimension has no name: every token shard routes over all
 experts, so :func:`~oxmoe.moe.shard_map_moe` wants the gate whole. ``"exp"``
@@ -48,12 +54,15 @@ from oxmoe import moe as _moe
 from oxmoe.moe import MoEAux, MoEConfig, MoEParams
 
 __all__ = ["MoEBlock", "update_expert_bias", "GATE_AXES", "UP_AXES", "DOWN_AXES", "EXPERT_BIAS_AXES",
-           "STATE_COLLECTION"]
+           "SHARED_UP_AXES", "SHARED_DOWN_AXES", "SHARED_GATE_AXES", "STATE_COLLECTION"]
 
 GATE_AXES = ("embed", None)
 UP_AXES = ("exp", "embed", "mlp")
 DOWN_AXES = ("exp", "mlp", "embed")
 EXPERT_BIAS_AXES = (None,)
+SHARED_UP_AXES = ("embed", "mlp")
+SHARED_DOWN_AXES = ("mlp", "embed")
+SHARED_GATE_AXES = ("embed", None)
 
 STATE_COLLECTION = "moe_state"
 
@@ -69,6 +78,20 @@ def expert_shapes(config: MoEConfig, hidden: int, ffn: int) -> tuple[tuple[int, 
     """The shapes ``(up, down)`` of the expert weights: ``[E, H, 2F]`` (GLU) or ``[E, H, F]``, and ``[E, F, H]``."""
     e = config.num_experts
     return (e, hidden, 2 * ffn if config.glu else ffn), (e, ffn, hidden)
+
+
+def shared_shapes(config: MoEConfig, hidden: int) -> dict[str, tuple[int, int]]:
+    """The shared experts' weights' shapes by name (none without ``config.shared_ffn``):
+    ``shared_up`` ``[H, 2Fs]`` (GLU) or ``[H, Fs]``, ``shared_down`` ``[Fs, H]``, and
+    ``shared_gate`` ``[H, 1]`` with ``config.shared_gate``."""
+    fs = config.shared_ffn
+    if fs is None:
+        return {}
+    shapes = {"shared_up": (hidden, 2 * fs if config.glu else fs), "shared_down": (fs, hidden)}
+    return shapes | ({"shared_gate": (hidden, 1)} if config.shared_gate else {})
+
+
+SHARED_AXES = {"shared_up": SHARED_UP_AXES, "shared_down": SHARED_DOWN_AXES, "shared_gate": SHARED_GATE_AXES}
 
 
 def check_hidden(x, hidden: int | None) -> int:
@@ -122,6 +145,8 @@ class MoEBlock(nn.Module, kw_only=True):
       gate_init, up_init, down_init: initialisers ``(key, shape, dtype)`` of the
         ``[H, E]``, ``[E, H, 2F]`` and ``[E, F, H]`` weights (default: LeCun
         normal, fan-in H, H and F).
+      shared_init: the initialiser of the shared experts' ``[H, 2Fs]``,
+        ``[Fs, H]`` and ``[H, 1]`` weights (default: LeCun normal, fan-in H, Fs, H).
     """
 
     config: MoEConfig
@@ -135,6 +160,7 @@ class MoEBlock(nn.Module, kw_only=True):
     gate_init: Initializer = default_gate_init
     up_init: Initializer = default_expert_init
     down_init: Initializer = default_expert_init
+    shared_init: Initializer = default_gate_init
 
     @nn.compact
     def __call__(self, x) -> tuple[jax.Array, MoEAux]:
@@ -154,7 +180,9 @@ class MoEBlock(nn.Module, kw_only=True):
             zeros = nn.with_logical_partitioning(jnp.zeros, EXPERT_BIAS_AXES, mesh=self.mesh)
             expert_bias = self.variable(STATE_COLLECTION, "expert_bias", zeros, (config.num_experts,),
                                         jnp.float32).value
-        params = MoEParams(gate=gate, up=up, down=down, expert_bias=expert_bias)
+        shared = {name: param(name, self.shared_init, shape, SHARED_AXES[name])
+                  for name, shape in shared_shapes(config, hidden).items()}
+        params = MoEParams(gate=gate, up=up, down=down, expert_bias=expert_bias, **shared)
         return call_moe(x, params, config, expert_axis=self.expert_axis, data_axes=self.data_axes,
                         weight_axes=self.weight_axes, mesh=self.mesh)
 

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from oxmoe import moe as _moe
-from oxmoe.flax import (DOWN_AXES, EXPERT_BIAS_AXES, GATE_AXES, UP_AXES, Initializer, call_moe, check_hidden,
-                        default_expert_init, default_gate_init, expert_shapes)
+from oxmoe.flax import (DOWN_AXES, EXPERT_BIAS_AXES, GATE_AXES, SHARED_AXES, UP_AXES, Initializer, call_moe,
+                        check_hidden, default_expert_init, default_gate_init, expert_shapes, shared_shapes)
 from oxmoe.moe import MoEAux, MoEConfig, MoEParams
 
 __all__ = ["MoE", "ExpertBias"]
@@ -80,19 +80,24 @@ class MoE(nnx.Module):
       gate_init, up_init, down_init: initialisers ``(key, shape, dtype)`` of the
         ``[H, E]``, ``[E, H, 2F]`` and ``[E, F, H]`` weights (default: LeCun
         normal, fan-in H, H and F).
+      shared_init: the initialiser of the shared experts' weights (with
+        ``config.shared_ffn``; default: LeCun normal).
 
     Attributes:
       gate, up, down: the ``nnx.Param`` weights (see :mod:`oxmoe.flax` for
         shapes and logical axes).
       expert_bias: an :class:`ExpertBias` of zeros with ``config.use_expert_bias``,
         else ``None``.
+      shared_up, shared_down, shared_gate: the shared experts' ``nnx.Param``
+        weights with ``config.shared_ffn`` (``shared_gate`` with
+        ``config.shared_gate``), else ``None``.
     """
 
     def __init__(self, config: MoEConfig, hidden: int, ffn: int, *, rngs: nnx.Rngs,
                  expert_axis: str | None = None, data_axes: tuple[str, ...] = (),
                  weight_axes: tuple[str, ...] = (), mesh: jax.sharding.Mesh | None = None, param_dtype: Any = jnp.float32,
                  gate_init: Initializer = default_gate_init, up_init: Initializer = default_expert_init,
-                 down_init: Initializer = default_expert_init):
+                 down_init: Initializer = default_expert_init, shared_init: Initializer = default_gate_init):
         self.config = config
         self.hidden = hidden
         self.expert_axis = expert_axis
@@ -115,11 +120,18 @@ class MoE(nnx.Module):
         self.expert_bias = (ExpertBias(jnp.zeros((config.num_experts,), jnp.float32), out_sharding=EXPERT_BIAS_AXES,
                                        **placement)
                             if config.use_expert_bias else None)
+        shapes = shared_shapes(config, hidden)
+        for name in ("shared_up", "shared_down", "shared_gate"):
+            setattr(self, name, param(shared_init, shapes[name], SHARED_AXES[name]) if name in shapes else None)
 
     def __call__(self, x) -> tuple[jax.Array, MoEAux]:
         check_hidden(x, self.hidden)
+        def value(variable):
+            return None if variable is None else variable[...]
+
         params = MoEParams(gate=self.gate[...], up=self.up[...], down=self.down[...],
-                           expert_bias=None if self.expert_bias is None else self.expert_bias[...])
+                           expert_bias=value(self.expert_bias), shared_up=value(self.shared_up),
+                           shared_down=value(self.shared_down), shared_gate=value(self.shared_gate))
         return call_moe(x, params, self.config, expert_axis=self.expert_axis, data_axes=self.data_axes,
                         weight_axes=self.weight_axes, mesh=self.mesh)
 
