@@ -257,3 +257,25 @@ def test_flax_modules_create_the_shared_weights_and_match_the_reference(front_en
     weights = {k: jnp.asarray(weights[k][...] if front_end == "nnx" else weights[k]) for k in shapes}
     expected = reference(x, MoEParams(**weights), config, y_weight)
     checks.compare(((y, aux), (dx, MoEParams(**dweights))), expected, config, context=f"{front_end}, seed={seed}")
+
+
+# ------------------------------------------------------------------ the benchmark's case
+
+
+def test_the_benchmarks_deepseek_v3_shared_case_checks_against_plain_jax():
+    from oxmoe.bench import moe as bench_moe
+    from oxmoe.model_shapes import DEEPSEEK_V3_LAYER
+
+    (case,) = [layer for layer in bench_moe.LAYERS if layer.config.shared_ffn]
+    assert (case.name, case.devices, case.config.num_experts, case.config.shared_ffn, case.config.shared_gate) == (
+        "deepseek_v3 shared", 1, 256, 2048, False)
+    # Its code path at a tiny size: the step against plain JAX's, the shared weights' gradients
+    # among the errors, and the shared GEMMs in the FLOPs (tokens x H x 3 Fs, times 2 and 3).
+    small = bench_moe._layer(DEEPSEEK_V3_LAYER, tokens=64, hidden=64, ffn=32, shared_ffn=32)
+    place = bench_moe.Placement(None)
+    params = bench_moe.draw_params(small, place, (0,))
+    _, errors = bench_moe.check_at_sample(bench_moe.oxmoe_layer(small.config), small, place, params, (0,))
+    assert {"dshared_up_rel_err", "dshared_down_rel_err"} <= set(errors)
+    routed = bench_moe._layer(DEEPSEEK_V3_LAYER, tokens=64, hidden=64, ffn=32)
+    assert small.flops - routed.flops == 3 * 2 * 64 * 64 * 3 * 32
+    assert [g.name for g in small.gemms()][2:] == ["deepseek_v3 shared shared_up", "deepseek_v3 shared shared_down"]
