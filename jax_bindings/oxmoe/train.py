@@ -377,8 +377,9 @@ def train(args: argparse.Namespace) -> dict:
         data=dict(sources=list(corpus.sources), train_bytes=len(corpus.train),
                   validation_bytes=len(corpus.validation), unigram_baseline=baseline),
         model=dict(layers=config.layers, hidden=config.hidden, heads=config.heads, ffn=config.ffn,
-                   seq_len=config.seq_len, experts=args.experts, topk=args.topk, routing=args.routing,
-                   groups=args.groups, group_topk=args.group_topk, aux_loss_coeff=config.moe.aux_loss_coeff,
+                   seq_len=config.seq_len, experts=args.experts, topk=args.topk, shared_experts=args.shared_experts,
+                   routing=args.routing, groups=args.groups, group_topk=args.group_topk,
+                   aux_loss_coeff=config.moe.aux_loss_coeff,
                    z_loss_coeff=config.moe.z_loss_coeff, expert_bias_rate=args.bias_rate if args.routing == "sigmoid"
                    else None, dtype=dtype.name, parameters=total_params, active_parameters=active_params),
         training=dict(steps=args.steps, batch=args.batch, tokens_per_step=tokens_per_step, lr=args.lr,
