@@ -33,7 +33,7 @@ from flax import nnx
 from oxmoe import moe as _moe
 from oxmoe.flax import (EXPERT_BIAS_AXES, GATE_AXES, UP_AXES, Initializer, ParamSpec, call_moe, check_hidden,
                         default_expert_init, default_gate_init, layout_shapes, params_from_layout)
-from oxmoe.moe import MoEAux, MoEConfig, MoEParams
+from oxmoe.moe import MoEAux, MoEConfig
 
 __all__ = ["MoE", "ExpertBias", "ParamGroup"]
 

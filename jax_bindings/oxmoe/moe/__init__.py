@@ -63,5 +63,5 @@ from oxmoe.moe.layer import (ExpertInput, ExpertOutput, Residuals, Routing, Shar
                              moe, route, shard_map_moe, shared_expert_ffn)
 
 __all__ = ["MoEConfig", "MoEParams", "MoEAux", "Routing", "ExpertInput", "ExpertOutput", "SharedOutput", "Exchange",
-           "Residuals", "init_params", "moe", "shard_map_moe", "route", "dispatch", "expert_ffn", "combine", "shared_expert_ffn",
-           "update_expert_bias"]
+           "Residuals", "init_params", "moe", "shard_map_moe", "route", "dispatch", "expert_ffn", "combine",
+           "shared_expert_ffn", "update_expert_bias"]
