@@ -3,7 +3,9 @@ to the routed output, optionally scaled by a per-token sigmoid gate (Qwen2-MoE).
 gradients of the layer against the dense reference (moe_reference.py) on one device and inside
 jax.shard_map with 2 or 4 expert shards and a data axis (the shared weights whole on every
 shard), float32 and bfloat16, with and without the gate; the reference's MLP against a float64
-formula; init_params; and the errors for missing or misshapen shared weights.
+formula; init_params; the errors for missing or misshapen shared weights; the Flax modules'
+shared weights; the benchmark's DeepSeek-V3 case; and, in the forward's jaxpr under shard_map, no
+input of the shared MLP's products computed from the all_to_all exchange (so XLA may overlap them).
 """
 
 import dataclasses
@@ -279,3 +281,59 @@ def test_the_benchmarks_deepseek_v3_shared_case_checks_against_plain_jax():
     routed = bench_moe._layer(DEEPSEEK_V3_LAYER, tokens=64, hidden=64, ffn=32)
     assert small.flops - routed.flops == 3 * 2 * 64 * 64 * 3 * 32
     assert [g.name for g in small.gemms()][2:] == ["deepseek_v3 shared shared_up", "deepseek_v3 shared shared_down"]
+
+
+# ------------------------------------------------------------------ free to overlap the exchange
+
+
+def _sub_jaxprs(eqn):
+    for value in eqn.params.values():
+        for item in value if isinstance(value, (tuple, list)) else (value,):
+            if hasattr(item, "eqns"):
+                yield item
+            elif hasattr(getattr(item, "jaxpr", None), "eqns"):
+                yield item.jaxpr
+
+
+def _contains(eqn, predicate) -> bool:
+    return predicate(eqn) or any(_contains(e, predicate) for j in _sub_jaxprs(eqn) for e in j.eqns)
+
+
+def _only(jaxpr, name):
+    (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == name]
+    return eqn
+
+
+def test_the_shared_mlp_depends_on_no_exchange_of_routed_tokens():
+    # In the layer's forward under shard_map (all_to_all exchange, 2 expert shards), no input of
+    # the shared experts' products is computed from an all_to_all: XLA is free to run them while
+    # the routed tokens travel.
+    config = make_config(dtype=F32, shared_gate=True, exchange="all_to_all")
+    params = moe_lib.init_params(jax.random.key(0), config, HIDDEN, FFN)
+    mesh = jax.make_mesh((1, 2), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                         devices=devices.cpu_devices()[:2])
+    specs, tokens = param_specs(params), P(("data", "expert"))
+    layer = jax.shard_map(lambda x, p: moe_lib.moe(x, p, config, expert_axis="expert", data_axes=("data",)),
+                          mesh=mesh, in_specs=(tokens, specs), out_specs=(tokens, P()))
+    jaxpr = jax.make_jaxpr(layer)(jnp.zeros((TOKENS, HIDDEN)), params).jaxpr
+    body = _only(_only(jaxpr, "shard_map").params["jaxpr"], "custom_vjp_call")
+    (inner,) = list(_sub_jaxprs(body))[:1]
+    shared_shapes = {tuple(params.shared_up.shape), tuple(params.shared_down.shape), tuple(params.shared_gate.shape)}
+
+    def exchange(eqn):
+        return eqn.primitive.name == "all_to_all"
+
+    def shared_product(eqn):
+        return eqn.primitive.name == "dot_general" and any(
+            tuple(getattr(v.aval, "shape", ())) in shared_shapes for v in eqn.invars)
+
+    tainted, exchanges, products = set(), 0, 0
+    for eqn in inner.eqns:
+        reads_exchange = any(v in tainted for v in eqn.invars if not hasattr(v, "val"))
+        if _contains(eqn, shared_product):
+            products += 1
+            assert not reads_exchange, f"a shared-expert product reads the exchange's result: {eqn}"
+        if reads_exchange or _contains(eqn, exchange):
+            exchanges += _contains(eqn, exchange)
+            tainted.update(eqn.outvars)
+    assert exchanges >= 2 and products >= 1, (exchanges, products)
