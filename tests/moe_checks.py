@@ -81,7 +81,8 @@ def draw_tokens(rng: np.random.Generator, shape, gate, config, expert_bias=None,
 def draw_params(rng: np.random.Generator, config, hidden: int, ffn: int, *, glu: bool, dtype=np.float32,
                 make=Params):
     """Random weights of the layer's scale (router logits ~ 1, GEMM outputs ~ 1) in `dtype`, built
-    with `make(gate=, up=, down=, expert_bias=)`."""
+    with `make(gate=, up=, down=, expert_bias=)` and, with config.shared_ffn, `shared_up=,
+    shared_down=, shared_gate=` (the gate's logits ~ 1 too)."""
     e = config.num_experts
 
     def normal(shape, std):
@@ -90,9 +91,15 @@ def draw_params(rng: np.random.Generator, config, hidden: int, ffn: int, *, glu:
     bias = None
     if config.use_expert_bias:
         bias = jnp.asarray((rng.standard_normal(e) * 0.05).astype(np.float32))
-    return make(gate=normal((hidden, e), 1.0 / np.sqrt(hidden)),
-                up=normal((e, hidden, 2 * ffn if glu else ffn), 1.0 / np.sqrt(hidden)),
-                down=normal((e, ffn, hidden), 1.0 / np.sqrt(ffn)), expert_bias=bias)
+    routed = dict(gate=normal((hidden, e), 1.0 / np.sqrt(hidden)),
+                  up=normal((e, hidden, 2 * ffn if glu else ffn), 1.0 / np.sqrt(hidden)),
+                  down=normal((e, ffn, hidden), 1.0 / np.sqrt(ffn)), expert_bias=bias)
+    fs = getattr(config, "shared_ffn", None)
+    if fs is None:
+        return make(**routed)
+    return make(**routed, shared_up=normal((hidden, 2 * fs if glu else fs), 1.0 / np.sqrt(hidden)),
+                shared_down=normal((fs, hidden), 1.0 / np.sqrt(fs)),
+                shared_gate=normal((hidden, 1), 1.0 / np.sqrt(hidden)) if config.shared_gate else None)
 
 
 # The weight of y in the differentiated loss sum(y * y_weight) + losses: with the losses'
@@ -204,8 +211,10 @@ def compare(got, expected, config, *, context: str) -> dict:
         else:
             errors[name] = assert_close(value, value_ref, F32, what=name, context=context, tolerance=LOSS_TOLERANCE)
     errors["y"] = assert_close(y, y_ref, dtype, what="y", context=context)
-    for name, g, g_ref in (("d x", dx, dx_ref), ("d gate", dparams.gate, dparams_ref.gate),
-                           ("d up", dparams.up, dparams_ref.up), ("d down", dparams.down, dparams_ref.down)):
+    weights = [(f"d {name}", getattr(dparams, name), getattr(dparams_ref, name))
+               for name in ("gate", "up", "down", "shared_up", "shared_down", "shared_gate")
+               if getattr(dparams_ref, name, None) is not None]
+    for name, g, g_ref in [("d x", dx, dx_ref), *weights]:
         assert g.dtype == g_ref.dtype, f"{name}: dtype {g.dtype}, expected {g_ref.dtype} ({context})"
         errors[name] = assert_close(g, g_ref, dtype, what=name, context=context)
     if dparams_ref.expert_bias is not None:

@@ -70,9 +70,13 @@ class Params:
     up: Any
     down: Any
     expert_bias: Any = None
+    shared_up: Any = None
+    shared_down: Any = None
+    shared_gate: Any = None
 
 
-jax.tree_util.register_dataclass(Params, data_fields=["gate", "up", "down", "expert_bias"], meta_fields=[])
+jax.tree_util.register_dataclass(Params, data_fields=["gate", "up", "down", "expert_bias", "shared_up", "shared_down",
+                                                      "shared_gate"], meta_fields=[])
 
 
 
@@ -112,6 +116,27 @@ def expert_outputs(xs, up, down, config):
                       precision=HIGHEST).astype(dtype)
 
 
+def shared_experts(xs, params, config):
+    """[T, H] float32: the contract's shared experts (config.shared_ffn, issue 20): a dense MLP
+    of the tokens xs [T, H] (in config.dtype) with the experts' activation, rounded to
+    config.dtype after the up product [H, 2Fs] (or [H, Fs]), the activation and the down
+    product [Fs, H]; with config.shared_gate, times sigmoid(xs @ shared_gate [H, 1]) (a float32
+    product of config.dtype operands). Zero without shared experts."""
+    if getattr(config, "shared_ffn", None) is None:
+        return jnp.zeros(xs.shape, F32)
+    dtype = config.dtype
+
+    def dot(a, b):
+        return jnp.dot(a, b.astype(dtype), preferred_element_type=F32, precision=HIGHEST)
+
+    u = dot(xs, params.shared_up).astype(dtype)
+    out = dot(ACTIVATIONS[config.activation](u.astype(F32)).astype(dtype), params.shared_down).astype(dtype)
+    out = out.astype(F32)
+    if config.shared_gate:
+        out = jax.nn.sigmoid(dot(xs, params.shared_gate)) * out
+    return out
+
+
 def moe(x, params, config):
     """(y, Aux) of the whole layer on all tokens x [B, S, H] or [T, H]: y like x in config.dtype."""
     dtype = config.dtype
@@ -121,6 +146,7 @@ def moe(x, params, config):
     kept = within_capacity(chosen, config)
     o = expert_outputs(xs, params.up, params.down, config)
     y = jnp.einsum("te,eth->th", jnp.where(kept, probs, 0), o.astype(F32), precision=HIGHEST).astype(dtype)
+    y = (y.astype(F32) + shared_experts(xs, params, config)).astype(dtype)  # routed output rounded, then the sum
     aux = Aux(load_balancing_loss(logits, config), z_loss(logits, config), chosen.sum(axis=0).astype(jnp.int32),
               (chosen & ~kept).sum(dtype=jnp.int32))
     return y.reshape(x.shape), aux

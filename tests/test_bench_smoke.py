@@ -535,8 +535,10 @@ def test_moe_layer_expert_parallel_case_on_four_devices(tmp_path):
 def test_only_moe_layer_lists_its_cases():
     result = run_bench("--only", "moe_layer", "--list")
     assert result.returncode == 0, result.stderr[-4000:]
-    # The full run's cases: expert parallelism over 2 and 4 devices (the smoke run has the latter).
-    assert result.stdout.splitlines() == MOE_LAYER_CASES[:2] + ["deepseek_v3 ep=2 fwd+bwd", MOE_EP_CASE]
+    # The full run's cases: expert parallelism over 2 and 4 devices (the smoke run has the latter),
+    # and DeepSeek-V3 on one device with its shared expert.
+    assert result.stdout.splitlines() == MOE_LAYER_CASES[:2] + ["deepseek_v3 ep=2 fwd+bwd", MOE_EP_CASE,
+                                                                "deepseek_v3 shared fwd+bwd"]
 
 
 def _step_outputs(rng: np.random.Generator, tokens=64, hidden=16, ffn=8, experts=4, topk=2):

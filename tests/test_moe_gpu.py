@@ -7,6 +7,8 @@ when jax has no GPU device.
   softmax top-8), DeepSeek-V3's routing (256 experts in 8 groups, sigmoid top-8 with expert
   bias and scaling) at reduced widths; y, the losses, the counts and the gradients.
 - One GPU, float32 (small): float32 products throughout, the router's included.
+- One GPU, DeepSeek-V3's routing with a shared expert (MoEConfig.shared_ffn): bfloat16, and
+  float32 with the shared expert's sigmoid gate.
 - Two and four GPUs (skipped when jax sees fewer): experts split over them inside
   jax.shard_map with each exchange ("all_to_all", "ring", "ragged_all_to_all", and "auto"),
   and 2 data x 2 expert shards; the results gathered onto the first GPU and checked there.
@@ -122,6 +124,27 @@ def test_float32_layer_on_one_gpu_matches_the_dense_reference_at_float32_precisi
         x, params, y_weight)
     checks.compare(got, reference(x, params, config, y_weight), config,
                 context=describe("mixtral_float32", config, tokens, hidden, ffn, seed))
+
+
+# DeepSeek-V3's routing with its one shared expert (reduced widths): bfloat16, and float32 with
+# Qwen2-MoE's sigmoid gate on it (its float32 products must not run in TF32 either).
+SHARED_CASES = {"deepseek_v3_shared_bf16": (BF16, False), "deepseek_v3_shared_gate_f32": (jnp.float32, True)}
+
+
+@pytest.mark.parametrize("case", SHARED_CASES)
+def test_shared_experts_on_one_gpu_match_the_dense_reference(case, gpu, seed, rng):
+    dtype, gate = SHARED_CASES[case]
+    tokens, hidden, ffn = scaled(1024, 512, 256)
+    config = config_of(model_shapes.DEEPSEEK_V3, dtype=dtype, shared_ffn=ffn, shared_gate=gate)
+    params = jax.device_put(checks.draw_params(rng, config, hidden, ffn, glu=True, make=MoEParams, dtype=dtype), gpu)
+    x = checks.draw_tokens(rng, (tokens, hidden), np.asarray(params.gate.astype(jnp.float32)), config,
+                           np.asarray(params.expert_bias))
+    y_weight = (rng.standard_normal((tokens, hidden)) * checks.Y_WEIGHT_SCALE).astype(np.float32)
+    x, y_weight = jax.device_put((jnp.asarray(x, dtype), y_weight), gpu)
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
+        x, params, y_weight)
+    checks.compare(got, reference(x, params, config, y_weight), config,
+                   context=describe(case, config, tokens, hidden, ffn, seed))
 
 
 # ------------------------------------------------------------------ several GPUs

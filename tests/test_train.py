@@ -95,18 +95,24 @@ def _reference_logits(model, config, tokens):
         attended = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v, precision=HIGHEST)
         x = x + jnp.dot(attended.reshape(b, s, -1), block.attention.out.kernel[...], precision=HIGHEST)
         moe = block.moe
+        def value(variable):
+            return None if variable is None else variable[...]
+
         params = moe_reference.Params(gate=moe.gate[...], up=moe.up[...], down=moe.down[...],
-                                      expert_bias=None if moe.expert_bias is None else moe.expert_bias[...])
+                                      expert_bias=value(moe.expert_bias), shared_up=value(moe.shared_up),
+                                      shared_down=value(moe.shared_down))
         y, _ = moe_reference.moe(_rms_norm(x, block.moe_norm.scale[...]), params, config.moe)
         x = x + y
     return jnp.dot(_rms_norm(x, model.final_norm.scale[...]), embedding.T, precision=HIGHEST)
 
 
-@pytest.mark.parametrize("routing", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("routing", ["softmax", "sigmoid", "softmax_shared_experts"])
 def test_model_matches_a_plain_jax_forward(rng, routing):
+    shared = routing == "softmax_shared_experts"
+    routing = "softmax" if shared else routing
     moe_config = MoEConfig(num_experts=8, topk=2, score_function=routing, use_expert_bias=routing == "sigmoid",
                            num_groups=4 if routing == "sigmoid" else None, group_topk=2 if routing == "sigmoid" else None,
-                           dtype=jnp.float32)
+                           dtype=jnp.float32, shared_ffn=64 if shared else None)
     config, model, _ = _model(rng, moe_config)
     if routing == "sigmoid":  # a bias that changes the choice of experts
         for block in model.blocks:
@@ -200,6 +206,11 @@ def test_the_plots_mark_evaluations_as_points_and_name_the_expert_colours(expert
         assert [t.get_text() for t in legend.get_texts()] == [f"expert {e}" for e in range(experts)]
     else:
         assert any(axes.get_xlabel() == "expert" for axes in share.axes if axes not in share.axes[:2 * layers])
+
+
+def test_shared_experts_flag_gives_shared_ffn_of_that_many_experts():
+    assert train.moe_config(train.parse_args(["--shared-experts", "2", "--ffn", "48"]), jnp.float32).shared_ffn == 96
+    assert train.moe_config(train.parse_args([]), jnp.float32).shared_ffn is None
 
 
 def test_bad_routing_is_named():

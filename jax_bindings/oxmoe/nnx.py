@@ -31,15 +31,35 @@ import jax.numpy as jnp
 from flax import nnx
 
 from oxmoe import moe as _moe
-from oxmoe.flax import (DOWN_AXES, EXPERT_BIAS_AXES, GATE_AXES, UP_AXES, Initializer, call_moe, check_hidden,
-                        default_expert_init, default_gate_init, expert_shapes)
-from oxmoe.moe import MoEAux, MoEConfig, MoEParams
+from oxmoe.flax import (EXPERT_BIAS_AXES, GATE_AXES, UP_AXES, Initializer, ParamSpec, call_moe, check_hidden,
+                        default_expert_init, default_gate_init, layout_shapes, params_from_layout)
+from oxmoe.moe import MoEAux, MoEConfig
 
-__all__ = ["MoE", "ExpertBias"]
+__all__ = ["MoE", "ExpertBias", "ParamGroup"]
 
 
 class ExpertBias(nnx.Variable):
     """The ``[E]`` float32 expert bias of aux-loss-free balancing: state, not a trained parameter."""
+
+
+class ParamGroup(nnx.Module):
+    """One level of a peer's parameter layout (``param_layout``): its
+    ``nnx.Param`` weights and sub-levels as attributes of their names."""
+
+    def __init__(self, values: dict):
+        for name, value in values.items():
+            setattr(self, name, value)
+        self._names = tuple(values)
+
+    def values(self) -> dict:
+        """The weights' values, nested by name."""
+        return {name: _value(getattr(self, name)) for name in self._names}
+
+
+def _value(variable):
+    if variable is None:
+        return None
+    return variable.values() if isinstance(variable, ParamGroup) else variable[...]
 
 
 def _mesh_in_scope(mesh) -> bool:
@@ -80,19 +100,34 @@ class MoE(nnx.Module):
       gate_init, up_init, down_init: initialisers ``(key, shape, dtype)`` of the
         ``[H, E]``, ``[E, H, 2F]`` and ``[E, F, H]`` weights (default: LeCun
         normal, fan-in H, H and F).
+      shared_init: the initialiser of the shared experts' weights (with
+        ``config.shared_ffn``; default: LeCun normal).
+      param_layout: ``"oxmoe"`` (default), ``"maxtext"`` or
+        ``"transformer_engine"``: the weights' attribute names and shapes,
+        those of :func:`oxmoe.flax.layout_shapes` (a nested level is a
+        :class:`ParamGroup`: MaxText's ``gate.kernel``, ``wi_0``, ``wi_1``,
+        ``wo``, and with shared experts ``MoeBlock_0.*`` and
+        ``shared_experts.wi_0.kernel`` ...), so that a peer's checkpoint loads
+        unchanged. MaxText's ``wi_0``/``wi_1`` are concatenated into the fused
+        up weight in every call (a copy).
 
     Attributes:
       gate, up, down: the ``nnx.Param`` weights (see :mod:`oxmoe.flax` for
-        shapes and logical axes).
+        shapes and logical axes), with ``param_layout="oxmoe"``; another
+        layout has its own names instead.
       expert_bias: an :class:`ExpertBias` of zeros with ``config.use_expert_bias``,
         else ``None``.
+      shared_up, shared_down, shared_gate: the shared experts' ``nnx.Param``
+        weights with ``config.shared_ffn`` (``shared_gate`` with
+        ``config.shared_gate``), else ``None``.
     """
 
     def __init__(self, config: MoEConfig, hidden: int, ffn: int, *, rngs: nnx.Rngs,
                  expert_axis: str | None = None, data_axes: tuple[str, ...] = (),
                  weight_axes: tuple[str, ...] = (), mesh: jax.sharding.Mesh | None = None, param_dtype: Any = jnp.float32,
                  gate_init: Initializer = default_gate_init, up_init: Initializer = default_expert_init,
-                 down_init: Initializer = default_expert_init):
+                 down_init: Initializer = default_expert_init, shared_init: Initializer = default_gate_init,
+                 param_layout: str = "oxmoe"):
         self.config = config
         self.hidden = hidden
         self.expert_axis = expert_axis
@@ -105,21 +140,31 @@ class MoE(nnx.Module):
             _check_rules(mesh)
         placement = dict(eager_sharding=eager, **({} if mesh is None else {"mesh": mesh}))
 
-        def param(init, shape, axes):
-            return nnx.Param(init(rngs.params(), shape, param_dtype), out_sharding=axes, **placement)
+        inits = {"gate": gate_init, "up": up_init, "down": down_init, "shared": shared_init}
 
-        up_shape, down_shape = expert_shapes(config, hidden, ffn)
-        self.gate = param(gate_init, (hidden, config.num_experts), GATE_AXES)
-        self.up = param(up_init, up_shape, UP_AXES)
-        self.down = param(down_init, down_shape, DOWN_AXES)
+        def create(specs):
+            return {name: nnx.Param(inits[spec.role](rngs.params(), spec.shape, param_dtype), out_sharding=spec.axes,
+                                    **placement)
+                    if isinstance(spec, ParamSpec) else ParamGroup(create(spec))
+                    for name, spec in specs.items()}
+
+        self.param_layout = param_layout
+        weights = create(layout_shapes(param_layout, config, hidden, ffn))
+        self._weight_names = tuple(weights)
+        for name, weight in weights.items():
+            setattr(self, name, weight)
+        if param_layout == "oxmoe":  # the attributes the oxmoe layout documents, None when off
+            for name in ("shared_up", "shared_down", "shared_gate"):
+                weights.setdefault(name, None)
+                setattr(self, name, weights[name])
         self.expert_bias = (ExpertBias(jnp.zeros((config.num_experts,), jnp.float32), out_sharding=EXPERT_BIAS_AXES,
                                        **placement)
                             if config.use_expert_bias else None)
 
     def __call__(self, x) -> tuple[jax.Array, MoEAux]:
         check_hidden(x, self.hidden)
-        params = MoEParams(gate=self.gate[...], up=self.up[...], down=self.down[...],
-                           expert_bias=None if self.expert_bias is None else self.expert_bias[...])
+        tree = {name: _value(getattr(self, name)) for name in self._weight_names}
+        params = params_from_layout(self.param_layout, tree, self.config, _value(self.expert_bias))
         return call_moe(x, params, self.config, expert_axis=self.expert_axis, data_axes=self.data_axes,
                         weight_axes=self.weight_axes, mesh=self.mesh)
 

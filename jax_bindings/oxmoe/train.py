@@ -234,6 +234,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     moe.add_argument("--z-loss-coeff", type=float, default=1e-3, help="router z-loss coefficient (default 1e-3)")
     moe.add_argument("--bias-rate", type=float, default=1e-3,
                      help="sigmoid routing: the expert bias update rate (default 1e-3)")
+    moe.add_argument("--shared-experts", type=int, default=0,
+                     help="shared experts every token goes through, each of width --ffn, as MaxText's "
+                          "shared_experts (MoEConfig.shared_ffn = this x --ffn) (default 0)")
     run = parser.add_argument_group("training")
     run.add_argument("--steps", type=int, default=300, help="optimiser steps (default 300)")
     run.add_argument("--batch", type=int, default=32, help="sequences per step; a multiple of --devices (default 32)")
@@ -253,6 +256,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.hidden % args.heads:
         parser.error(f"--heads {args.heads} must divide --hidden {args.hidden}")
+    if args.shared_experts < 0:
+        parser.error(f"--shared-experts must be at least 0, got {args.shared_experts}")
     if args.devices is not None and args.devices < 1:
         parser.error(f"--devices must be at least 1, got {args.devices}")
     return args
@@ -280,7 +285,8 @@ def moe_config(args, dtype) -> MoEConfig:
     try:
         return MoEConfig(num_experts=args.experts, topk=args.topk, score_function=args.routing,
                          num_groups=args.groups, group_topk=args.group_topk, use_expert_bias=sigmoid,
-                         aux_loss_coeff=aux, z_loss_coeff=args.z_loss_coeff, dtype=dtype)
+                         aux_loss_coeff=aux, z_loss_coeff=args.z_loss_coeff, dtype=dtype,
+                         shared_ffn=args.shared_experts * args.ffn or None)
     except (ValueError, TypeError) as error:
         raise SystemExit(f"bad routing options: {error}") from None
 
@@ -388,8 +394,9 @@ def train(args: argparse.Namespace) -> dict:
         data=dict(sources=list(corpus.sources), train_bytes=len(corpus.train),
                   validation_bytes=len(corpus.validation), unigram_baseline=baseline),
         model=dict(layers=config.layers, hidden=config.hidden, heads=config.heads, ffn=config.ffn,
-                   seq_len=config.seq_len, experts=args.experts, topk=args.topk, routing=args.routing,
-                   groups=args.groups, group_topk=args.group_topk, aux_loss_coeff=config.moe.aux_loss_coeff,
+                   seq_len=config.seq_len, experts=args.experts, topk=args.topk, shared_experts=args.shared_experts,
+                   routing=args.routing, groups=args.groups, group_topk=args.group_topk,
+                   aux_loss_coeff=config.moe.aux_loss_coeff,
                    z_loss_coeff=config.moe.z_loss_coeff, expert_bias_rate=args.bias_rate if args.routing == "sigmoid"
                    else None, dtype=dtype.name, parameters=total_params, active_parameters=active_params),
         training=dict(steps=args.steps, batch=args.batch, tokens_per_step=tokens_per_step, lr=args.lr,

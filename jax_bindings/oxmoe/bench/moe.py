@@ -12,7 +12,10 @@ Cases:
   H=7168, F=2048, 256 experts (128 or 64 per device),
   top-8 of sigmoid scores in the best 4 of 8 groups, scaling 2.5, expert bias;
   :func:`oxmoe.moe.shard_map_moe` with ``expert_axis``, exchange ``"auto"`` (and the others
-  in the breakdown).
+  in the breakdown);
+- ``deepseek_v3 shared fwd+bwd``: DeepSeek-V3's layer on one device (all 256 experts,
+  8192 tokens) with its one shared expert (``MoEConfig(shared_ffn=2048)``, no gate), whose
+  two dense GEMMs count in the FLOPs and the dense ceiling like the experts'.
 
 FLOPs of a step are those of its expert GEMMs on one device: 3 x the forward's (forward,
 d lhs, d rhs), forward ``= 2 T k H (2F) + 2 T k F H`` (with expert parallelism T is a
@@ -129,9 +132,9 @@ JAX_PRIMITIVE = "ragged_dot_general"
 OXMOE_PRIMITIVES = ("oxmoe_ragged_dot", "oxmoe_transposed_ragged_dot")
 
 
-def _config(model: LayerShape) -> moe.MoEConfig:
+def _config(model: LayerShape, shared_ffn: int | None = None) -> moe.MoEConfig:
     return moe.MoEConfig(**model.router.moe_kwargs(), aux_loss_coeff=AUX_LOSS_COEFF, z_loss_coeff=Z_LOSS_COEFF,
-                         activation="swiglu", dtype=DTYPE)
+                         activation="swiglu", dtype=DTYPE, shared_ffn=shared_ffn)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,21 +164,36 @@ class Layer:
         return self.tokens * self.config.topk
 
     @property
-    def flops(self) -> int:
-        """The expert GEMMs of a step on one device: forward, d lhs and d rhs of up and down."""
-        return 3 * (2 * self.rows * self.hidden * self.up_width + 2 * self.rows * self.ffn * self.hidden)
+    def shared_up_width(self) -> int:
+        """The shared experts' fused up width (0 without them)."""
+        fs = self.config.shared_ffn or 0
+        return 2 * fs if self.config.glu else fs
 
-    def gemms(self) -> tuple[GemmShape, GemmShape]:
-        """The up and down projections of a device as grouped GEMMs (for the dense ceiling)."""
-        e = self.local_experts
-        return (GemmShape(f"{self.name} up", m=self.rows, k=self.hidden, n=self.up_width, groups=e),
-                GemmShape(f"{self.name} down", m=self.rows, k=self.ffn, n=self.hidden, groups=e))
+    @property
+    def flops(self) -> int:
+        """The expert GEMMs of a step on one device (the shared experts' too): forward, d lhs and
+        d rhs of up and down."""
+        shared = 2 * self.tokens * self.hidden * (self.shared_up_width + (self.config.shared_ffn or 0))
+        return 3 * (2 * self.rows * self.hidden * self.up_width + 2 * self.rows * self.ffn * self.hidden + shared)
+
+    def gemms(self) -> tuple[GemmShape, ...]:
+        """The up and down projections of a device as grouped GEMMs (for the dense ceiling), then
+        the shared experts' as one group each."""
+        e, fs = self.local_experts, self.config.shared_ffn
+        routed = (GemmShape(f"{self.name} up", m=self.rows, k=self.hidden, n=self.up_width, groups=e),
+                  GemmShape(f"{self.name} down", m=self.rows, k=self.ffn, n=self.hidden, groups=e))
+        if fs is None:
+            return routed
+        return routed + (GemmShape(f"{self.name} shared_up", m=self.tokens, k=self.hidden, n=self.shared_up_width,
+                                   groups=1),
+                         GemmShape(f"{self.name} shared_down", m=self.tokens, k=fs, n=self.hidden, groups=1))
 
     def param_bytes(self) -> int:
         """A device's parameters at their dtypes."""
         h, e = self.hidden, self.config.num_experts
         bias = 4 * e if self.config.use_expert_bias else 0
-        return DTYPE.itemsize * (h * e + self.local_experts * (h * self.up_width + self.ffn * h)) + bias
+        shared = h * (self.shared_up_width + (self.config.shared_ffn or 0))
+        return DTYPE.itemsize * (h * e + self.local_experts * (h * self.up_width + self.ffn * h) + shared) + bias
 
     def one_device(self) -> Layer:
         """A device's share of an expert-parallel layer on one device: its tokens, as many
@@ -192,6 +210,7 @@ class Layer:
         routing = c.score_function + (f" (best {c.group_topk} of {c.num_groups} groups)" if c.num_groups else "")
         routing += f" x{c.scaling_factor:g}" if c.scaling_factor is not None else ""
         routing += " +bias" if c.use_expert_bias else ""
+        routing += f" +shared Fs={c.shared_ffn}" if c.shared_ffn else ""
         tokens = f"T={self.tokens}" + (" per device" if self.devices > 1 else "")
         return f"{tokens} H={self.hidden} F={self.ffn} E={c.num_experts} k={c.topk} {routing}"
 
@@ -202,15 +221,17 @@ class Layer:
                     num_groups=c.num_groups, group_topk=c.group_topk, scaling_factor=c.scaling_factor,
                     use_expert_bias=c.use_expert_bias, activation=c.activation, dtype=DTYPE.name,
                     aux_loss_coeff=c.aux_loss_coeff, z_loss_coeff=c.z_loss_coeff, devices=self.devices,
-                    exchange=c.exchange if self.devices > 1 else None, rows_per_device=self.rows)
+                    exchange=c.exchange if self.devices > 1 else None, rows_per_device=self.rows,
+                    shared_ffn=c.shared_ffn)
 
 
-def _layer(model: LayerShape, *, devices: int = 1, **sizes) -> Layer:
+def _layer(model: LayerShape, *, devices: int = 1, shared_ffn: int | None = None, **sizes) -> Layer:
     """``model``'s layer on ``devices`` devices of expert parallelism, at its sizes or at those of
-    ``sizes`` (``tokens``, ``hidden``, ``ffn``) where given."""
+    ``sizes`` (``tokens``, ``hidden``, ``ffn``) where given, with shared experts of width
+    ``shared_ffn`` if given."""
     sizes = {**dict(tokens=model.tokens, hidden=model.hidden, ffn=model.ffn), **sizes}
-    name = model.name + (f" ep={devices}" if devices > 1 else "")
-    return Layer(name, **sizes, config=_config(model), devices=devices)
+    name = model.name + (f" ep={devices}" if devices > 1 else "") + (" shared" if shared_ffn else "")
+    return Layer(name, **sizes, config=_config(model, shared_ffn), devices=devices)
 
 
 #: Tokens per device of the expert-parallel DeepSeek-V3 cases.
@@ -220,6 +241,7 @@ LAYERS = (
     _layer(QWEN3_30B_A3B_LAYER),
     _layer(DEEPSEEK_V3_LAYER, devices=2, tokens=EP_TOKENS),
     _layer(DEEPSEEK_V3_LAYER, devices=4, tokens=EP_TOKENS),
+    _layer(DEEPSEEK_V3_LAYER, tokens=EP_TOKENS, shared_ffn=DEEPSEEK_V3_LAYER.ffn),  # n_shared_experts=1
 )
 #: The smoke run: the same routing (experts, top-k, groups), tiny T, H and F (multiples of 8).
 SMOKE_LAYERS = (
@@ -393,7 +415,16 @@ def draw_params(layer: Layer, place: Placement, seed: tuple) -> moe.MoEParams:
     return moe.MoEParams(gate=place.replicated((*seed, 0), (h, c.num_experts), DTYPE, h ** -0.5),
                          up=place.split((*seed, 1), (e, h, layer.up_width), DTYPE, h ** -0.5),
                          down=place.split((*seed, 2), (e, f, h), DTYPE, f ** -0.5),
-                         expert_bias=bias)
+                         expert_bias=bias, **draw_shared_params(layer, place, seed))
+
+
+def draw_shared_params(layer: Layer, place: Placement, seed: tuple) -> dict:
+    """The shared experts' weights (whole on every device), at the experts' scale; none without them."""
+    h, fs = layer.hidden, layer.config.shared_ffn
+    if fs is None:
+        return {}
+    return dict(shared_up=place.replicated((*seed, 6), (h, layer.shared_up_width), DTYPE, h ** -0.5),
+                shared_down=place.replicated((*seed, 7), (fs, h), DTYPE, fs ** -0.5))
 
 
 def draw_tokens(layer: Layer, place: Placement, seed: tuple, tokens: int) -> tuple[jax.Array, jax.Array]:
@@ -420,6 +451,9 @@ def compare(ox, plain) -> dict:
                   y_rel_err=rel_err(ox_y, y), dx_rel_err=rel_err(ox_dx, dx),
                   dgate_rel_err=rel_err(ox_dp.gate, dp.gate), dup_rel_err=rel_err(ox_dp.up, dp.up),
                   ddown_rel_err=rel_err(ox_dp.down, dp.down))
+    if dp.shared_up is not None:
+        errors.update(dshared_up_rel_err=rel_err(ox_dp.shared_up, dp.shared_up),
+                      dshared_down_rel_err=rel_err(ox_dp.shared_down, dp.shared_down))
     if dp.expert_bias is not None:
         errors["dexpert_bias_max_abs"] = jnp.max(jnp.abs(ox_dp.expert_bias.astype(F32)))
     return errors
@@ -472,6 +506,8 @@ def limits_of(layer: Layer) -> dict[str, float]:
     limits = dict(load_balancing_loss_rel_err=MAX_AUX_LOSS_REL_ERR, z_loss_rel_err=MAX_AUX_LOSS_REL_ERR,
                   routing_mismatch=MAX_ROUTING_MISMATCH)
     limits.update({f"{name}_rel_err": MAX_REL_ERR for name in ("y", "dx", "dgate", "dup", "ddown")})
+    if layer.config.shared_ffn is not None:
+        limits.update(dshared_up_rel_err=MAX_REL_ERR, dshared_down_rel_err=MAX_REL_ERR)
     if layer.config.use_expert_bias:
         limits["dexpert_bias_max_abs"] = 0.0
     return limits

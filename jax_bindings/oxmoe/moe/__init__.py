@@ -12,7 +12,13 @@ small pytree:
   expert, after the exchange between expert shards;
 - :func:`expert_ffn` → :class:`ExpertOutput`: the fused gate+up grouped GEMM,
   the activation and the down grouped GEMM;
-- :func:`combine`: the rows back to their tokens, weighted and summed.
+- :func:`combine`: the rows back to their tokens, weighted and summed;
+- with ``MoEConfig.shared_ffn``, :func:`shared_expert_ffn` →
+  :class:`SharedOutput`: a dense MLP of the shard's own tokens (the shared
+  experts of DeepSeek-V3 and Qwen2-MoE, optionally scaled per token by a
+  sigmoid gate), added to the combined output. It depends on no exchange, so
+  XLA may run it while the routed tokens travel; its weights are replicated
+  and their gradients summed over every token shard.
 
 :func:`moe` wraps them in one ``custom_vjp`` whose backward runs the same
 steps in reverse from saved residuals (:class:`Residuals`): the gradients
@@ -53,9 +59,9 @@ dropped and the result does not depend on the exchange beyond that rounding.
 
 from oxmoe.moe.config import MoEAux, MoEConfig, MoEParams, init_params, update_expert_bias
 from oxmoe.moe.exchange import Exchange
-from oxmoe.moe.layer import (ExpertInput, ExpertOutput, Residuals, Routing, combine, dispatch, expert_ffn, moe, route,
-                             shard_map_moe)
+from oxmoe.moe.layer import (ExpertInput, ExpertOutput, Residuals, Routing, SharedOutput, combine, dispatch, expert_ffn,
+                             moe, route, shard_map_moe, shared_expert_ffn)
 
-__all__ = ["MoEConfig", "MoEParams", "MoEAux", "Routing", "ExpertInput", "ExpertOutput", "Exchange", "Residuals",
-           "init_params", "moe", "shard_map_moe", "route", "dispatch", "expert_ffn", "combine",
-           "update_expert_bias"]
+__all__ = ["MoEConfig", "MoEParams", "MoEAux", "Routing", "ExpertInput", "ExpertOutput", "SharedOutput", "Exchange",
+           "Residuals", "init_params", "moe", "shard_map_moe", "route", "dispatch", "expert_ffn", "combine",
+           "shared_expert_ffn", "update_expert_bias"]

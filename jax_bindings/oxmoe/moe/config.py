@@ -82,6 +82,23 @@ class MoEConfig:
     the output and get no gradient; the layer's row buffers shrink to that
     room. Dropping depends on the expert axis's size, not on the data axes
     (each data shard drops on its own).
+
+    Shared experts (DeepSeek-V3, Qwen2-MoE, MaxText's ``shared_experts``):
+    ``shared_ffn`` (default None: none) is the width ``Fs`` of one dense MLP
+    that every token goes through, its output added to the routed experts'.
+    ``n`` shared experts of width ``F`` are one of width ``Fs = n F``
+    (MaxText: ``shared_experts * moe_mlp_dim``; Qwen2-MoE:
+    ``shared_expert_intermediate_size``; DeepSeek-V3: ``n_shared_experts *
+    moe_intermediate_size`` = 2048). It has the experts' ``activation`` and
+    rounding (a fused ``[H, 2Fs]`` up weight when gated, ``[Fs, H]`` down;
+    :attr:`MoEParams.shared_up`). ``shared_gate`` (Qwen2-MoE's
+    ``shared_expert_gate``; default False) scales its output per token by
+    ``sigmoid(x @ shared_gate)``, a ``[H, 1]`` weight. The output is
+    ``y = routed + g * shared`` summed in float32 and rounded to ``dtype``
+    (``g = 1`` without the gate). Its weights are replicated on every shard
+    (not split by ``expert_axis`` or ``weight_axes``) and it computes the
+    shard's own tokens, independent of the exchange of routed tokens, which
+    it can overlap.
     """
 
     num_experts: int
@@ -100,6 +117,8 @@ class MoEConfig:
     exchange: str = "auto"
     float32_gate_logits: bool = False
     capacity_factor: float | None = None
+    shared_ffn: int | None = None
+    shared_gate: bool = False
 
     def __post_init__(self):
         check_count("num_experts", self.num_experts, 1)
@@ -125,6 +144,11 @@ class MoEConfig:
             check_real("capacity_factor", self.capacity_factor, low=0)
             if self.capacity_factor == 0:
                 raise ValueError("capacity_factor must be positive (None: no capacity, no drops), got 0")
+        check_bool("shared_gate", self.shared_gate)
+        if self.shared_ffn is not None:
+            check_count("shared_ffn", self.shared_ffn, 1)
+        elif self.shared_gate:
+            raise ValueError("shared_gate needs shared experts: set shared_ffn (their width) too")
 
     def expert_capacity(self, tokens: int) -> int | None:
         """The token copies one expert takes from ``tokens`` tokens (those of the
@@ -153,7 +177,7 @@ class MoEConfig:
         return self.activation in ("swiglu", "geglu")
 
 
-@pytree_dataclass(("gate", "up", "down", "expert_bias"))
+@pytree_dataclass(("gate", "up", "down", "expert_bias", "shared_up", "shared_down", "shared_gate"))
 class MoEParams:
     """The layer's parameters (any float dtype; cast to ``MoEConfig.dtype`` to compute,
     the gate to ``MoEConfig.router_dtype``).
@@ -171,6 +195,15 @@ class MoEParams:
     """``[E, F, H]``: the down projection."""
     expert_bias: jax.Array | None = None
     """``[E]`` float32 with ``use_expert_bias``, else None. Its gradient is zero."""
+    shared_up: jax.Array | None = None
+    """``[H, 2Fs]`` (gated activations; ``[:, :Fs]`` is the gate half) or
+    ``[H, Fs]``: the shared experts' up projection, ``Fs`` =
+    ``MoEConfig.shared_ffn``; None without shared experts. Whole on every shard."""
+    shared_down: jax.Array | None = None
+    """``[Fs, H]``: the shared experts' down projection; None without them."""
+    shared_gate: jax.Array | None = None
+    """``[H, 1]``: the shared experts' sigmoid gate weight with
+    ``MoEConfig.shared_gate``, else None."""
 
 
 @pytree_dataclass(("load_balancing_loss", "z_loss", "tokens_per_expert", "dropped_copies"))
@@ -191,8 +224,9 @@ class MoEAux:
 
 
 def init_params(key, config: MoEConfig, hidden: int, ffn: int, dtype=jnp.float32) -> MoEParams:
-    """Random parameters of the whole layer (all experts): normal with variance
-    ``1 / fan_in`` per matrix, and a zero expert bias when the config uses one.
+    """Random parameters of the whole layer (all experts, and the shared
+    experts of ``config.shared_ffn``): normal with variance ``1 / fan_in`` per
+    matrix, and a zero expert bias when the config uses one.
 
     Args:
       key: a JAX random key.
@@ -205,11 +239,21 @@ def init_params(key, config: MoEConfig, hidden: int, ffn: int, dtype=jnp.float32
     e = config.num_experts
     k_gate, k_up, k_down = jax.random.split(key, 3)
     up_width = 2 * f if config.glu else f
+
+    def normal(key, shape, fan_in):
+        return (jax.random.normal(key, shape, _F32) / math.sqrt(fan_in)).astype(dtype)
+
+    shared = {}
+    if config.shared_ffn is not None:
+        fs = config.shared_ffn
+        # Their own keys, so that the routed experts' weights do not change with shared_ffn.
+        k_up_s, k_down_s, k_gate_s = jax.random.split(jax.random.fold_in(key, 3), 3)
+        shared = dict(shared_up=normal(k_up_s, (h, 2 * fs if config.glu else fs), h),
+                      shared_down=normal(k_down_s, (fs, h), fs),
+                      shared_gate=normal(k_gate_s, (h, 1), h) if config.shared_gate else None)
     return MoEParams(
-        gate=(jax.random.normal(k_gate, (h, e), _F32) / math.sqrt(h)).astype(dtype),
-        up=(jax.random.normal(k_up, (e, h, up_width), _F32) / math.sqrt(h)).astype(dtype),
-        down=(jax.random.normal(k_down, (e, f, h), _F32) / math.sqrt(f)).astype(dtype),
-        expert_bias=jnp.zeros((e,), _F32) if config.use_expert_bias else None)
+        gate=normal(k_gate, (h, e), h), up=normal(k_up, (e, h, up_width), h), down=normal(k_down, (e, f, h), f),
+        expert_bias=jnp.zeros((e,), _F32) if config.use_expert_bias else None, **shared)
 
 
 def update_expert_bias(expert_bias, tokens_per_expert, rate):

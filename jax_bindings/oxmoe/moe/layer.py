@@ -1,5 +1,5 @@
-"""The layer's steps (route, dispatch, expert FFN, combine), its custom VJP
-and :func:`moe` with :func:`shard_map_moe`."""
+"""The layer's steps (route, dispatch, expert FFN, combine, and the shared
+experts beside them), its custom VJP and :func:`moe` with :func:`shard_map_moe`."""
 
 from __future__ import annotations
 
@@ -256,6 +256,71 @@ def _weight_grad_dtype(weight, config: MoEConfig):
     return weight.dtype if weight.dtype in (jnp.dtype(_F32), config.dtype) else _F32
 
 
+# -- shared experts ----------------------------------------------------------------------
+
+@pytree_dataclass(("tokens", "up_rows", "rows", "gate"))
+class SharedOutput:
+    """The result of :func:`shared_expert_ffn` on this shard's ``T`` tokens
+    (what the backward needs of it)."""
+
+    tokens: jax.Array
+    """``[T, H]`` in ``config.dtype``: the MLP's input."""
+    up_rows: jax.Array
+    """``[T, 2Fs]`` or ``[T, Fs]``: the up projection before the activation."""
+    rows: jax.Array
+    """``[T, H]`` in ``config.dtype``: the MLP's output, before the gate."""
+    gate: jax.Array | None
+    """``[T, 1]`` float32: ``sigmoid(tokens @ shared_gate)`` with ``config.shared_gate``, else None."""
+
+    def added_to(self, y):
+        """``y + gate * rows`` summed in float32, rounded to ``y``'s dtype."""
+        rows = self.rows.astype(_F32)
+        return (y.astype(_F32) + (rows if self.gate is None else self.gate * rows)).astype(y.dtype)
+
+
+def _dense_dot(a, b):
+    """A dense product accumulated in float32; float32 operands at full precision
+    (XLA's default on a GPU would round them to TF32), as the grouped GEMMs do."""
+    precision = jax.lax.Precision.HIGHEST if _F32 in (a.dtype, b.dtype) else None
+    return jnp.dot(a, b, preferred_element_type=_F32, precision=precision)
+
+
+def shared_expert_ffn(tokens, params: MoEParams, config: MoEConfig) -> SharedOutput:
+    """The shared experts' dense MLP on ``tokens`` ``[T, H]`` (cast to
+    ``config.dtype``), rounded like the routed experts: after the up product,
+    the activation and the down product; the optional gate in float32.
+    Add it to the routed output with :meth:`SharedOutput.added_to`."""
+    dtype = config.dtype
+    tokens = tokens.astype(dtype)
+    up_rows = _dense_dot(tokens, params.shared_up.astype(dtype)).astype(dtype)
+    rows = _dense_dot(_activate(up_rows, config.activation), params.shared_down.astype(dtype)).astype(dtype)
+    gate = None
+    if config.shared_gate:
+        gate = jax.nn.sigmoid(_dense_dot(tokens, params.shared_gate.astype(dtype)))
+    return SharedOutput(tokens, up_rows, rows, gate)
+
+
+def _shared_expert_ffn_bwd(grad_y, shared: SharedOutput, params: MoEParams, config: MoEConfig):
+    """``(grad_tokens, grad_up, grad_down, grad_gate)`` of this shard's tokens
+    (float32; the weights' not yet summed over the shards) for ``grad_y`` ``[T, H]``."""
+    dtype = config.dtype
+    down, up = params.shared_down.astype(dtype), params.shared_up.astype(dtype)
+    grad_rows, grad_x, grad_gate = grad_y.astype(dtype), 0, None
+    if shared.gate is not None:
+        g, grad_f32 = shared.gate, grad_y.astype(_F32)
+        grad_logit = jnp.sum(grad_f32 * shared.rows.astype(_F32), axis=-1, keepdims=True) * g * (1 - g)
+        grad_rows = (grad_f32 * g).astype(dtype)
+        grad_gate = _dense_dot(shared.tokens.astype(_F32).T, grad_logit)
+        grad_x = _dense_dot(grad_logit, params.shared_gate.astype(dtype).astype(_F32).T)
+    hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), shared.up_rows)
+    grad_hidden = _dense_dot(grad_rows, down.T).astype(dtype)
+    grad_down = _dense_dot(hidden.T, grad_rows)
+    (grad_up_rows,) = activation_vjp(grad_hidden)
+    grad_x = grad_x + _dense_dot(grad_up_rows, up.T)
+    grad_up = _dense_dot(shared.tokens.T, grad_up_rows)
+    return grad_x, grad_up, grad_down, grad_gate
+
+
 # -- combine -----------------------------------------------------------------------------
 
 def combine(out: ExpertOutput, dispatched: ExpertInput, config: MoEConfig, *, expert_axis=None,
@@ -285,7 +350,7 @@ def _combine(rows, dispatched: ExpertInput, axes: Axes):
 
 # -- the layer -------------------------------------------------------------------------
 
-@pytree_dataclass(("tokens", "params", "routing", "dispatched", "expert_output"),
+@pytree_dataclass(("tokens", "params", "routing", "dispatched", "expert_output", "shared"),
                   ("x_shape", "x_dtype"))
 class Residuals:
     """What the forward pass keeps for the backward."""
@@ -300,6 +365,8 @@ class Residuals:
     """The layer input's shape, to give its gradient."""
     x_dtype: Any
     """The layer input's dtype, to give its gradient."""
+    shared: SharedOutput | None = None
+    """The shared experts' result; None without them."""
 
 
 def _check_params(params, config: MoEConfig, axes: Axes, hidden: int) -> None:
@@ -342,6 +409,32 @@ def _check_params(params, config: MoEConfig, axes: Axes, hidden: int) -> None:
                              f"got {bias.dtype}{list(bias.shape)}")
     elif params.expert_bias is not None:
         raise ValueError("params.expert_bias is given but config.use_expert_bias is False")
+    _check_shared_params(params, config, hidden)
+
+
+def _check_shared_params(params: MoEParams, config: MoEConfig, hidden: int) -> None:
+    fs = config.shared_ffn
+    width, form = (2 * (fs or 0), "2 * shared_ffn (gate and up halves)") if config.glu else (fs, "shared_ffn")
+    expected = {"shared_up": ((hidden, width), f"[hidden, {form}] = [{hidden}, {width}] for activation "
+                              f"{config.activation!r}"),
+                "shared_down": ((fs, hidden), f"[shared_ffn, hidden] = [{fs}, {hidden}]"),
+                "shared_gate": ((hidden, 1), f"[hidden, 1] = [{hidden}, 1]")}
+    for name, (shape, form) in expected.items():
+        wanted = config.shared_gate if name == "shared_gate" else fs is not None
+        given = getattr(params, name)
+        option = "config.shared_gate is True" if name == "shared_gate" else f"config.shared_ffn is {fs}"
+        if wanted and given is None:
+            raise ValueError(f"{option} but params.{name} is None (init_params creates it)")
+        if not wanted:
+            if given is not None:
+                off = "config.shared_gate is False" if name == "shared_gate" else "config.shared_ffn is None"
+                raise ValueError(f"params.{name} is given but {off}")
+            continue
+        check_array(f"params.{name}", given)
+        if given.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"params.{name} must be float32, bfloat16 or float16, got {given.dtype}")
+        if given.shape != shape:
+            raise ValueError(f"params.{name} must have shape {form} (whole on every shard), got {list(given.shape)}")
 
 
 def _params_hidden(params: MoEParams, axes: Axes) -> int | None:
@@ -362,8 +455,9 @@ def moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None = No
         shard's).
       params: :class:`MoEParams`; inside ``shard_map`` with ``expert_axis``,
         ``up``/``down`` hold this shard's ``E / size(expert_axis)`` experts
-        (shard ``i`` owns experts ``[i * El, (i + 1) * El)``); ``gate`` and
-        ``expert_bias`` are whole (replicated).
+        (shard ``i`` owns experts ``[i * El, (i + 1) * El)``); ``gate``,
+        ``expert_bias`` and the shared experts' ``shared_*`` are whole
+        (replicated).
       config: :class:`MoEConfig`.
       expert_axis: the ``shard_map`` axis the experts are split over; the
         tokens are split over it too. None: every expert is local.
@@ -409,16 +503,24 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     router_tokens = flat.astype(config.router_dtype)
     routing = _route(router_tokens, params, config, axes)
     dispatched = _dispatch(flat.astype(config.dtype), routing, config, axes)
+    # The shared experts need only this shard's tokens: nothing ties them to the exchange.
+    shared = shared_expert_ffn(flat, params, config) if config.shared_ffn is not None else None
     out = expert_ffn(dispatched, _gather_weights(params, axes), config)
-    y = _combine(out.rows, dispatched, axes).reshape(x.shape)
+    y = _combine(out.rows, dispatched, axes).astype(config.dtype)
+    if shared is not None:
+        y = shared.added_to(y)
     aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert, routing.dropped_copies)
-    return (y, aux), Residuals(router_tokens, params, routing, dispatched, out, x.shape, x.dtype)
+    return (y.reshape(x.shape), aux), Residuals(router_tokens, params, routing, dispatched, out, x.shape, x.dtype,
+                                                shared)
 
 
 def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     grad_y, grad_aux = cotangents
     d, params = res.dispatched, res.params
     grad_y = grad_y.reshape(-1, grad_y.shape[-1]).astype(config.dtype)
+    shared_grads = None
+    if res.shared is not None:  # independent of the exchange below
+        shared_grads = _shared_expert_ffn_bwd(grad_y, res.shared, params, config)
     if d.ring:
         grad_y = jax.lax.all_gather(grad_y, axes.expert_axis, tiled=True)
     if d.exchange is not None:
@@ -438,8 +540,15 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     grad_gate = _sum_over(_router_dot(res.tokens.T, grad_logits), axes.token_axes)
     grad_up, grad_down = _reduce_weight_grads(grad_up, grad_down, axes)
     bias = None if params.expert_bias is None else jnp.zeros_like(params.expert_bias)
+    shared = {}
+    if shared_grads is not None:
+        grad_shared_x, *weights = shared_grads
+        grad_x = grad_x + grad_shared_x
+        weights = _sum_over(weights, axes.token_axes)  # replicated: every token shard's share
+        shared = {name: None if g is None else g.astype(getattr(params, name).dtype)
+                  for name, g in zip(("shared_up", "shared_down", "shared_gate"), weights)}
     grads = MoEParams(grad_gate.astype(params.gate.dtype), grad_up.astype(params.up.dtype),
-                      grad_down.astype(params.down.dtype), bias)
+                      grad_down.astype(params.down.dtype), bias, **shared)
     return grad_x.reshape(res.x_shape).astype(res.x_dtype), grads
 
 
@@ -489,8 +598,8 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
 
     ``x``'s first dimension is split over ``(*data_axes, expert_axis)``, the
     expert weights' first over ``expert_axis`` and their hidden one over
-    ``weight_axes`` (``up``'s second, ``down``'s third); ``gate`` and
-    ``expert_bias`` are replicated. Returns ``y`` split like ``x`` and a replicated
+    ``weight_axes`` (``up``'s second, ``down``'s third); ``gate``,
+    ``expert_bias`` and the shared experts' weights are replicated. Returns ``y`` split like ``x`` and a replicated
     :class:`MoEAux`.
 
     Args:
@@ -520,8 +629,9 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
                          f"{weight_axes}")
     P = jax.sharding.PartitionSpec
     split_tokens, hidden = P(token_axes or None), weight_axes or None
-    param_specs = MoEParams(P(), P(expert_axis, hidden, None), P(expert_axis, None, hidden),
-                            None if params.expert_bias is None else P())
+    whole = {name: None if getattr(params, name) is None else P()
+             for name in ("expert_bias", "shared_up", "shared_down", "shared_gate")}
+    param_specs = MoEParams(P(), P(expert_axis, hidden, None), P(expert_axis, None, hidden), **whole)
     if jax.sharding.AxisType.Explicit in mesh.axis_types:
         # shard_map takes arrays of an explicit-axes mesh as they are sharded.
         place = functools.partial(_reshard, mesh=mesh)

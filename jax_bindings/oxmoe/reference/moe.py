@@ -10,7 +10,9 @@ and rounded to ``config.dtype`` after each GEMM and after the activation; the
 router's product in ``config.dtype`` (float32 with ``float32_gate_logits``); the
 router and the losses in float32. Differentiable by JAX's autodiff (the choice of
 experts held fixed, as in the layer). With ``capacity_factor``, each expert's copies
-past its capacity (in token order) get weight zero.
+past its capacity (in token order) get weight zero. With ``shared_ffn``, the shared
+experts' dense MLP (``jnp.dot``, rounded the same way) times the optional
+``sigmoid(x @ shared_gate)`` is added to the routed sum in float32.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import jax.numpy as jnp
 from oxmoe.moe import MoEAux, MoEConfig, MoEParams
 from oxmoe.reference.router import top_experts
 
-__all__ = ["moe", "load_balancing_loss", "z_loss"]
+__all__ = ["moe", "shared_experts", "load_balancing_loss", "z_loss"]
 
 _F32 = jnp.float32
 
@@ -57,6 +59,18 @@ def _activate(u, activation: str, dtype):
         gate = jax.nn.silu(u[:, :f]) if activation == "swiglu" else jax.nn.gelu(u[:, :f], approximate=True)
         return (gate * u[:, f:]).astype(dtype)
     return (jax.nn.silu(u) if activation == "silu" else jax.nn.gelu(u, approximate=True)).astype(dtype)
+
+
+def shared_experts(xs, params: MoEParams, config: MoEConfig):
+    """``[T, H]`` float32: the shared experts' MLP of the tokens ``xs`` (in ``config.dtype``),
+    rounded to ``config.dtype``, times ``sigmoid(xs @ shared_gate)`` with ``config.shared_gate``."""
+    dtype = config.dtype
+    u = jnp.dot(xs, params.shared_up.astype(dtype), preferred_element_type=_F32).astype(dtype)
+    out = jnp.dot(_activate(u, config.activation, dtype), params.shared_down.astype(dtype),
+                  preferred_element_type=_F32).astype(dtype).astype(_F32)
+    if config.shared_gate:
+        out = jax.nn.sigmoid(jnp.dot(xs, params.shared_gate.astype(dtype), preferred_element_type=_F32)) * out
+    return out
 
 
 def moe(x, params: MoEParams, config: MoEConfig):
@@ -101,6 +115,8 @@ def moe(x, params: MoEParams, config: MoEConfig):
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(t, k, h)
     # An elementwise sum, not an einsum: a float32 dot could run in TF32 on a GPU.
     y = (out.astype(_F32) * weights[..., None]).sum(1).astype(dtype)
+    if config.shared_ffn is not None:
+        y = (y.astype(_F32) + shared_experts(xs, params, config)).astype(dtype)
     aux = MoEAux(load_balancing_loss=load_balancing_loss(logits, config), z_loss=z_loss(logits, config),
                  tokens_per_expert=group_sizes, dropped_copies=dropped)
     return y.reshape(x.shape), aux
