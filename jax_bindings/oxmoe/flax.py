@@ -229,7 +229,8 @@ def check_hidden(x, hidden: int | None) -> int:
 
 
 def call_moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None, data_axes: Sequence[str],
-             weight_axes: Sequence[str], mesh: jax.sharding.Mesh | None) -> tuple[jax.Array, MoEAux]:
+             weight_axes: Sequence[str],
+             mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None) -> tuple[jax.Array, MoEAux]:
     """Runs :func:`oxmoe.moe.moe` on global arrays: directly without mesh axes, else through
     :func:`oxmoe.moe.shard_map_moe` on ``mesh`` (``None``: the context mesh of ``jax.set_mesh``)."""
     data_axes = tuple(data_axes)

@@ -122,6 +122,11 @@ class MoE(nnx.Module):
         ``config.shared_gate``), else ``None``.
     """
 
+    # The oxmoe layout's weights (set by name in __init__; another layout has its own names).
+    gate: nnx.Param
+    up: nnx.Param
+    down: nnx.Param
+
     def __init__(self, config: MoEConfig, hidden: int, ffn: int, *, rngs: nnx.Rngs,
                  expert_axis: str | None = None, data_axes: tuple[str, ...] = (),
                  weight_axes: tuple[str, ...] = (), mesh: jax.sharding.Mesh | None = None, param_dtype: Any = jnp.float32,
@@ -138,7 +143,7 @@ class MoE(nnx.Module):
         eager = nnx.using_eager_sharding() and _mesh_in_scope(mesh)
         if eager:
             _check_rules(mesh)
-        placement = dict(eager_sharding=eager, **({} if mesh is None else {"mesh": mesh}))
+        placement: dict[str, Any] = dict(eager_sharding=eager, **({} if mesh is None else {"mesh": mesh}))
 
         inits = {"gate": gate_init, "up": up_init, "down": down_init, "shared": shared_init}
 

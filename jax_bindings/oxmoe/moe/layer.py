@@ -285,18 +285,27 @@ def _dense_dot(a, b):
     return jnp.dot(a, b, preferred_element_type=_F32, precision=precision)
 
 
+def _shared_weights(params: MoEParams, config: MoEConfig):
+    """``(shared_up, shared_down, shared_gate or None)``; a config without
+    ``shared_ffn`` has none."""
+    if config.shared_ffn is None or params.shared_up is None or params.shared_down is None:
+        raise ValueError("the shared experts need config.shared_ffn and params.shared_up and shared_down")
+    return params.shared_up, params.shared_down, params.shared_gate if config.shared_gate else None
+
+
 def shared_expert_ffn(tokens, params: MoEParams, config: MoEConfig) -> SharedOutput:
     """The shared experts' dense MLP on ``tokens`` ``[T, H]`` (cast to
     ``config.dtype``), rounded like the routed experts: after the up product,
     the activation and the down product; the optional gate in float32.
     Add it to the routed output with :meth:`SharedOutput.added_to`."""
     dtype = config.dtype
+    up, down, gate_weight = _shared_weights(params, config)
     tokens = tokens.astype(dtype)
-    up_rows = _dense_dot(tokens, params.shared_up.astype(dtype)).astype(dtype)
-    rows = _dense_dot(_activate(up_rows, config.activation), params.shared_down.astype(dtype)).astype(dtype)
+    up_rows = _dense_dot(tokens, up.astype(dtype)).astype(dtype)
+    rows = _dense_dot(_activate(up_rows, config.activation), down.astype(dtype)).astype(dtype)
     gate = None
-    if config.shared_gate:
-        gate = jax.nn.sigmoid(_dense_dot(tokens, params.shared_gate.astype(dtype)))
+    if gate_weight is not None:
+        gate = jax.nn.sigmoid(_dense_dot(tokens, gate_weight.astype(dtype)))
     return SharedOutput(tokens, up_rows, rows, gate)
 
 
@@ -304,14 +313,15 @@ def _shared_expert_ffn_bwd(grad_y, shared: SharedOutput, params: MoEParams, conf
     """``(grad_tokens, grad_up, grad_down, grad_gate)`` of this shard's tokens
     (float32; the weights' not yet summed over the shards) for ``grad_y`` ``[T, H]``."""
     dtype = config.dtype
-    down, up = params.shared_down.astype(dtype), params.shared_up.astype(dtype)
+    up, down, gate_weight = _shared_weights(params, config)
+    down, up = down.astype(dtype), up.astype(dtype)
     grad_rows, grad_x, grad_gate = grad_y.astype(dtype), 0, None
-    if shared.gate is not None:
+    if shared.gate is not None and gate_weight is not None:
         g, grad_f32 = shared.gate, grad_y.astype(_F32)
         grad_logit = jnp.sum(grad_f32 * shared.rows.astype(_F32), axis=-1, keepdims=True) * g * (1 - g)
         grad_rows = (grad_f32 * g).astype(dtype)
         grad_gate = _dense_dot(shared.tokens.astype(_F32).T, grad_logit)
-        grad_x = _dense_dot(grad_logit, params.shared_gate.astype(dtype).astype(_F32).T)
+        grad_x = _dense_dot(grad_logit, gate_weight.astype(dtype).astype(_F32).T)
     hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), shared.up_rows)
     grad_hidden = _dense_dot(grad_rows, down.T).astype(dtype)
     grad_down = _dense_dot(hidden.T, grad_rows)
@@ -389,7 +399,7 @@ def _check_params(params, config: MoEConfig, axes: Axes, hidden: int) -> None:
         raise ValueError(f"hidden ({hidden}) must divide by the {axes.weight_shards} shards of weight_axes "
                          f"{axes.weight_axes}")
     part = hidden // axes.weight_shards
-    name = f"{part} (hidden {hidden} / weight_axes size {axes.weight_shards})" if axes.weight_shards > 1 else hidden
+    name = f"{part} (hidden {hidden} / weight_axes size {axes.weight_shards})" if axes.weight_shards > 1 else str(hidden)
     up, down = params.up.shape, params.down.shape
     if len(down) != 3 or down[0] != el or down[2] != part:
         raise ValueError(f"params.down must have shape [local experts, ffn, hidden] = [{el}{where}, F, {name}], "
@@ -631,7 +641,9 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
     split_tokens, hidden = P(token_axes or None), weight_axes or None
     whole = {name: None if getattr(params, name) is None else P()
              for name in ("expert_bias", "shared_up", "shared_down", "shared_gate")}
-    param_specs = MoEParams(P(), P(expert_axis, hidden, None), P(expert_axis, None, hidden), **whole)
+    # Pytrees of PartitionSpecs in the structure of the params and of the aux (a JAX idiom the
+    # dataclasses' field types do not describe).
+    param_specs = MoEParams(P(), P(expert_axis, hidden, None), P(expert_axis, None, hidden), **whole)  # type: ignore[arg-type]
     if jax.sharding.AxisType.Explicit in mesh.axis_types:
         # shard_map takes arrays of an explicit-axes mesh as they are sharded.
         place = functools.partial(_reshard, mesh=mesh)
@@ -639,7 +651,7 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
     layer = functools.partial(moe, config=config, expert_axis=expert_axis, data_axes=data_axes,
                               weight_axes=weight_axes)
     return jax.shard_map(layer, mesh=mesh, in_specs=(split_tokens, param_specs),
-                         out_specs=(split_tokens, MoEAux(P(), P(), P(), P())))(x, params)
+                         out_specs=(split_tokens, MoEAux(P(), P(), P(), P())))(x, params)  # type: ignore[arg-type]
 
 
 def _reshard(x, spec, *, mesh):

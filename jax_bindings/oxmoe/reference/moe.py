@@ -65,11 +65,14 @@ def shared_experts(xs, params: MoEParams, config: MoEConfig):
     """``[T, H]`` float32: the shared experts' MLP of the tokens ``xs`` (in ``config.dtype``),
     rounded to ``config.dtype``, times ``sigmoid(xs @ shared_gate)`` with ``config.shared_gate``."""
     dtype = config.dtype
-    u = jnp.dot(xs, params.shared_up.astype(dtype), preferred_element_type=_F32).astype(dtype)
-    out = jnp.dot(_activate(u, config.activation, dtype), params.shared_down.astype(dtype),
+    up, down, gate = params.shared_up, params.shared_down, params.shared_gate
+    assert up is not None and down is not None, "shared_ffn needs params.shared_up and shared_down"
+    u = jnp.dot(xs, up.astype(dtype), preferred_element_type=_F32).astype(dtype)
+    out = jnp.dot(_activate(u, config.activation, dtype), down.astype(dtype),
                   preferred_element_type=_F32).astype(dtype).astype(_F32)
     if config.shared_gate:
-        out = jax.nn.sigmoid(jnp.dot(xs, params.shared_gate.astype(dtype), preferred_element_type=_F32)) * out
+        assert gate is not None, "shared_gate needs params.shared_gate"
+        out = jax.nn.sigmoid(jnp.dot(xs, gate.astype(dtype), preferred_element_type=_F32)) * out
     return out
 
 
