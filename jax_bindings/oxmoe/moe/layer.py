@@ -60,10 +60,12 @@ class Routing:
         return self.kept, jnp.where(self.kept, self.probs, 0)
 
 
-def _router_dot(a, b):
-    """The router's products in float32, at full precision on every backend
-    (XLA's default on a GPU would round float32 operands to TF32)."""
-    return jnp.dot(a, b, preferred_element_type=_F32, precision=jax.lax.Precision.HIGHEST)
+def _f32_dot(a, b):
+    """A dense product accumulated in float32 (the router's and the shared
+    experts'); float32 operands at full precision (XLA's default on a GPU
+    would round them to TF32), as the grouped GEMMs do."""
+    precision = jax.lax.Precision.HIGHEST if _F32 in (a.dtype, b.dtype) else None
+    return jnp.dot(a, b, preferred_element_type=_F32, precision=precision)
 
 
 def _aux_loss_config(config: MoEConfig, axes: Axes, tokens: int) -> router.AuxLossConfig:
@@ -87,7 +89,7 @@ def route(tokens, params: MoEParams, config: MoEConfig, *, expert_axis=None, dat
 
 def _route(tokens, params: MoEParams, config: MoEConfig, axes: Axes) -> Routing:
     """:func:`route` of ``tokens`` in ``config.router_dtype``."""
-    logits = _router_dot(tokens, params.gate.astype(config.router_dtype))
+    logits = _f32_dot(tokens, params.gate.astype(config.router_dtype))
     bias = params.expert_bias if config.use_expert_bias else None
     probs, routing_map = router.topk_fwd(logits, bias, config.topk_config)
     counts = routing_map.sum(0, dtype=jnp.int32)
@@ -278,13 +280,6 @@ class SharedOutput:
         return (y.astype(_F32) + (rows if self.gate is None else self.gate * rows)).astype(y.dtype)
 
 
-def _dense_dot(a, b):
-    """A dense product accumulated in float32; float32 operands at full precision
-    (XLA's default on a GPU would round them to TF32), as the grouped GEMMs do."""
-    precision = jax.lax.Precision.HIGHEST if _F32 in (a.dtype, b.dtype) else None
-    return jnp.dot(a, b, preferred_element_type=_F32, precision=precision)
-
-
 def _shared_weights(params: MoEParams, config: MoEConfig):
     """``(shared_up, shared_down, shared_gate or None)``; a config without
     ``shared_ffn`` has none."""
@@ -301,11 +296,11 @@ def shared_expert_ffn(tokens, params: MoEParams, config: MoEConfig) -> SharedOut
     dtype = config.dtype
     up, down, gate_weight = _shared_weights(params, config)
     tokens = tokens.astype(dtype)
-    up_rows = _dense_dot(tokens, up.astype(dtype)).astype(dtype)
-    rows = _dense_dot(_activate(up_rows, config.activation), down.astype(dtype)).astype(dtype)
+    up_rows = _f32_dot(tokens, up.astype(dtype)).astype(dtype)
+    rows = _f32_dot(_activate(up_rows, config.activation), down.astype(dtype)).astype(dtype)
     gate = None
     if gate_weight is not None:
-        gate = jax.nn.sigmoid(_dense_dot(tokens, gate_weight.astype(dtype)))
+        gate = jax.nn.sigmoid(_f32_dot(tokens, gate_weight.astype(dtype)))
     return SharedOutput(tokens, up_rows, rows, gate)
 
 
@@ -320,14 +315,14 @@ def _shared_expert_ffn_bwd(grad_y, shared: SharedOutput, params: MoEParams, conf
         g, grad_f32 = shared.gate, grad_y.astype(_F32)
         grad_logit = jnp.sum(grad_f32 * shared.rows.astype(_F32), axis=-1, keepdims=True) * g * (1 - g)
         grad_rows = (grad_f32 * g).astype(dtype)
-        grad_gate = _dense_dot(shared.tokens.astype(_F32).T, grad_logit)
-        grad_x = _dense_dot(grad_logit, gate_weight.astype(dtype).astype(_F32).T)
+        grad_gate = _f32_dot(shared.tokens.astype(_F32).T, grad_logit)
+        grad_x = _f32_dot(grad_logit, gate_weight.astype(dtype).astype(_F32).T)
     hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), shared.up_rows)
-    grad_hidden = _dense_dot(grad_rows, down.T).astype(dtype)
-    grad_down = _dense_dot(hidden.T, grad_rows)
+    grad_hidden = _f32_dot(grad_rows, down.T).astype(dtype)
+    grad_down = _f32_dot(hidden.T, grad_rows)
     (grad_up_rows,) = activation_vjp(grad_hidden)
-    grad_x = grad_x + _dense_dot(grad_up_rows, up.T)
-    grad_up = _dense_dot(shared.tokens.T, grad_up_rows)
+    grad_x = grad_x + _f32_dot(grad_up_rows, up.T)
+    grad_up = _f32_dot(shared.tokens.T, grad_up_rows)
     return grad_x, grad_up, grad_down, grad_gate
 
 
@@ -546,8 +541,8 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
         grad_probs = _scatter_expert_columns(grad_probs, config, axes)
     grad_logits = _route_bwd(res.routing, grad_probs, grad_aux, config, axes)
     gate = params.gate.astype(config.router_dtype)
-    grad_x = grad_tokens.astype(_F32) + _router_dot(grad_logits, gate.T)
-    grad_gate = _sum_over(_router_dot(res.tokens.T, grad_logits), axes.token_axes)
+    grad_x = grad_tokens.astype(_F32) + _f32_dot(grad_logits, gate.T)
+    grad_gate = _sum_over(_f32_dot(res.tokens.T, grad_logits), axes.token_axes)
     grad_up, grad_down = _reduce_weight_grads(grad_up, grad_down, axes)
     bias = None if params.expert_bias is None else jnp.zeros_like(params.expert_bias)
     shared = {}
