@@ -400,8 +400,9 @@ def dispatch_fwd(tokens, routing_map, probs, *, num_rows: int, align_size: int |
 def dispatch_bwd(grad_rows, row_id_map: RowIdMap, grad_row_probs=None) -> tuple[jax.Array, jax.Array | None]:
     """The transpose of :func:`dispatch_fwd`: ``grad_rows [R, H]`` back to
     ``[T, H]``, each token's copies summed (a :func:`combine_fwd` without
-    weights); ``grad_row_probs [R]`` back to ``[T, E]`` in its dtype, zero
-    where nothing was dispatched (None without it)."""
+    weights); ``grad_row_probs [R]`` (or ``[R, X]``: a vector per row) back to
+    ``[T, E]`` (``[T, E, X]``) in its dtype, zero where nothing was dispatched
+    (None without it)."""
     grad_tokens = combine_fwd(grad_rows, row_id_map)
     if grad_row_probs is None:
         return grad_tokens, None
@@ -411,8 +412,9 @@ def dispatch_bwd(grad_rows, row_id_map: RowIdMap, grad_row_probs=None) -> tuple[
     dest_rows = row_id_map.dest_rows
     sharding = jax.typeof(dest_rows).sharding
     rows = grad_row_probs.shape[0]
-    picked = jnp.append(grad_row_probs, jnp.zeros((1,), grad_row_probs.dtype)).at[
-        jnp.where(dest_rows >= 0, dest_rows, rows)].get(out_sharding=sharding if sharding.mesh.axis_names else None)
+    zero = jnp.zeros((1, *grad_row_probs.shape[1:]), grad_row_probs.dtype)
+    picked = jnp.append(grad_row_probs, zero, axis=0).at[jnp.where(dest_rows >= 0, dest_rows, rows)].get(
+        out_sharding=sharding if sharding.mesh.axis_names else None)
     return grad_tokens, picked
 
 

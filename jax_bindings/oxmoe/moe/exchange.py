@@ -94,11 +94,10 @@ class Exchange:
         if weights is None:
             (back,) = self.from_experts(rows)
             return permutation.combine_fwd(back, self.token_rows)
+        # The way back is dispatch's transpose: the rows summed, the weights picked per (token, shard).
         back, back_weights = self.from_experts(rows, weights)
-        dest = self.token_rows.dest_rows  # [T, n]
-        zero_row = jnp.zeros((1, back_weights.shape[1]), back_weights.dtype)
-        picked = jnp.append(back_weights, zero_row, axis=0)[jnp.where(dest >= 0, dest, back_weights.shape[0])]
-        return permutation.combine_fwd(back, self.token_rows), picked.reshape(dest.shape[0], -1)
+        grad_tokens, picked = permutation.dispatch_bwd(back, self.token_rows, back_weights)
+        return grad_tokens, picked.reshape(picked.shape[0], -1)
 
     def to_experts(self, *arrays, fills=None):
         """``[R, X]`` arrays in ``token_rows``' layout → ``[n * T, X]``: slot
@@ -265,12 +264,11 @@ def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, m
                         recv_sizes=every[:, me], return_offsets=_exclusive_cumsum(every, axis=1)[:, me],
                         slot_choice=choice.astype(jnp.int32), axis=axis, shards=n, slot_rows=slots,
                         method=method)
-    # Each row's weights for its destination's experts: token source[r], shard shard[r].
-    source = by_shard.row_id_map.source_tokens
-    row = jnp.arange(source.shape[0], dtype=jnp.int32)
-    shard = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes), row, side="right"), n - 1)
-    weights = jnp.where(per_shard, probs.astype(jnp.float32).reshape(t, n, el), -1.0)[jnp.maximum(source, 0), shard]
-    weights = jnp.where((source >= 0)[:, None], weights, -1.0)
+    # Each row's weights for its destination's experts, scattered to the row of each (token, shard);
+    # the rows past them (and the dummy row every unsent pair writes) keep -1.
+    dest, rows = by_shard.row_id_map.dest_rows, by_shard.tokens.shape[0]
+    local = jnp.where(per_shard, probs.astype(jnp.float32).reshape(t, n, el), -1.0)
+    weights = jnp.full((rows + 1, el), -1.0, jnp.float32).at[jnp.where(dest >= 0, dest, rows)].set(local)[:rows]
     return (exchange, *exchange.to_experts(by_shard.tokens, weights, fills=(0, -1.0)))
 
 
