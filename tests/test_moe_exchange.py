@@ -28,6 +28,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import compiled_steps
 import devices
 from oxmoe import model_shapes, moe
 from oxmoe.moe import MoEConfig, MoEParams
@@ -110,19 +111,8 @@ def test_exchange_bytes_are_the_routed_rows(case, seed, rng):
     pairs = blocks.sum() / shards
 
     # The training step's optimized HLO, its parameters abstract (no expert weights allocated).
-    def spec(shape, dtype, pspec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, pspec))
-
-    up_width = 2 * ffn if config.glu else ffn
-    params = MoEParams(spec((hidden, e), jnp.float32, P()), spec((e, hidden, up_width), jnp.bfloat16, P("expert")),
-                       spec((e, ffn, hidden), jnp.bfloat16, P("expert")),
-                       spec((e,), jnp.float32, P()) if config.use_expert_bias else None)
-
-    def loss(x, params):
-        y, aux = moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert")
-        return jnp.sum(jnp.square(y.astype(jnp.float32))) + aux.load_balancing_loss  # needs y, as a model does
-
-    hlo = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, params).compile().as_text()
+    hlo = compiled_steps.compiled_step(config, mesh, x, compiled_steps.abstract_params(config, mesh, hidden, ffn)
+                                       ).as_text()
     found, conditionals = collectives_of(hlo)
 
     largest = int(blocks.max())

@@ -9,37 +9,23 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import compiled_steps
 import devices
 from oxmoe import model_shapes, moe
-from oxmoe.moe import MoEConfig, MoEParams
+from oxmoe.moe import MoEConfig
 
 # (data shards, expert shards): both splits of the eight devices the issue names.
 MESHES = {"expert2_data4": (4, 2), "expert4_data2": (2, 4)}
 
 
 def step_memory(config: MoEConfig, mesh, hidden: int, ffn: int, tokens: int, weight_axes: tuple[str, ...]):
-    """XLA's memory analysis of the compiled training step (gradients of x and every parameter),
-    its inputs abstract: nothing is allocated."""
-    split = weight_axes or None
-
-    def spec(shape, dtype, pspec):
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, pspec))
-
-    e = config.num_experts
-    params = MoEParams(spec((hidden, e), jnp.float32, P()), spec((e, hidden, 2 * ffn), jnp.bfloat16, P("expert", split)),
-                       spec((e, ffn, hidden), jnp.bfloat16, P("expert", None, split)),
-                       spec((e,), jnp.float32, P()) if config.use_expert_bias else None)
-    x = spec((mesh.size * tokens, hidden), jnp.bfloat16, P(("data", "expert")))
-
-    def loss(x, params):
-        y, aux = moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert", data_axes=("data",),
-                                   weight_axes=weight_axes)
-        return jnp.sum(jnp.square(y.astype(jnp.float32))) + aux.load_balancing_loss
-
-    return jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, params).compile().memory_analysis()
+    """XLA's memory analysis of the compiled training step, its inputs abstract."""
+    x = compiled_steps.abstract(mesh, (mesh.size * tokens, hidden), jnp.bfloat16, P(("data", "expert")))
+    params = compiled_steps.abstract_params(config, mesh, hidden, ffn, weight_axes)
+    return compiled_steps.compiled_step(config, mesh, x, params, data_axes=("data",),
+                                        weight_axes=weight_axes).memory_analysis()
 
 
 @pytest.mark.parametrize("mesh_name", MESHES)
