@@ -404,19 +404,34 @@ EP_LAYER = bench_moe.SMOKE_LAYERS[2]
 EP_EXCHANGE_ROWS, EP_SLOT, EP_WIRE_BYTES = 201, 64, 4 * 64 * 64 * 2
 #: The expert-parallel case's breakdown: the step with exchange "auto" (all_to_all: the cost
 #: model's fewer bytes) and with each exchange the platform runs, then the forward, the routing,
-#: one all_to_all exchange (four a step), off a CPU the ragged_all_to_all exchange beside it, and
-#: the layer on one device; each with how many a step has.
+#: one all_to_all exchange (four a step), off a CPU the ragged_all_to_all exchange beside it,
+#: the layer on one device, and that layer data-parallel over the 4 devices with its expert
+#: weights replicated and sharded; each with how many a step has.
 _EP_STEPS = [("step (fwd+bwd), exchange 'auto' = 'all_to_all'", 1), ("step (fwd+bwd), exchange 'all_to_all'", None),
              ("step (fwd+bwd), exchange 'ring'", None)]
 _EP_PIECES = [("forward", 1), ("routing forward (gate GEMM, oxmoe.router.topk)", 1),
               (f"all_to_all exchange: {EP_EXCHANGE_ROWS} x 64 bfloat16 (token, shard) rows in 4 x {EP_SLOT} slots, "
                f"{EP_WIRE_BYTES} bytes", 4)]
-_EP_ONE_DEVICE = [("1 device, E=64: step (fwd+bwd)", None), ("1 device, E=64: forward", None)]
+_EP_ONE_DEVICE = [("1 device, E=64: step (fwd+bwd)", None), ("1 device, E=64: forward", None),
+                  ("data=4, E=64 on each device, expert weights replicated: step (fwd+bwd)", None),
+                  ("data=4, E=64 on each device, expert weights sharded over 'data': step (fwd+bwd)", None)]
 MOE_EP_PARTS = {
     "cpu": _EP_STEPS + _EP_PIECES + _EP_ONE_DEVICE,
     "gpu": _EP_STEPS + [("step (fwd+bwd), exchange 'ragged_all_to_all'", None)] + _EP_PIECES
     + [(f"ragged_all_to_all exchange: {EP_EXCHANGE_ROWS} x 64 bfloat16 (token, shard) rows", None)]
     + _EP_ONE_DEVICE}
+
+
+def check_weight_sharding(parts: list[dict]) -> None:
+    """Sharding the expert weights over the 4 data devices keeps 1/4 of them on a device; the
+    step's peak saves 3/4 of them, less what it gathers at once (up's whole [E, H, 2F] at most)."""
+    replicated, sharded = parts[-2:]
+    single = EP_LAYER.one_device()
+    experts = 2 * single.local_experts * single.hidden * (single.up_width + single.ffn)  # bf16 up and down
+    up = 2 * single.local_experts * single.hidden * single.up_width
+    assert replicated["argument_bytes_per_device"] - sharded["argument_bytes_per_device"] == 3 * experts // 4
+    assert sharded["peak_bytes_per_device"] <= replicated["peak_bytes_per_device"] - 3 * experts // 4 + up
+    assert all(p["argument_bytes_per_device"] is None for p in parts[:-2])
 
 
 def check_ep_exchanges(parts: list[dict], platform: str) -> None:
@@ -514,6 +529,7 @@ def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
             assert parts[0]["median_us"] == ox["median_us"], name
             assert case["auto_exchange"] == "all_to_all", name
             check_ep_exchanges(parts, report["platform"])
+            check_weight_sharding(parts)
             for part in parts:
                 assert 0 < part["min_us"] <= part["median_us"] <= part["max_us"], (name, part)
             breakdown = lines[4 + len(names):]
@@ -535,10 +551,11 @@ def test_moe_layer_expert_parallel_case_on_four_devices(tmp_path):
 def test_only_moe_layer_lists_its_cases():
     result = run_bench("--only", "moe_layer", "--list")
     assert result.returncode == 0, result.stderr[-4000:]
-    # The full run's cases: expert parallelism over 2 and 4 devices (the smoke run has the latter),
-    # and DeepSeek-V3 on one device with its shared expert.
-    assert result.stdout.splitlines() == MOE_LAYER_CASES[:2] + ["deepseek_v3 ep=2 fwd+bwd", MOE_EP_CASE,
-                                                                "deepseek_v3 shared fwd+bwd"]
+    # The full run's cases: expert parallelism over 2 devices at three models' sizes and over 4
+    # (the smoke run has the latter), and DeepSeek-V3 on one device with its shared expert.
+    assert result.stdout.splitlines() == MOE_LAYER_CASES[:2] + [
+        "deepseek_v3 ep=2 fwd+bwd", "qwen3_30b_a3b ep=2 fwd+bwd", "mixtral_8x7b ep=2 fwd+bwd", MOE_EP_CASE,
+        "deepseek_v3 shared fwd+bwd"]
 
 
 def _step_outputs(rng: np.random.Generator, tokens=64, hidden=16, ffn=8, experts=4, topk=2):

@@ -118,6 +118,8 @@ ROUTER_CONFIGS = (MIXTRAL, QWEN3_MOE, QWEN3_MOE_PRE_SOFTMAX, DEEPSEEK_V3, LLAMA4
 MIXTRAL_LAYER = LayerShape("mixtral", tokens=32768, hidden=1024, ffn=4096, router=MIXTRAL)
 QWEN3_30B_A3B_LAYER = LayerShape("qwen3_30b_a3b", tokens=16384, hidden=2048, ffn=768, router=QWEN3_MOE)
 DEEPSEEK_V3_LAYER = LayerShape("deepseek_v3", tokens=32768, hidden=7168, ffn=2048, router=DEEPSEEK_V3)
+#: Mixtral 8x7B's own sizes (``MIXTRAL_LAYER`` keeps its routing at a fraction of its width).
+MIXTRAL_8X7B_LAYER = LayerShape("mixtral_8x7b", tokens=32768, hidden=4096, ffn=14336, router=MIXTRAL)
 
 LAYER_SHAPES = (MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER, DEEPSEEK_V3_LAYER)
 

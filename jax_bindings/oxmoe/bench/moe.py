@@ -13,6 +13,9 @@ Cases:
   top-8 of sigmoid scores in the best 4 of 8 groups, scaling 2.5, expert bias;
   :func:`oxmoe.moe.shard_map_moe` with ``expert_axis``, exchange ``"auto"`` (and the others
   in the breakdown);
+- ``qwen3_30b_a3b ep=2 fwd+bwd``: Qwen3's layer (16384 tokens per device) over 2 devices;
+- ``mixtral_8x7b ep=2 fwd+bwd``: Mixtral 8x7B's own sizes over 2 devices: 32768 tokens per
+  device, H=4096, F=14336, 8 experts (4 per device), top-2 softmax;
 - ``deepseek_v3 shared fwd+bwd``: DeepSeek-V3's layer on one device (all 256 experts,
   8192 tokens) with its one shared expert (``MoEConfig(shared_ffn=2048)``, no gate), whose
   two dense GEMMs count in the FLOPs and the dense ceiling like the experts'.
@@ -52,7 +55,12 @@ activation and the permutations are not counted. Each case times, on the default
     bytes); a step has four (dispatch and combine, and their transposes) where ``"auto"``
     exchanges by all_to_all; off a CPU the same rows by ``jax.lax.ragged_all_to_all`` too;
   - the step and forward of the same layer on one device with as many experts as a device
-    owns (no exchange; not checked again: its semantics are the EP layer's).
+    owns (no exchange; not checked again: its semantics are the EP layer's);
+  - DeepSeek-V3's cases only: that one-device layer data-parallel over the same devices
+    (each its own tokens and every one of those experts), its expert weights replicated and
+    sharded over the data axis (``weight_axes``: gathered for the step, their gradients
+    reduce-scattered), each step with its peak device memory (:func:`weight_sharding_parts`).
+    An EP mesh of those devices has no data axis left to shard the weights over.
 
   Each piece runs alone, with only its own arrays alive. In results.json each part of
   ``breakdown`` has, besides its timing, ``per_step``, ``exchange`` (a step's),
@@ -93,7 +101,8 @@ from oxmoe import moe, permutation, reference, router
 from oxmoe.bench import grouped_gemm, timing
 from oxmoe.bench.cases import NOT_JUDGED, CheckFailed, Family, OwnCasesReport, failure_text, format_tflops, format_us, rel_err, text_table
 from oxmoe.bench.grouped_gemm import OOM, DenseTimes
-from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER, GemmShape, LayerShape
+from oxmoe.model_shapes import (DEEPSEEK_V3_LAYER, MIXTRAL_8X7B_LAYER, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER, GemmShape,
+                                LayerShape)
 from oxmoe.moe.config import Axes
 from oxmoe.moe.exchange import cost_model, exchange_method, shards_per_token, slot_sizes
 
@@ -124,6 +133,8 @@ PLAIN_BUDGET_S = grouped_gemm.RAGGED_DOT_BUDGET_S
 #: The mesh axis of the EP case, and how many exchanges of the (token, shard) rows a step has
 #: (dispatch and combine in the forward, their transposes in the backward).
 EXPERT_AXIS, EXCHANGES_PER_STEP = "expert", 4
+#: The mesh axis of :func:`weight_sharding_parts`.
+DATA_AXIS = "data"
 
 #: The random stream of the check's tokens (input set ``n`` draws from stream ``n``).
 CHECK_SET = 1 << 16
@@ -149,6 +160,8 @@ class Layer:
     config: moe.MoEConfig
     devices: int = 1
     """Devices of expert parallelism (each owns ``num_experts / devices`` experts)."""
+    compare_weight_sharding: bool = False
+    """The EP case times :func:`weight_sharding_parts` too."""
 
     @property
     def local_experts(self) -> int:
@@ -225,13 +238,15 @@ class Layer:
                     shared_ffn=c.shared_ffn)
 
 
-def _layer(model: LayerShape, *, devices: int = 1, shared_ffn: int | None = None, **sizes) -> Layer:
+def _layer(model: LayerShape, *, devices: int = 1, shared_ffn: int | None = None,
+           compare_weight_sharding: bool = False, **sizes) -> Layer:
     """``model``'s layer on ``devices`` devices of expert parallelism, at its sizes or at those of
     ``sizes`` (``tokens``, ``hidden``, ``ffn``) where given, with shared experts of width
     ``shared_ffn`` if given."""
     sizes = {**dict(tokens=model.tokens, hidden=model.hidden, ffn=model.ffn), **sizes}
     name = model.name + (f" ep={devices}" if devices > 1 else "") + (" shared" if shared_ffn else "")
-    return Layer(name, **sizes, config=_config(model, shared_ffn), devices=devices)
+    return Layer(name, **sizes, config=_config(model, shared_ffn), devices=devices,
+                 compare_weight_sharding=compare_weight_sharding)
 
 
 #: Tokens per device of the expert-parallel DeepSeek-V3 cases.
@@ -239,15 +254,17 @@ EP_TOKENS = 8192
 LAYERS = (
     _layer(MIXTRAL_LAYER),
     _layer(QWEN3_30B_A3B_LAYER),
-    _layer(DEEPSEEK_V3_LAYER, devices=2, tokens=EP_TOKENS),
-    _layer(DEEPSEEK_V3_LAYER, devices=4, tokens=EP_TOKENS),
+    _layer(DEEPSEEK_V3_LAYER, devices=2, tokens=EP_TOKENS, compare_weight_sharding=True),
+    _layer(QWEN3_30B_A3B_LAYER, devices=2),
+    _layer(MIXTRAL_8X7B_LAYER, devices=2),
+    _layer(DEEPSEEK_V3_LAYER, devices=4, tokens=EP_TOKENS, compare_weight_sharding=True),
     _layer(DEEPSEEK_V3_LAYER, tokens=EP_TOKENS, shared_ffn=DEEPSEEK_V3_LAYER.ffn),  # n_shared_experts=1
 )
 #: The smoke run: the same routing (experts, top-k, groups), tiny T, H and F (multiples of 8).
 SMOKE_LAYERS = (
     _layer(MIXTRAL_LAYER, tokens=256, hidden=64, ffn=128),
     _layer(QWEN3_30B_A3B_LAYER, tokens=64, hidden=64, ffn=32),
-    _layer(DEEPSEEK_V3_LAYER, devices=4, tokens=64, hidden=64, ffn=32),
+    _layer(DEEPSEEK_V3_LAYER, devices=4, tokens=64, hidden=64, ffn=32, compare_weight_sharding=True),
 )
 
 
@@ -382,10 +399,17 @@ def peak_device_bytes(fn: Callable, args: tuple) -> int | None:
             - stats.alias_size_in_bytes)
 
 
+def argument_device_bytes(args: tuple) -> int:
+    """The bytes of ``args`` one device holds (the first's shards)."""
+    device = jax.tree.leaves(args)[0].sharding.mesh.devices.flat[0]
+    return sum(shard.data.nbytes for a in jax.tree.leaves(args) for shard in a.addressable_shards
+               if shard.device == device)
+
+
 # -- inputs -------------------------------------------------------------------------
 
 class Placement:
-    """Where a case's arrays live: the default device, or split over an expert-parallel mesh
+    """Where a case's arrays live: the default device, or split over a mesh's first axis
     (tokens and experts on their first dimension, the gate and the expert bias replicated)."""
 
     def __init__(self, mesh: Mesh | None):
@@ -401,7 +425,8 @@ class Placement:
             with jax.default_device(device):
                 blocks.append(timing.RandomArrays(*seed, i).normal(local_shape, dtype, scale))
         shape = (len(blocks) * local_shape[0], *local_shape[1:])
-        return jax.make_array_from_single_device_arrays(shape, NamedSharding(self.mesh, P(EXPERT_AXIS)), blocks)
+        return jax.make_array_from_single_device_arrays(shape, NamedSharding(self.mesh, P(self.mesh.axis_names[0])),
+                                                        blocks)
 
     def replicated(self, seed: tuple, shape, dtype, scale: float = 1.0) -> jax.Array:
         x = timing.RandomArrays(*seed).normal(shape, dtype, scale)
@@ -567,11 +592,13 @@ class Part:
     """A step's peak device memory (:func:`peak_device_bytes`; None where XLA gives none)."""
     wire_bytes: int | None = None
     """An all_to_all exchange's bytes (:func:`exchange_wire_bytes`)."""
+    argument_bytes: int | None = None
+    """The step's arguments on one device (:func:`weight_sharding_parts`' steps only)."""
 
     def to_json(self) -> dict:
         return dict(part=self.name, per_step=self.per_step, **self.timing.to_json(), exchange=self.exchange,
                     cost_model_bytes_per_step=self.cost_model_bytes, peak_bytes_per_device=self.peak_bytes,
-                    wire_bytes=self.wire_bytes)
+                    wire_bytes=self.wire_bytes, argument_bytes_per_device=self.argument_bytes)
 
 
 @dataclasses.dataclass
@@ -700,9 +727,11 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
                       costs[result.auto_exchange], peak_device_bytes(step(ep), arg_sets[0]))]
         for method in ["all_to_all", "ring", *ragged]:
             method_step = step(oxmoe_ep_layer(dataclasses.replace(layer.config, exchange=method), mesh))
+            # ragged_all_to_all's step has taken 20x the others': fewer samples where it is slow.
             parts.append(Part(f"step (fwd+bwd), exchange {method!r}",
-                              timing.measure(timing.rotated(method_step), arg_sets, settings), None, method,
-                              costs.get(method), peak_device_bytes(method_step, arg_sets[0])))
+                              grouped_gemm.measure_within(timing.rotated(method_step), arg_sets, settings,
+                                                          PLAIN_BUDGET_S),
+                              None, method, costs.get(method), peak_device_bytes(method_step, arg_sets[0])))
         parts += [Part("forward", timing.measure(timing.rotated(forward(ep)), arg_sets, settings), 1),
                   Part("routing forward (gate GEMM, oxmoe.router.topk)",
                        timing.measure(timing.rotated(ep_routing(layer.config, mesh)), arg_sets, settings), 1)]
@@ -712,7 +741,8 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
         for method in ["all_to_all", *ragged]:
             # Four a step where "auto" exchanges by it (by ragged_all_to_all it never does).
             per_step = EXCHANGES_PER_STEP if method == result.auto_exchange else None
-            exchange = timing.measure(timing.rotated(ep_exchange(layer, mesh, method)), exchange_sets, settings)
+            exchange = grouped_gemm.measure_within(timing.rotated(ep_exchange(layer, mesh, method)), exchange_sets,
+                                                   settings, PLAIN_BUDGET_S)
             wire_bytes = exchange_wire_bytes(layer) if method == "all_to_all" else None
             parts.append(Part(exchange_name(layer, method), exchange, per_step, wire_bytes=wire_bytes))
         del exchange_sets
@@ -728,11 +758,44 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
                   Part(f"1 device, E={e}: forward", timing.measure(timing.rotated(forward(ox)), arg_sets, settings),
                        None)]
         del arg_sets
+        if layer.compare_weight_sharding:
+            parts += weight_sharding_parts(layer, settings, seed)
         result.breakdown = parts
         _dense(result, layer, settings, dense, seed)
     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
         result.failure = failure_text(e)
     return result
+
+
+def weight_sharding_parts(layer: Layer, settings: timing.Settings, seed: int = 0) -> list[Part]:
+    """The steps of :meth:`Layer.one_device`'s layer data-parallel over ``layer.devices``
+    devices (each its own tokens and every one of those experts), expert weights replicated,
+    then sharded over the data axis (``weight_axes``), each with its peak device memory and
+    the bytes of its arguments on a device (the expert weights' share, besides x and w)."""
+    single = layer.one_device()
+    mesh = Mesh(np.array(jax.devices()[:layer.devices]), (DATA_AXIS,))
+    place = Placement(mesh)
+    base = (seed, zlib.crc32(f"{single.name} {DATA_AXIS}={layer.devices}".encode()))
+    tokens = [draw_tokens(single, place, (*base, n), single.tokens) for n in range(_num_sets(settings, single)[0])]
+    name = f"{DATA_AXIS}={layer.devices}, E={single.config.num_experts} on each device, expert weights"
+    parts = []
+    for weight_axes in ((), (DATA_AXIS,)):
+        hidden = weight_axes or None
+        arg_sets = []
+        for n, (x, w) in enumerate(tokens):
+            params = draw_params(single, Placement(None), (*base, n))
+            specs = dataclasses.replace(jax.tree.map(lambda _: P(), params), up=P(None, hidden, None),
+                                        down=P(None, None, hidden))
+            arg_sets.append((x, jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), w))
+            del params
+        run = step(lambda x, params: moe.shard_map_moe(x, params, single.config, mesh=mesh, data_axes=(DATA_AXIS,),
+                                                       weight_axes=weight_axes))
+        label = f"sharded over {DATA_AXIS!r}" if weight_axes else "replicated"
+        parts.append(Part(f"{name} {label}: step (fwd+bwd)", timing.measure(timing.rotated(run), arg_sets, settings),
+                          None, peak_bytes=peak_device_bytes(run, arg_sets[0]),
+                          argument_bytes=argument_device_bytes(arg_sets[0])))
+        del arg_sets
+    return parts
 
 
 def run_case(case: LayerCase, settings: timing.Settings, dense: DenseTimes, seed: int = 0) -> LayerResult:
