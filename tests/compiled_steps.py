@@ -18,13 +18,13 @@ def abstract(mesh, shape, dtype, spec) -> jax.ShapeDtypeStruct:
 
 
 def abstract_params(config: MoEConfig, mesh, hidden: int, ffn: int, weight_axes: tuple[str, ...] = ()) -> MoEParams:
-    """bf16 expert weights split over "expert" (and their hidden dimension over `weight_axes`),
+    """bf16 expert weights split over "expert" (and each shard's experts over `weight_axes`),
     a float32 gate and expert bias whole."""
-    e, split = config.num_experts, weight_axes or None
+    e, experts = config.num_experts, P(("expert", *weight_axes))
     up_width = 2 * ffn if config.glu else ffn
     return MoEParams(abstract(mesh, (hidden, e), jnp.float32, P()),
-                     abstract(mesh, (e, hidden, up_width), jnp.bfloat16, P("expert", split)),
-                     abstract(mesh, (e, ffn, hidden), jnp.bfloat16, P("expert", None, split)),
+                     abstract(mesh, (e, hidden, up_width), jnp.bfloat16, experts),
+                     abstract(mesh, (e, ffn, hidden), jnp.bfloat16, experts),
                      abstract(mesh, (e,), jnp.float32, P()) if config.use_expert_bias else None)
 
 

@@ -35,7 +35,7 @@ NUM_PROCESSES = 2
 
 # (name, mesh shape, axis names, data_axes, weight_axes, config fields, x shape): the experts over
 # all four devices; two data shards of two expert shards (each process holds one data shard),
-# the expert weights' hidden dimension split over the data axis too (gathered across processes).
+# each expert shard's experts split over the data axis too (gathered across processes).
 CASES = [
     ("expert4", (4,), ("expert",), (), (),
      dict(num_experts=8, topk=2, dtype=jnp.float32, exchange="all_to_all"), (64, 64)),
@@ -65,8 +65,8 @@ def run_case(name, shape, names, data_axes, weight_axes, fields, x_shape, seed):
         x, params, y_weight = checks.draw_inputs(rng, config, x_shape, 32, make=MoEParams)
         expected = jax.jit(ref.value_and_grads, static_argnums=2)(x, params, config, y_weight)
     mesh = jax.make_mesh(shape, names, devices=jax.devices())
-    tokens, hidden = P((*data_axes, "expert")), weight_axes or None
-    specs = MoEParams(gate=P(), up=P("expert", hidden, None), down=P("expert", None, hidden),
+    tokens, experts = P((*data_axes, "expert")), P(("expert", *weight_axes))
+    specs = MoEParams(gate=P(), up=experts, down=experts,
                       expert_bias=None if params.expert_bias is None else P())
     x_g, w_g = global_array(mesh, tokens, x), global_array(mesh, tokens, y_weight)
     params_g = jax.tree.map(lambda s, v: global_array(mesh, s, v), specs, params)

@@ -193,17 +193,17 @@ def test_linen_block_is_moe_with_its_params(config, sharded, mesh, rng, seed):
 
 @pytest.mark.parametrize("config", [CONFIGS["softmax_swiglu"]], ids=["softmax_swiglu"])
 def test_linen_block_with_weights_sharded_over_the_data_axis_is_moe(config, mesh, rng, seed):
-    # "embed" on the data axis: up [E, H, 2F] and down [E, F, H] split over the experts and
-    # their hidden dimension; the block gathers them (weight_axes) and its gradients come back
+    # "exp" on the expert then the data axis: up [E, H, 2F] and down [E, F, H] split over both;
+    # the block gathers each expert shard's experts (weight_axes) and its gradients come back
     # split alike.
     x, y_weight, _ = draw_inputs(rng, config)
     weights = draw_weights(rng, config)
     block = MoEBlock(config=config, ffn=F, expert_axis="expert", data_axes=("data",), weight_axes=("data",),
                      mesh=mesh, **given_inits(weights))
-    rules = (("exp", "expert"), ("embed", "data"), ("mlp", None))
+    rules = (("exp", ("expert", "data")), ("embed", None), ("mlp", None))
     key = jax.random.key(seed)
     shardings = nn.logical_to_mesh_sharding(nn.get_partition_spec(jax.eval_shape(block.init, key, x)), mesh, rules)
-    assert shardings["params"]["up"].spec == P("expert", "data", None)
+    assert shardings["params"]["up"].spec == P(("expert", "data"), None, None)
     variables = nn.meta.unbox(jax.jit(block.init, out_shardings=shardings)(key, x))
     out, grads = linen_value_and_grads(block, variables, x, y_weight)
     direct_out, direct_grads = direct_value_and_grads(config, mesh)(x, linen_params(variables), y_weight)

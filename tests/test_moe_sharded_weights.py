@@ -57,10 +57,38 @@ def test_weight_axes_outside_the_data_axes_are_named():
                           weight_axes=("expert",))
 
 
-def test_a_hidden_size_the_weight_axes_do_not_divide_is_named():
-    mesh = jax.make_mesh((2, 4), ("data", "expert"), devices=devices.cpu_devices()[:8])
-    config = MoEConfig(num_experts=8, topk=2)
-    params = moe.init_params(jax.random.key(0), config, 63, 32)
-    with pytest.raises(ValueError, match=r"hidden \(63\) must divide by the 2 shards of weight_axes \('data',\)"):
-        moe.shard_map_moe(jnp.zeros((16, 63)), params, config, mesh=mesh, expert_axis="expert", data_axes=("data",),
+def auto_mesh():
+    """2 data x 4 expert shards whose arrays shard_map may reshard."""
+    return jax.make_mesh((2, 4), ("data", "expert"), devices=devices.cpu_devices()[:8],
+                         axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def test_experts_per_shard_the_weight_axes_do_not_divide_are_named():
+    # 12 experts over 4 expert shards: 3 a shard, which 2 data shards cannot split.
+    mesh = auto_mesh()
+    config = MoEConfig(num_experts=12, topk=2)
+    params = moe.init_params(jax.random.key(0), config, 64, 32)
+    message = r"the 3 experts of a shard of expert_axis must divide by the 2 shards of weight_axes \('data',\)"
+    with pytest.raises(ValueError, match=message):
+        moe.shard_map_moe(jnp.zeros((16, 64)), params, config, mesh=mesh, expert_axis="expert", data_axes=("data",),
                           weight_axes=("data",))
+    # The same check where moe is called inside the caller's own shard_map.
+    layer = jax.shard_map(lambda x, p: moe.moe(x, p, config, expert_axis="expert", data_axes=("data",),
+                                               weight_axes=("data",))[0],
+                          mesh=mesh, in_specs=(P(("data", "expert")), P()), out_specs=P(("data", "expert")))
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(layer, jnp.zeros((16, 64)), params)
+
+
+def test_a_weight_shard_of_the_wrong_size_names_the_experts_it_must_hold():
+    # 16 experts over 4 expert shards and 2 data shards: up and down hold 2 experts each.
+    mesh = auto_mesh()
+    config = MoEConfig(num_experts=16, topk=2)
+    params = moe.init_params(jax.random.key(0), config, 64, 32)
+    layer = jax.shard_map(lambda x, p: moe.moe(x, p, config, expert_axis="expert", data_axes=("data",),
+                                               weight_axes=("data",))[0],
+                          mesh=mesh, in_specs=(P(("data", "expert")), P()), out_specs=P(("data", "expert")))
+    message = (r"params\.down must have shape \[local experts, ffn, hidden\] = \[2 \(num_experts 16 / expert_axis "
+               r"size 4 / weight_axes size 2\), F, 64\], got \[16, 32, 64\]")
+    with pytest.raises(ValueError, match=message):
+        jax.eval_shape(layer, jnp.zeros((16, 64)), params)

@@ -116,10 +116,11 @@ def mesh_of(data: int, ep: int):
     return jax.make_mesh((data, ep), ("data", "expert"), devices=devices.cpu_devices()[:data * ep])
 
 
-def param_specs(params: MoEParams, *, hidden=None) -> MoEParams:
-    """Experts split over "expert" (and their hidden dimension over `hidden`), the rest whole."""
+def param_specs(params: MoEParams, *, weight_axes=()) -> MoEParams:
+    """Experts split over "expert" (and each shard's over `weight_axes`), the rest whole."""
     whole = {name: None if getattr(params, name) is None else P() for name in ("expert_bias", *SHARED)}
-    return MoEParams(gate=P(), up=P("expert", hidden, None), down=P("expert", None, hidden), **whole)
+    experts = P(("expert", *weight_axes))
+    return MoEParams(gate=P(), up=experts, down=experts, **whole)
 
 
 @pytest.mark.parametrize("case", SHARDED_CASES)
@@ -148,7 +149,7 @@ def test_shard_map_moe_keeps_the_shared_weights_whole_under_weight_axes(cpu, see
         return moe_lib.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert", data_axes=("data",),
                                      weight_axes=("data",))
 
-    specs = param_specs(params, hidden="data")
+    specs = param_specs(params, weight_axes=("data",))
     placed = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), params, specs)
     tokens = NamedSharding(mesh, P(("data", "expert")))
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(

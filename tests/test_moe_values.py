@@ -340,9 +340,9 @@ def test_capacity_factor_drops_the_reference_copies(case, cpu, seed, rng):
 
 # ------------------------------------------------------------ sharded expert weights
 
-# (data shards, expert shards, exchange, align_size, routing, dtype): the expert weights'
-# hidden dimension split over the data axis too (weight_axes), through shard_map_moe, whose
-# gradients must come back split alike.
+# (data shards, expert shards, exchange, align_size, routing, dtype): each expert shard's
+# experts split over the data axis too (weight_axes), through shard_map_moe, whose gradients
+# must come back split alike.
 SHARDED_WEIGHT_CASES = {
     "expert2_data4_all_to_all_softmax": (4, 2, "all_to_all", None, "softmax_top2", F32),
     "expert2_data4_ring_sigmoid_groups_align": (4, 2, "ring", 128, "sigmoid_groups", BF16),
@@ -358,9 +358,9 @@ def test_expert_weights_sharded_over_the_data_axis_match_the_dense_reference(cas
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
     context = f"{case}, {describe(config)}, seed={seed}"
     mesh = mesh_of(data, ep)
-    hidden_split = MoEParams(gate=P(), up=P("expert", "data", None), down=P("expert", None, "data"),
-                             expert_bias=None if params.expert_bias is None else P())
-    placed = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), params, hidden_split)
+    experts = P(("expert", "data"))
+    split = MoEParams(gate=P(), up=experts, down=experts, expert_bias=None if params.expert_bias is None else P())
+    placed = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), params, split)
     tokens = NamedSharding(mesh, P(("data", "expert")))
 
     def layer(x, params):

@@ -27,9 +27,9 @@ experts, so :func:`~oxmoe.moe.shard_map_moe` wants the gate whole. ``"exp"``
 should map to the block's ``expert_axis`` (the experts' weights are split
 over it inside the shard map; any other layout is resharded at its edge).
 To shard the expert weights over the data axes as well (FSDP), map
-``"embed"`` to those axes and give them as ``weight_axes``::
+``"exp"`` to the expert axis then those axes, and give them as ``weight_axes``::
 
-    rules = (("exp", "expert"), ("embed", "data"), ("mlp", None))
+    rules = (("exp", ("expert", "data")), ("embed", None), ("mlp", None))
     block = MoEBlock(config=config, ffn=ffn, expert_axis="expert", data_axes=("data",),
                      weight_axes=("data",), mesh=mesh)
 
@@ -264,8 +264,9 @@ class MoEBlock(nn.Module, kw_only=True):
         or ``None``.
       data_axes: further mesh axes the tokens are split over (data parallelism).
       weight_axes: those of ``data_axes`` that also split the expert weights'
-        hidden dimension (FSDP: see :func:`oxmoe.moe.moe`); give ``"embed"``
-        those axes in the logical rules so the variables are made that way.
+        experts (FSDP: see :func:`oxmoe.moe.moe`); map ``"exp"`` to
+        ``(expert_axis, *weight_axes)`` in the logical rules so the variables
+        are made that way.
       mesh: the mesh of those axes; ``None``: the context mesh (``jax.set_mesh``).
       param_dtype: the parameters' dtype (cast to ``config.dtype`` for compute).
       gate_init, up_init, down_init: initialisers ``(key, shape, dtype)`` of the

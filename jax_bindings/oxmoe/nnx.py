@@ -94,7 +94,8 @@ class MoE(nnx.Module):
       expert_axis: the mesh axis the experts are split over, or ``None``.
       data_axes: further mesh axes the tokens are split over.
       weight_axes: those of ``data_axes`` that also split the expert weights'
-        hidden dimension (FSDP; map ``"embed"`` to them in the rules).
+        experts (FSDP; map ``"exp"`` to ``(expert_axis, *weight_axes)`` in the
+        rules).
       mesh: the mesh of those axes; ``None``: the context mesh (``jax.set_mesh``).
       param_dtype: the parameters' dtype (cast to ``config.dtype`` for compute).
       gate_init, up_init, down_init: initialisers ``(key, shape, dtype)`` of the

@@ -767,6 +767,27 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
     return result
 
 
+def data_parallel_step(single: Layer, mesh: Mesh, weight_axes: tuple[str, ...]) -> Callable:
+    """The :func:`step` of a one-device layer data-parallel over ``mesh``'s :data:`DATA_AXIS`,
+    its expert weights sharded over ``weight_axes`` (none: replicated)."""
+    return step(lambda x, params: moe.shard_map_moe(x, params, single.config, mesh=mesh, data_axes=(DATA_AXIS,),
+                                                    weight_axes=weight_axes))
+
+
+def data_parallel_sets(single: Layer, mesh: Mesh, weight_axes: tuple[str, ...], seed: tuple,
+                       num_sets: int) -> list[tuple]:
+    """Input sets of :func:`data_parallel_step`: each device's own tokens, the parameters
+    replicated but for the expert weights' experts, split over ``weight_axes``."""
+    experts = weight_axes or None
+    arg_sets = []
+    for n in range(num_sets):
+        x, w = draw_tokens(single, Placement(mesh), (*seed, n), single.tokens)
+        params = draw_params(single, Placement(None), (*seed, n))
+        specs = dataclasses.replace(jax.tree.map(lambda _: P(), params), up=P(experts), down=P(experts))
+        arg_sets.append((x, jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), w))
+    return arg_sets
+
+
 def weight_sharding_parts(layer: Layer, settings: timing.Settings, seed: int = 0) -> list[Part]:
     """The steps of :meth:`Layer.one_device`'s layer data-parallel over ``layer.devices``
     devices (each its own tokens and every one of those experts), expert weights replicated,
@@ -774,22 +795,12 @@ def weight_sharding_parts(layer: Layer, settings: timing.Settings, seed: int = 0
     the bytes of its arguments on a device (the expert weights' share, besides x and w)."""
     single = layer.one_device()
     mesh = Mesh(np.array(jax.devices()[:layer.devices]), (DATA_AXIS,))
-    place = Placement(mesh)
     base = (seed, zlib.crc32(f"{single.name} {DATA_AXIS}={layer.devices}".encode()))
-    tokens = [draw_tokens(single, place, (*base, n), single.tokens) for n in range(_num_sets(settings, single)[0])]
     name = f"{DATA_AXIS}={layer.devices}, E={single.config.num_experts} on each device, expert weights"
     parts = []
     for weight_axes in ((), (DATA_AXIS,)):
-        hidden = weight_axes or None
-        arg_sets = []
-        for n, (x, w) in enumerate(tokens):
-            params = draw_params(single, Placement(None), (*base, n))
-            specs = dataclasses.replace(jax.tree.map(lambda _: P(), params), up=P(None, hidden, None),
-                                        down=P(None, None, hidden))
-            arg_sets.append((x, jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), w))
-            del params
-        run = step(lambda x, params: moe.shard_map_moe(x, params, single.config, mesh=mesh, data_axes=(DATA_AXIS,),
-                                                       weight_axes=weight_axes))
+        arg_sets = data_parallel_sets(single, mesh, weight_axes, base, _num_sets(settings, single)[0])
+        run = data_parallel_step(single, mesh, weight_axes)
         label = f"sharded over {DATA_AXIS!r}" if weight_axes else "replicated"
         parts.append(Part(f"{name} {label}: step (fwd+bwd)", timing.measure(timing.rotated(run), arg_sets, settings),
                           None, peak_bytes=peak_device_bytes(run, arg_sets[0]),

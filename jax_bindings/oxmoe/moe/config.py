@@ -287,7 +287,7 @@ class Axes:
     expert_shards: int
     token_shards: int
     weight_axes: tuple[str, ...] = ()
-    """The data axes that also split the expert weights' hidden dimension."""
+    """The data axes that also split the expert weights (their experts)."""
     weight_shards: int = 1
     """The product of their sizes."""
 

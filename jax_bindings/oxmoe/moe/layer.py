@@ -382,27 +382,28 @@ def _check_params(params, config: MoEConfig, axes: Axes, hidden: int) -> None:
         check_array(f"params.{name}", getattr(params, name))
         if getattr(params, name).dtype not in FLOAT_DTYPES:
             raise TypeError(f"params.{name} must be float32, bfloat16 or float16, got {getattr(params, name).dtype}")
-    if params.gate.shape != (hidden, e) and _params_hidden(params, axes) not in (None, hidden):
+    if params.gate.shape != (hidden, e) and _params_hidden(params) not in (None, hidden):
         raise ValueError(f"x's hidden size (its last dimension) is {hidden}, but params are for hidden "
-                         f"{_params_hidden(params, axes)} (params.gate {list(params.gate.shape)}, params.down "
+                         f"{_params_hidden(params)} (params.gate {list(params.gate.shape)}, params.down "
                          f"{list(params.down.shape)})")
     if params.gate.shape != (hidden, e):
         raise ValueError(f"params.gate must have shape [hidden, num_experts] = [{hidden}, {e}], "
                          f"got {list(params.gate.shape)}")
-    where = f" (num_experts {e} / expert_axis size {axes.expert_shards})" if axes.expert_shards > 1 else ""
-    if hidden % axes.weight_shards:
-        raise ValueError(f"hidden ({hidden}) must divide by the {axes.weight_shards} shards of weight_axes "
-                         f"{axes.weight_axes}")
-    part = hidden // axes.weight_shards
-    name = f"{part} (hidden {hidden} / weight_axes size {axes.weight_shards})" if axes.weight_shards > 1 else str(hidden)
+    if el % axes.weight_shards:
+        raise ValueError(f"the {el} experts of a shard of expert_axis must divide by the {axes.weight_shards} "
+                         f"shards of weight_axes {axes.weight_axes}")
+    held = el // axes.weight_shards
+    sizes = [f"num_experts {e}"] + [f"{name} size {n}" for name, n in (("expert_axis", axes.expert_shards),
+                                                                      ("weight_axes", axes.weight_shards)) if n > 1]
+    where = f" ({' / '.join(sizes)})" if held != e else ""
     up, down = params.up.shape, params.down.shape
-    if len(down) != 3 or down[0] != el or down[2] != part:
-        raise ValueError(f"params.down must have shape [local experts, ffn, hidden] = [{el}{where}, F, {name}], "
+    if len(down) != 3 or down[0] != held or down[2] != hidden:
+        raise ValueError(f"params.down must have shape [local experts, ffn, hidden] = [{held}{where}, F, {hidden}], "
                          f"got {list(down)}")
     f = down[1]
     width, form = (2 * f, "2 * ffn (gate and up halves)") if config.glu else (f, "ffn")
-    if up != (el, part, width):
-        raise ValueError(f"params.up must have shape [local experts, hidden, {form}] = [{el}{where}, {name}, "
+    if up != (held, hidden, width):
+        raise ValueError(f"params.up must have shape [local experts, hidden, {form}] = [{held}{where}, {hidden}, "
                          f"{width}] for activation {config.activation!r} and ffn = {f}, got {list(up)}")
     if config.use_expert_bias:
         bias = params.expert_bias
@@ -442,11 +443,11 @@ def _check_shared_params(params: MoEParams, config: MoEConfig, hidden: int) -> N
             raise ValueError(f"params.{name} must have shape {form} (whole on every shard), got {list(given.shape)}")
 
 
-def _params_hidden(params: MoEParams, axes: Axes) -> int | None:
-    """The hidden size the params agree on (gate's rows, down's last dimension
-    times its shards), or None where they disagree among themselves."""
+def _params_hidden(params: MoEParams) -> int | None:
+    """The hidden size the params agree on (gate's rows, down's last
+    dimension), or None where they disagree among themselves."""
     gate, down = params.gate.shape, params.down.shape
-    if len(gate) == 2 and len(down) == 3 and gate[0] == down[2] * axes.weight_shards:
+    if len(gate) == 2 and len(down) == 3 and gate[0] == down[2]:
         return gate[0]
     return None
 
@@ -470,10 +471,14 @@ def moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None = No
         parallelism); the expert weights are replicated over them, except
         over ``weight_axes``.
       weight_axes: those of ``data_axes`` that also split ``up`` and ``down``
-        along the hidden dimension (FSDP; ``up [El, H / D, 2F]``, ``down
-        [El, F, H / D]``, ``D`` the product of their sizes): the layer
+        (FSDP): each shard of ``expert_axis`` splits its ``El`` experts over
+        them, in mesh order (``up [El / D, H, 2F]``, ``down [El / D, F, H]``,
+        ``D`` the product of their sizes, which must divide ``El``). The layer
         all-gathers its experts' weights for the step (again in the backward)
-        and reduce-scatters their gradients over them.
+        and reduce-scatters their gradients over them. The experts, not the
+        hidden dimension, are split so that both collectives move whole
+        contiguous blocks (a split hidden dimension costs a transpose of the
+        weights and of their gradients each way).
 
     Returns:
       ``(y, aux)``: ``y`` has ``x``'s shape in ``config.dtype``; ``aux`` is
@@ -557,28 +562,24 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     return grad_x.reshape(res.x_shape).astype(res.x_dtype), grads
 
 
-# The expert weights' hidden dimension: up [El, H, 2F], down [El, F, H].
-_UP_HIDDEN, _DOWN_HIDDEN = 1, 2
-
-
 def _gather_weights(params: MoEParams, axes: Axes) -> MoEParams:
-    """``params`` with this shard's experts' whole ``up`` and ``down`` (gathered
+    """``params`` with all of this expert shard's ``up`` and ``down`` (gathered
     over ``weight_axes``)."""
     if not axes.weight_axes:
         return params
-    gather = functools.partial(jax.lax.all_gather, axis_name=axes.weight_axes, tiled=True)
-    return dataclasses.replace(params, up=gather(params.up, axis=_UP_HIDDEN), down=gather(params.down, axis=_DOWN_HIDDEN))
+    gather = functools.partial(jax.lax.all_gather, axis_name=axes.weight_axes, axis=0, tiled=True)
+    return dataclasses.replace(params, up=gather(params.up), down=gather(params.down))
 
 
 def _reduce_weight_grads(grad_up, grad_down, axes: Axes):
     """The whole weights' gradients summed over the data axes, each shard
-    keeping its part of ``weight_axes``."""
+    keeping its experts' of ``weight_axes``."""
     replicated = tuple(a for a in axes.data_axes if a not in axes.weight_axes)
     grad_up, grad_down = _sum_over((grad_up, grad_down), replicated)
     if axes.weight_axes:
-        scatter = functools.partial(jax.lax.psum_scatter, axis_name=axes.weight_axes, tiled=True)
-        grad_up, grad_down = (scatter(grad_up, scatter_dimension=_UP_HIDDEN),
-                              scatter(grad_down, scatter_dimension=_DOWN_HIDDEN))
+        scatter = functools.partial(jax.lax.psum_scatter, axis_name=axes.weight_axes, scatter_dimension=0,
+                                    tiled=True)
+        grad_up, grad_down = scatter(grad_up), scatter(grad_down)
     return grad_up, grad_down
 
 
@@ -602,8 +603,7 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
     """:func:`moe` on whole (global) arrays, under ``jax.shard_map`` over ``mesh``.
 
     ``x``'s first dimension is split over ``(*data_axes, expert_axis)``, the
-    expert weights' first over ``expert_axis`` and their hidden one over
-    ``weight_axes`` (``up``'s second, ``down``'s third); ``gate``,
+    expert weights' first over ``(expert_axis, *weight_axes)``; ``gate``,
     ``expert_bias`` and the shared experts' weights are replicated. Returns ``y`` split like ``x`` and a replicated
     :class:`MoEAux`.
 
@@ -625,20 +625,22 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
     if x.ndim < 2 or x.shape[0] % shards:
         raise ValueError(f"x's first dimension ({x.shape[0] if x.ndim else x}) must divide by the {shards} token "
                          f"shards of the mesh axes ({sizes})")
-    if expert_axis is not None and config.num_experts % mesh.shape[expert_axis]:
+    expert_shards = 1 if expert_axis is None else mesh.shape[expert_axis]
+    if config.num_experts % expert_shards:
         raise ValueError(f"num_experts ({config.num_experts}) must divide by the size of expert_axis "
-                         f"{expert_axis!r} ({mesh.shape[expert_axis]})")
+                         f"{expert_axis!r} ({expert_shards})")
     weight_shards = math.prod(mesh.shape[a] for a in weight_axes)
-    if x.shape[-1] % weight_shards:
-        raise ValueError(f"hidden ({x.shape[-1]}) must divide by the {weight_shards} shards of weight_axes "
-                         f"{weight_axes}")
+    if (config.num_experts // expert_shards) % weight_shards:
+        raise ValueError(f"the {config.num_experts // expert_shards} experts of a shard of expert_axis must divide "
+                         f"by the {weight_shards} shards of weight_axes {weight_axes}")
     P = jax.sharding.PartitionSpec
-    split_tokens, hidden = P(token_axes or None), weight_axes or None
+    split_tokens = P(token_axes or None)
+    experts = tuple(a for a in (expert_axis, *weight_axes) if a is not None) or None
     whole = {name: None if getattr(params, name) is None else P()
              for name in ("expert_bias", "shared_up", "shared_down", "shared_gate")}
     # Pytrees of PartitionSpecs in the structure of the params and of the aux (a JAX idiom the
     # dataclasses' field types do not describe).
-    param_specs = MoEParams(P(), P(expert_axis, hidden, None), P(expert_axis, None, hidden), **whole)  # type: ignore[arg-type]
+    param_specs = MoEParams(P(), P(experts), P(experts), **whole)  # type: ignore[arg-type]
     if jax.sharding.AxisType.Explicit in mesh.axis_types:
         # shard_map takes arrays of an explicit-axes mesh as they are sharded.
         place = functools.partial(_reshard, mesh=mesh)
