@@ -453,7 +453,7 @@ def check_ep_exchanges(parts: list[dict], platform: str) -> None:
     wire = [p["wire_bytes"] for p in parts]
     assert wire == [EP_WIRE_BYTES if p["part"].startswith("all_to_all exchange") else None for p in parts]
     assert EP_EXCHANGE_ROWS == round(EP_LAYER.tokens * bench_moe.moe.exchange.shards_per_token(EP_LAYER.config, 4))
-    assert bench_moe.moe.exchange.slot_sizes(EP_LAYER.tokens, 4, EP_LAYER.config.topk) == (EP_SLOT,)
+    assert bench_moe.moe.exchange.slot_sizes(EP_LAYER.tokens, 4, EP_LAYER.config) == (EP_SLOT,)
 
 
 def _expert_flops(case: dict) -> int:
@@ -519,7 +519,7 @@ def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
             assert case["speedup"] == pytest.approx(plain["median_us"] / ox["median_us"]), name
             assert case["goals"]["dense"] is None, name
             assert cells[-4] == "-", (name, cells)
-            assert case["breakdown"] == [], name
+            assert case["breakdown"] == [] and case["device_rows"] is None, name
         else:
             assert case["plain_jax"] is None and case["speedup"] is None and case["goals"]["dense"] is None, name
             parts = case["breakdown"]
@@ -528,6 +528,9 @@ def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
             assert [p["per_step"] for p in parts] == [n for _, n in MOE_EP_PARTS[report["platform"]]], name
             assert parts[0]["median_us"] == ox["median_us"], name
             assert case["auto_exchange"] == "all_to_all", name
+            # Every token's k copies, counted at the device of its expert.
+            rows = case["device_rows"]
+            assert len(rows) == EP_LAYER.devices and sum(rows) == EP_LAYER.devices * EP_LAYER.rows, (name, rows)
             check_ep_exchanges(parts, report["platform"])
             check_weight_sharding(parts)
             for part in parts:

@@ -66,7 +66,9 @@ activation and the permutations are not counted. Each case times, on the default
   ``breakdown`` has, besides its timing, ``per_step``, ``exchange`` (a step's),
   ``cost_model_bytes_per_step``, ``peak_bytes_per_device`` and ``wire_bytes`` (the
   all_to_all exchange's), None where they do not apply; ``auto_exchange`` is what
-  ``"auto"`` chose.
+  ``"auto"`` chose; ``device_rows`` the routed copies each device's experts took in the
+  timed input set (the step waits for the busiest; the one-device step has exactly
+  ``T k``).
 
 The goal: each single-device step at >= :data:`MIN_FRACTION_OF_DENSE` of the dense
 ceiling's TFLOP/s (about :data:`MIN_SPEEDUP` x the plain-JAX layer, which the goals line
@@ -314,6 +316,13 @@ def ep_routing(config: moe.MoEConfig, mesh: Mesh) -> Callable:
     return lambda x, params, w: routed(x, params.gate, params.expert_bias)
 
 
+def device_rows(layer: Layer, mesh: Mesh, args: tuple) -> list[int]:
+    """The routed copies each device's experts take from the step's inputs ``args``."""
+    _, routing_map = jax.jit(ep_routing(layer.config, mesh))(*args)
+    per_expert = np.asarray(jnp.sum(routing_map, axis=0, dtype=jnp.int32))
+    return per_expert.reshape(layer.devices, -1).sum(axis=1).tolist()
+
+
 def exchange_blocks(layer: Layer) -> tuple[int, ...]:
     """The (token, shard) rows a device sends each device under a balanced load of uniformly
     random routing: ``round(T * shards_per_token)`` in all, shared as equally as rows allow."""
@@ -330,7 +339,7 @@ def exchange_slot(layer: Layer) -> int:
 
 
 def _slot_sizes(layer: Layer) -> tuple[int, ...]:
-    return slot_sizes(layer.tokens, layer.devices, layer.config.topk)
+    return slot_sizes(layer.tokens, layer.devices, layer.config)
 
 
 def exchange_wire_bytes(layer: Layer) -> int:
@@ -618,6 +627,9 @@ class LayerResult:
     breakdown: list[Part] = dataclasses.field(default_factory=list)
     auto_exchange: str | None = None
     """The exchange ``"auto"`` chose (EP)."""
+    device_rows: list[int] | None = None
+    """EP: the routed (token, expert) copies each device's experts took in the timed input
+    set (:func:`device_rows`); the step waits for the device with the most."""
     skipped: str | None = None
     failure: str | None = None
 
@@ -721,6 +733,7 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
         step_run = timing.rotated(step(ep))
         result.primitives = _count_primitives("oxmoe", step_run, arg_sets, OXMOE_PRIMITIVES, (JAX_PRIMITIVE,))
         result.oxmoe = timing.measure(step_run, arg_sets, settings)
+        result.device_rows = device_rows(layer, mesh, arg_sets[0])
         result.auto_exchange = auto_exchange(layer, mesh)
         costs = cost_model(layer.config, layer.devices, layer.tokens, layer.hidden)
         parts = [Part(f"step (fwd+bwd), exchange 'auto' = {result.auto_exchange!r}", result.oxmoe, 1, "auto",
@@ -885,7 +898,13 @@ class Summary:
                 f"{100 * self.ratio:.0f}% of dense {format_tflops(r.case.flops, r.dense_s)}), {plain_text}"
                 f"check at {r.check_tokens} tokens: max rel err {self.max_rel_err:.1e}, "
                 f"R={r.oxmoe.num_sets}, {r.oxmoe.calls_per_sample} call(s) x {len(r.oxmoe.samples_s)} samples, "
-                f"{r.set_bytes / 1e6:.1f} MB per set")
+                f"{r.set_bytes / 1e6:.1f} MB per set{self._rows_text()}")
+
+    def _rows_text(self) -> str:
+        rows = self.result.device_rows
+        if not rows:
+            return ""
+        return f", routed copies per device {'/'.join(map(str, rows))} (max / mean {max(rows) * len(rows) / sum(rows):.3f})"
 
     def to_json(self) -> dict:
         r, case = self.result, self.result.case
@@ -901,7 +920,7 @@ class Summary:
             speedup=self.speedup,
             check=dict(passed=r.failure is None and r.skipped is None, tokens=r.check_tokens, errors=r.errors,
                        limits=case.limits, primitives_per_step=r.primitives),
-            breakdown=[p.to_json() for p in r.breakdown], auto_exchange=r.auto_exchange,
+            breakdown=[p.to_json() for p in r.breakdown], auto_exchange=r.auto_exchange, device_rows=r.device_rows,
             device_bytes_per_set=r.set_bytes, skipped=r.skipped, failure=r.failure)
 
 

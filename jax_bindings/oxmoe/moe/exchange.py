@@ -167,15 +167,23 @@ def _exclusive_cumsum(x, axis=-1):
     return jnp.cumsum(x, axis=axis) - x
 
 
-def slot_sizes(tokens: int, shards: int, topk: int, largest: int | None = None) -> tuple[int, ...]:
+def slot_sizes(tokens: int, shards: int, config: MoEConfig, largest: int | None = None) -> tuple[int, ...]:
     """The slot sizes of an all_to_all exchange of ``tokens`` tokens per shard,
     ascending: from ``largest`` (the most one shard can send another; default
     ``tokens``, every token to one shard) down by factors of at most
     :data:`SLOT_STEP`, in multiples of 8 rows, to half the rows a balanced
-    load sends each shard (each token to ``min(topk, shards)`` shards). Below
-    that, the smallest size is used."""
-    floor = max(1, math.ceil(tokens * min(topk, shards) / shards / 2))
-    sizes = [tokens if largest is None else min(tokens, largest)]
+    load of uniformly random routing sends each shard (:func:`shards_per_token`);
+    below that, the smallest size is used. Where that balanced block is within
+    :data:`SLOT_STEP` of the largest (EP 2 with top-8 routing: nearly every
+    token goes to both shards), the largest alone: one static size, so the
+    exchange needs no conditional, which on a GPU costs a round trip to the
+    host and keeps XLA from overlapping the exchange with other work."""
+    top = tokens if largest is None else min(tokens, largest)
+    balanced = tokens * shards_per_token(config, shards) / shards
+    if balanced * SLOT_STEP >= top:
+        return (top,)
+    floor = max(1, math.ceil(balanced / 2))
+    sizes = [top]
     while sizes[-1] > floor:
         smaller = -(-math.ceil(sizes[-1] / SLOT_STEP) // 8) * 8
         if smaller >= sizes[-1]:
@@ -258,7 +266,7 @@ def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, m
     sizes = by_shard.group_sizes
     every = jax.lax.all_gather(sizes, axis)  # every[s, j]: rows shard s sends shard j
     me = jax.lax.axis_index(axis)
-    slots = slot_sizes(t, n, config.topk, None if capacity is None else el * capacity)
+    slots = slot_sizes(t, n, config, None if capacity is None else el * capacity)
     choice = jnp.minimum(jnp.searchsorted(jnp.asarray(slots, jnp.int32), every.max()), len(slots) - 1)
     exchange = Exchange(token_rows=by_shard.row_id_map, send_sizes=sizes, send_offsets=_exclusive_cumsum(sizes),
                         recv_sizes=every[:, me], return_offsets=_exclusive_cumsum(every, axis=1)[:, me],
