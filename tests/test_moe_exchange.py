@@ -4,7 +4,8 @@ the routing, hidden size and FFN size of real models and fresh random tokens.
 
 The layer's exchange sends each token once to each shard that owns any of its experts, in one
 all_to_all whose slot size is chosen on the device from a ladder of static sizes (one branch of an
-HLO conditional per size). So the test:
+HLO conditional per size; one static size and no conditional where nearly every token goes to
+every shard). So the test:
 
 - routes the tokens with the layer's own router on the mesh and counts, in NumPy, the routed
   rows (token, expert copies) and the (token, shard) pairs each shard sends each other;
@@ -32,7 +33,7 @@ import compiled_steps
 import devices
 from oxmoe import model_shapes, moe
 from oxmoe.moe import MoEConfig, MoEParams
-from oxmoe.moe.exchange import cost_model, shards_per_token
+from oxmoe.moe.exchange import SLOT_STEP, cost_model, shards_per_token, slot_sizes
 
 # (router, tokens per shard, hidden, ffn, expert shards)
 CASES = {
@@ -114,6 +115,10 @@ def test_exchange_bytes_are_the_routed_rows(case, seed, rng):
     hlo = compiled_steps.compiled_step(config, mesh, x, compiled_steps.abstract_params(config, mesh, hidden, ffn)
                                        ).as_text()
     found, conditionals = collectives_of(hlo)
+    in_branches = [c for c in found if c.kind == "all-to-all" and any(c.computation in b for b in conditionals)]
+    single = len(slot_sizes(tokens, shards, config)) == 1
+    assert (not in_branches) == single, f"{context}: one static slot size: {single}, all-to-alls in branches: " \
+                                        f"{len(in_branches)}"
 
     largest = int(blocks.max())
     branch_of = {name: (i, b) for i, branches in enumerate(conditionals) for b, name in enumerate(branches)}
@@ -204,3 +209,33 @@ def test_auto_chooses_by_the_cost_model(case):
     row = shape.hidden * 2
     assert costs["ring"] == 4 * (shards - 1) * tokens * row + 2 * (shards - 1) * tokens * config.num_experts * 4
     assert chosen["method"] == expected, f"{case}: auto chose {chosen['method']}, costs {costs}"
+
+
+# (router, tokens per shard, shards, one static slot size?): at EP 2 with top-8 nearly every
+# token goes to both shards (98.6% at DeepSeek-V3's groups, 99.6% at Qwen3), so the ladder
+# keeps only its largest size; Mixtral's top-2 of 8 sends 79% of the tokens to the other
+# shard at EP 2, DeepSeek-V3 50% to each of the others at EP 8: a ladder.
+LADDER_CASES = {
+    "deepseek_v3_ep2": (model_shapes.DEEPSEEK_V3, 8192, 2, True),
+    "qwen3_ep2": (model_shapes.QWEN3_MOE, 16384, 2, True),
+    "mixtral_ep2": (model_shapes.MIXTRAL, 32768, 2, False),
+    "deepseek_v3_ep8": (model_shapes.DEEPSEEK_V3, 8192, 8, False),
+}
+
+
+@pytest.mark.parametrize("case", LADDER_CASES)
+def test_the_slot_ladder_is_one_size_where_the_balanced_block_is_nearly_all_tokens(case):
+    router, tokens, shards, single = LADDER_CASES[case]
+    config = MoEConfig(**router.moe_kwargs())
+    ladder = slot_sizes(tokens, shards, config)
+    balanced = tokens * shards_per_token(config, shards) / shards
+    assert ladder[-1] == tokens and (len(ladder) == 1) == single, (case, ladder, balanced)
+    assert (balanced * SLOT_STEP >= tokens) == single, case
+    if not single:
+        # Each size at most SLOT_STEP above the next (before rounding up to 8 rows), from half
+        # the balanced block to every token.
+        assert all(b <= math.ceil(a * SLOT_STEP / 8) * 8 + 8 for a, b in zip(ladder, ladder[1:])), (case, ladder)
+        assert ladder[0] <= balanced / 2 + 8 and list(ladder) == sorted(set(ladder)), (case, ladder)
+    # A capacity caps the largest block: the ladder starts there.
+    capped = slot_sizes(tokens, shards, config, largest=tokens // 4)
+    assert capped[-1] == tokens // 4 and len(capped) <= len(ladder) + 1, (case, capped)
