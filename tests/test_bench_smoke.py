@@ -406,7 +406,7 @@ EP_EXCHANGE_ROWS, EP_SLOT, EP_WIRE_BYTES = 201, 64, 4 * 64 * 64 * 2
 #: model's fewer bytes) and with each exchange the platform runs, then the forward, the routing,
 #: one all_to_all exchange (four a step), off a CPU the ragged_all_to_all exchange beside it,
 #: the layer on one device, and that layer data-parallel over the 4 devices with its expert
-#: weights replicated and sharded; each with how many a step has.
+#: weights replicated and sharded, alone and two in sequence; each with how many a step has.
 _EP_STEPS = [("step (fwd+bwd), exchange 'auto' = 'all_to_all'", 1), ("step (fwd+bwd), exchange 'all_to_all'", None),
              ("step (fwd+bwd), exchange 'ring'", None)]
 _EP_PIECES = [("forward", 1), ("routing forward (gate GEMM, oxmoe.router.topk)", 1),
@@ -414,7 +414,10 @@ _EP_PIECES = [("forward", 1), ("routing forward (gate GEMM, oxmoe.router.topk)",
                f"{EP_WIRE_BYTES} bytes", 4)]
 _EP_ONE_DEVICE = [("1 device, E=64: step (fwd+bwd)", None), ("1 device, E=64: forward", None),
                   ("data=4, E=64 on each device, expert weights replicated: step (fwd+bwd)", None),
-                  ("data=4, E=64 on each device, expert weights sharded over 'data': step (fwd+bwd)", None)]
+                  ("data=4, E=64 on each device, expert weights sharded over 'data': step (fwd+bwd)", None),
+                  ("data=4, E=64 on each device, 2 layers, expert weights replicated: step (fwd+bwd)", None),
+                  ("data=4, E=64 on each device, 2 layers, expert weights sharded over 'data': step (fwd+bwd)",
+                   None)]
 MOE_EP_PARTS = {
     "cpu": _EP_STEPS + _EP_PIECES + _EP_ONE_DEVICE,
     "gpu": _EP_STEPS + [("step (fwd+bwd), exchange 'ragged_all_to_all'", None)] + _EP_PIECES
@@ -424,14 +427,16 @@ MOE_EP_PARTS = {
 
 def check_weight_sharding(parts: list[dict]) -> None:
     """Sharding the expert weights over the 4 data devices keeps 1/4 of them on a device; the
-    step's peak saves 3/4 of them, less what it gathers at once (up's whole [E, H, 2F] at most)."""
-    replicated, sharded = parts[-2:]
+    step's peak saves 3/4 of them, less what it gathers at once (up's whole [E, H, 2F] at most).
+    With two layers, twice the weights are saved."""
     single = EP_LAYER.one_device()
     experts = 2 * single.local_experts * single.hidden * (single.up_width + single.ffn)  # bf16 up and down
     up = 2 * single.local_experts * single.hidden * single.up_width
-    assert replicated["argument_bytes_per_device"] - sharded["argument_bytes_per_device"] == 3 * experts // 4
-    assert sharded["peak_bytes_per_device"] <= replicated["peak_bytes_per_device"] - 3 * experts // 4 + up
-    assert all(p["argument_bytes_per_device"] is None for p in parts[:-2])
+    for layers, (replicated, sharded) in ((1, parts[-4:-2]), (2, parts[-2:])):
+        saved = layers * 3 * experts // 4
+        assert replicated["argument_bytes_per_device"] - sharded["argument_bytes_per_device"] == saved, layers
+        assert sharded["peak_bytes_per_device"] <= replicated["peak_bytes_per_device"] - saved + up, layers
+    assert all(p["argument_bytes_per_device"] is None for p in parts[:-4])
 
 
 def check_ep_exchanges(parts: list[dict], platform: str) -> None:

@@ -59,8 +59,10 @@ activation and the permutations are not counted. Each case times, on the default
   - DeepSeek-V3's cases only: that one-device layer data-parallel over the same devices
     (each its own tokens and every one of those experts), its expert weights replicated and
     sharded over the data axis (``weight_axes``: gathered for the step, their gradients
-    reduce-scattered), each step with its peak device memory (:func:`weight_sharding_parts`).
-    An EP mesh of those devices has no data axis left to shard the weights over.
+    reduce-scattered), each step with its peak device memory; then :data:`DEEP_LAYERS` such
+    layers in sequence, where XLA may gather one layer's weights under another's GEMMs
+    (:func:`weight_sharding_parts`). An EP mesh of those devices has no data axis left to
+    shard the weights over.
 
   Each piece runs alone, with only its own arrays alive. In results.json each part of
   ``breakdown`` has, besides its timing, ``per_step``, ``exchange`` (a step's),
@@ -780,24 +782,40 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
     return result
 
 
+#: The layers of the deeper data-parallel step: enough for XLA to gather one layer's sharded
+#: weights while another computes, which a one-layer step cannot show.
+DEEP_LAYERS = 2
+
+
 def data_parallel_step(single: Layer, mesh: Mesh, weight_axes: tuple[str, ...]) -> Callable:
-    """The :func:`step` of a one-device layer data-parallel over ``mesh``'s :data:`DATA_AXIS`,
-    its expert weights sharded over ``weight_axes`` (none: replicated)."""
-    return step(lambda x, params: moe.shard_map_moe(x, params, single.config, mesh=mesh, data_axes=(DATA_AXIS,),
-                                                    weight_axes=weight_axes))
+    """The :func:`step` of one-device layers in sequence (as many as the parameters given),
+    data-parallel over ``mesh``'s :data:`DATA_AXIS`, their expert weights sharded over
+    ``weight_axes`` (none: replicated); the layers' losses summed."""
+    def layers(x, params: tuple[moe.MoEParams, ...]):
+        auxes = []
+        for layer_params in params:
+            x, aux = moe.shard_map_moe(x, layer_params, single.config, mesh=mesh, data_axes=(DATA_AXIS,),
+                                       weight_axes=weight_axes)
+            auxes.append(aux)
+        return x, dataclasses.replace(auxes[-1], load_balancing_loss=sum(a.load_balancing_loss for a in auxes),
+                                      z_loss=sum(a.z_loss for a in auxes))
+    return step(layers)
 
 
-def data_parallel_sets(single: Layer, mesh: Mesh, weight_axes: tuple[str, ...], seed: tuple,
-                       num_sets: int) -> list[tuple]:
-    """Input sets of :func:`data_parallel_step`: each device's own tokens, the parameters
-    replicated but for the expert weights' experts, split over ``weight_axes``."""
+def data_parallel_sets(single: Layer, mesh: Mesh, weight_axes: tuple[str, ...], seed: tuple, num_sets: int,
+                       num_layers: int = 1) -> list[tuple]:
+    """Input sets of :func:`data_parallel_step`: each device's own tokens, and each layer's
+    parameters replicated but for the expert weights' experts, split over ``weight_axes``."""
     experts = weight_axes or None
     arg_sets = []
     for n in range(num_sets):
         x, w = draw_tokens(single, Placement(mesh), (*seed, n), single.tokens)
-        params = draw_params(single, Placement(None), (*seed, n))
-        specs = dataclasses.replace(jax.tree.map(lambda _: P(), params), up=P(experts), down=P(experts))
-        arg_sets.append((x, jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)), w))
+        params = []
+        for i in range(num_layers):
+            drawn = draw_params(single, Placement(None), (*seed, n, i))
+            specs = dataclasses.replace(jax.tree.map(lambda _: P(), drawn), up=P(experts), down=P(experts))
+            params.append(jax.device_put(drawn, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)))
+        arg_sets.append((x, tuple(params), w))
     return arg_sets
 
 
@@ -805,20 +823,25 @@ def weight_sharding_parts(layer: Layer, settings: timing.Settings, seed: int = 0
     """The steps of :meth:`Layer.one_device`'s layer data-parallel over ``layer.devices``
     devices (each its own tokens and every one of those experts), expert weights replicated,
     then sharded over the data axis (``weight_axes``), each with its peak device memory and
-    the bytes of its arguments on a device (the expert weights' share, besides x and w)."""
+    the bytes of its arguments on a device (the expert weights' share, besides x and w); then
+    :data:`DEEP_LAYERS` such layers in sequence, replicated and sharded."""
     single = layer.one_device()
     mesh = Mesh(np.array(jax.devices()[:layer.devices]), (DATA_AXIS,))
     base = (seed, zlib.crc32(f"{single.name} {DATA_AXIS}={layer.devices}".encode()))
-    name = f"{DATA_AXIS}={layer.devices}, E={single.config.num_experts} on each device, expert weights"
     parts = []
-    for weight_axes in ((), (DATA_AXIS,)):
-        arg_sets = data_parallel_sets(single, mesh, weight_axes, base, _num_sets(settings, single)[0])
-        run = data_parallel_step(single, mesh, weight_axes)
-        label = f"sharded over {DATA_AXIS!r}" if weight_axes else "replicated"
-        parts.append(Part(f"{name} {label}: step (fwd+bwd)", timing.measure(timing.rotated(run), arg_sets, settings),
-                          None, peak_bytes=peak_device_bytes(run, arg_sets[0]),
-                          argument_bytes=argument_device_bytes(arg_sets[0])))
-        del arg_sets
+    for num_layers in (1, DEEP_LAYERS):
+        deep = f", {num_layers} layers" if num_layers > 1 else ""
+        name = f"{DATA_AXIS}={layer.devices}, E={single.config.num_experts} on each device{deep}, expert weights"
+        num_sets = max(1, _num_sets(settings, single)[0] // num_layers)
+        for weight_axes in ((), (DATA_AXIS,)):
+            arg_sets = data_parallel_sets(single, mesh, weight_axes, base, num_sets, num_layers)
+            run = data_parallel_step(single, mesh, weight_axes)
+            label = f"sharded over {DATA_AXIS!r}" if weight_axes else "replicated"
+            parts.append(Part(f"{name} {label}: step (fwd+bwd)",
+                              timing.measure(timing.rotated(run), arg_sets, settings), None,
+                              peak_bytes=peak_device_bytes(run, arg_sets[0]),
+                              argument_bytes=argument_device_bytes(arg_sets[0])))
+            del arg_sets
     return parts
 
 
