@@ -3,7 +3,8 @@
 :mod:`oxmoe.reference.router`, :mod:`oxmoe.reference.permutation`,
 :mod:`oxmoe.reference.grouped_gemm` and :mod:`oxmoe.reference.moe` compute the
 semantics of the op of the same name in ``oxmoe`` with ``jax.numpy`` and
-``jax.lax`` only: jit-able, differentiable by JAX's autodiff, and written
+``jax.lax`` only (:mod:`oxmoe.reference.fp8`: of the FP8 grouped GEMM oxmoe's
+kernels are to compute): jit-able, differentiable by JAX's autodiff, and written
 independently of oxmoe's primitives. The benchmark times oxmoe against them
 and checks that both agree; the tests check oxmoe against them where a plain-JAX
 formula is what they compare with (the float64 oracles stay in ``tests/``).
@@ -12,6 +13,6 @@ Importing this package loads no native code beyond what ``import oxmoe`` loads,
 and none of the tools' dependencies (rich, matplotlib, optax).
 """
 
-from oxmoe.reference import grouped_gemm, moe, permutation, router
+from oxmoe.reference import fp8, grouped_gemm, moe, permutation, router
 
-__all__ = ["router", "permutation", "grouped_gemm", "moe"]
+__all__ = ["router", "permutation", "grouped_gemm", "moe", "fp8"]
