@@ -47,6 +47,13 @@ def test_expert_weight_memory_per_device_divides_by_the_data_shards(mesh_name):
     assert replicated.output_size_in_bytes - sharded.output_size_in_bytes == saved, context
 
 
+def test_expert_weights_spec_splits_the_experts_over_the_expert_then_the_weight_axes():
+    assert moe.expert_weights_spec("expert", ("data",)) == P(("expert", "data"))
+    assert moe.expert_weights_spec("expert") == P(("expert",))
+    assert moe.expert_weights_spec(weight_axes=("data", "fsdp")) == P(("data", "fsdp"))
+    assert moe.expert_weights_spec() == P(None)
+
+
 def test_weight_axes_outside_the_data_axes_are_named():
     mesh = jax.make_mesh((2, 4), ("data", "expert"), devices=devices.cpu_devices()[:8])
     config = MoEConfig(num_experts=8, topk=2)

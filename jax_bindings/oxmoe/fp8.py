@@ -76,7 +76,7 @@ class BlockQuantized:
         return tuple(self.values.shape)
 
 
-def _check_block(x, block) -> tuple[int, int]:
+def _check_block(x, block) -> None:
     if (not isinstance(block, tuple) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise ValueError(f"block must be a pair of positive ints (rows, columns), got {block!r}")
@@ -89,7 +89,6 @@ def _check_block(x, block) -> tuple[int, int]:
     rows, cols = x.shape[-2:]
     if rows % block[0] or cols % block[1]:
         raise ValueError(f"x's last two dimensions ({rows}, {cols}) must be multiples of the block {block}")
-    return block
 
 
 def _blocks(x, block: tuple[int, int]):
@@ -99,7 +98,8 @@ def _blocks(x, block: tuple[int, int]):
 
 
 def _power_of_two_at_least(r):
-    """The smallest power of two ``>= r`` for positive finite float32 ``r``, exactly."""
+    """The smallest power of two ``>= r`` for positive finite float32 ``r``, exactly (anything
+    else gives a value the caller replaces)."""
     mantissa, exponent = jnp.frexp(r)  # r = mantissa * 2**exponent, mantissa in [0.5, 1)
     return jnp.ldexp(jnp.ones_like(r), jnp.where(mantissa == 0.5, exponent - 1, exponent))
 
@@ -114,16 +114,15 @@ def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scale
         :data:`WEIGHT_BLOCK`, :data:`TRANSPOSED_ACTIVATION_BLOCK` or any other.
       power_of_two_scales: round each scale up to a power of two.
     """
-    block = _check_block(x, block)
+    _check_block(x, block)
     if not isinstance(power_of_two_scales, bool):
         raise TypeError(f"power_of_two_scales must be a bool, got {power_of_two_scales!r}")
     blocks = _blocks(jax.lax.stop_gradient(x).astype(jnp.float32), block)
     amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
-    finite = jnp.isfinite(amax)
-    ratio = amax * jnp.float32(1 / E4M3_MAX)
+    scales = jnp.where(amax > 0, amax * jnp.float32(1 / E4M3_MAX), 1.0)
     if power_of_two_scales:
-        ratio = _power_of_two_at_least(jnp.where(amax > 0, ratio, 1.0))
-    scales = jnp.where(finite, jnp.where(amax > 0, ratio, 1.0), jnp.nan)
+        scales = _power_of_two_at_least(scales)
+    scales = jnp.where(jnp.isfinite(amax), scales, jnp.nan)
     inverse = 1 / scales
     scaled = jnp.clip(blocks * inverse[..., :, None, :, None], -E4M3_MAX, E4M3_MAX)
     return BlockQuantized(scaled.astype(E4M3).reshape(x.shape), scales, block)

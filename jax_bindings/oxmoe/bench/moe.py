@@ -806,14 +806,14 @@ def data_parallel_sets(single: Layer, mesh: Mesh, weight_axes: tuple[str, ...], 
                        num_layers: int = 1) -> list[tuple]:
     """Input sets of :func:`data_parallel_step`: each device's own tokens, and each layer's
     parameters replicated but for the expert weights' experts, split over ``weight_axes``."""
-    experts = weight_axes or None
+    experts = moe.expert_weights_spec(weight_axes=weight_axes)
     arg_sets = []
     for n in range(num_sets):
         x, w = draw_tokens(single, Placement(mesh), (*seed, n), single.tokens)
         params = []
         for i in range(num_layers):
             drawn = draw_params(single, Placement(None), (*seed, n, i))
-            specs = dataclasses.replace(jax.tree.map(lambda _: P(), drawn), up=P(experts), down=P(experts))
+            specs = dataclasses.replace(jax.tree.map(lambda _: P(), drawn), up=experts, down=experts)
             params.append(jax.device_put(drawn, jax.tree.map(lambda s: NamedSharding(mesh, s), specs)))
         arg_sets.append((x, tuple(params), w))
     return arg_sets

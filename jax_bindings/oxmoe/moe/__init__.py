@@ -60,8 +60,8 @@ dropped and the result does not depend on the exchange beyond that rounding.
 from oxmoe.moe.config import MoEAux, MoEConfig, MoEParams, init_params, update_expert_bias
 from oxmoe.moe.exchange import Exchange
 from oxmoe.moe.layer import (ExpertInput, ExpertOutput, Residuals, Routing, SharedOutput, combine, dispatch, expert_ffn,
-                             moe, route, shard_map_moe, shared_expert_ffn)
+                             expert_weights_spec, moe, route, shard_map_moe, shared_expert_ffn)
 
 __all__ = ["MoEConfig", "MoEParams", "MoEAux", "Routing", "ExpertInput", "ExpertOutput", "SharedOutput", "Exchange",
            "Residuals", "init_params", "moe", "shard_map_moe", "route", "dispatch", "expert_ffn", "combine",
-           "shared_expert_ffn", "update_expert_bias"]
+           "shared_expert_ffn", "update_expert_bias", "expert_weights_spec"]

@@ -328,6 +328,13 @@ def as_weight_axes(data_axes: tuple[str, ...], weight_axes) -> tuple[str, ...]:
     return tuple(a for a in data_axes if a in weight_axes)
 
 
+def check_weight_shards(experts_per_shard: int, weight_shards: int, weight_axes: tuple[str, ...]) -> None:
+    """``weight_axes`` split each expert shard's experts: their shards must divide them."""
+    if experts_per_shard % weight_shards:
+        raise ValueError(f"the {experts_per_shard} experts of a shard of expert_axis must divide by the "
+                         f"{weight_shards} shards of weight_axes {weight_axes}")
+
+
 def mesh_axes(config: MoEConfig, expert_axis, data_axes, weight_axes=()) -> Axes:
     """The axes of a call, checked: each an axis of the enclosing ``shard_map``,
     the experts split evenly over ``expert_axis``, ``weight_axes`` among the

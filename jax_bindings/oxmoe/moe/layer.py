@@ -13,8 +13,8 @@ import jax.numpy as jnp
 
 from oxmoe import grouped_gemm, permutation, router
 from oxmoe._checks import FLOAT_DTYPES, check_array
-from oxmoe.moe.config import (Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, as_weight_axes, mesh_axes,
-                              pytree_dataclass)
+from oxmoe.moe.config import (Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, as_weight_axes, check_weight_shards,
+                              mesh_axes, pytree_dataclass)
 from oxmoe.moe.exchange import Exchange, check_rows, dispatch_rows, exchange_method, exchange_tokens
 
 _F32 = jnp.float32
@@ -389,9 +389,7 @@ def _check_params(params, config: MoEConfig, axes: Axes, hidden: int) -> None:
     if params.gate.shape != (hidden, e):
         raise ValueError(f"params.gate must have shape [hidden, num_experts] = [{hidden}, {e}], "
                          f"got {list(params.gate.shape)}")
-    if el % axes.weight_shards:
-        raise ValueError(f"the {el} experts of a shard of expert_axis must divide by the {axes.weight_shards} "
-                         f"shards of weight_axes {axes.weight_axes}")
+    check_weight_shards(el, axes.weight_shards, axes.weight_axes)
     held = el // axes.weight_shards
     sizes = [f"num_experts {e}"] + [f"{name} size {n}" for name, n in (("expert_axis", axes.expert_shards),
                                                                       ("weight_axes", axes.weight_shards)) if n > 1]
@@ -629,18 +627,16 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
     if config.num_experts % expert_shards:
         raise ValueError(f"num_experts ({config.num_experts}) must divide by the size of expert_axis "
                          f"{expert_axis!r} ({expert_shards})")
-    weight_shards = math.prod(mesh.shape[a] for a in weight_axes)
-    if (config.num_experts // expert_shards) % weight_shards:
-        raise ValueError(f"the {config.num_experts // expert_shards} experts of a shard of expert_axis must divide "
-                         f"by the {weight_shards} shards of weight_axes {weight_axes}")
+    check_weight_shards(config.num_experts // expert_shards, math.prod(mesh.shape[a] for a in weight_axes),
+                        weight_axes)
     P = jax.sharding.PartitionSpec
     split_tokens = P(token_axes or None)
-    experts = tuple(a for a in (expert_axis, *weight_axes) if a is not None) or None
+    experts = expert_weights_spec(expert_axis, weight_axes)
     whole = {name: None if getattr(params, name) is None else P()
              for name in ("expert_bias", "shared_up", "shared_down", "shared_gate")}
     # Pytrees of PartitionSpecs in the structure of the params and of the aux (a JAX idiom the
     # dataclasses' field types do not describe).
-    param_specs = MoEParams(P(), P(experts), P(experts), **whole)  # type: ignore[arg-type]
+    param_specs = MoEParams(P(), experts, experts, **whole)  # type: ignore[arg-type]
     if jax.sharding.AxisType.Explicit in mesh.axis_types:
         # shard_map takes arrays of an explicit-axes mesh as they are sharded.
         place = functools.partial(_reshard, mesh=mesh)
@@ -649,6 +645,12 @@ def shard_map_moe(x, params: MoEParams, config: MoEConfig, *, mesh=None, expert_
                               weight_axes=weight_axes)
     return jax.shard_map(layer, mesh=mesh, in_specs=(split_tokens, param_specs),
                          out_specs=(split_tokens, MoEAux(P(), P(), P(), P())))(x, params)  # type: ignore[arg-type]
+
+
+def expert_weights_spec(expert_axis: str | None = None, weight_axes: tuple[str, ...] = ()):
+    """The ``PartitionSpec`` of ``up`` and ``down`` that :func:`shard_map_moe` takes: their
+    experts split over ``expert_axis``, then each shard's over ``weight_axes``."""
+    return jax.sharding.PartitionSpec(tuple(a for a in (expert_axis, *weight_axes) if a is not None) or None)
 
 
 def _reshard(x, spec, *, mesh):
