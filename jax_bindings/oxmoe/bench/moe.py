@@ -444,10 +444,18 @@ class Placement:
         return x if self.mesh is None else jax.device_put(x, NamedSharding(self.mesh, P()))
 
 
+#: The expert bias's scale: one update of DeepSeek-V3's bias (its speed gamma). A trained bias
+#: balances the experts' loads; a random one of 0.1 (sigmoid scores differ by about that much)
+#: made the busiest expert take 11x the mean and, at DeepSeek-V3 EP = 2, one device 1.27x the
+#: mean rows, so the EP step no longer did the one-device step's work.
+EXPERT_BIAS_SCALE = 1e-3
+
+
 def draw_params(layer: Layer, place: Placement, seed: tuple) -> moe.MoEParams:
-    """Weights that keep the activations near unit scale: logits, u and y about N(0, 1)."""
+    """Weights that keep the activations near unit scale (logits, u and y about N(0, 1)) and
+    the experts' loads near balanced (:data:`EXPERT_BIAS_SCALE`)."""
     h, f, e, c = layer.hidden, layer.ffn, layer.local_experts, layer.config
-    bias = place.replicated((*seed, 3), (c.num_experts,), F32, 0.1) if c.use_expert_bias else None
+    bias = place.replicated((*seed, 3), (c.num_experts,), F32, EXPERT_BIAS_SCALE) if c.use_expert_bias else None
     return moe.MoEParams(gate=place.replicated((*seed, 0), (h, c.num_experts), DTYPE, h ** -0.5),
                          up=place.split((*seed, 1), (e, h, layer.up_width), DTYPE, h ** -0.5),
                          down=place.split((*seed, 2), (e, f, h), DTYPE, f ** -0.5),
