@@ -239,3 +239,43 @@ def test_the_slot_ladder_is_one_size_where_the_balanced_block_is_nearly_all_toke
     # A capacity caps the largest block: the ladder starts there.
     capped = slot_sizes(tokens, shards, config, largest=tokens // 4)
     assert capped[-1] == tokens // 4 and len(capped) <= len(ladder) + 1, (case, capped)
+
+
+# No capacity: slots of T rows; 0.05: each of a shard's 128 experts takes 2 copies, so no shard
+# receives more than 256 of another's 512 tokens: slots of 256.
+@pytest.mark.parametrize("capacity_factor", [None, 0.05])
+def test_one_static_slot_lays_each_shards_tokens_out_in_its_slot(capacity_factor, rng):
+    """With one static slot size S, shard j's tokens start at row j * S of the layout the
+    all_to_all sends as it is, in token order; the rows past a shard's tokens hold none."""
+    shards, tokens, hidden = 2, 512, 256
+    config = MoEConfig(**model_shapes.DEEPSEEK_V3.moe_kwargs(), exchange="all_to_all",
+                       capacity_factor=capacity_factor)
+    mesh = jax.make_mesh((shards,), ("expert",), devices=devices.cpu_devices()[:shards],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.device_put(jnp.asarray(rng.standard_normal((shards * tokens, hidden)), jnp.bfloat16),
+                       NamedSharding(mesh, P("expert")))
+    gate = jnp.asarray(rng.standard_normal((hidden, config.num_experts)) / math.sqrt(hidden), jnp.float32)
+    bias = jnp.zeros(config.num_experts, jnp.float32)
+
+    def per_shard(x, gate, bias):
+        routing = moe.route(x, MoEParams(gate, None, None, bias), config, expert_axis="expert")
+        exchange = moe.dispatch(x, routing, config, expert_axis="expert").exchange
+        assert exchange.in_slots, exchange.slot_rows
+        return routing.dispatched()[0], exchange.token_rows.dest_rows, exchange.token_rows.source_tokens
+
+    maps, dest, source = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P("expert"), P(), P()),
+                                               out_specs=(P("expert"),) * 3))(x, gate, bias)
+    capacity = config.expert_capacity(shards * tokens)
+    (slot,) = slot_sizes(tokens, shards, config, None if capacity is None else config.num_experts // shards * capacity)
+    assert slot == (tokens if capacity is None else 256)
+    dest, source = np.asarray(dest).reshape(shards, tokens, shards), np.asarray(source).reshape(shards, shards, slot)
+    goes = np.asarray(maps).reshape(shards, tokens, shards, -1).any(-1)
+    for s in range(shards):
+        for j in range(shards):
+            sent = np.flatnonzero(goes[s, :, j])
+            context = f"shard {s} to shard {j}, capacity_factor {capacity_factor}"
+            np.testing.assert_array_equal(source[s, j, :len(sent)], sent, context)
+            assert (source[s, j, len(sent):] == -1).all(), context
+            expected = np.full(tokens, -1)
+            expected[sent] = j * slot + np.arange(len(sent))
+            np.testing.assert_array_equal(dest[s, :, j], expected, context)

@@ -37,7 +37,10 @@ class Exchange:
     This shard's ``T`` tokens are first laid out one row per (token,
     destination shard), shard-major (``token_rows``). Shard ``j``'s block of
     rows lands in ``j``'s receive buffer of ``shards`` slots of ``T`` rows,
-    in slot ``me``; the rest of each slot is padding.
+    in slot ``me``; the rest of each slot is padding. Where the all_to_all
+    has one static slot size ``S`` (:attr:`in_slots`), this shard's layout is
+    already its slots, ``j``'s block from row ``j * S``, and crosses as it is;
+    otherwise the blocks follow each other and are copied into the slots.
 
     With ``method="all_to_all"`` the rows cross in one ``jax.lax.all_to_all``
     of ``shards`` slots of ``slot_rows[slot_choice]`` rows: the smallest of
@@ -74,6 +77,11 @@ class Exchange:
     def tokens(self) -> int:
         """``T``: this shard's tokens, the rows of one receive slot."""
         return self.slot_rows[-1]
+
+    @property
+    def in_slots(self) -> bool:
+        """Whether ``token_rows``' layout is the all_to_all's slots (one static slot size)."""
+        return self.method == "all_to_all" and len(self.slot_rows) == 1
 
     def scatter_tokens(self, x):
         """``[T, X]`` rows of this shard's tokens → ``[n * T, X]``: each token's
@@ -112,18 +120,26 @@ class Exchange:
                 self.send_offsets, self.send_sizes, landing, self.recv_sizes, axis_name=self.axis)
                 for rows, fill in zip(arrays, fills))
 
+        if self.in_slots:
+            (size,) = self.slot_rows
+            return tuple(self._received(jax.lax.all_to_all(rows.reshape(self.shards, size, -1), self.axis, 0, 0),
+                                        fill) for rows, fill in zip(arrays, fills))
+
         def send(size):
             index = self.send_offsets[:, None] + jnp.arange(size, dtype=jnp.int32)
             valid = (jnp.arange(size) < self.send_sizes[:, None])[..., None]
             out = []
             for rows, fill in zip(arrays, fills):
                 slots = jnp.where(valid, rows[jnp.clip(index, 0, rows.shape[0] - 1)], fill)
-                received = jax.lax.all_to_all(slots, self.axis, 0, 0)
-                padded = jnp.pad(received, ((0, 0), (0, self.tokens - size), (0, 0)), constant_values=fill)
-                out.append(padded.reshape(self.shards * self.tokens, rows.shape[1]))
+                out.append(self._received(jax.lax.all_to_all(slots, self.axis, 0, 0), fill))
             return tuple(out)
 
         return self._switch(send)
+
+    def _received(self, slots, fill):
+        """``[n, S, X]`` received slots → the ``[n * T, X]`` receive buffer (``fill`` past ``S``)."""
+        padded = jnp.pad(slots, ((0, 0), (0, self.tokens - slots.shape[1]), (0, 0)), constant_values=fill)
+        return padded.reshape(self.shards * self.tokens, slots.shape[2])
 
     def from_experts(self, *arrays):
         """The inverse of :meth:`to_experts`: ``[n * T, X]`` arrays → ``[R, X]``
@@ -137,17 +153,20 @@ class Exchange:
                 for rows in arrays)
 
         def send_back(size):
-            return tuple(jnp.pad(jax.lax.all_to_all(rows.reshape(self.shards, self.tokens, -1)[:, :size],
-                                                    self.axis, 0, 0), ((0, 0), (0, self.tokens - size), (0, 0)))
+            return tuple(jax.lax.all_to_all(rows.reshape(self.shards, self.tokens, -1)[:, :size], self.axis, 0, 0)
                          for rows in arrays)
+
+        if self.in_slots:
+            return tuple(back.reshape(num_rows, -1) for back in send_back(self.slot_rows[0]))
 
         row = jnp.arange(num_rows, dtype=jnp.int32)
         ends = jnp.cumsum(self.send_sizes)
         shard = jnp.minimum(jnp.searchsorted(ends, row, side="right"), self.shards - 1).astype(jnp.int32)
         index = jnp.clip(shard * self.tokens + row - self.send_offsets[shard], 0, self.shards * self.tokens - 1)
         sent = (row < ends[-1])[:, None]
-        return tuple(jnp.where(sent, returned.reshape(self.shards * self.tokens, -1)[index], 0)
-                     for returned in self._switch(send_back))
+        # Each branch pads its slots to T, so that every branch returns the same shape.
+        padded = self._switch(lambda size: tuple(self._received(back, 0) for back in send_back(size)))
+        return tuple(jnp.where(sent, returned[index], 0) for returned in padded)
 
     def _switch(self, transfer):
         """``transfer(size)`` for the chosen slot size; every shard chooses alike."""
@@ -261,23 +280,43 @@ def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, m
     assert axis is not None, "an exchange needs an expert axis"
     el = config.num_experts // n
     per_shard = routing_map.reshape(t, n, el)
-    by_shard = permutation.dispatch_fwd(tokens, per_shard.any(-1), None, num_rows=t * min(config.topk, n),
-                                        align_size=None)
-    sizes = by_shard.group_sizes
+    goes = per_shard.any(-1)  # goes[t, j]: token t goes to shard j
+    slots = slot_sizes(t, n, config, None if capacity is None else el * capacity)
+    if method == "all_to_all" and len(slots) == 1:
+        token_rows, sizes = _slotted_rows(goes, slots[0])
+        rows, _ = permutation.combine_bwd(tokens, None, token_rows)
+        send_offsets = jnp.arange(n, dtype=jnp.int32) * slots[0]
+    else:
+        by_shard = permutation.dispatch_fwd(tokens, goes, None, num_rows=t * min(config.topk, n), align_size=None)
+        token_rows, sizes, rows = by_shard.row_id_map, by_shard.group_sizes, by_shard.tokens
+        send_offsets = _exclusive_cumsum(sizes)
     every = jax.lax.all_gather(sizes, axis)  # every[s, j]: rows shard s sends shard j
     me = jax.lax.axis_index(axis)
-    slots = slot_sizes(t, n, config, None if capacity is None else el * capacity)
     choice = jnp.minimum(jnp.searchsorted(jnp.asarray(slots, jnp.int32), every.max()), len(slots) - 1)
-    exchange = Exchange(token_rows=by_shard.row_id_map, send_sizes=sizes, send_offsets=_exclusive_cumsum(sizes),
+    exchange = Exchange(token_rows=token_rows, send_sizes=sizes, send_offsets=send_offsets,
                         recv_sizes=every[:, me], return_offsets=_exclusive_cumsum(every, axis=1)[:, me],
                         slot_choice=choice.astype(jnp.int32), axis=axis, shards=n, slot_rows=slots,
                         method=method)
     # Each row's weights for its destination's experts, scattered to the row of each (token, shard);
     # the rows past them (and the dummy row every unsent pair writes) keep -1.
-    dest, rows = by_shard.row_id_map.dest_rows, by_shard.tokens.shape[0]
+    dest, num_rows = token_rows.dest_rows, rows.shape[0]
     local = jnp.where(per_shard, probs.astype(jnp.float32).reshape(t, n, el), -1.0)
-    weights = jnp.full((rows + 1, el), -1.0, jnp.float32).at[jnp.where(dest >= 0, dest, rows)].set(local)[:rows]
-    return (exchange, *exchange.to_experts(by_shard.tokens, weights, fills=(0, -1.0)))
+    weights = jnp.full((num_rows + 1, el), -1.0, jnp.float32).at[jnp.where(dest >= 0, dest, num_rows)].set(local)
+    return (exchange, *exchange.to_experts(rows, weights[:num_rows], fills=(0, -1.0)))
+
+
+def _slotted_rows(goes, slot: int) -> tuple[permutation.RowIdMap, jax.Array]:
+    """The layout of the (token, shard) rows in ``n`` slots of ``slot`` rows, shard ``j``'s
+    tokens in order from row ``j * slot`` (``goes [T, n]``: token t goes to shard j; no shard
+    gets more than ``slot``), and the rows each shard gets: what a dispatch to the shards
+    gives, with each block at its slot, so that the all_to_all sends it as it is."""
+    t, n = goes.shape
+    sizes = jnp.sum(goes, axis=0, dtype=jnp.int32)
+    dest = jnp.where(goes, jnp.arange(n, dtype=jnp.int32) * slot + _exclusive_cumsum(goes.astype(jnp.int32), 0), -1)
+    token = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[:, None], (t, n))
+    # Unsent pairs aim past the rows and are dropped.
+    source = jnp.full((n * slot,), -1, jnp.int32).at[jnp.where(goes, dest, n * slot)].set(token, mode="drop")
+    return permutation.RowIdMap(dest, source), sizes
 
 
 def dispatch_rows(config: MoEConfig, num_tokens: int, num_experts: int, capacity: int | None = None) -> int:
