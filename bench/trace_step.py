@@ -156,8 +156,8 @@ def main() -> None:
         (sets,) = bench_moe._draw_sets(layer, bench_moe.Placement(None), seed, 1)
         runs.append((layer.name, jax.jit(bench_moe.step(bench_moe.oxmoe_layer(layer.config))), sets))
     for n, (label, fn, fn_args) in enumerate(runs):
-        timing_ = timing.measure(timing.rotated(fn), [fn_args], timing.FULL)
-        print(f"{label}: step {timing_.median_s * 1e6:.0f} us (median, untraced)")
+        timing_ = timing.measure(timing.rotated(fn), [fn_args], bench_moe.step_settings(timing.FULL))
+        print(f"{label}: step {timing_.median_s * 1e6:.0f} us (median, untraced, steps back to back)")
         summarise(label, traced(fn, fn_args, args.steps, args.out / str(n)), args.steps)
 
 

@@ -358,14 +358,20 @@ def exchange_name(layer: Layer, method: str) -> str:
     return f"ragged_all_to_all exchange: {rows}"
 
 
-def exchange_args(layer: Layer, place: Placement, seed: tuple, num_sets: int) -> list[tuple]:
+def _in_slots(layer: Layer, method: str) -> bool:
+    """Whether the layer lays the rows a device sends out in the all_to_all's slots
+    (:attr:`oxmoe.moe.Exchange.in_slots`) rather than one block after another."""
+    return method == "all_to_all" and len(_slot_sizes(layer)) == 1
+
+
+def exchange_args(layer: Layer, place: Placement, seed: tuple, num_sets: int, method: str) -> list[tuple]:
     """The input sets of :func:`ep_exchange`: each device's rows, the blocks' sizes and the
     slot's index in the slot sizes (arguments, not constants, so that XLA plans the
     exchange at run time as it does in the layer)."""
     replicated = NamedSharding(place.mesh, P())
     sizes = jax.device_put(np.asarray(exchange_blocks(layer), np.int32), replicated)
     choice = jax.device_put(np.int32(_slot_sizes(layer).index(exchange_slot(layer))), replicated)
-    rows = sum(exchange_blocks(layer))
+    rows = layer.devices * exchange_slot(layer) if _in_slots(layer, method) else sum(exchange_blocks(layer))
     return [(place.split((*seed, n, 6), (rows, layer.hidden), DTYPE), sizes, choice) for n in range(num_sets)]
 
 
@@ -378,7 +384,10 @@ def ep_exchange(layer: Layer, mesh: Mesh, method: str) -> Callable:
 
     def local(rows, sizes, slot_choice):
         me = jax.lax.axis_index(EXPERT_AXIS)
-        offsets = jnp.cumsum(sizes) - sizes
+        if _in_slots(layer, method):
+            offsets = jnp.arange(n, dtype=jnp.int32) * exchange_slot(layer)
+        else:
+            offsets = jnp.cumsum(sizes) - sizes
         exchange = moe.Exchange(
             # to_experts does not read the token map: a stand-in of its type.
             token_rows=permutation.RowIdMap(dest_rows=jnp.full((tokens, n), -1, jnp.int32),
@@ -760,15 +769,15 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
                        timing.measure(timing.rotated(ep_routing(layer.config, mesh)), arg_sets, settings), 1)]
         del arg_sets
 
-        exchange_sets = exchange_args(layer, place, base, num_sets)
         for method in ["all_to_all", *ragged]:
+            exchange_sets = exchange_args(layer, place, base, num_sets, method)
             # Four a step where "auto" exchanges by it (by ragged_all_to_all it never does).
             per_step = EXCHANGES_PER_STEP if method == result.auto_exchange else None
             exchange = grouped_gemm.measure_within(timing.rotated(ep_exchange(layer, mesh, method)), exchange_sets,
                                                    settings, PLAIN_BUDGET_S)
             wire_bytes = exchange_wire_bytes(layer) if method == "all_to_all" else None
             parts.append(Part(exchange_name(layer, method), exchange, per_step, wire_bytes=wire_bytes))
-        del exchange_sets
+            del exchange_sets
 
         # Its semantics are the EP layer's (checked above) on fewer experts: not checked again.
         single = layer.one_device()
@@ -853,9 +862,25 @@ def weight_sharding_parts(layer: Layer, settings: timing.Settings, seed: int = 0
     return parts
 
 
+#: A sample of a layer's step lasts at least this long: several steps dispatched back to back,
+#: as a training loop runs them. With one call a sample (a 10 ms step under ``timing.FULL``'s
+#: 10 ms) the sample also timed the host launching the program on every device and waiting
+#: for it: the Qwen3 EP = 2 step over two H200s took 10.64 ms a call, 9.57 ms a step back to
+#: back (bench/trace_step.py), while the one-GPU step's 7.9 ms got two calls a sample.
+STEP_SAMPLE_S = 0.1
+
+
+def step_settings(settings: timing.Settings) -> timing.Settings:
+    """``settings`` with samples of at least :data:`STEP_SAMPLE_S` (the smoke run's single
+    call a sample stays)."""
+    if not settings.min_sample_s:
+        return settings
+    return dataclasses.replace(settings, min_sample_s=max(settings.min_sample_s, STEP_SAMPLE_S))
+
+
 def run_case(case: LayerCase, settings: timing.Settings, dense: DenseTimes, seed: int = 0) -> LayerResult:
     run = run_expert_parallel if case.layer.devices > 1 else run_one_device
-    return run(case, settings, dense, seed)
+    return run(case, step_settings(settings), dense, seed)
 
 
 # -- the report ---------------------------------------------------------------------
