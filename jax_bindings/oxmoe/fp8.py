@@ -24,10 +24,14 @@ Semantics (the same on every backend: it is JAX, computed in float32):
   ``power_of_two_scales`` the smallest power of two at least that (DeepSeek-V3 used such
   scales for some tensors: multiplying by them is exact);
 - ``values = float8_e4m3fn(clip(x * (1 / scale), -448, 448))``: the block's reciprocal
-  (a float32 division), one float32 product per element (what XLA makes of ``x / scale``
-  anyway, stated so that every backend rounds alike), then round to nearest, ties to even
-  (the clip only absorbs the roundings of the scale and its reciprocal; it never changes a
-  value otherwise);
+  rounded to the nearest float32, one float32 product per element (what XLA makes of
+  ``x / scale`` anyway, stated so that every backend rounds alike), then round to nearest,
+  ties to even (the clip only absorbs the roundings of the scale and its reciprocal; it
+  never changes a value otherwise). XLA:GPU's float32 division is not correctly rounded
+  (about one quotient in seven was an ulp off on an H200, and one value in 10^4 to 10^5 then
+  rounded to a neighbouring float8), so the quotient is corrected to the nearest
+  reciprocal for scales in ``[2**-100, 2**100]``; outside that range (blocks whose largest
+  magnitude is below about 10^-28 or above 10^32) it is the backend's division;
 - a block of zeros has scale 1 and zero values;
 - a block holding a NaN or an infinity becomes NaN: its scale and every value (a
   non-finite ``amax`` says nothing about the block's other elements; nothing is silently
@@ -104,6 +108,45 @@ def _power_of_two_at_least(r):
     return jnp.ldexp(jnp.ones_like(r), jnp.where(mantissa == 0.5, exponent - 1, exponent))
 
 
+#: A float32's sign, exponent and top 11 stored mantissa bits: a value of 12 significant bits.
+_HIGH_HALF = 0xFFFFF000
+#: The scales whose reciprocal is corrected: every half and product below stays a normal number.
+_CORRECTED_SCALES = (2.0 ** -100, 2.0 ** 100)
+
+
+def _halves(a):
+    """``(high, low)``, ``a = high + low`` exactly, each of at most 12 significant bits (split
+    by masking the bits, which no compiler reassociates)."""
+    high = jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(_HIGH_HALF), jnp.float32)
+    return high, a - high
+
+
+def _one_minus_product(s, r):
+    """``1 - s * r`` within one rounding, for ``s * r`` near 1: the product as ``p + e``
+    exactly (Dekker's two-product on 12-bit halves, whose partial products are exact, so
+    that contracting any of its steps into a fused multiply-add changes nothing)."""
+    p = s * r
+    (sh, sl), (rh, rl) = _halves(s), _halves(r)
+    e = sl * rl - (((p - sh * rh) - sl * rh) - sh * rl)
+    return (1 - p) - e  # 1 - p is exact for p in [0.5, 2]
+
+
+def _reciprocal(s, guess):
+    """``1 / s`` rounded to the nearest float32, from a ``guess`` within 2 ulp of it: of the
+    guess and its four nearest neighbours, the one whose product with ``s`` is nearest 1
+    (for ``s`` in :data:`_CORRECTED_SCALES`; elsewhere the guess)."""
+    bits = jax.lax.bitcast_convert_type(guess, jnp.int32)
+    best, best_error = guess, jnp.full_like(guess, jnp.inf)
+    for step in (-2, -1, 0, 1, 2):
+        candidate = jax.lax.bitcast_convert_type(bits + step, jnp.float32)
+        error = jnp.abs(_one_minus_product(s, candidate))
+        closer = error < best_error
+        best, best_error = jnp.where(closer, candidate, best), jnp.where(closer, error, best_error)
+    low, high = _CORRECTED_SCALES
+    return jnp.where((s >= low) & (s <= high), best, guess)
+
+
 def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scales: bool = False) -> BlockQuantized:
     """``x`` as ``float8_e4m3fn`` values with one float32 scale per block (the module's
     semantics).
@@ -123,7 +166,7 @@ def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scale
     if power_of_two_scales:
         scales = _power_of_two_at_least(scales)
     scales = jnp.where(jnp.isfinite(amax), scales, jnp.nan)
-    inverse = 1 / scales
+    inverse = _reciprocal(scales, 1 / scales)
     scaled = jnp.clip(blocks * inverse[..., :, None, :, None], -E4M3_MAX, E4M3_MAX)
     return BlockQuantized(scaled.astype(E4M3).reshape(x.shape), scales, block)
 
