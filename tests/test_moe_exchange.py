@@ -167,15 +167,16 @@ def test_exchange_bytes_are_the_routed_rows(case, seed, rng):
 
 # (model shape, tokens per shard, expert shards, the exchange "auto" must choose). The EP = 2
 # choices against what the benchmark measured on two H200s (bench/RESULTS.md, issue 16,
-# 2026-11-23): at DeepSeek-V3 and Qwen3 sizes the ring and the all_to_all of (token, shard)
-# pairs were within run-to-run noise of each other (ring 48.9-52.0 ms against 50.3-51.7 ms;
-# 10.6-10.8 ms against 10.5-11.0 ms), and the ring's fewer bytes win; at Mixtral 8x7B's top-2 of
-# 8 the all_to_all was faster (149.3 against 153.0 ms), as its fewer bytes say. Past EP = 2 the
-# ring moves every token to every shard, (n - 1) T rows, against about shards_per_token(n) T of
-# the (token, shard) pairs.
+# 2026-11-23, steps back to back): at Qwen3 sizes the all_to_all was faster (9.91 against
+# 10.44 ms); at DeepSeek-V3 sizes the ring was (42.8 against 44.7 ms), within what the same
+# program varied between two timings of that run (1.2 ms). With one static slot of T rows
+# both move (n - 1) T token rows, and the all_to_all the weights of E / n experts a row, not E;
+# at Mixtral 8x7B's top-2 of 8 the all_to_all was faster (149.3 against 153.0 ms), as its fewer
+# bytes say. Past EP = 2 the ring moves every token to every shard, (n - 1) T rows, against
+# about shards_per_token(n) T of the (token, shard) pairs.
 AUTO_CASES = {
-    "deepseek_v3_ep2": (model_shapes.DEEPSEEK_V3_LAYER, 8192, 2, "ring"),
-    "qwen3_ep2": (model_shapes.QWEN3_30B_A3B_LAYER, 16384, 2, "ring"),
+    "deepseek_v3_ep2": (model_shapes.DEEPSEEK_V3_LAYER, 8192, 2, "all_to_all"),
+    "qwen3_ep2": (model_shapes.QWEN3_30B_A3B_LAYER, 16384, 2, "all_to_all"),
     "mixtral_8x7b_ep2": (model_shapes.MIXTRAL_8X7B_LAYER, 32768, 2, "all_to_all"),
     "deepseek_v3_ep8": (model_shapes.DEEPSEEK_V3_LAYER, 8192, 8, "all_to_all"),
     "qwen3_ep8": (model_shapes.QWEN3_30B_A3B_LAYER, 16384, 8, "all_to_all"),

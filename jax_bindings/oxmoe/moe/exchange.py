@@ -247,8 +247,10 @@ def cost_model(config: MoEConfig, shards: int, tokens: int, hidden: int) -> dict
 
     - ``"all_to_all"``: four exchanges of the (token, shard) pairs leaving
       the shard (:func:`shards_per_token` per token, all but the ``1 / n``
-      that stay), each row padded by up to :data:`SLOT_STEP`, plus the
-      routing weights out and their gradients back (float32, ``E / n`` per row);
+      that stay), each row padded by up to :data:`SLOT_STEP`, or with one
+      static slot size (:func:`slot_sizes`) its ``n - 1`` slots whole, plus
+      the routing weights out and their gradients back (float32, ``E / n`` per
+      row);
     - ``"ring"``: all-gathers of the tokens and of the output's gradient,
       reduce-scatters of the output and of the tokens' gradient, each
       ``(n - 1) * T`` rows, and the weights' gather and their gradients'
@@ -259,8 +261,12 @@ def cost_model(config: MoEConfig, shards: int, tokens: int, hidden: int) -> dict
     """
     n, el = shards, config.num_experts // shards
     row = hidden * config.dtype.itemsize
-    pairs = tokens * shards_per_token(config, n) * (n - 1) / n
-    routed = 4 * pairs * row * SLOT_STEP + 2 * pairs * el * 4
+    slots = slot_sizes(tokens, n, config)
+    if len(slots) == 1:
+        sent = (n - 1) * slots[0]
+    else:
+        sent = tokens * shards_per_token(config, n) * (n - 1) / n * SLOT_STEP
+    routed = 4 * sent * row + 2 * sent * el * 4
     ring = 4 * (n - 1) * tokens * row + 2 * (n - 1) * tokens * config.num_experts * 4
     return {"all_to_all": routed, "ring": ring}
 
