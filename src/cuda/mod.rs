@@ -40,9 +40,6 @@ pub const ROUTER: Source = Source { name: "router.cu", text: include_str!("../..
 /// The permutation kernels.
 pub const PERMUTATION: Source = Source { name: "permutation.cu", text: include_str!("../../kernels/permutation.cu") };
 
-/// The activation kernels.
-pub const ACTIVATION: Source = Source { name: "activation.cu", text: include_str!("../../kernels/activation.cu") };
-
 /// The grouped GEMM kernels.
 pub const GROUPED_GEMM: Source = Source { name: "grouped_gemm.cu", text: include_str!("../../kernels/grouped_gemm.cu") };
 

@@ -15,7 +15,6 @@ from oxmoe import grouped_gemm, permutation, router
 from oxmoe._checks import FLOAT_DTYPES, check_array
 from oxmoe.moe.config import (Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, as_weight_axes, check_weight_shards,
                               mesh_axes, pytree_dataclass)
-from oxmoe.moe import activation as expert_activation
 from oxmoe.moe.exchange import Exchange, check_rows, dispatch_rows, exchange_method, exchange_tokens
 
 _F32 = jnp.float32
@@ -234,18 +233,18 @@ def expert_ffn(dispatched: ExpertInput, params: MoEParams, config: MoEConfig) ->
     """
     sizes = dispatched.group_sizes
     up = grouped_gemm.ragged_dot(dispatched.rows, params.up.astype(config.dtype), sizes)
-    hidden = expert_activation.activate(up, sizes, config.activation)
-    rows = grouped_gemm.ragged_dot(hidden, params.down.astype(config.dtype), sizes)
+    rows = grouped_gemm.ragged_dot(_activate(up, config.activation), params.down.astype(config.dtype), sizes)
     return ExpertOutput(rows, up)
 
 
 def _expert_ffn_bwd(grad_rows, dispatched: ExpertInput, out: ExpertOutput, params: MoEParams, config: MoEConfig):
     """Gradients of the expert rows, the up and the down weights."""
     sizes, groups = dispatched.group_sizes, dispatched.group_sizes.shape[0]
+    hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), out.up_rows)
     grad_hidden = grouped_gemm.ragged_dot(grad_rows, params.down.astype(config.dtype), sizes, rhs_transposed=True)
-    grad_up_rows, hidden = expert_activation.backward(out.up_rows, grad_hidden, sizes, config.activation)
     grad_down = grouped_gemm.transposed_ragged_dot(hidden, grad_rows, sizes, num_groups=groups,
                                                    preferred_element_type=_weight_grad_dtype(params.down, config))
+    (grad_up_rows,) = activation_vjp(grad_hidden)
     grad_in = grouped_gemm.ragged_dot(grad_up_rows, params.up.astype(config.dtype), sizes, rhs_transposed=True)
     grad_up = grouped_gemm.transposed_ragged_dot(dispatched.rows, grad_up_rows, sizes, num_groups=groups,
                                                  preferred_element_type=_weight_grad_dtype(params.up, config))
