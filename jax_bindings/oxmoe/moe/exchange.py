@@ -263,7 +263,7 @@ def cost_model(config: MoEConfig, shards: int, tokens: int, hidden: int) -> dict
     row = hidden * config.dtype.itemsize
     slots = slot_sizes(tokens, n, config)
     if len(slots) == 1:
-        sent = (n - 1) * slots[0]
+        sent: float = (n - 1) * slots[0]
     else:
         sent = tokens * shards_per_token(config, n) * (n - 1) / n * SLOT_STEP
     routed = 4 * sent * row + 2 * sent * el * 4
