@@ -108,7 +108,7 @@ from oxmoe.bench.grouped_gemm import OOM, DenseTimes
 from oxmoe.model_shapes import (DEEPSEEK_V3_LAYER, MIXTRAL_8X7B_LAYER, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER, GemmShape,
                                 LayerShape)
 from oxmoe.moe.config import Axes
-from oxmoe.moe.exchange import cost_model, exchange_method, shards_per_token, slot_sizes
+from oxmoe.moe.exchange import cost_model, exchange_method, lays_out_in_slots, shards_per_token, slot_sizes
 
 DTYPE = jnp.dtype(jnp.bfloat16)
 F32 = jnp.float32
@@ -359,9 +359,7 @@ def exchange_name(layer: Layer, method: str) -> str:
 
 
 def _in_slots(layer: Layer, method: str) -> bool:
-    """Whether the layer lays the rows a device sends out in the all_to_all's slots
-    (:attr:`oxmoe.moe.Exchange.in_slots`) rather than one block after another."""
-    return method == "all_to_all" and len(_slot_sizes(layer)) == 1
+    return lays_out_in_slots(method, _slot_sizes(layer))
 
 
 def exchange_args(layer: Layer, place: Placement, seed: tuple, num_sets: int, method: str) -> list[tuple]:

@@ -80,8 +80,8 @@ class Exchange:
 
     @property
     def in_slots(self) -> bool:
-        """Whether ``token_rows``' layout is the all_to_all's slots (one static slot size)."""
-        return self.method == "all_to_all" and len(self.slot_rows) == 1
+        """Whether ``token_rows``' layout is the all_to_all's slots (:func:`lays_out_in_slots`)."""
+        return lays_out_in_slots(self.method, self.slot_rows)
 
     def scatter_tokens(self, x):
         """``[T, X]`` rows of this shard's tokens → ``[n * T, X]``: each token's
@@ -175,6 +175,13 @@ class Exchange:
         return jax.lax.switch(self.slot_choice, [functools.partial(transfer, size) for size in self.slot_rows])
 
 
+def lays_out_in_slots(method: str, slot_rows: tuple[int, ...]) -> bool:
+    """Whether the rows a shard sends are laid out in the all_to_all's slots, each
+    destination's from its slot's first row, rather than one block after another: where
+    the all_to_all has one static slot size."""
+    return method == "all_to_all" and len(slot_rows) == 1
+
+
 def _varying_like(buffer, rows):
     """``buffer`` typed as varying over the axes ``rows`` varies over (a
     collective's output buffer must match its input)."""
@@ -262,7 +269,7 @@ def cost_model(config: MoEConfig, shards: int, tokens: int, hidden: int) -> dict
     n, el = shards, config.num_experts // shards
     row = hidden * config.dtype.itemsize
     slots = slot_sizes(tokens, n, config)
-    if len(slots) == 1:
+    if lays_out_in_slots("all_to_all", slots):
         sent: float = (n - 1) * slots[0]
     else:
         sent = tokens * shards_per_token(config, n) * (n - 1) / n * SLOT_STEP
@@ -288,7 +295,7 @@ def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, m
     per_shard = routing_map.reshape(t, n, el)
     goes = per_shard.any(-1)  # goes[t, j]: token t goes to shard j
     slots = slot_sizes(t, n, config, None if capacity is None else el * capacity)
-    if method == "all_to_all" and len(slots) == 1:
+    if lays_out_in_slots(method, slots):
         token_rows, sizes = _slotted_rows(goes, slots[0])
         rows, _ = permutation.combine_bwd(tokens, None, token_rows)
         send_offsets = jnp.arange(n, dtype=jnp.int32) * slots[0]
