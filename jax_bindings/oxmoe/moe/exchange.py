@@ -80,7 +80,7 @@ class Exchange:
 
     @property
     def in_slots(self) -> bool:
-        """Whether ``token_rows``' layout is the all_to_all's slots (:func:`lays_out_in_slots`)."""
+        """Whether ``token_rows``' layout is the all_to_all's slots (one static slot size)."""
         return lays_out_in_slots(self.method, self.slot_rows)
 
     def scatter_tokens(self, x):
