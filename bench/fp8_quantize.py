@@ -13,6 +13,7 @@ float32 scales written once.
 """
 
 import argparse
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +35,7 @@ SMOKE_ROWS = 256
 
 
 def moved_bytes(shape, block) -> int:
-    elements = 1
-    for n in shape:
-        elements *= n
+    elements = math.prod(shape)
     blocks = elements // (block[0] * block[1])
     return elements * (jnp.dtype(jnp.bfloat16).itemsize + 1) + 4 * blocks
 

@@ -358,10 +358,6 @@ def exchange_name(layer: Layer, method: str) -> str:
     return f"ragged_all_to_all exchange: {rows}"
 
 
-def _in_slots(layer: Layer, method: str) -> bool:
-    return lays_out_in_slots(method, _slot_sizes(layer))
-
-
 def exchange_args(layer: Layer, place: Placement, seed: tuple, num_sets: int, method: str) -> list[tuple]:
     """The input sets of :func:`ep_exchange`: each device's rows, the blocks' sizes and the
     slot's index in the slot sizes (arguments, not constants, so that XLA plans the
@@ -369,7 +365,8 @@ def exchange_args(layer: Layer, place: Placement, seed: tuple, num_sets: int, me
     replicated = NamedSharding(place.mesh, P())
     sizes = jax.device_put(np.asarray(exchange_blocks(layer), np.int32), replicated)
     choice = jax.device_put(np.int32(_slot_sizes(layer).index(exchange_slot(layer))), replicated)
-    rows = layer.devices * exchange_slot(layer) if _in_slots(layer, method) else sum(exchange_blocks(layer))
+    in_slots = lays_out_in_slots(method, _slot_sizes(layer))
+    rows = layer.devices * exchange_slot(layer) if in_slots else sum(exchange_blocks(layer))
     return [(place.split((*seed, n, 6), (rows, layer.hidden), DTYPE), sizes, choice) for n in range(num_sets)]
 
 
@@ -382,17 +379,12 @@ def ep_exchange(layer: Layer, mesh: Mesh, method: str) -> Callable:
 
     def local(rows, sizes, slot_choice):
         me = jax.lax.axis_index(EXPERT_AXIS)
-        if _in_slots(layer, method):
-            offsets = jnp.arange(n, dtype=jnp.int32) * exchange_slot(layer)
-        else:
-            offsets = jnp.cumsum(sizes) - sizes
         exchange = moe.Exchange(
-            # to_experts does not read the token map: a stand-in of its type.
+            # to_experts reads neither the token map nor the return offsets: stand-ins of their types.
             token_rows=permutation.RowIdMap(dest_rows=jnp.full((tokens, n), -1, jnp.int32),
                                             source_tokens=jnp.full((rows.shape[0],), -1, jnp.int32)),
-            send_sizes=sizes, send_offsets=offsets, recv_sizes=jnp.full((n,), sizes[me]),
-            return_offsets=jnp.full((n,), offsets[me]), slot_choice=slot_choice, axis=EXPERT_AXIS, shards=n,
-            slot_rows=_slot_sizes(layer), method=method)
+            send_sizes=sizes, recv_sizes=jnp.full((n,), sizes[me]), return_offsets=jnp.zeros((n,), jnp.int32),
+            slot_choice=slot_choice, axis=EXPERT_AXIS, shards=n, slot_rows=_slot_sizes(layer), method=method)
         (received,) = exchange.to_experts(rows)
         return received
 

@@ -28,7 +28,7 @@ SLOT_STEP = 1.1
 """Each slot size of the all_to_all is at most this factor above the next smaller one."""
 
 
-@pytree_dataclass(("token_rows", "send_sizes", "send_offsets", "recv_sizes", "return_offsets", "slot_choice"),
+@pytree_dataclass(("token_rows", "send_sizes", "recv_sizes", "return_offsets", "slot_choice"),
                   ("axis", "shards", "slot_rows", "method"))
 class Exchange:
     """How this shard's tokens travel to the shards that own their experts,
@@ -56,8 +56,6 @@ class Exchange:
     """This shard's tokens → one row per (token, destination shard)."""
     send_sizes: jax.Array
     """``[n]`` int32: rows (tokens) this shard sends to each shard."""
-    send_offsets: jax.Array
-    """``[n]`` int32: where those rows start in ``token_rows``' layout."""
     recv_sizes: jax.Array
     """``[n]`` int32: rows this shard receives from each shard."""
     return_offsets: jax.Array
@@ -82,6 +80,14 @@ class Exchange:
     def in_slots(self) -> bool:
         """Whether ``token_rows``' layout is the all_to_all's slots (one static slot size)."""
         return lays_out_in_slots(self.method, self.slot_rows)
+
+    @property
+    def send_offsets(self) -> jax.Array:
+        """``[n]`` int32: where the rows for each shard start in ``token_rows``' layout: at
+        their slots (:attr:`in_slots`), else one block after another."""
+        if self.in_slots:
+            return jnp.arange(self.shards, dtype=jnp.int32) * self.slot_rows[0]
+        return _exclusive_cumsum(self.send_sizes)
 
     def scatter_tokens(self, x):
         """``[T, X]`` rows of this shard's tokens → ``[n * T, X]``: each token's
@@ -298,18 +304,15 @@ def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, m
     if lays_out_in_slots(method, slots):
         token_rows, sizes = _slotted_rows(goes, slots[0])
         rows, _ = permutation.combine_bwd(tokens, None, token_rows)
-        send_offsets = jnp.arange(n, dtype=jnp.int32) * slots[0]
     else:
         by_shard = permutation.dispatch_fwd(tokens, goes, None, num_rows=t * min(config.topk, n), align_size=None)
         token_rows, sizes, rows = by_shard.row_id_map, by_shard.group_sizes, by_shard.tokens
-        send_offsets = _exclusive_cumsum(sizes)
     every = jax.lax.all_gather(sizes, axis)  # every[s, j]: rows shard s sends shard j
     me = jax.lax.axis_index(axis)
     choice = jnp.minimum(jnp.searchsorted(jnp.asarray(slots, jnp.int32), every.max()), len(slots) - 1)
-    exchange = Exchange(token_rows=token_rows, send_sizes=sizes, send_offsets=send_offsets,
-                        recv_sizes=every[:, me], return_offsets=_exclusive_cumsum(every, axis=1)[:, me],
-                        slot_choice=choice.astype(jnp.int32), axis=axis, shards=n, slot_rows=slots,
-                        method=method)
+    exchange = Exchange(token_rows=token_rows, send_sizes=sizes, recv_sizes=every[:, me],
+                        return_offsets=_exclusive_cumsum(every, axis=1)[:, me], slot_choice=choice.astype(jnp.int32),
+                        axis=axis, shards=n, slot_rows=slots, method=method)
     # Each row's weights for its destination's experts, scattered to the row of each (token, shard);
     # the rows past them (and the dummy row every unsent pair writes) keep -1.
     dest, num_rows = token_rows.dest_rows, rows.shape[0]
