@@ -36,10 +36,12 @@ def test_vendored_md_names_the_headers_sha256():
 
 
 def libclang_found() -> bool:
-    """Roughly where clang-sys looks for libclang (LIBCLANG_PATH, then the usual folders)."""
+    """Roughly where clang-sys looks for libclang (LIBCLANG_PATH, then the usual folders), by
+    its names (libclang.so, libclang-14.so.1, ...; not LLVM's C++ library libclang-cpp)."""
     folders = [os.environ.get("LIBCLANG_PATH", "")]
     folders += glob.glob("/usr/lib/llvm-*/lib") + ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/local/lib"]
-    return any(glob.glob(os.path.join(f, "libclang*.so*")) for f in folders if f)
+    names = ("libclang.so", "libclang.so.*", "libclang-[0-9]*.so", "libclang-[0-9]*.so.*")
+    return any(glob.glob(os.path.join(f, name)) for f in folders if f for name in names)
 
 
 @pytest.mark.skipif(shutil.which("cargo") is None or not libclang_found(),
