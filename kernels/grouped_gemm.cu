@@ -1,8 +1,9 @@
 // Grouped GEMM kernels: `ragged_dot` (the rows of each group times that
 // group's weights) and its transposed product (per group, the rows' outer
-// products summed). Group sizes and the window's first group are read from
-// device memory; every bound is clamped (see `window_bounds`), so no size
-// can make a kernel read or write out of bounds.
+// products summed, over up to MAX_CHUNKS chunks of rows: a group's rows are
+// its rows in each chunk, chunk after chunk). Group sizes and the window's
+// first group are read from device memory; every bound is clamped (see
+// `window_bounds`), so no size can make a kernel read or write out of bounds.
 //
 // Two implementations with one semantics:
 // - Hopper (sm_90a), bf16/f16 with K and N multiples of 8: a persistent,
@@ -42,11 +43,26 @@ __device__ void window_bounds(const int* __restrict__ sizes, int groups, const i
   }
 }
 
-// The bounds of a launch's window, for the SIMT kernels (one warp).
+// The bounds of a launch's window (one warp), for the SIMT kernels and, one
+// launch per chunk, for the transposed products.
 extern "C" __global__ void group_bounds(const int* __restrict__ sizes, int groups, const int* __restrict__ offset,
                                         int local_groups, int m, int* __restrict__ bounds) {
   window_bounds(sizes, groups, offset, local_groups, m, bounds);
 }
+
+// The most chunks of rows a transposed product takes: the launch passes
+// MAX_CHUNKS operands (pointers or tensor maps) of each side, of which the
+// first `chunks` are used.
+constexpr int MAX_CHUNKS = 8;
+
+// Rows [begin, end) of local group g in chunk c: `bounds` holds each chunk's
+// local_groups + 1 bounds, chunk after chunk.
+struct ChunkBounds {
+  const int* __restrict__ bounds;
+  int local_groups;
+  __device__ int begin(int c, int g) const { return bounds[c * (local_groups + 1) + g]; }
+  __device__ int end(int c, int g) const { return bounds[c * (local_groups + 1) + g + 1]; }
+};
 
 // ---------------------------------------------------------------------------
 // SIMT: 64 x 64 output tiles, 256 threads of 4 x 4 outputs, 16-deep slices of
@@ -137,12 +153,18 @@ __global__ void __launch_bounds__(THREADS) ragged_dot_simt(
   }
 }
 
-// out[i] = lhs_iᵀ · rhs_i ([k, n]) over the rows of local group i. A block
-// owns a 64 x 64 tile of one group's output.
+// Each chunk's row-major lhs [m_c, k] and rhs [m_c, n].
+template <typename T>
+struct ChunkOperands {
+  const T* lhs[MAX_CHUNKS];
+  const T* rhs[MAX_CHUNKS];
+};
+
+// out[i] = lhs_iᵀ · rhs_i ([k, n]) over the rows of local group i in each
+// chunk. A block owns a 64 x 64 tile of one group's output.
 template <typename T, typename O, int THREADS, int TILE>
 __global__ void __launch_bounds__(THREADS) transposed_ragged_dot_simt(
-    const T* __restrict__ lhs, const T* __restrict__ rhs, const int* __restrict__ bounds, int k, int n,
-    O* __restrict__ out) {
+    const ChunkOperands<T> operands, int chunks, const ChunkBounds rows, int k, int n, O* __restrict__ out) {
   check_simt_launch<THREADS, TILE>();
   __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
   __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
@@ -150,17 +172,21 @@ __global__ void __launch_bounds__(THREADS) transposed_ragged_dot_simt(
   const int g = blockIdx.x / (tiles_k * tiles_n), tile = blockIdx.x % (tiles_k * tiles_n);
   const int k_0 = tile / tiles_n * SIMT_TILE, col0 = tile % tiles_n * SIMT_TILE;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int begin = bounds[g], end = bounds[g + 1];
   float acc[4][4] = {};
-  for (int r0 = begin; r0 < end; r0 += SIMT_DEPTH) {
-    for (int e = threadIdx.x; e < SIMT_DEPTH * SIMT_TILE; e += SIMT_THREADS) {
-      const int d = e / SIMT_TILE, c = e % SIMT_TILE, row = r0 + d;
-      as[d][c] = row < end && k_0 + c < k ? to_float(lhs[static_cast<size_t>(row) * k + k_0 + c]) : 0.f;
-      bs[d][c] = row < end && col0 + c < n ? to_float(rhs[static_cast<size_t>(row) * n + col0 + c]) : 0.f;
+  for (int c = 0; c < chunks; ++c) {
+    const T* __restrict__ lhs = operands.lhs[c];
+    const T* __restrict__ rhs = operands.rhs[c];
+    const int begin = rows.begin(c, g), end = rows.end(c, g);
+    for (int r0 = begin; r0 < end; r0 += SIMT_DEPTH) {
+      for (int e = threadIdx.x; e < SIMT_DEPTH * SIMT_TILE; e += SIMT_THREADS) {
+        const int d = e / SIMT_TILE, col = e % SIMT_TILE, row = r0 + d;
+        as[d][col] = row < end && k_0 + col < k ? to_float(lhs[static_cast<size_t>(row) * k + k_0 + col]) : 0.f;
+        bs[d][col] = row < end && col0 + col < n ? to_float(rhs[static_cast<size_t>(row) * n + col0 + col]) : 0.f;
+      }
+      __syncthreads();
+      simt_tile_product(as, bs, acc);
+      __syncthreads();
     }
-    __syncthreads();
-    simt_tile_product(as, bs, acc);
-    __syncthreads();
   }
   O* block = out + static_cast<size_t>(g) * k * n;
   for (int i = 0; i < 4; ++i) {
@@ -494,24 +520,28 @@ __device__ __forceinline__ void consumers_publish_shared() {
   asm volatile("bar.sync 1, 256;" ::: "memory");
 }
 
-// transposed_ragged_dot on Hopper: out[i] ([k, n]) = lhs_iᵀ · rhs_i. Both maps
-// are 2-D with 64 x 64-row boxes: lhs [m, k] (its columns are out's rows, so
-// A is MN-major) and rhs [m, n] (MN-major B). A tile is 128 rows of out[i] by
-// BN columns; the contraction walks the group's rows 64 at a time.
+// Each chunk's tensor maps: lhs [m_c, k] and rhs [m_c, n], 2-D with 64 x
+// 64-row boxes.
+struct ChunkMaps {
+  TensorMap lhs[MAX_CHUNKS];
+  TensorMap rhs[MAX_CHUNKS];
+};
+
+// transposed_ragged_dot on Hopper: out[i] ([k, n]) = lhs_iᵀ · rhs_i over the
+// rows of local group i in each chunk. lhs's columns are out's rows, so A is
+// MN-major, and B is MN-major. A tile is 128 rows of out[i] by BN columns; the
+// contraction walks the group's rows 64 at a time, chunk after chunk.
 template <typename T, typename O, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
 __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
-    const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
-    const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
-    int k, int n, O* __restrict__ out) {
+    const __grid_constant__ ChunkMaps maps, int chunks, const ChunkBounds rows, int k, int n, O* __restrict__ out) {
   using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
   const Shared<Config> s = Shared<Config>::carve(raw);
   if (threadIdx.x == 0) s.init_barriers();
-  if (threadIdx.x < 32) window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
   __syncthreads();
   const int column_tiles = (n + BN - 1) / BN, row_tiles = (k + BLOCK_M - 1) / BLOCK_M;
-  const int per_group = row_tiles * column_tiles, total = local_groups * per_group;
+  const int per_group = row_tiles * column_tiles, total = rows.local_groups * per_group;
   Ring ring;
 
   if (threadIdx.x < 128) {
@@ -520,16 +550,18 @@ __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
     for (int t = blockIdx.x; t < total; t += gridDim.x) {
       const int g = t / per_group, local = t % per_group;
       const int out_row0 = local / column_tiles * BLOCK_M, col0 = local % column_tiles * BN;
-      for (int row = s.bounds[g]; row < s.bounds[g + 1]; row += 64, ring.advance<Config::STAGES>()) {
-        barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
-        unsigned long long* full = &s.full[ring.stage];
-        barrier_expect_bytes(full, Config::STAGE_BYTES);
-        unsigned char* a = s.a + ring.stage * Config::A_BYTES;
-        tma_load(a, &lhs_map, full, out_row0, row);
-        tma_load(a + CHUNK_BYTES, &lhs_map, full, out_row0 + 64, row);
-        unsigned char* b = s.b + ring.stage * Config::B_BYTES;
+      for (int c = 0; c < chunks; ++c) {
+        for (int row = rows.begin(c, g); row < rows.end(c, g); row += 64, ring.advance<Config::STAGES>()) {
+          barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
+          unsigned long long* full = &s.full[ring.stage];
+          barrier_expect_bytes(full, Config::STAGE_BYTES);
+          unsigned char* a = s.a + ring.stage * Config::A_BYTES;
+          tma_load(a, &maps.lhs[c], full, out_row0, row);
+          tma_load(a + CHUNK_BYTES, &maps.lhs[c], full, out_row0 + 64, row);
+          unsigned char* b = s.b + ring.stage * Config::B_BYTES;
 #pragma unroll
-        for (int j = 0; j < BN / 64; ++j) tma_load(b + j * CHUNK_BYTES, &rhs_map, full, col0 + 64 * j, row);
+          for (int j = 0; j < BN / 64; ++j) tma_load(b + j * CHUNK_BYTES, &maps.rhs[c], full, col0 + 64 * j, row);
+        }
       }
     }
     return;
@@ -541,32 +573,37 @@ __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
   for (int t = blockIdx.x; t < total; t += gridDim.x) {
     const int g = t / per_group, local = t % per_group;
     const int out_row0 = local / column_tiles * BLOCK_M, col0 = local % column_tiles * BN;
-    const int begin = s.bounds[g], end = s.bounds[g + 1];
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
-    for (int row = begin; row < end; row += 64, ring.advance<Config::STAGES>()) {
-      barrier_wait(&s.full[ring.stage], ring.phase);
-      unsigned char* a = s.a + ring.stage * Config::A_BYTES;
-      unsigned char* b = s.b + ring.stage * Config::B_BYTES;
-      if (end - row < 64) {
-        // The last rows of the box belong to the next group: zero them in both
-        // operands (a product with a stray inf or NaN would not be zero).
-        zero_rows_from(a, 2, end - row);
-        zero_rows_from(b, BN / 64, end - row);
-        consumers_publish_shared();
-      }
-      wgmma_fence();
+    bool loaded = false;  // whether a stage of this tile has been multiplied
+    for (int c = 0; c < chunks; ++c) {
+      const int end = rows.end(c, g);
+      for (int row = rows.begin(c, g); row < end; row += 64, ring.advance<Config::STAGES>()) {
+        barrier_wait(&s.full[ring.stage], ring.phase);
+        unsigned char* a = s.a + ring.stage * Config::A_BYTES;
+        unsigned char* b = s.b + ring.stage * Config::B_BYTES;
+        if (end - row < 64) {
+          // The last rows of the box belong to the next group (or lie past the
+          // chunk): zero them in both operands (a product with a stray inf or
+          // NaN would not be zero).
+          zero_rows_from(a, 2, end - row);
+          zero_rows_from(b, BN / 64, end - row);
+          consumers_publish_shared();
+        }
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < 4; ++kk) {
-        wgmma<T, BN, 1, 1>(d, matrix_descriptor(a + half * CHUNK_BYTES + kk * 16 * 128, CHUNK_BYTES),
-                           matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES));
+        for (int kk = 0; kk < 4; ++kk) {
+          wgmma<T, BN, 1, 1>(d, matrix_descriptor(a + half * CHUNK_BYTES + kk * 16 * 128, CHUNK_BYTES),
+                             matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES));
+        }
+        wgmma_commit();
+        release_previous_stage(s.empty, ring, Config::STAGES, loaded);
+        loaded = true;
       }
-      wgmma_commit();
-      release_previous_stage(s.empty, ring, Config::STAGES, row > begin);
     }
     wgmma_wait<0>();
     keep_in_registers(d);
-    if (end > begin) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
+    if (loaded) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
     store_tile<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, out + static_cast<size_t>(g) * k * n,
                       out_row0 + half * 64, k, col0, n);
   }

@@ -175,6 +175,22 @@ CASES.update({
         lambda: aliased("oxmoe_ragged_dot", _spec(ROWS.shape, jnp.float32), ROWS, np.ones((2, E, E), np.float32),
                         SIZES, OFFSET, rhs_transposed=np.bool_(False)),
         "oxmoe_ragged_dot", [r"result 0 shares memory with argument 0", r"in place"]),
+    "transposed_ragged_dot_a_chunk_without_rhs": (
+        lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS, ROWS, ROWS,
+                      SIZES, OFFSET),
+        "oxmoe_transposed_ragged_dot", [r"got 5 arguments", r"lhs and rhs of each chunk"]),
+    "transposed_ragged_dot_sizes_of_other_chunks": (
+        lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS, ROWS, ROWS, ROWS,
+                      np.ones((3, 2), np.int32), OFFSET),
+        "oxmoe_transposed_ragged_dot", [r"group_sizes has shape \[3, 2\]", r"expected \[2, groups\] for 2 chunks"]),
+    "transposed_ragged_dot_nine_chunks": (
+        lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), *[ROWS] * 18,
+                      np.ones((9, 2), np.int32), OFFSET),
+        "oxmoe_transposed_ragged_dot", [r"got 20 arguments, expected 4 to 18"]),
+    "transposed_ragged_dot_chunks_of_two_widths": (
+        lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS, ROWS[:, :3], ROWS, ROWS,
+                      np.ones((2, 2), np.int32), OFFSET),
+        "oxmoe_transposed_ragged_dot", [r"lhs\[1\] has shape float32\[6, 3\], expected \[6, 8\]"]),
     "sort_chunks_result_aliasing_tokens": (
         lambda: aliased("oxmoe_sort_chunks", _spec(ROWS.shape, jnp.float32), ROWS, SPLITS, ORDER,
                         inverse=np.bool_(False)),

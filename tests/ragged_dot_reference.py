@@ -118,6 +118,25 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     return Expected(value, scale, acc_len, (acc_len == 0))
 
 
+def chunked_transposed_ragged_dot(lhs_chunks, rhs_chunks, group_sizes, *, num_groups=None,
+                                  group_offset=None) -> Expected:
+    """out[i] = lhs_g.T @ rhs_g where lhs_g, rhs_g stack the rows of group g = g0 + i of every
+    chunk, chunk after chunk (chunk c's own sizes group_sizes[c], its own M_c); zeros where no
+    chunk has rows of the group."""
+    group_sizes = np.asarray(group_sizes)
+    num_local = group_sizes.shape[1] if num_groups is None else num_groups
+    bounds = [local_group_rows(len(lhs), sizes, num_local, group_offset)
+              for lhs, sizes in zip(lhs_chunks, group_sizes)]
+    k, n = np.shape(lhs_chunks[0])[1], np.shape(rhs_chunks[0])[1]
+    value, scale = np.zeros((num_local, k, n)), np.zeros((num_local, k, n))
+    acc_len = np.zeros((num_local, 1, 1), np.int64)
+    for i in range(num_local):
+        a = np.concatenate([as_f64(lhs[b[i][0]:b[i][1]]) for lhs, b in zip(lhs_chunks, bounds)]).reshape(-1, k)
+        c = np.concatenate([as_f64(rhs[b[i][0]:b[i][1]]) for rhs, b in zip(rhs_chunks, bounds)]).reshape(-1, n)
+        value[i], scale[i], acc_len[i] = a.T @ c, np.abs(a).T @ np.abs(c), len(a)
+    return Expected(value, scale, acc_len, (acc_len == 0))
+
+
 # ------------------------------------------------------------------- gradients
 
 

@@ -13,7 +13,8 @@ with JAX_PLATFORMS=cuda,cpu.) This file adds:
 - small odd shapes (the generic kernel: odd K or N, float32), shapes the tensor-core kernel
   takes whose groups start and end across its row tiles, empty groups, windows of groups
   (group_offset), rows past the groups' total, more groups than the tensor-core kernel
-  holds, empty dimensions (M, K, N or the local groups 0), against the float64 reference;
+  holds, empty dimensions (M, K, N or the local groups 0), the transposed product over
+  chunks of rows (up to the most, one empty), against the float64 reference;
 - ragged_dot under jit called with new group sizes: no recompilation, right values;
 - rows (and groups) outside every group are exactly zero even in memory that held NaN.
 
@@ -433,6 +434,30 @@ def test_transposed_ragged_dot_window_on_gpu(g0, dtype, gpu, seed, rng):
                  lhs, rhs, sizes, offset_array(g0))
     checks.assert_gemm_close(out, ref.transposed_ragged_dot(lhs, rhs, sizes, num_groups=3, group_offset=[g0]), dtype,
                           what="GPU transposed_ragged_dot", context=f"g0={g0}, {describe(sizes)}, seed={seed}")
+
+
+# (rows of each chunk, K, N, G, dtype): the generic kernel (float32, odd N), the tensor-core
+# one with groups across its 64-row boxes, an empty chunk, the most chunks, a layer's size.
+CHUNK_CASES = [((300, 0, 211), 24, 19, 6, jnp.float32), ((839, 513), 72, 200, 10, jnp.bfloat16),
+               ((64, 65, 1, 127, 128, 129, 0, 255), 64, 96, 3, jnp.float16),
+               ((6000, 5800), 512, 768, 8, jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("rows, k, n, g, dtype", CHUNK_CASES,
+                         ids=[f"chunks{len(c[0])}_K{c[1]}_N{c[2]}_{jnp.dtype(c[4]).name}" for c in CHUNK_CASES])
+def test_transposed_ragged_dot_in_chunks_on_gpu(rows, k, n, g, dtype, gpu, seed, rng):
+    lhs = [checks.draw(rng, (m, k), dtype) for m in rows]
+    rhs = [checks.draw(rng, (m, n), dtype) for m in rows]
+    sizes = np.stack([checks.sizes_with_empty_groups(rng, g, m - int(rng.integers(0, min(3, m) + 1)), fraction=0.2)
+                      for m in rows]).astype(np.int32)
+    g0 = int(rng.integers(0, 2))
+    out = run_on(gpu, lambda a, b, s, o: grouped_gemm.transposed_ragged_dot(a, b, s, num_groups=g - 1, group_offset=o),
+                 lhs, rhs, sizes, offset_array(g0))
+    checks.assert_gemm_close(out, ref.chunked_transposed_ragged_dot(lhs, rhs, sizes, num_groups=g - 1,
+                                                                    group_offset=[g0]),
+                             dtype, what="GPU transposed_ragged_dot in chunks",
+                             context=f"rows {rows}, g0={g0}, sizes {sizes.tolist() if g <= 10 else sizes.shape}, "
+                                     f"seed={seed}")
 
 
 @pytest.mark.parametrize("num_groups", [1024, 1100], ids=lambda g: f"G{g}")

@@ -5,7 +5,10 @@
 ``rhs[g]``. It is the expert FFN's product after a dispatch, with the
 dispatch's ``group_sizes``. :func:`transposed_ragged_dot` is the product of
 the weight gradient: per group, the rows' outer products summed,
-``lhs_gᵀ · rhs_g``.
+``lhs_gᵀ · rhs_g``; it also takes its rows in chunks (up to
+:data:`MAX_CHUNKS` buffers, each with its own group sizes), summing each
+group's rows of every chunk into one result: the weight gradient of rows
+that the MoE layer keeps per token chunk, without concatenating them.
 
 Group sizes (and the first group of a window) are device arrays that the
 kernels read themselves: nothing copies them to the host, so both work under
@@ -34,19 +37,32 @@ import numpy as np
 from oxmoe._checks import FLOAT_DTYPES, called_eagerly, check_array, check_bool, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 
-__all__ = ["ragged_dot", "transposed_ragged_dot"]
+__all__ = ["ragged_dot", "transposed_ragged_dot", "MAX_CHUNKS"]
 
 DISPATCHED, WHOLE = Layout.DISPATCHED, Layout.WHOLE
+
+MAX_CHUNKS = 8
+"""The most chunks of rows :func:`transposed_ragged_dot` takes (the CUDA kernels
+take each chunk's operands as launch arguments)."""
 
 _ragged_dot_p = FfiPrimitive(
     "oxmoe_ragged_dot", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE), results=(DISPATCHED,),
     result_specs=lambda lhs, rhs, *_, n, out_dtype, **__: [jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)],
     shape_params=("n", "out_dtype"))
-_transposed_ragged_dot_p = FfiPrimitive(
-    "oxmoe_transposed_ragged_dot", operands=(DISPATCHED, DISPATCHED, WHOLE, WHOLE), results=(WHOLE,),
-    result_specs=lambda lhs, rhs, *_, groups, out_dtype, **__: [
-        jax.ShapeDtypeStruct((groups, lhs.shape[1], rhs.shape[1]), out_dtype)],
-    shape_params=("groups", "out_dtype"))
+
+
+@functools.cache
+def _transposed_ragged_dot_p(chunks: int) -> FfiPrimitive:
+    """The transposed product of ``chunks`` chunks: the lhs of each, the rhs of
+    each, group_sizes ``[chunks, G]``, group_offset."""
+    return FfiPrimitive(
+        "oxmoe_transposed_ragged_dot", operands=(DISPATCHED,) * (2 * chunks) + (WHOLE, WHOLE), results=(WHOLE,),
+        result_specs=lambda *operands, groups, out_dtype, **_: [
+            jax.ShapeDtypeStruct((groups, operands[0].shape[1], operands[chunks].shape[1]), out_dtype)],
+        shape_params=("groups", "out_dtype"))
+
+
+_transposed_ragged_dot_p(1)  # registers the target at import, as every other primitive's is
 
 
 def _out_dtype(preferred_element_type, dtype):
@@ -59,17 +75,23 @@ def _out_dtype(preferred_element_type, dtype):
     return out
 
 
-def _check_groups(group_sizes, group_offset, local_groups: int | None, local_groups_name: str, m: int):
-    """Checks the group arguments; returns ``(G, group_offset as int32 [1])``.
-    ``local_groups`` is the window's group count, which the argument named
-    ``local_groups_name`` gives (None: not given, the window is every group)."""
+def _check_groups(group_sizes, group_offset, local_groups: int | None, local_groups_name: str,
+                  rows: tuple[int, ...], chunked: bool = False):
+    """Checks the group arguments; returns ``(G, group_sizes as int32, group_offset
+    as int32 [1])``. ``local_groups`` is the window's group count, which the
+    argument named ``local_groups_name`` gives (None: not given, the window is
+    every group). ``rows``: the rows of each chunk; ``chunked``: group_sizes is
+    ``[chunks, G]``, else ``[G]``."""
     check_array("group_sizes", group_sizes)
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be an integer array (int32, or another integer dtype that is cast "
                         f"to int32), got {group_sizes.dtype}")
-    if group_sizes.ndim != 1:
+    if chunked and (group_sizes.ndim != 2 or group_sizes.shape[0] != len(rows)):
+        raise ValueError(f"group_sizes must have shape [chunks, num_groups] = [{len(rows)}, G] for {len(rows)} "
+                         f"chunks of lhs and rhs, got {tuple(group_sizes.shape)}")
+    if not chunked and group_sizes.ndim != 1:
         raise ValueError(f"group_sizes must have shape [num_groups], got {tuple(group_sizes.shape)}")
-    groups = group_sizes.shape[0]
+    groups = group_sizes.shape[-1]
     if group_offset is None:
         if local_groups is not None and local_groups != groups:
             raise ValueError(f"{local_groups_name} is {local_groups} but group_sizes has {groups} groups; give "
@@ -83,7 +105,7 @@ def _check_groups(group_sizes, group_offset, local_groups: int | None, local_gro
         if local_groups is not None and local_groups > groups:
             raise ValueError(f"{local_groups_name} is {local_groups}, more than the {groups} groups of group_sizes")
         offset = jnp.reshape(_as_int32("group_offset", group_offset), (1,))
-    _check_concrete(group_sizes, group_offset, m)
+    _check_concrete(group_sizes, group_offset, rows, chunked)
     return groups, _as_int32("group_sizes", group_sizes), offset
 
 
@@ -108,30 +130,27 @@ def _as_int32(name: str, values):
     return values.astype(jnp.int32)
 
 
-def _check_concrete(group_sizes, group_offset, m: int) -> None:
+def _check_concrete(group_sizes, group_offset, rows: tuple[int, ...], chunked: bool) -> None:
     """Called eagerly, out-of-range sizes are errors, not clamped."""
     if not called_eagerly():
         return
-    sizes = np.asarray(group_sizes)
+    sizes = np.asarray(group_sizes).reshape(len(rows), -1)
     if (sizes < 0).any():
-        raise ValueError(f"group_sizes must be >= 0, got {sizes[sizes < 0][0]} at group "
-                         f"{int(np.argmax(sizes < 0))}")
-    if sizes.sum(dtype=np.int64) > m:
-        raise ValueError(f"group_sizes sum to {int(sizes.sum(dtype=np.int64))}, more than the {m} rows of lhs")
+        chunk, group = np.argwhere(sizes < 0)[0]
+        at = f"chunk {chunk}, group {group}" if chunked else f"group {group}"
+        raise ValueError(f"group_sizes must be >= 0, got {sizes[chunk, group]} at {at}")
+    for chunk, (chunk_sizes, m) in enumerate(zip(sizes, rows)):
+        total = int(chunk_sizes.sum(dtype=np.int64))
+        if total > m:
+            of = f"chunk {chunk}'s sizes" if chunked else "group_sizes"
+            lhs = f"lhs[{chunk}]" if chunked else "lhs"
+            raise ValueError(f"{of} sum to {total}, more than the {m} rows of {lhs}")
     if group_offset is not None:
         offset = int(np.asarray(group_offset).reshape(()))
-        if not 0 <= offset <= sizes.shape[0]:
-            raise ValueError(f"group_offset must be in [0, {sizes.shape[0]}] (the number of groups), got {offset}")
+        if not 0 <= offset <= sizes.shape[1]:
+            raise ValueError(f"group_offset must be in [0, {sizes.shape[1]}] (the number of groups), got {offset}")
 
 
-def _check_operands(lhs, rhs):
-    check_array("lhs", lhs)
-    check_array("rhs", rhs)
-    check_float_dtype("lhs", lhs)
-    if rhs.dtype != lhs.dtype:
-        raise TypeError(f"rhs must have lhs's dtype {lhs.dtype}, got {rhs.dtype}")
-    if lhs.ndim != 2:
-        raise ValueError(f"lhs must have shape [M, K], got {tuple(lhs.shape)}")
 
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None,
@@ -190,7 +209,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     if rhs_k != k:
         layout = "[groups, N, K]" if rhs_transposed else "[groups, K, N]"
         raise ValueError(f"rhs must be {layout} with K = {k} (lhs's second dimension), got {tuple(rhs.shape)}")
-    _, sizes, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", m)
+    _, sizes, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", (m,))
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     out_dtype = _ragged_dot_out_dtype(preferred_element_type, lhs.dtype, rhs.dtype)
     # The kernels write the inputs' dtype or float32; any other output is rounded from float32.
@@ -240,10 +259,18 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     This is the gradient of :func:`ragged_dot`'s ``rhs``: with ``lhs`` the
     forward's input and ``rhs`` the output's cotangent.
 
+    In chunks: ``lhs`` and ``rhs`` may each be a sequence of ``C`` arrays
+    (``1 <= C <=`` :data:`MAX_CHUNKS`), chunk ``c`` ``[M_c, K]`` and ``[M_c, N]``
+    with its own group sizes ``group_sizes[c]``: group ``g``'s rows are then
+    its rows in chunk 0, then in chunk 1, and so on, summed into one
+    ``out[i]``, as if the chunks were one matrix with the groups' rows
+    gathered together (the weight gradient over rows kept in ``C`` buffers,
+    with no copy).
+
     Args:
-      lhs: ``[M, K]`` float32, bfloat16 or float16.
-      rhs: ``[M, N]`` in lhs's dtype.
-      group_sizes: ``[G]`` int32 row counts, on the device.
+      lhs: ``[M, K]`` float32, bfloat16 or float16, or a sequence of chunks.
+      rhs: ``[M, N]`` in lhs's dtype, or a sequence of chunks as ``lhs``'s.
+      group_sizes: ``[G]`` int32 row counts, on the device; ``[C, G]`` for chunks.
       num_groups: the groups of the result; ``G`` by default, required with
         ``group_offset``.
       group_offset: optional int32 scalar or ``[1]`` array, the window's first group.
@@ -253,17 +280,47 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
       ``[num_groups, K, N]``, summed in float32; a group with no rows (or past
       the last group) gives zeros. Differentiable in ``lhs`` and ``rhs``.
     """
-    _check_operands(lhs, rhs)
-    if rhs.ndim != 2 or rhs.shape[0] != lhs.shape[0]:
-        raise ValueError(f"rhs must have shape [M, N] with M = {lhs.shape[0]} (lhs's rows), got {tuple(rhs.shape)}")
+    chunked = isinstance(lhs, (list, tuple))
+    if isinstance(rhs, (list, tuple)) != chunked:
+        raise TypeError(f"lhs and rhs must both be arrays or both sequences of chunks, got {type(lhs).__name__} "
+                        f"and {type(rhs).__name__}")
+    lhs_chunks, rhs_chunks = (tuple(lhs), tuple(rhs)) if chunked else ((lhs,), (rhs,))
+    if not 1 <= len(lhs_chunks) <= MAX_CHUNKS:
+        raise ValueError(f"lhs must have 1 to {MAX_CHUNKS} chunks, got {len(lhs_chunks)}")
+    if len(rhs_chunks) != len(lhs_chunks):
+        raise ValueError(f"rhs must have lhs's {len(lhs_chunks)} chunks, got {len(rhs_chunks)}")
+    for c, (a, b) in enumerate(zip(lhs_chunks, rhs_chunks)):
+        _check_chunk(a, b, lhs_chunks[0], rhs_chunks[0], f"[{c}]" if chunked else "")
     if group_offset is not None and num_groups is None:
         raise ValueError("num_groups (the groups of the result) is required with group_offset")
     if num_groups is not None:
         num_groups = check_count("num_groups", num_groups, 0)
-    groups, sizes, offset = _check_groups(group_sizes, group_offset, num_groups, "num_groups", lhs.shape[0])
-    out_dtype = _out_dtype(preferred_element_type, lhs.dtype)
+    rows = tuple(a.shape[0] for a in lhs_chunks)
+    groups, sizes, offset = _check_groups(group_sizes, group_offset, num_groups, "num_groups", rows, chunked)
+    out_dtype = _out_dtype(preferred_element_type, lhs_chunks[0].dtype)
     static = (groups if num_groups is None else num_groups, out_dtype)
-    return _transposed(*vary_alike(lhs, rhs, sizes, offset), static)
+    *operands, sizes, offset = vary_alike(*lhs_chunks, *rhs_chunks, sizes.reshape(len(rows), groups), offset)
+    return _transposed(tuple(operands[:len(rows)]), tuple(operands[len(rows):]), sizes, offset, static)
+
+
+def _check_chunk(lhs, rhs, first_lhs, first_rhs, index: str) -> None:
+    """Chunk ``index`` (``"[c]"``, or ``""`` without chunks) of the transposed
+    product: ``lhs [M_c, K]`` and ``rhs [M_c, N]``, with the first chunk's
+    dtype, ``K`` and ``N``."""
+    check_array(f"lhs{index}", lhs)
+    check_array(f"rhs{index}", rhs)
+    check_float_dtype(f"lhs{index}", lhs)
+    if lhs.dtype != first_lhs.dtype:
+        raise TypeError(f"lhs{index} must have lhs[0]'s dtype {first_lhs.dtype}, got {lhs.dtype}")
+    if rhs.dtype != lhs.dtype:
+        raise TypeError(f"rhs{index} must have lhs's dtype {lhs.dtype}, got {rhs.dtype}")
+    k_of = f" with K = {first_lhs.shape[-1]} (lhs[0]'s)" if index else ""
+    if lhs.ndim != 2 or lhs.shape[1] != first_lhs.shape[-1]:
+        raise ValueError(f"lhs{index} must have shape [M, K]{k_of}, got {tuple(lhs.shape)}")
+    n_of = f" and N = {first_rhs.shape[-1]} (rhs[0]'s)" if index else ""
+    if rhs.ndim != 2 or rhs.shape[0] != lhs.shape[0] or rhs.shape[1] != first_rhs.shape[-1]:
+        raise ValueError(f"rhs{index} must have shape [M, N] with M = {lhs.shape[0]} (lhs{index}'s rows){n_of}, "
+                         f"got {tuple(rhs.shape)}")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -287,7 +344,7 @@ def _ragged_dot_vjp_bwd(static, residuals, grad_out):
     grad_lhs = _ragged_dot(grad_out, rhs, group_sizes, group_offset, (not rhs_transposed, lhs.dtype))
     # d rhs[g] = lhs_gᵀ · d out_g, or its transpose d out_gᵀ · lhs_g for [G, N, K].
     operands = (grad_out, lhs) if rhs_transposed else (lhs, grad_out)
-    grad_rhs = _transposed(*operands, group_sizes, group_offset, (rhs.shape[0], rhs.dtype))
+    grad_rhs = _transposed((operands[0],), (operands[1],), group_sizes[None], group_offset, (rhs.shape[0], rhs.dtype))
     return grad_lhs, grad_rhs, None, None
 
 
@@ -295,9 +352,11 @@ _ragged_dot.defvjp(_ragged_dot_vjp_fwd, _ragged_dot_vjp_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _transposed(lhs, rhs, group_sizes, group_offset, static):
+def _transposed(lhs: tuple, rhs: tuple, group_sizes, group_offset, static):
+    """The chunks ``lhs`` and ``rhs`` (tuples of arrays), ``group_sizes [C, G]``."""
     groups, out_dtype = static
-    (out,) = _transposed_ragged_dot_p(lhs, rhs, group_sizes, group_offset, groups=groups, out_dtype=out_dtype)
+    (out,) = _transposed_ragged_dot_p(len(lhs))(*lhs, *rhs, group_sizes, group_offset, groups=groups,
+                                                out_dtype=out_dtype)
     return out
 
 
@@ -307,10 +366,12 @@ def _transposed_vjp_fwd(lhs, rhs, group_sizes, group_offset, static):
 
 def _transposed_vjp_bwd(static, residuals, grad_out):
     lhs, rhs, group_sizes, group_offset = residuals
-    grad_out = grad_out.astype(lhs.dtype)  # [G, K, N]
-    # out[g] = lhs_gᵀ rhs_g: d lhs_g = rhs_g · d out[g]ᵀ, d rhs_g = lhs_g · d out[g].
-    grad_lhs = _ragged_dot(rhs, grad_out, group_sizes, group_offset, (True, lhs.dtype))
-    grad_rhs = _ragged_dot(lhs, grad_out, group_sizes, group_offset, (False, rhs.dtype))
+    grad_out = grad_out.astype(lhs[0].dtype)  # [G, K, N]
+    # out[g] = Σ_c lhs_cgᵀ rhs_cg: d lhs_cg = rhs_cg · d out[g]ᵀ, d rhs_cg = lhs_cg · d out[g].
+    grad_lhs = tuple(_ragged_dot(b, grad_out, sizes, group_offset, (True, a.dtype))
+                     for a, b, sizes in zip(lhs, rhs, group_sizes))
+    grad_rhs = tuple(_ragged_dot(a, grad_out, sizes, group_offset, (False, b.dtype))
+                     for a, b, sizes in zip(lhs, rhs, group_sizes))
     return grad_lhs, grad_rhs, None, None
 
 

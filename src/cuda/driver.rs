@@ -218,6 +218,12 @@ impl Stream {
 pub struct TensorMap(sys::CUtensorMap);
 
 impl TensorMap {
+    /// A descriptor no kernel loads through: the slots of a launch's fixed
+    /// array of maps that it does not use.
+    pub fn unused() -> Self {
+        Self(sys::CUtensorMap { opaque: [0; 16] })
+    }
+
     /// `dims` and `box_dims` innermost first; rows must be multiples of 16
     /// bytes. Elements outside the tensor load as zero.
     pub fn tiled_16bit(address: u64, dims: &[u64], box_dims: &[u32]) -> Result<Self> {

@@ -113,12 +113,19 @@ pub fn ragged_dot<T: Real, O: Real>(
     }
 }
 
+/// One chunk of a transposed product's rows: `lhs [rows, K]`, `rhs [rows, N]`.
+pub struct ChunkRows<'s, T> {
+    pub lhs: &'s [T],
+    pub rhs: &'s [T],
+    pub rows: usize,
+}
+
 /// `out[g] = lhs_gᵀ · rhs_g` (`[K, N]`), summed over the rows of local group
-/// `g` of `lhs` (`[M, K]`) and `rhs` (`[M, N]`); an empty group gives zeros.
+/// `g` in each chunk, chunk after chunk (the chunks' `[C, G]` sizes are
+/// `group_sizes`, row-major); an empty group gives zeros.
 pub fn transposed_ragged_dot<T: Real, O: Real>(
     shape: &GroupedShape,
-    lhs: &[T],
-    rhs: &[T],
+    chunks: &[ChunkRows<T>],
     group_sizes: &[i32],
     group_offset: i32,
     out: &mut [O],
@@ -127,19 +134,26 @@ pub fn transposed_ragged_dot<T: Real, O: Real>(
     if k * n == 0 {
         return;
     }
-    let groups = group_rows(group_sizes, group_offset, shape.local_groups, shape.m);
-    for (block, &(start, end)) in out.chunks_mut(k * n).zip(&groups) {
-        let rhs_rows: Vec<f32> = rhs[start * n..end * n].iter().map(|x| x.to_f32()).collect();
+    let bounds: Vec<Vec<(usize, usize)>> = chunks
+        .iter()
+        .zip(group_sizes.chunks(shape.groups.max(1)))
+        .map(|(chunk, sizes)| group_rows(sizes, group_offset, shape.local_groups, chunk.rows))
+        .collect();
+    for (g, block) in out.chunks_mut(k * n).enumerate() {
+        // The group's rows, chunk after chunk: (chunk, row) in the order they are summed.
+        let rows: Vec<(&ChunkRows<T>, usize)> =
+            chunks.iter().zip(&bounds).flat_map(|(chunk, b)| (b[g].0..b[g].1).map(move |r| (chunk, r))).collect();
+        let rhs_rows: Vec<f32> = rows.iter().flat_map(|&(c, r)| c.rhs[r * n..(r + 1) * n].iter().map(|x| x.to_f32())).collect();
         block.par_chunks_mut(TILES_PER_TASK * TILE_ROWS * n).enumerate().for_each(|(task, out_rows)| {
-            let mut panel: Panel = vec![[0f32; TILE_ROWS]; end - start];
+            let mut panel: Panel = vec![[0f32; TILE_ROWS]; rows.len()];
             let mut tile = vec![0f32; TILE_ROWS * n];
             for (i, tile_rows) in out_rows.chunks_mut(TILE_ROWS * n).enumerate() {
                 // Output rows are columns of lhs: the tile's rows are lhs[r, first..first + count].
                 let first = (task * TILES_PER_TASK + i) * TILE_ROWS;
                 let count = tile_rows.len() / n;
-                for (r, a) in (start..end).zip(panel.iter_mut()) {
+                for (&(c, r), a) in rows.iter().zip(panel.iter_mut()) {
                     for (t, a_t) in a.iter_mut().enumerate() {
-                        *a_t = if t < count { lhs[r * k + first + t].to_f32() } else { 0.0 };
+                        *a_t = if t < count { c.lhs[r * k + first + t].to_f32() } else { 0.0 };
                     }
                 }
                 panel_product(&panel, &rhs_rows, n, &mut tile);
@@ -168,8 +182,27 @@ mod tests {
 
         let shape = GroupedShape { m: 4, k: 2, n: 1, groups: 2, local_groups: 2 };
         let mut grad = [9f32; 4];
-        transposed_ragged_dot(&shape, &lhs, &[1f32, 1., 2., 5.], &[1, 2], 0, &mut grad);
+        let chunk = ChunkRows { lhs: &lhs[..], rhs: &[1f32, 1., 2., 5.][..], rows: 4 };
+        transposed_ragged_dot(&shape, &[chunk], &[1, 2], 0, &mut grad);
         assert_eq!(grad, [1., 2., 3. + 10., 4. + 12.]);
+    }
+
+    /// Two chunks of rows: each group's rows are its rows in chunk 0, then in
+    /// chunk 1; a window of the last group.
+    #[test]
+    fn chunks_sum_each_groups_rows_chunk_after_chunk() {
+        let (lhs0, rhs0) = ([1f32, 2., 3., 4., 5., 6.], [1f32, 10., 100.]);
+        let (lhs1, rhs1) = ([7f32, 8., 9., 10.], [1000f32, 10000.]);
+        let chunks = [ChunkRows { lhs: &lhs0[..], rhs: &rhs0[..], rows: 3 }, ChunkRows { lhs: &lhs1[..], rhs: &rhs1[..], rows: 2 }];
+        // Chunk 0: group 0 row 0, group 1 rows 1..3; chunk 1: group 0 none, group 1 row 0 (row 1 in no group).
+        let shape = GroupedShape { m: 5, k: 2, n: 1, groups: 2, local_groups: 2 };
+        let mut out = [9f32; 4];
+        transposed_ragged_dot(&shape, &chunks, &[1, 2, 0, 1], 0, &mut out);
+        assert_eq!(out, [1., 2., 3. * 10. + 5. * 100. + 7000., 4. * 10. + 6. * 100. + 8000.]);
+        let window = GroupedShape { local_groups: 1, ..shape };
+        let mut last = [9f32; 2];
+        transposed_ragged_dot(&window, &chunks, &[1, 2, 0, 1], 1, &mut last);
+        assert_eq!(last, out[2..]);
     }
 
     #[test]

@@ -6,9 +6,11 @@
 //! kernels, one block per multiprocessor; every other call takes the SIMT
 //! kernels, after a one-warp launch that computes the window's row bounds.
 
+use super::ops::MAX_CHUNKS;
 use super::{GroupedShape, RaggedDot, TransposedRaggedDot};
 use crate::cuda::{arg, grid, int, launch, Device, Instance, Kernel, LaunchConfig, LaunchContext, Stream, TensorMap, GROUPED_GEMM};
 use crate::ffi::{DataType, Result, Scratch};
+use std::ffi::c_void;
 
 // Each kernel takes the constants of its launch below as template arguments
 // (see `kernels/grouped_gemm.cu`), and checks they are the ones it is laid
@@ -64,25 +66,12 @@ fn takes_hopper(device: &Device, dtype: DataType, shape: &GroupedShape) -> bool 
 }
 
 /// Launches a Hopper kernel (block `block_n` columns wide), one block per
-/// multiprocessor, on its two tensor maps.
-fn launch_hopper(
-    stream: Stream,
-    device: &Device,
-    instance: &str,
-    block_n: u32,
-    maps: [TensorMap; 2],
-    g: &Groups,
-    out: u64,
-) -> Result<()> {
-    let [m, k, n] = g.dims;
+/// multiprocessor, with `args` (pointers to the kernel's arguments, in order).
+fn launch_hopper(stream: Stream, device: &Device, instance: &str, block_n: u32, args: &mut [*mut c_void]) -> Result<()> {
     let shared = hopper_shared_bytes(block_n);
     let kernel = Kernel::get(stream, &GROUPED_GEMM, instance)?.allow_shared_bytes(shared)?;
     let config = LaunchConfig { grid: device.multiprocessors, block: HOPPER_THREADS, shared_bytes: shared };
-    let [lhs_map, rhs_map] = maps;
-    launch(stream, kernel, config, &mut [
-        arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
-        arg(&m), arg(&k), arg(&n), arg(&out),
-    ])
+    launch(stream, kernel, config, args)
 }
 
 pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, block_n: u32) -> Result<String> {
@@ -109,8 +98,8 @@ pub fn transposed_simt_instance(dtype: DataType, out: DataType) -> Result<String
     Instance::new("transposed_ragged_dot_simt").dtype(dtype).dtype(out).int(SIMT_THREADS).int(SIMT_TILE).build()
 }
 
-/// The group arguments and sizes every kernel takes after its operands, as
-/// the kernels take them.
+/// The group arguments and sizes the ragged_dot kernels take after their
+/// operands, as they take them.
 struct Groups {
     sizes: u64,
     offset: u64,
@@ -130,20 +119,49 @@ impl Groups {
             dims: [int(shape.m)?, int(shape.k)?, int(shape.n)?],
         })
     }
+}
 
-    /// Launches `group_bounds` into scratch: the SIMT kernels' row bounds.
-    /// The scratch must outlive the launch of the kernel that reads them: XLA
-    /// may hand freed memory to work launched after the free.
-    fn bounds<'a>(&self, ctx: &LaunchContext<'a>) -> Result<Scratch<'a>> {
-        let m = self.dims[0];
-        let scratch = ctx.scratch((self.local_groups as usize + 1) * 4)?;
-        let bounds = scratch.ptr() as u64;
-        let kernel = Kernel::get(ctx.stream, &GROUPED_GEMM, "group_bounds")?;
+/// Each chunk's row bounds of the window's groups (`group_bounds` launched
+/// once per chunk, on chunk `c`'s sizes `sizes[c]` and rows `rows[c]`), in
+/// scratch: the kernels' `ChunkBounds`. The scratch must outlive the launch of
+/// the kernel that reads them: XLA may hand freed memory to work launched
+/// after the free.
+fn chunk_bounds<'a>(ctx: &LaunchContext<'a>, shape: &GroupedShape, sizes: u64, offset: u64, rows: &[usize]) -> Result<(Scratch<'a>, ChunkBounds)> {
+    let (groups, local_groups) = (int(shape.groups)?, int(shape.local_groups)?);
+    let per_chunk = shape.local_groups + 1;
+    let scratch = ctx.scratch(rows.len() * per_chunk * 4)?;
+    let kernel = Kernel::get(ctx.stream, &GROUPED_GEMM, "group_bounds")?;
+    for (c, &m) in rows.iter().enumerate() {
+        let chunk_sizes = sizes + (c * shape.groups * 4) as u64;
+        let bounds = scratch.ptr() as u64 + (c * per_chunk * 4) as u64;
+        let m = int(m)?;
         launch(ctx.stream, kernel, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &mut [
-            arg(&self.sizes), arg(&self.groups), arg(&self.offset), arg(&self.local_groups), arg(&m), arg(&bounds),
+            arg(&chunk_sizes), arg(&groups), arg(&offset), arg(&local_groups), arg(&m), arg(&bounds),
         ])?;
-        Ok(scratch)
     }
+    let bounds = ChunkBounds { bounds: scratch.ptr() as u64, local_groups };
+    Ok((scratch, bounds))
+}
+
+/// The kernels' `ChunkBounds`: each chunk's `local_groups + 1` row bounds.
+#[repr(C)]
+struct ChunkBounds {
+    bounds: u64,
+    local_groups: i32,
+}
+
+/// The kernels' `ChunkOperands`: each chunk's lhs and rhs (null past the chunks).
+#[repr(C)]
+struct ChunkOperands {
+    lhs: [u64; MAX_CHUNKS],
+    rhs: [u64; MAX_CHUNKS],
+}
+
+/// The Hopper kernel's `ChunkMaps`: each chunk's lhs and rhs tensor maps.
+#[repr(C)]
+struct ChunkMaps {
+    lhs: [TensorMap; MAX_CHUNKS],
+    rhs: [TensorMap; MAX_CHUNKS],
 }
 
 pub fn ragged_dot(ctx: &LaunchContext, a: &RaggedDot) -> Result<()> {
@@ -168,16 +186,20 @@ pub fn ragged_dot(ctx: &LaunchContext, a: &RaggedDot) -> Result<()> {
             TensorMap::tiled_16bit(rhs, &[n64, k64, gl], &[64, BLOCK_K, 1])?
         };
         let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, bn)?;
-        return launch_hopper(stream, &device, &instance, bn, [lhs_map, rhs_map], &g, out);
+        return launch_hopper(stream, &device, &instance, bn, &mut [
+            arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
+            arg(&m), arg(&k), arg(&n), arg(&out),
+        ]);
     }
 
-    let scratch = g.bounds(ctx)?;
-    let bounds = scratch.ptr() as u64;
+    let (scratch, rows) = chunk_bounds(ctx, shape, g.sizes, g.offset, &[shape.m])?;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &ragged_dot_simt_instance(dtype, out_dtype, a.rhs_transposed)?)?;
     let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
-    launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
-        arg(&lhs), arg(&rhs), arg(&bounds), arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out),
-    ])
+    let result = launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
+        arg(&lhs), arg(&rhs), arg(&rows.bounds), arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out),
+    ]);
+    drop(scratch);
+    result
 }
 
 pub fn transposed_ragged_dot(ctx: &LaunchContext, a: &TransposedRaggedDot) -> Result<()> {
@@ -186,28 +208,38 @@ pub fn transposed_ragged_dot(ctx: &LaunchContext, a: &TransposedRaggedDot) -> Re
     if shape.local_groups == 0 || shape.k == 0 || shape.n == 0 {
         return Ok(());
     }
-    let (dtype, out_dtype) = (a.lhs.dtype(), a.out.dtype());
-    let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
-    let [_, k, n] = g.dims;
-    let (lhs, rhs, out) = (a.lhs.device_ptr(), a.rhs.device_ptr(), a.out.device_ptr());
+    let (dtype, out_dtype) = (a.chunks[0].lhs.dtype(), a.out.dtype());
+    let (k, n, chunks) = (int(shape.k)?, int(shape.n)?, int(a.chunks.len())?);
+    let out = a.out.device_ptr();
+    let rows: Vec<usize> = a.chunks.iter().map(|c| c.rows).collect();
+    let (scratch, bounds) = chunk_bounds(ctx, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows)?;
 
     let device = stream.device()?;
-    if shape.m > 0 && takes_hopper(&device, dtype, shape) {
+    let result = if shape.m > 0 && takes_hopper(&device, dtype, shape) {
         let bn = block_n(shape.n);
-        let (k64, n64, m64) = (shape.k as u64, shape.n as u64, shape.m as u64);
-        let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[64, 64])?;
-        let rhs_map = TensorMap::tiled_16bit(rhs, &[n64, m64], &[64, 64])?;
+        let (k64, n64) = (shape.k as u64, shape.n as u64);
+        let mut maps = ChunkMaps { lhs: std::array::from_fn(|_| TensorMap::unused()), rhs: std::array::from_fn(|_| TensorMap::unused()) };
+        // A chunk without rows is never loaded from (its bounds are empty), and has no map.
+        for (c, chunk) in a.chunks.iter().enumerate().filter(|(_, chunk)| chunk.rows > 0) {
+            let m64 = chunk.rows as u64;
+            maps.lhs[c] = TensorMap::tiled_16bit(chunk.lhs.device_ptr(), &[k64, m64], &[64, 64])?;
+            maps.rhs[c] = TensorMap::tiled_16bit(chunk.rhs.device_ptr(), &[n64, m64], &[64, 64])?;
+        }
         let instance = transposed_hopper_instance(dtype, out_dtype, bn)?;
-        return launch_hopper(stream, &device, &instance, bn, [lhs_map, rhs_map], &g, out);
-    }
-
-    let scratch = g.bounds(ctx)?;
-    let bounds = scratch.ptr() as u64;
-    let kernel = Kernel::get(stream, &GROUPED_GEMM, &transposed_simt_instance(dtype, out_dtype)?)?;
-    let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
-    launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
-        arg(&lhs), arg(&rhs), arg(&bounds), arg(&k), arg(&n), arg(&out),
-    ])
+        launch_hopper(stream, &device, &instance, bn, &mut [arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out)])
+    } else {
+        let mut operands = ChunkOperands { lhs: [0; MAX_CHUNKS], rhs: [0; MAX_CHUNKS] };
+        for (c, chunk) in a.chunks.iter().enumerate() {
+            (operands.lhs[c], operands.rhs[c]) = (chunk.lhs.device_ptr(), chunk.rhs.device_ptr());
+        }
+        let kernel = Kernel::get(stream, &GROUPED_GEMM, &transposed_simt_instance(dtype, out_dtype)?)?;
+        let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
+        launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
+            arg(&operands), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out),
+        ])
+    };
+    drop(scratch);
+    result
 }
 
 #[cfg(test)]
