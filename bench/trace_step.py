@@ -5,7 +5,8 @@ kernels that take the most time. Nsight Systems' summary, from the trace JAX wri
 --out, with each step's optimized HLO).
 
     PYTHONPATH=jax_bindings python3 bench/trace_step.py [--case "deepseek_v3 ep=2"]
-        [--exchange all_to_all] [--steps 5] [--out trace-out] [--smoke] [--data-parallel]
+        [--exchange all_to_all] [--token-chunks 2] [--steps 5] [--out trace-out] [--smoke]
+        [--data-parallel]
 
 The case is one of the benchmark's layers (oxmoe.bench.moe.LAYERS); an EP case is traced
 over its devices, then the same per-device work on one device (E / devices experts). With
@@ -128,6 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--case", default="deepseek_v3 ep=2")
     parser.add_argument("--exchange", default="auto")
+    parser.add_argument("--token-chunks", type=int, default=1, help="MoEConfig.token_chunks of the EP step")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("trace-out"))
     parser.add_argument("--smoke", action="store_true", help="the smoke run's layers (tiny sizes)")
@@ -136,7 +138,8 @@ def main() -> None:
     args = parser.parse_args()
     layers = bench_moe.SMOKE_LAYERS if args.smoke else bench_moe.LAYERS
     (layer,) = [layer for layer in layers if layer.name == args.case]
-    layer = dataclasses.replace(layer, config=dataclasses.replace(layer.config, exchange=args.exchange))
+    layer = dataclasses.replace(layer, config=dataclasses.replace(layer.config, exchange=args.exchange,
+                                                                  token_chunks=args.token_chunks))
     seed = (0, zlib.crc32(layer.name.encode()))
     runs = []
     if args.data_parallel:
@@ -149,7 +152,7 @@ def main() -> None:
     elif layer.devices > 1:
         mesh = Mesh(np.array(jax.devices()[:layer.devices]), (bench_moe.EXPERT_AXIS,))
         (sets,) = bench_moe._draw_sets(layer, bench_moe.Placement(mesh), seed, 1)
-        runs.append((f"{layer.name}, exchange {args.exchange!r}",
+        runs.append((f"{layer.name}, exchange {args.exchange!r}, token_chunks {args.token_chunks}",
                      jax.jit(bench_moe.step(bench_moe.oxmoe_ep_layer(layer.config, mesh))), sets))
         layer = layer.one_device()
     if not args.data_parallel:

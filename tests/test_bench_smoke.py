@@ -403,12 +403,15 @@ MOE_LAYER_ERRORS = {"load_balancing_loss_rel_err", "z_loss_rel_err", "routing_mi
 EP_LAYER = bench_moe.SMOKE_LAYERS[2]
 EP_EXCHANGE_ROWS, EP_SLOT, EP_WIRE_BYTES = 201, 64, 4 * 64 * 64 * 2
 #: The expert-parallel case's breakdown: the step with exchange "auto" (all_to_all: the cost
-#: model's fewer bytes) and with each exchange the platform runs, then the forward, the routing,
+#: model's fewer bytes) and with each exchange the platform runs, all_to_all's and the ring's
+#: with the tokens in 2 and in 4 chunks, then the forward, the routing,
 #: one all_to_all exchange (four a step), off a CPU the ragged_all_to_all exchange beside it,
 #: the layer on one device, and that layer data-parallel over the 4 devices with its expert
 #: weights replicated and sharded, alone and two in sequence; each with how many a step has.
 _EP_STEPS = [("step (fwd+bwd), exchange 'auto' = 'all_to_all'", 1), ("step (fwd+bwd), exchange 'all_to_all'", None),
              ("step (fwd+bwd), exchange 'ring'", None)]
+_EP_CHUNKED = [(f"step (fwd+bwd), exchange {method!r}, token_chunks={chunks}", None)
+               for chunks in (2, 4) for method in ("all_to_all", "ring")]
 _EP_PIECES = [("forward", 1), ("routing forward (gate GEMM, oxmoe.router.topk)", 1),
               (f"all_to_all exchange: {EP_EXCHANGE_ROWS} x 64 bfloat16 (token, shard) rows in 4 x {EP_SLOT} slots, "
                f"{EP_WIRE_BYTES} bytes", 4)]
@@ -419,8 +422,8 @@ _EP_ONE_DEVICE = [("1 device, E=64: step (fwd+bwd)", None), ("1 device, E=64: fo
                   ("data=4, E=64 on each device, 2 layers, expert weights sharded over 'data': step (fwd+bwd)",
                    None)]
 MOE_EP_PARTS = {
-    "cpu": _EP_STEPS + _EP_PIECES + _EP_ONE_DEVICE,
-    "gpu": _EP_STEPS + [("step (fwd+bwd), exchange 'ragged_all_to_all'", None)] + _EP_PIECES
+    "cpu": _EP_STEPS + _EP_CHUNKED + _EP_PIECES + _EP_ONE_DEVICE,
+    "gpu": _EP_STEPS + [("step (fwd+bwd), exchange 'ragged_all_to_all'", None)] + _EP_CHUNKED + _EP_PIECES
     + [(f"ragged_all_to_all exchange: {EP_EXCHANGE_ROWS} x 64 bfloat16 (token, shard) rows", None)]
     + _EP_ONE_DEVICE}
 
@@ -445,10 +448,11 @@ def check_ep_exchanges(parts: list[dict], platform: str) -> None:
     the all_to_all exchange moves the bytes of its slots."""
     costs = bench_moe.moe.exchange.cost_model(EP_LAYER.config, 4, EP_LAYER.tokens, EP_LAYER.hidden)
     assert costs["all_to_all"] < costs["ring"]
-    steps = {p["exchange"]: p for p in parts if p["exchange"] is not None}
+    steps = {p["exchange"]: p for p in parts if p["exchange"] is not None and "token_chunks" not in p["part"]}
     assert sorted(steps) == sorted(["auto", "all_to_all", "ring"] + (["ragged_all_to_all"] if platform == "gpu" else []))
+    chunked = [p for p in parts if "token_chunks" in p["part"]]
     arguments = 2 * EP_LAYER.tokens * EP_LAYER.hidden * 2 + EP_LAYER.param_bytes()  # x, w and the parameters
-    for method, part in steps.items():
+    for method, part in [*steps.items(), *((p["exchange"], p) for p in chunked)]:
         assert 0 < part["min_us"] <= part["median_us"] <= part["max_us"], method
         assert part["cost_model_bytes_per_step"] == costs.get("all_to_all" if method == "auto" else method), method
         # XLA:CPU gives a memory analysis; a platform without one reports None.

@@ -280,3 +280,71 @@ def test_one_static_slot_lays_each_shards_tokens_out_in_its_slot(capacity_factor
             expected = np.full(tokens, -1)
             expected[sent] = j * slot + np.arange(len(sent))
             np.testing.assert_array_equal(dest[s, :, j], expected, context)
+
+
+# --------------------------------------------------------------------- token chunks
+
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (.*)$")
+
+
+def entry_dependencies(hlo: str) -> tuple[dict[str, str], dict[str, set[str]]]:
+    """The entry computation's instructions (name -> the text after '='), and each one's
+    transitive operands among them."""
+    body, instructions = False, {}
+    for line in hlo.splitlines():
+        if line.startswith("ENTRY "):
+            body = True
+            continue
+        if body and line.startswith("}"):
+            break
+        match = _INSTRUCTION.match(line) if body else None
+        if match:
+            instructions[match.group(1)] = match.group(2)
+    operands = {name: {ref for ref in re.findall(r"%([\w.\-]+)", text) if ref in instructions and ref != name}
+                for name, text in instructions.items()}
+    closure: dict[str, set[str]] = {}
+
+    def depends(name):
+        if name not in closure:
+            closure[name] = set()
+            for op in operands[name]:
+                closure[name] |= {op} | depends(op)
+        return closure[name]
+
+    for name in instructions:
+        depends(name)
+    return instructions, closure
+
+
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+def test_each_token_chunk_travels_waiting_only_for_its_own_expert_gemms(chunks):
+    """With token_chunks C, the compiled training step (EP 2, one static slot: no
+    conditional) exchanges token rows 4 C times, and each exchange waits for no expert GEMM
+    of another chunk of its pass, so XLA may run chunk c + 1's exchange under chunk c's
+    GEMMs. Counted per exchange, (forward GEMMs, backward GEMMs) it depends on, where the
+    forward's are oxmoe_ragged_dot and the backward's its rhs-transposed form (2 C each):
+
+    - the tokens out: (0, 0), C times;
+    - their results back: (2, 0), each after its own chunk's two;
+    - the output's gradient out: (2 C, 0): it is computed from y, but waits for no
+      backward GEMM;
+    - the tokens' gradient back: (2 C, 2), each after its own chunk's two backward GEMMs.
+    """
+    hidden, ffn, tokens = 192, 96, 256  # hidden: no other collective's rows are 192 wide
+    config = MoEConfig(**model_shapes.QWEN3_MOE.moe_kwargs(), exchange="all_to_all", token_chunks=chunks)
+    mesh = jax.make_mesh((2,), ("expert",), devices=devices.cpu_devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.ShapeDtypeStruct((2 * tokens, hidden), jnp.bfloat16, sharding=NamedSharding(mesh, P("expert")))
+    hlo = compiled_steps.compiled_step(config, mesh, x, compiled_steps.abstract_params(config, mesh, hidden, ffn)
+                                       ).as_text()
+    instructions, closure = entry_dependencies(hlo)
+    gemms = {name: "rhs_transposed = true" in text for name, text in instructions.items()
+             if 'custom_call_target="oxmoe_ragged_dot"' in text}
+    forward = {g for g, transposed in gemms.items() if not transposed}
+    backward = {g for g, transposed in gemms.items() if transposed}
+    assert len(forward) == len(backward) == 2 * chunks, (len(forward), len(backward))
+    exchanges = [name for name, text in instructions.items()
+                 if " all-to-all(" in text and re.match(rf"\(?(f32|bf16)\[\d+,\d+,{hidden}\]", text)]
+    waits = sorted((len(closure[e] & forward), len(closure[e] & backward)) for e in exchanges)
+    c = chunks
+    assert waits == sorted([(0, 0)] * c + [(2, 0)] * c + [(2 * c, 0)] * c + [(2 * c, 2)] * c), waits

@@ -11,7 +11,9 @@ when jax has no GPU device.
   float32 with the shared expert's sigmoid gate.
 - Two and four GPUs (skipped when jax sees fewer): experts split over them inside
   jax.shard_map with each exchange ("all_to_all", "ring", "ragged_all_to_all", and "auto"),
-  and 2 data x 2 expert shards; the results gathered onto the first GPU and checked there.
+  all_to_all and the ring with the tokens in 2 and 4 chunks (MoEConfig.token_chunks: the
+  chunked weight-gradient kernels), and 2 data x 2 expert shards; the results gathered onto
+  the first GPU and checked there.
 
 With OXMOE_TEST_GPU_STAND_IN=cpu (devices.py) the one-GPU tests run on a CPU device at a
 sixteenth of the tokens and widths, which checks the tests' own logic only.
@@ -149,7 +151,7 @@ def test_shared_experts_on_one_gpu_match_the_dense_reference(case, gpu, seed, rn
 
 # ------------------------------------------------------------------ several GPUs
 
-# (name, mesh shape (data, expert), routing, T in all, H, F, exchange)
+# (name, mesh shape (data, expert), routing, T in all, H, F, exchange[, token_chunks])
 MULTI_GPU_CASES = [
     ("ep2_ragged", (1, 2), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn,
      "ragged_all_to_all"),
@@ -160,6 +162,9 @@ MULTI_GPU_CASES = [
     ("ep4_auto", (1, 4), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn, "auto"),
     ("data2_ep2_ragged", (2, 2), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden, QWEN3_30B_A3B_LAYER.ffn,
      "ragged_all_to_all"),
+    ("ep2_all_to_all_2chunks", (1, 2), model_shapes.QWEN3_MOE, 4096, QWEN3_30B_A3B_LAYER.hidden,
+     QWEN3_30B_A3B_LAYER.ffn, "all_to_all", 2),
+    ("ep2_ring_4chunks", (1, 2), model_shapes.DEEPSEEK_V3, 4096, 1024, 256, "ring", 4),
 ]
 
 
@@ -174,11 +179,11 @@ def put_on_mesh(mesh, x, params, y_weight):
 
 @pytest.mark.parametrize("case", MULTI_GPU_CASES, ids=[c[0] for c in MULTI_GPU_CASES])
 def test_expert_parallel_layer_over_gpus_matches_the_dense_reference(case, seed, rng):
-    name, (data, ep), router, tokens, hidden, ffn, exchange = case
+    name, (data, ep), router, tokens, hidden, ffn, exchange, *chunks = case
     if len(GPUS) < data * ep:
         pytest.skip(f"needs {data * ep} GPUs, jax sees {len(GPUS)}")
     tokens, hidden, ffn = scaled(tokens, hidden, ffn)
-    config = config_of(router, exchange=exchange)
+    config = config_of(router, exchange=exchange, token_chunks=chunks[0] if chunks else 1)
     first = GPUS[0]
     x, params, y_weight = draw_inputs(rng, seed, config, tokens, hidden, ffn, first)
     # Auto axes: the results' types carry no mesh sharding, so they can move onto one GPU.

@@ -79,7 +79,7 @@ def reference(x, params, config, y_weight):
     """((y, aux), (d x, d params)) of the reference, jitted. The tokens go in as [T, H] and the
     config without the fields the reference ignores, so that the cases of one routing, dtype
     and token count share one compilation."""
-    plain = dataclasses.replace(config, align_size=None, exchange="auto")
+    plain = dataclasses.replace(config, align_size=None, exchange="auto", token_chunks=1)
     h = x.shape[-1]
     (y, aux), (dx, dparams) = _reference(x.reshape(-1, h), params, plain, y_weight.reshape(-1, h))
     return (y.reshape(x.shape), aux), (dx.reshape(x.shape), dparams)
@@ -335,6 +335,38 @@ def test_capacity_factor_drops_the_reference_copies(case, cpu, seed, rng):
     expected = reference(x, params, config, y_weight)
     checks.compare(got, expected, config, context=context)
     if factor <= 1:  # a random routing overfills some expert
+        assert int(got[0][1].dropped_copies) > 0, f"nothing dropped ({context})"
+
+
+# ------------------------------------------------------------------- token_chunks
+
+# (data shards, expert shards, exchange, align_size, routing, dtype, token_chunks, capacity_factor):
+# each shard's tokens in 2 to 8 chunks (uneven ones: 32 tokens a shard in 3), every exchange
+# the CPU runs, with and without alignment and a capacity; on one expert shard (no exchange)
+# the tokens are not split.
+TOKEN_CHUNK_CASES = {
+    "ep2_all_to_all_softmax_2chunks": (1, 2, "all_to_all", None, "softmax_top2", F32, 2, None),
+    "ep2_ring_softmax_8chunks": (1, 2, "ring", None, "softmax_top2", BF16, 8, None),
+    "ep4_ring_sigmoid_groups_align_3chunks": (1, 4, "ring", 128, "sigmoid_groups", BF16, 3, None),
+    "data2_ep4_all_to_all_sigmoid_groups_align_4chunks": (2, 4, "all_to_all", 128, "sigmoid_groups", F32, 4, None),
+    "ep8_all_to_all_sigmoid_groups_8chunks": (1, 8, "all_to_all", None, "sigmoid_groups", F32, 8, None),
+    "ep4_all_to_all_softmax_2chunks_cf1": (1, 4, "all_to_all", None, "softmax_top2", F32, 2, 1.0),
+    "data2_ep1_auto_softmax_4chunks": (2, 1, "auto", None, "softmax_top2", BF16, 4, None),
+}
+
+
+@pytest.mark.parametrize("case", TOKEN_CHUNK_CASES)
+def test_token_chunks_match_the_dense_reference(case, cpu, seed, rng):
+    data, ep, exchange, align, routing, dtype, chunks, factor = TOKEN_CHUNK_CASES[case]
+    config = make_config(routing, dtype=dtype, exchange=exchange, align_size=align, token_chunks=chunks,
+                         capacity_factor=factor)
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
+    context = f"{case}, {describe(config)}, seed={seed}"
+    mesh = mesh_of(data, ep)
+    layer = layer_in_shard_map(config, mesh, has_bias=params.expert_bias is not None)
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
+    checks.compare(got, reference(x, params, config, y_weight), config, context=context)
+    if factor is not None:
         assert int(got[0][1].dropped_copies) > 0, f"nothing dropped ({context})"
 
 

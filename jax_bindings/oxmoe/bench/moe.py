@@ -44,7 +44,9 @@ activation and the permutations are not counted. Each case times, on the default
     exchange the platform runs: ``"all_to_all"``, ``"ring"`` and, off a CPU,
     ``"ragged_all_to_all"``; each with its bytes sent per device by the cost model (which
     models the first two) and its peak device memory by XLA's memory analysis of the
-    compiled step (:func:`peak_device_bytes`; none where the platform gives none);
+    compiled step (:func:`peak_device_bytes`; none where the platform gives none); then the
+    steps of ``"all_to_all"`` and ``"ring"`` with each ``token_chunks`` of
+    :data:`TOKEN_CHUNKS` (the same bytes; one chunk's exchange may overlap another's GEMMs);
   - the forward alone, and the routing (gate GEMM and :func:`oxmoe.router.topk`) alone;
   - one exchange of the (token, shard) rows alone, by the layer's own
     :class:`oxmoe.moe.Exchange`, under a balanced load: each device sends
@@ -754,6 +756,13 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
                               grouped_gemm.measure_within(timing.rotated(method_step), arg_sets, settings,
                                                           PLAIN_BUDGET_S),
                               None, method, costs.get(method), peak_device_bytes(method_step, arg_sets[0])))
+        for chunks in TOKEN_CHUNKS:
+            for method in ["all_to_all", "ring"]:
+                config = dataclasses.replace(layer.config, exchange=method, token_chunks=chunks)
+                chunked_step = step(oxmoe_ep_layer(config, mesh))
+                parts.append(Part(f"step (fwd+bwd), exchange {method!r}, token_chunks={chunks}",
+                                  timing.measure(timing.rotated(chunked_step), arg_sets, settings), None, method,
+                                  costs[method], peak_device_bytes(chunked_step, arg_sets[0])))
         parts += [Part("forward", timing.measure(timing.rotated(forward(ep)), arg_sets, settings), 1),
                   Part("routing forward (gate GEMM, oxmoe.router.topk)",
                        timing.measure(timing.rotated(ep_routing(layer.config, mesh)), arg_sets, settings), 1)]
@@ -788,6 +797,10 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
         result.failure = failure_text(e)
     return result
 
+
+#: The token chunks (``MoEConfig.token_chunks``) the EP case's steps are also timed with, each
+#: exchange's: each chunk's exchange may run under another chunk's expert GEMMs.
+TOKEN_CHUNKS = (2, 4)
 
 #: The layers of the deeper data-parallel step: enough for XLA to gather one layer's sharded
 #: weights while another computes, which a one-layer step cannot show.

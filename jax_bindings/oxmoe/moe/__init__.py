@@ -52,6 +52,11 @@ Token exchange between expert shards (``MoEConfig.exchange``;
   :func:`oxmoe.moe.exchange.cost_model` says sends fewer bytes at the call's
   shards, top-k, experts and hidden size (the ring on a tie).
 
+With ``MoEConfig.token_chunks`` the shard's tokens make that trip in chunks,
+each exchanged, computed and brought back on its own (forward and backward),
+so that XLA may run one chunk's exchange under another chunk's expert GEMMs;
+the weight gradients take every chunk's rows in one product each.
+
 The receive buffers are sized for the worst case (every token of every shard
 routed to this shard's experts, plus alignment padding), so no token is ever
 dropped and the result does not depend on the exchange beyond that rounding.

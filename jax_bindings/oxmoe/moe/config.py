@@ -16,6 +16,7 @@ import numpy as np
 
 from oxmoe import router
 from oxmoe._checks import FLOAT_DTYPES, MAX_ROWS, check_array, check_bool, check_count, check_real
+from oxmoe.grouped_gemm import MAX_CHUNKS
 
 ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
 EXCHANGES = ("auto", "ragged_all_to_all", "all_to_all", "ring")
@@ -73,6 +74,21 @@ class MoEConfig:
     ``"ragged_all_to_all"``, ``"all_to_all"`` or ``"ring"`` (see
     :mod:`oxmoe.moe`).
 
+    ``token_chunks`` (MaxText's ``num_moe_token_chunks``; default 1, at most
+    :data:`oxmoe.grouped_gemm.MAX_CHUNKS`): with expert shards, each shard's
+    tokens are split into this many chunks (at most one per token) that
+    travel to their experts, are computed and come back each on its own,
+    forward and backward, so that XLA can run one chunk's exchange while
+    another chunk's expert GEMMs run; the weight gradients take every chunk's
+    rows in one product. The result does not depend on it. Each chunk's
+    grouped GEMMs see ``1 / token_chunks`` of the rows per expert, which costs
+    where few rows per expert make them read-bound on the weights; an
+    exchange chosen on the device among slot sizes (:class:`Exchange`) sits
+    in a conditional, which nothing outside it overlaps: the overlap wants
+    the ring or one static slot size. With ``capacity_factor`` each chunk's
+    buffers are sized for the whole capacity. Without expert shards there
+    is no exchange to hide, and the tokens are not split.
+
     ``capacity_factor`` (MaxText's meaning; default None: no token is ever
     dropped): each expert takes at most ``ceil(capacity_factor * T k / E)``
     token copies, ``T`` the tokens of the expert axis (every token without
@@ -119,6 +135,7 @@ class MoEConfig:
     capacity_factor: float | None = None
     shared_ffn: int | None = None
     shared_gate: bool = False
+    token_chunks: int = 1
 
     def __post_init__(self):
         check_count("num_experts", self.num_experts, 1)
@@ -140,6 +157,8 @@ class MoEConfig:
         object.__setattr__(self, "dtype", dtype)
         if self.exchange not in EXCHANGES:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
+        check_count("token_chunks", self.token_chunks, 1, MAX_CHUNKS,
+                    " (the weight gradients take every chunk's rows in one product)")
         if self.capacity_factor is not None:
             check_real("capacity_factor", self.capacity_factor, low=0)
             if self.capacity_factor == 0:

@@ -346,11 +346,11 @@ def dispatch_rows(config: MoEConfig, num_tokens: int, num_experts: int, capacity
     return min(rows, permutation.padded_rows(num_experts * capacity, num_experts, config.align_size))
 
 
-def check_rows(config: MoEConfig, axes: Axes, num_tokens: int, method: str | None) -> None:
-    """The layer's largest buffer of rows (which holds at least as many as the
-    others) must fit int32 row indices."""
+def check_rows(config: MoEConfig, axes: Axes, num_tokens: int, method: str | None, capacity: int | None) -> None:
+    """The largest buffer of rows of a dispatch of ``num_tokens`` tokens (which holds
+    at least as many as the others) must fit int32 row indices; ``capacity`` as
+    for :func:`dispatch_rows`."""
     n, el = axes.expert_shards, config.num_experts // axes.expert_shards
-    capacity = config.expert_capacity(n * num_tokens)
     if method is None:
         what, rows = "the dispatch", dispatch_rows(config, num_tokens, el, capacity)
     else:

@@ -52,7 +52,7 @@ class Routing:
     dropped_copies: jax.Array
     """int32 scalar: the copies past capacity, over every token shard."""
 
-    def dispatched(self):
+    def dispatched(self) -> tuple[jax.Array, jax.Array]:
         """``(routing_map, probs)`` of the copies that are computed: the chosen
         ones within capacity."""
         if self.kept is None:
@@ -175,15 +175,17 @@ def dispatch(tokens, routing: Routing, config: MoEConfig, *, expert_axis=None, d
       config, expert_axis, data_axes: as for :func:`moe`.
     """
     axes = mesh_axes(config, expert_axis, data_axes)
-    return _dispatch(tokens.astype(config.dtype), routing, config, axes)
-
-
-def _dispatch(tokens, routing: Routing, config: MoEConfig, axes: Axes) -> ExpertInput:
-    method, align = exchange_method(config, axes, *tokens.shape), config.align_size
-    check_rows(config, axes, len(tokens), method)
-    el = config.num_experts // axes.expert_shards
     capacity = config.expert_capacity(len(tokens) * axes.expert_shards)
-    routing_map, probs = routing.dispatched()
+    return _dispatch(tokens.astype(config.dtype), *routing.dispatched(), config, axes, capacity)
+
+
+def _dispatch(tokens, routing_map, probs, config: MoEConfig, axes: Axes, capacity: int | None) -> ExpertInput:
+    """:func:`dispatch` of ``tokens`` (all of this shard's, or a chunk of them) with their
+    ``routing_map`` and ``probs`` of the copies to compute; ``capacity``: the copies
+    one expert takes from every token of the expert axis (None: no bound)."""
+    method, align = exchange_method(config, axes, *tokens.shape), config.align_size
+    check_rows(config, axes, len(tokens), method, capacity)
+    el = config.num_experts // axes.expert_shards
     exchange = None
     if method == "ring":
         first = jax.lax.axis_index(axes.expert_axis) * el
@@ -238,17 +240,28 @@ def expert_ffn(dispatched: ExpertInput, params: MoEParams, config: MoEConfig) ->
 
 
 def _expert_ffn_bwd(grad_rows, dispatched: ExpertInput, out: ExpertOutput, params: MoEParams, config: MoEConfig):
-    """Gradients of the expert rows, the up and the down weights."""
-    sizes, groups = dispatched.group_sizes, dispatched.group_sizes.shape[0]
+    """The gradient of the dispatched rows, ``(grad_in, hidden, grad_up_rows)``: with
+    ``hidden`` (the activation's output) and ``grad_up_rows``, what the weight
+    gradients (:func:`_expert_weight_grads`) need besides the rows."""
+    sizes = dispatched.group_sizes
     hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), out.up_rows)
     grad_hidden = grouped_gemm.ragged_dot(grad_rows, params.down.astype(config.dtype), sizes, rhs_transposed=True)
-    grad_down = grouped_gemm.transposed_ragged_dot(hidden, grad_rows, sizes, num_groups=groups,
-                                                   preferred_element_type=_weight_grad_dtype(params.down, config))
     (grad_up_rows,) = activation_vjp(grad_hidden)
     grad_in = grouped_gemm.ragged_dot(grad_up_rows, params.up.astype(config.dtype), sizes, rhs_transposed=True)
-    grad_up = grouped_gemm.transposed_ragged_dot(dispatched.rows, grad_up_rows, sizes, num_groups=groups,
+    return grad_in, hidden, grad_up_rows
+
+
+def _expert_weight_grads(dispatched: list[ExpertInput], hidden: list, grad_rows: list, grad_up_rows: list,
+                         params: MoEParams, config: MoEConfig):
+    """``(grad_up, grad_down)`` of the local experts over every chunk's rows: one
+    weight-gradient product per weight, its rows kept in their chunks' buffers."""
+    sizes = jnp.stack([d.group_sizes for d in dispatched])  # [C, El]
+    groups = sizes.shape[1]
+    grad_down = grouped_gemm.transposed_ragged_dot(hidden, grad_rows, sizes, num_groups=groups,
+                                                   preferred_element_type=_weight_grad_dtype(params.down, config))
+    grad_up = grouped_gemm.transposed_ragged_dot([d.rows for d in dispatched], grad_up_rows, sizes, num_groups=groups,
                                                  preferred_element_type=_weight_grad_dtype(params.up, config))
-    return grad_in, grad_up, grad_down
+    return grad_up, grad_down
 
 
 def _weight_grad_dtype(weight, config: MoEConfig):
@@ -364,8 +377,10 @@ class Residuals:
     """``[T, H]`` in ``config.router_dtype``: the router's input."""
     params: MoEParams
     routing: Routing
-    dispatched: ExpertInput
-    expert_output: ExpertOutput
+    dispatched: tuple[ExpertInput, ...]
+    """Each token chunk's dispatch (one chunk without ``MoEConfig.token_chunks``)."""
+    expert_output: tuple[ExpertOutput, ...]
+    """Each token chunk's expert FFN result."""
     x_shape: tuple[int, ...]
     """The layer input's shape, to give its gradient."""
     x_dtype: Any
@@ -510,51 +525,84 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     # The router's input: without float32_gate_logits, the same cast as the dispatched tokens'.
     router_tokens = flat.astype(config.router_dtype)
     routing = _route(router_tokens, params, config, axes)
-    dispatched = _dispatch(flat.astype(config.dtype), routing, config, axes)
+    routing_map, probs = routing.dispatched()
+    tokens = flat.astype(config.dtype)
+    capacity = config.expert_capacity(len(flat) * axes.expert_shards)
+    weights = _gather_weights(params, axes)
     # The shared experts need only this shard's tokens: nothing ties them to the exchange.
     shared = shared_expert_ffn(flat, params, config) if config.shared_ffn is not None else None
-    out = expert_ffn(dispatched, _gather_weights(params, axes), config)
-    y = _combine(out.rows, dispatched, axes).astype(config.dtype)
+    # Each chunk's tokens travel, meet their experts and come back on their own, so that one
+    # chunk's exchange may run while another's expert GEMMs do.
+    dispatched, outputs, ys = [], [], []
+    for rows in _token_chunks(len(flat), config, axes):
+        d = _dispatch(tokens[rows], routing_map[rows], probs[rows], config, axes, capacity)
+        out = expert_ffn(d, weights, config)
+        dispatched.append(d)
+        outputs.append(out)
+        ys.append(_combine(out.rows, d, axes))
+    y = jnp.concatenate(ys).astype(config.dtype)
     if shared is not None:
         y = shared.added_to(y)
     aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert, routing.dropped_copies)
-    return (y.reshape(x.shape), aux), Residuals(router_tokens, params, routing, dispatched, out, x.shape, x.dtype,
-                                                shared)
+    return (y.reshape(x.shape), aux), Residuals(router_tokens, params, routing, tuple(dispatched), tuple(outputs),
+                                                x.shape, x.dtype, shared)
+
+
+def _token_chunks(tokens: int, config: MoEConfig, axes: Axes) -> list[slice]:
+    """The rows of this shard's token chunks: ``config.token_chunks`` of them (at
+    most one per token) with an exchange between expert shards, else one."""
+    chunks = min(config.token_chunks, tokens) if axes.expert_shards > 1 else 1
+    bounds = [tokens * c // chunks for c in range(chunks + 1)]
+    return [slice(start, stop) for start, stop in zip(bounds[:-1], bounds[1:])]
 
 
 def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     grad_y, grad_aux = cotangents
-    d, params = res.dispatched, res.params
+    params = res.params
+    weights = _gather_weights(params, axes)
     grad_y = grad_y.reshape(-1, grad_y.shape[-1]).astype(config.dtype)
     shared_grads = None
     if res.shared is not None:  # independent of the exchange below
         shared_grads = _shared_expert_ffn_bwd(grad_y, res.shared, params, config)
-    if d.ring:
-        grad_y = jax.lax.all_gather(grad_y, axes.expert_axis, tiled=True)
-    if d.exchange is not None:
-        grad_y = d.exchange.scatter_tokens(grad_y)
-    grad_rows, grad_probs = permutation.combine_bwd(grad_y, res.expert_output.rows, d.row_id_map, d.probs)
-    grad_in, grad_up, grad_down = _expert_ffn_bwd(grad_rows, d, res.expert_output, _gather_weights(params, axes),
-                                                  config)
-    grad_tokens, _ = permutation.dispatch_bwd(grad_in, d.row_id_map)
-    if d.exchange is not None:
-        grad_tokens, grad_probs = d.exchange.gather_tokens(grad_tokens, grad_probs)
-    if d.ring:
-        grad_tokens = jax.lax.psum_scatter(grad_tokens, axes.expert_axis, scatter_dimension=0, tiled=True)
-        grad_probs = _scatter_expert_columns(grad_probs, config, axes)
-    grad_logits = _route_bwd(res.routing, grad_probs, grad_aux, config, axes)
+    # Each chunk's output gradient travels to its experts and its tokens' gradient back on its
+    # own, as in the forward; the weight gradients sum every chunk's rows in one product each.
+    chunks = _token_chunks(len(grad_y), config, axes)
+    grad_tokens, grad_probs, hidden, grad_rows, grad_up_rows = [], [], [], [], []
+    for rows, d, out in zip(chunks, res.dispatched, res.expert_output):
+        g = grad_y[rows]
+        if d.ring:
+            g = jax.lax.all_gather(g, axes.expert_axis, tiled=True)
+        if d.exchange is not None:
+            g = d.exchange.scatter_tokens(g)
+        grad_out_rows, chunk_grad_probs = permutation.combine_bwd(g, out.rows, d.row_id_map, d.probs)
+        assert chunk_grad_probs is not None  # given the weights, combine_bwd gives their gradient
+        grad_in, chunk_hidden, chunk_grad_up_rows = _expert_ffn_bwd(grad_out_rows, d, out, weights, config)
+        chunk_grad_tokens, _ = permutation.dispatch_bwd(grad_in, d.row_id_map)
+        if d.exchange is not None:
+            chunk_grad_tokens, chunk_grad_probs = d.exchange.gather_tokens(chunk_grad_tokens, chunk_grad_probs)
+        if d.ring:
+            chunk_grad_tokens = jax.lax.psum_scatter(chunk_grad_tokens, axes.expert_axis, scatter_dimension=0,
+                                                     tiled=True)
+            chunk_grad_probs = _scatter_expert_columns(chunk_grad_probs, config, axes)
+        grad_tokens.append(chunk_grad_tokens)
+        grad_probs.append(chunk_grad_probs)
+        hidden.append(chunk_hidden)
+        grad_rows.append(grad_out_rows)
+        grad_up_rows.append(chunk_grad_up_rows)
+    grad_up, grad_down = _expert_weight_grads(list(res.dispatched), hidden, grad_rows, grad_up_rows, weights, config)
+    grad_logits = _route_bwd(res.routing, jnp.concatenate(grad_probs), grad_aux, config, axes)
     gate = params.gate.astype(config.router_dtype)
-    grad_x = grad_tokens.astype(_F32) + _f32_dot(grad_logits, gate.T)
+    grad_x = jnp.concatenate(grad_tokens).astype(_F32) + _f32_dot(grad_logits, gate.T)
     grad_gate = _sum_over(_f32_dot(res.tokens.T, grad_logits), axes.token_axes)
     grad_up, grad_down = _reduce_weight_grads(grad_up, grad_down, axes)
     bias = None if params.expert_bias is None else jnp.zeros_like(params.expert_bias)
     shared = {}
     if shared_grads is not None:
-        grad_shared_x, *weights = shared_grads
+        grad_shared_x, *shared_weights = shared_grads
         grad_x = grad_x + grad_shared_x
-        weights = _sum_over(weights, axes.token_axes)  # replicated: every token shard's share
+        shared_weights = _sum_over(shared_weights, axes.token_axes)  # replicated: every token shard's share
         shared = {name: None if g is None else g.astype(getattr(params, name).dtype)
-                  for name, g in zip(("shared_up", "shared_down", "shared_gate"), weights)}
+                  for name, g in zip(("shared_up", "shared_down", "shared_gate"), shared_weights)}
     grads = MoEParams(grad_gate.astype(params.gate.dtype), grad_up.astype(params.up.dtype),
                       grad_down.astype(params.down.dtype), bias, **shared)
     return grad_x.reshape(res.x_shape).astype(res.x_dtype), grads
