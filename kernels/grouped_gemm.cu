@@ -164,7 +164,8 @@ struct ChunkOperands {
 // chunk. A block owns a 64 x 64 tile of one group's output.
 template <typename T, typename O, int THREADS, int TILE>
 __global__ void __launch_bounds__(THREADS) transposed_ragged_dot_simt(
-    const ChunkOperands<T> operands, int chunks, const ChunkBounds rows, int k, int n, O* __restrict__ out) {
+    const __grid_constant__ ChunkOperands<T> operands, int chunks, const ChunkBounds rows, int k, int n,
+    O* __restrict__ out) {
   check_simt_launch<THREADS, TILE>();
   __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
   __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
@@ -551,7 +552,8 @@ __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
       const int g = t / per_group, local = t % per_group;
       const int out_row0 = local / column_tiles * BLOCK_M, col0 = local % column_tiles * BN;
       for (int c = 0; c < chunks; ++c) {
-        for (int row = rows.begin(c, g); row < rows.end(c, g); row += 64, ring.advance<Config::STAGES>()) {
+        const int end = rows.end(c, g);
+        for (int row = rows.begin(c, g); row < end; row += 64, ring.advance<Config::STAGES>()) {
           barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
           unsigned long long* full = &s.full[ring.stage];
           barrier_expect_bytes(full, Config::STAGE_BYTES);
