@@ -28,6 +28,15 @@ template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
   return r;
 }
 
+// A float8_e4m3fn (sign, 4 exponent bits of bias 7, 3 mantissa bits; no
+// infinities, S.1111.111 is NaN) as float, exactly, from its bits.
+__device__ __forceinline__ float e4m3_to_float(unsigned char bits) {
+  const unsigned sign = static_cast<unsigned>(bits & 0x80) << 24, exponent = (bits >> 3) & 0xF, mantissa = bits & 7;
+  if (exponent == 0xF && mantissa == 7) return __int_as_float(0x7fc00000);
+  if (exponent == 0) return __uint_as_float(sign | __float_as_uint(mantissa * (1.f / 512.f)));  // mantissa / 8 * 2^-6
+  return __uint_as_float(sign | (exponent + 120) << 23 | mantissa << 20);
+}
+
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
 
 // W bytes (16, 8, 4 or 2) moved as one vector, seen as elements of T.

@@ -199,6 +199,150 @@ __global__ void __launch_bounds__(THREADS) transposed_ragged_dot_simt(
 }
 
 // ---------------------------------------------------------------------------
+// FP8: float8_e4m3fn values, one float32 scale per block of FP8_BLOCK along each
+// blocked dimension (oxmoe.fp8's 1 x 128 rows, 128 x 128 weights, 128 x 1 rows
+// of the weight gradient). Tiled like the SIMT kernels above, the values
+// dequantized to float on load; each block's float partial is scaled by both
+// operands' block scales and added to the result in block order (the CPU
+// implementation's semantics, up to the order of each block's sum).
+
+constexpr int FP8_BLOCK = 128;
+
+// out[r] for the rows r of local group i: for each 128 of K, the partial of
+// the products lhs[r, k] rhs[i][k, col] (rhs[i]ᵀ when RHS_TRANSPOSED: rhs[i] is
+// [n, k] and its scales [n / 128, k / 128]) times lhs_scales[r, b] and the
+// scale of rhs[i]'s block (b, col / 128); zero for rows outside the window. K
+// and N are multiples of FP8_BLOCK.
+template <typename O, bool RHS_TRANSPOSED, int THREADS, int TILE>
+__global__ void __launch_bounds__(THREADS) fp8_ragged_dot_simt(
+    const unsigned char* __restrict__ lhs, const float* __restrict__ lhs_scales, const unsigned char* __restrict__ rhs,
+    const float* __restrict__ rhs_scales, const int* __restrict__ bounds, int local_groups, int m, int k, int n,
+    O* __restrict__ out) {
+  check_simt_launch<THREADS, TILE>();
+  __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
+  __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
+  const int tiles_n = (n + SIMT_TILE - 1) / SIMT_TILE;
+  const int row0 = blockIdx.x / tiles_n * SIMT_TILE, col0 = blockIdx.x % tiles_n * SIMT_TILE;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int k_blocks = k / FP8_BLOCK, n_blocks = n / FP8_BLOCK;
+  const int first_row = bounds[0], last_row = bounds[local_groups];
+  for (int i = 0; i < 4; ++i) {
+    const int row = row0 + ty * 4 + i;
+    if (row >= m || (row >= first_row && row < last_row)) continue;
+    for (int j = 0; j < 4; ++j)
+      if (col0 + tx + 16 * j < n) out[static_cast<size_t>(row) * n + col0 + tx + 16 * j] = from_float<O>(0.f);
+  }
+  int lo = 0, hi = local_groups;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (bounds[mid + 1] <= row0) lo = mid + 1; else hi = mid;
+  }
+  for (int g = lo; g < local_groups && bounds[g] < row0 + SIMT_TILE; ++g) {
+    const int begin = max(bounds[g], row0), end = min(bounds[g + 1], row0 + SIMT_TILE);
+    if (begin >= end) continue;  // block-uniform
+    const unsigned char* w = rhs + static_cast<size_t>(g) * k * n;
+    const float* w_scales = rhs_scales + static_cast<size_t>(g) * k_blocks * n_blocks;
+    float acc[4][4] = {};
+    for (int b = 0; b < k_blocks; ++b) {
+      float partial[4][4] = {};
+      for (int k0 = b * FP8_BLOCK; k0 < (b + 1) * FP8_BLOCK; k0 += SIMT_DEPTH) {
+        for (int e = threadIdx.x; e < SIMT_DEPTH * SIMT_TILE; e += SIMT_THREADS) {
+          const int r = e / SIMT_DEPTH, d = e % SIMT_DEPTH, row = row0 + r, kk = k0 + d;
+          as[d][r] = row >= begin && row < end ? e4m3_to_float(lhs[static_cast<size_t>(row) * k + kk]) : 0.f;
+          const int dd = e / SIMT_TILE, c = e % SIMT_TILE, col = col0 + c, kb = k0 + dd;
+          bs[dd][c] = col < n ? e4m3_to_float(RHS_TRANSPOSED ? w[static_cast<size_t>(col) * k + kb]
+                                                             : w[static_cast<size_t>(kb) * n + col])
+                              : 0.f;
+        }
+        __syncthreads();
+        simt_tile_product(as, bs, partial);
+        __syncthreads();
+      }
+      for (int i = 0; i < 4; ++i) {
+        const int row = row0 + ty * 4 + i;
+        const float row_scale = row >= begin && row < end ? lhs_scales[static_cast<size_t>(row) * k_blocks + b] : 0.f;
+        for (int j = 0; j < 4; ++j) {
+          const int col = col0 + tx + 16 * j;
+          if (col >= n) continue;
+          const int nb = col / FP8_BLOCK;
+          const float col_scale = RHS_TRANSPOSED ? w_scales[nb * k_blocks + b] : w_scales[b * n_blocks + nb];
+          acc[i][j] += partial[i][j] * (row_scale * col_scale);
+        }
+      }
+    }
+    for (int i = 0; i < 4; ++i) {
+      const int row = row0 + ty * 4 + i;
+      if (row < begin || row >= end) continue;
+      for (int j = 0; j < 4; ++j)
+        if (col0 + tx + 16 * j < n) out[static_cast<size_t>(row) * n + col0 + tx + 16 * j] = from_float<O>(acc[i][j]);
+    }
+  }
+}
+
+// Each chunk's FP8 operands: lhs [m_c, k], rhs [m_c, n] and their scales
+// [m_c / 128, k] and [m_c / 128, n] (128 x 1 blocks).
+struct Fp8ChunkOperands {
+  const unsigned char* lhs[MAX_CHUNKS];
+  const float* lhs_scales[MAX_CHUNKS];
+  const unsigned char* rhs[MAX_CHUNKS];
+  const float* rhs_scales[MAX_CHUNKS];
+};
+
+// out[i] ([k, n]) over the rows of local group i in each chunk: for each
+// 128-row block of a chunk, the partial of the products of its rows in the
+// group, times lhs_scales[b, kr] rhs_scales[b, col]; blocks in order. A block
+// of threads owns a 64 x 64 tile of one group's output.
+template <typename O, int THREADS, int TILE>
+__global__ void __launch_bounds__(THREADS) fp8_transposed_ragged_dot_simt(
+    const __grid_constant__ Fp8ChunkOperands operands, int chunks, const ChunkBounds rows, int k, int n,
+    O* __restrict__ out) {
+  check_simt_launch<THREADS, TILE>();
+  __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
+  __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
+  const int tiles_n = (n + SIMT_TILE - 1) / SIMT_TILE, tiles_k = (k + SIMT_TILE - 1) / SIMT_TILE;
+  const int g = blockIdx.x / (tiles_k * tiles_n), tile = blockIdx.x % (tiles_k * tiles_n);
+  const int k_0 = tile / tiles_n * SIMT_TILE, col0 = tile % tiles_n * SIMT_TILE;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  float acc[4][4] = {};
+  for (int c = 0; c < chunks; ++c) {
+    const unsigned char* __restrict__ lhs = operands.lhs[c];
+    const unsigned char* __restrict__ rhs = operands.rhs[c];
+    const int begin = rows.begin(c, g), end = rows.end(c, g);
+    for (int block_start = begin; block_start < end; block_start = (block_start / FP8_BLOCK + 1) * FP8_BLOCK) {
+      const int b = block_start / FP8_BLOCK, block_end = min(end, (b + 1) * FP8_BLOCK);
+      float partial[4][4] = {};
+      for (int r0 = block_start; r0 < block_end; r0 += SIMT_DEPTH) {
+        for (int e = threadIdx.x; e < SIMT_DEPTH * SIMT_TILE; e += SIMT_THREADS) {
+          const int d = e / SIMT_TILE, col = e % SIMT_TILE, row = r0 + d;
+          as[d][col] = row < block_end && k_0 + col < k ? e4m3_to_float(lhs[static_cast<size_t>(row) * k + k_0 + col])
+                                                        : 0.f;
+          bs[d][col] = row < block_end && col0 + col < n ? e4m3_to_float(rhs[static_cast<size_t>(row) * n + col0 + col])
+                                                         : 0.f;
+        }
+        __syncthreads();
+        simt_tile_product(as, bs, partial);
+        __syncthreads();
+      }
+      for (int i = 0; i < 4; ++i) {
+        const int kr = k_0 + ty * 4 + i;
+        const float lhs_scale = kr < k ? operands.lhs_scales[c][static_cast<size_t>(b) * k + kr] : 0.f;
+        for (int j = 0; j < 4; ++j) {
+          const int col = col0 + tx + 16 * j;
+          if (col < n) acc[i][j] += partial[i][j] * (lhs_scale * operands.rhs_scales[c][static_cast<size_t>(b) * n + col]);
+        }
+      }
+    }
+  }
+  O* block = out + static_cast<size_t>(g) * k * n;
+  for (int i = 0; i < 4; ++i) {
+    const int kr = k_0 + ty * 4 + i;
+    if (kr >= k) continue;
+    for (int j = 0; j < 4; ++j)
+      if (col0 + tx + 16 * j < n) block[static_cast<size_t>(kr) * n + col0 + tx + 16 * j] = from_float<O>(acc[i][j]);
+  }
+}
+
+// ---------------------------------------------------------------------------
 // Hopper: TMA + wgmma, warp-specialised and persistent.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 

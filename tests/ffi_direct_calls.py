@@ -178,7 +178,7 @@ CASES.update({
     "transposed_ragged_dot_a_chunk_without_rhs": (
         lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS, ROWS, ROWS,
                       SIZES, OFFSET),
-        "oxmoe_transposed_ragged_dot", [r"got 5 arguments", r"lhs and rhs of each chunk"]),
+        "oxmoe_transposed_ragged_dot", [r"got 5 arguments", r"the 2 operands of each chunk"]),
     "transposed_ragged_dot_sizes_of_other_chunks": (
         lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS, ROWS, ROWS, ROWS,
                       np.ones((3, 2), np.int32), OFFSET),

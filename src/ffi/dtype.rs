@@ -12,12 +12,13 @@ impl DataType {
     pub const F16: Self = Self(sys::XLA_FFI_DataType_F16);
     pub const BF16: Self = Self(sys::XLA_FFI_DataType_BF16);
     pub const F32: Self = Self(sys::XLA_FFI_DataType_F32);
+    pub const F8E4M3FN: Self = Self(sys::XLA_FFI_DataType_F8E4M3FN);
 
     /// Bytes per element of the types oxmoe's handlers take; `None` for the
     /// rest, which every handler refuses.
     pub fn size(self) -> Option<usize> {
         match self {
-            Self::PRED => Some(1),
+            Self::PRED | Self::F8E4M3FN => Some(1),
             Self::F16 | Self::BF16 => Some(2),
             Self::S32 | Self::F32 => Some(4),
             Self::S64 => Some(8),
@@ -41,6 +42,7 @@ impl DataType {
             sys::XLA_FFI_DataType_BF16 => "bfloat16",
             sys::XLA_FFI_DataType_F32 => "float32",
             sys::XLA_FFI_DataType_F64 => "float64",
+            sys::XLA_FFI_DataType_F8E4M3FN => "float8_e4m3fn",
             _ => "an unsupported type",
         }
     }

@@ -2,8 +2,9 @@
 //! Arithmetic is f32 (each product summed in increasing order of the
 //! contracted index); rows outside every group of the window are zero.
 
+use super::ops::FP8_BLOCK;
 use super::{group_rows, GroupedShape};
-use crate::real::Real;
+use crate::real::{Real, E4m3};
 use rayon::prelude::*;
 
 /// Rows of one tile: the output rows that one pass over the contracted index
@@ -165,6 +166,153 @@ pub fn transposed_ragged_dot<T: Real, O: Real>(
     }
 }
 
+// -- FP8 -------------------------------------------------------------------------------
+
+/// `out[r] = Σ_b partial_b[r] * (lhs_scales[r, b] * scale of rhs block (b, n / 128))`
+/// for each row `r` of local group `g`, where `partial_b` is the f32 sum (in
+/// increasing order of the contracted index) of the FP8 products over the
+/// `b`-th 128 of K, the blocks added in order; `w_g` is `rhs[g]` (`[K, N]`,
+/// scales `[K/128, N/128]`) or with `rhs_transposed` `rhs[g]ᵀ` (`rhs[g]`
+/// `[N, K]`, scales `[N/128, K/128]`). Every other row of `out` is zero.
+#[allow(clippy::too_many_arguments)]
+pub fn fp8_ragged_dot<O: Real>(
+    shape: &GroupedShape,
+    lhs: &[E4m3],
+    lhs_scales: &[f32],
+    rhs: &[E4m3],
+    rhs_scales: &[f32],
+    rhs_transposed: bool,
+    group_sizes: &[i32],
+    group_offset: i32,
+    out: &mut [O],
+) {
+    let (k, n) = (shape.k, shape.n);
+    let (k_blocks, n_blocks) = (k / FP8_BLOCK, n / FP8_BLOCK);
+    out.fill(O::from_f32(0.0));
+    if n == 0 || k == 0 {
+        return;
+    }
+    for (g, (start, end)) in group_rows(group_sizes, group_offset, shape.local_groups, shape.m).into_iter().enumerate() {
+        // The group's weights as f32 [K, N] (exact), and each column's scale per block of K: [K/128, N].
+        let group = &rhs[g * k * n..(g + 1) * k * n];
+        let w: Vec<f32> = if rhs_transposed {
+            (0..k * n).map(|i| group[(i % n) * k + i / n].to_f32()).collect()
+        } else {
+            group.iter().map(|x| x.to_f32()).collect()
+        };
+        let scales = &rhs_scales[g * k_blocks * n_blocks..(g + 1) * k_blocks * n_blocks];
+        let column_scales: Vec<f32> = (0..k_blocks * n)
+            .map(|i| {
+                let (b, column) = (i / n, i % n / FP8_BLOCK);
+                if rhs_transposed { scales[column * k_blocks + b] } else { scales[b * n_blocks + column] }
+            })
+            .collect();
+        out[start * n..end * n].par_chunks_mut(TILES_PER_TASK * TILE_ROWS * n).enumerate().for_each(|(task, rows)| {
+            let mut panel: Panel = vec![[0f32; TILE_ROWS]; FP8_BLOCK];
+            let mut partial = vec![0f32; TILE_ROWS * n];
+            let mut acc = vec![0f32; TILE_ROWS * n];
+            for (i, out_rows) in rows.chunks_mut(TILE_ROWS * n).enumerate() {
+                let first = start + (task * TILES_PER_TASK + i) * TILE_ROWS;
+                let count = out_rows.len() / n;
+                acc.fill(0.0);
+                for b in 0..k_blocks {
+                    for (p, a) in panel.iter_mut().enumerate() {
+                        for (t, a_t) in a.iter_mut().enumerate() {
+                            *a_t = if t < count { lhs[(first + t) * k + b * FP8_BLOCK + p].to_f32() } else { 0.0 };
+                        }
+                    }
+                    panel_product(&panel, &w[b * FP8_BLOCK * n..(b + 1) * FP8_BLOCK * n], n, &mut partial);
+                    for t in 0..count {
+                        let row_scale = lhs_scales[(first + t) * k_blocks + b];
+                        for j in 0..n {
+                            acc[t * n + j] += partial[t * n + j] * (row_scale * column_scales[b * n + j]);
+                        }
+                    }
+                }
+                for (o, &sum) in out_rows.iter_mut().zip(&acc) {
+                    *o = O::from_f32(sum);
+                }
+            }
+        });
+    }
+}
+
+/// One chunk of an FP8 transposed product's rows: `lhs [rows, K]` with scales
+/// `[rows/128, K]`, `rhs [rows, N]` with scales `[rows/128, N]`.
+pub struct Fp8ChunkRows<'s> {
+    pub lhs: &'s [E4m3],
+    pub lhs_scales: &'s [f32],
+    pub rhs: &'s [E4m3],
+    pub rhs_scales: &'s [f32],
+    pub rows: usize,
+}
+
+/// `out[g][k, n] = Σ (partial[k, n] * (lhs_scales[b, k] * rhs_scales[b, n]))` over
+/// each 128-row block `b` of each chunk, chunk after chunk and block after
+/// block, where `partial` is the f32 sum (in increasing row order) of the FP8
+/// products `lhs[r, k] rhs[r, n]` of the block's rows in local group `g`; a
+/// group with no rows gives zeros.
+pub fn fp8_transposed_ragged_dot<O: Real>(
+    shape: &GroupedShape,
+    chunks: &[Fp8ChunkRows],
+    group_sizes: &[i32],
+    group_offset: i32,
+    out: &mut [O],
+) {
+    let (k, n) = (shape.k, shape.n);
+    if k * n == 0 {
+        return;
+    }
+    let bounds: Vec<Vec<(usize, usize)>> = chunks
+        .iter()
+        .zip(group_sizes.chunks(shape.groups.max(1)))
+        .map(|(chunk, sizes)| group_rows(sizes, group_offset, shape.local_groups, chunk.rows))
+        .collect();
+    for (g, block) in out.chunks_mut(k * n).enumerate() {
+        // The group's rows as (chunk, row block, first row, end), block by block.
+        let mut segments = Vec::new();
+        for (chunk, b) in chunks.iter().zip(&bounds) {
+            let (start, end) = b[g];
+            let mut row = start;
+            while row < end {
+                let block_end = ((row / FP8_BLOCK + 1) * FP8_BLOCK).min(end);
+                segments.push((chunk, row / FP8_BLOCK, row, block_end));
+                row = block_end;
+            }
+        }
+        block.par_chunks_mut(TILES_PER_TASK * TILE_ROWS * n).enumerate().for_each(|(task, out_rows)| {
+            let mut panel: Panel = Vec::with_capacity(FP8_BLOCK);
+            let mut rhs_rows: Vec<f32> = Vec::with_capacity(FP8_BLOCK * n);
+            let mut partial = vec![0f32; TILE_ROWS * n];
+            let mut acc = vec![0f32; TILE_ROWS * n];
+            for (i, tile_rows) in out_rows.chunks_mut(TILE_ROWS * n).enumerate() {
+                // Output rows are columns of lhs: the tile's rows are lhs[r, first..first + count].
+                let first = (task * TILES_PER_TASK + i) * TILE_ROWS;
+                let count = tile_rows.len() / n;
+                acc.fill(0.0);
+                for &(c, b, start, end) in &segments {
+                    panel.clear();
+                    panel.extend((start..end).map(|r| {
+                        std::array::from_fn(|t| if t < count { c.lhs[r * k + first + t].to_f32() } else { 0.0 })
+                    }));
+                    rhs_rows.clear();
+                    rhs_rows.extend(c.rhs[start * n..end * n].iter().map(|x| x.to_f32()));
+                    panel_product(&panel, &rhs_rows, n, &mut partial);
+                    for t in 0..count {
+                        let lhs_scale = c.lhs_scales[b * k + first + t];
+                        for j in 0..n {
+                            acc[t * n + j] += partial[t * n + j] * (lhs_scale * c.rhs_scales[b * n + j]);
+                        }
+                    }
+                }
+                for (o, &sum) in tile_rows.iter_mut().zip(&acc) {
+                    *o = O::from_f32(sum);
+                }
+            }
+        });
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,6 +351,57 @@ mod tests {
         let mut last = [9f32; 2];
         transposed_ragged_dot(&window, &chunks, &[1, 2, 0, 1], 1, &mut last);
         assert_eq!(last, out[2..]);
+    }
+
+    /// E4m3 patterns of small integers: 1 = 0x38, 2 = 0x40, 3 = 0x44, 4 = 0x48.
+    fn e4m3(values: &[f32]) -> Vec<E4m3> {
+        values.iter().map(|&v| E4m3(match v as i32 { 0 => 0x00, 1 => 0x38, 2 => 0x40, 3 => 0x44, 4 => 0x48, -1 => 0xB8, _ => unreachable!() })).collect()
+    }
+
+    /// K = 256 (two blocks of the contraction), N = 128: each block's partial
+    /// scaled by its own scales before the blocks are added.
+    #[test]
+    fn fp8_blocks_of_the_contraction_are_scaled_apart() {
+        let (m, k, n) = (2, 256, 128);
+        let shape = GroupedShape { m, k, n, groups: 1, local_groups: 1 };
+        // Row 0: ones in block 0, twos in block 1; row 1 in no group.
+        let lhs = e4m3(&(0..m * k).map(|i| if i >= k { 0.0 } else if i < 128 { 1.0 } else { 2.0 }).collect::<Vec<_>>());
+        let lhs_scales = [0.5f32, 4.0, 9.0, 9.0];
+        // Weights: 1 in block 0's rows, -1 in block 1's, over every column.
+        let rhs = e4m3(&(0..k * n).map(|i| if i / n < 128 { 1.0 } else { -1.0 }).collect::<Vec<_>>());
+        let rhs_scales = [3.0f32, 0.25];
+        let mut out = [7f32; 2 * 128];
+        fp8_ragged_dot(&shape, &lhs, &lhs_scales, &rhs, &rhs_scales, false, &[1], 0, &mut out);
+        // Block 0: 128 * 1 * 1 * (0.5 * 3); block 1: 128 * 2 * -1 * (4 * 0.25).
+        let expected = 128.0 * 1.5 - 256.0 * 1.0;
+        assert!(out[..n].iter().all(|&v| v == expected) && out[n..].iter().all(|&v| v == 0.0), "{:?}", &out[..4]);
+        // The same weights stored [G, N, K] and read transposed.
+        let rhs_t: Vec<E4m3> = (0..k * n).map(|i| rhs[(i % k) * n + i / k]).collect();
+        let mut out_t = [7f32; 2 * 128];
+        fp8_ragged_dot(&shape, &lhs, &lhs_scales, &rhs_t, &rhs_scales, true, &[1], 0, &mut out_t);
+        assert_eq!(out, out_t);
+    }
+
+    /// 256 rows in two chunks of 128; group 0 holds chunk 0's rows 0..100
+    /// and chunk 1's rows 0..28, group 1 the rest: each 128-row block scaled
+    /// by its own scales.
+    #[test]
+    fn fp8_transposed_blocks_of_rows_are_scaled_apart() {
+        let (rows, k, n) = (128, 1, 2);
+        let ones = e4m3(&vec![1.0; rows * k]);
+        let twos = e4m3(&vec![2.0; rows * n]);
+        let chunk = |lhs_scale: f32, rhs_scale: f32| (vec![lhs_scale; k], vec![rhs_scale; n]);
+        let ((ls0, rs0), (ls1, rs1)) = (chunk(0.5, 1.0), chunk(2.0, 3.0));
+        let chunks = [
+            Fp8ChunkRows { lhs: &ones, lhs_scales: &ls0, rhs: &twos, rhs_scales: &rs0, rows },
+            Fp8ChunkRows { lhs: &ones, lhs_scales: &ls1, rhs: &twos, rhs_scales: &rs1, rows },
+        ];
+        let shape = GroupedShape { m: 2 * rows, k, n, groups: 2, local_groups: 2 };
+        let mut out = [7f32; 4];
+        fp8_transposed_ragged_dot(&shape, &chunks, &[100, 28, 28, 100], 0, &mut out);
+        // Group 0: 100 rows of 1 * 2 * (0.5 * 1), then 28 of 1 * 2 * (2 * 3); group 1 the complements.
+        let (g0, g1) = (100.0 * 2.0 * 0.5 + 28.0 * 2.0 * 6.0, 28.0 * 2.0 * 0.5 + 100.0 * 2.0 * 6.0);
+        assert_eq!(out, [g0, g0, g1, g1]);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 //! kernels, one block per multiprocessor; every other call takes the SIMT
 //! kernels, after a one-warp launch that computes the window's row bounds.
 
-use super::ops::MAX_CHUNKS;
+use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, MAX_CHUNKS};
 use super::{GroupedShape, RaggedDot, TransposedRaggedDot};
 use crate::cuda::{arg, grid, int, launch, Device, Instance, Kernel, LaunchConfig, LaunchContext, Stream, TensorMap, GROUPED_GEMM};
 use crate::ffi::{DataType, Result, Scratch};
@@ -96,6 +96,14 @@ pub fn ragged_dot_simt_instance(dtype: DataType, out: DataType, rhs_transposed: 
 
 pub fn transposed_simt_instance(dtype: DataType, out: DataType) -> Result<String> {
     Instance::new("transposed_ragged_dot_simt").dtype(dtype).dtype(out).int(SIMT_THREADS).int(SIMT_TILE).build()
+}
+
+pub fn fp8_ragged_dot_simt_instance(out: DataType, rhs_transposed: bool) -> Result<String> {
+    Instance::new("fp8_ragged_dot_simt").dtype(out).flag(rhs_transposed).int(SIMT_THREADS).int(SIMT_TILE).build()
+}
+
+pub fn fp8_transposed_simt_instance(out: DataType) -> Result<String> {
+    Instance::new("fp8_transposed_ragged_dot_simt").dtype(out).int(SIMT_THREADS).int(SIMT_TILE).build()
 }
 
 /// The group arguments and sizes the ragged_dot kernels take after their
@@ -242,6 +250,64 @@ pub fn transposed_ragged_dot(ctx: &LaunchContext, a: &TransposedRaggedDot) -> Re
     result
 }
 
+/// The FP8 kernels' `Fp8ChunkOperands`: each chunk's values and scales (null past the chunks).
+#[repr(C)]
+struct Fp8ChunkOperands {
+    lhs: [u64; MAX_CHUNKS],
+    lhs_scales: [u64; MAX_CHUNKS],
+    rhs: [u64; MAX_CHUNKS],
+    rhs_scales: [u64; MAX_CHUNKS],
+}
+
+/// The FP8 products run on the SIMT kernels, on every GPU (no tensor-core
+/// kernel for them yet).
+pub fn fp8_ragged_dot(ctx: &LaunchContext, a: &Fp8RaggedDot) -> Result<()> {
+    let stream = ctx.stream;
+    let shape = &a.shape;
+    if shape.m == 0 || shape.n == 0 {
+        return Ok(());
+    }
+    let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
+    let [m, k, n] = g.dims;
+    let (scratch, rows) = chunk_bounds(ctx, shape, g.sizes, g.offset, &[shape.m])?;
+    let kernel = Kernel::get(stream, &GROUPED_GEMM, &fp8_ragged_dot_simt_instance(a.out.dtype(), a.rhs_transposed)?)?;
+    let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
+    let (lhs, lhs_scales, rhs, rhs_scales, out) =
+        (a.lhs.device_ptr(), a.lhs_scales.device_ptr(), a.rhs.device_ptr(), a.rhs_scales.device_ptr(), a.out.device_ptr());
+    let result = launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
+        arg(&lhs), arg(&lhs_scales), arg(&rhs), arg(&rhs_scales), arg(&rows.bounds), arg(&g.local_groups), arg(&m),
+        arg(&k), arg(&n), arg(&out),
+    ]);
+    drop(scratch);
+    result
+}
+
+pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot) -> Result<()> {
+    let stream = ctx.stream;
+    let shape = &a.shape;
+    if shape.local_groups == 0 || shape.k == 0 || shape.n == 0 {
+        return Ok(());
+    }
+    let (k, n, chunks) = (int(shape.k)?, int(shape.n)?, int(a.chunks.len())?);
+    let rows: Vec<usize> = a.chunks.iter().map(|c| c.rows).collect();
+    let (scratch, bounds) = chunk_bounds(ctx, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows)?;
+    let mut operands = Fp8ChunkOperands { lhs: [0; MAX_CHUNKS], lhs_scales: [0; MAX_CHUNKS], rhs: [0; MAX_CHUNKS], rhs_scales: [0; MAX_CHUNKS] };
+    for (c, chunk) in a.chunks.iter().enumerate() {
+        operands.lhs[c] = chunk.lhs.device_ptr();
+        operands.lhs_scales[c] = chunk.lhs_scales.device_ptr();
+        operands.rhs[c] = chunk.rhs.device_ptr();
+        operands.rhs_scales[c] = chunk.rhs_scales.device_ptr();
+    }
+    let kernel = Kernel::get(stream, &GROUPED_GEMM, &fp8_transposed_simt_instance(a.out.dtype())?)?;
+    let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
+    let out = a.out.device_ptr();
+    let result = launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
+        arg(&operands), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out),
+    ]);
+    drop(scratch);
+    result
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,6 +325,12 @@ mod tests {
                 instances.push(ragged_dot_simt_instance(dtype, out, transposed).unwrap());
             }
             instances.push(transposed_simt_instance(dtype, out).unwrap());
+        }
+        for out in [DataType::F32, DataType::BF16, DataType::F16] {
+            for transposed in [false, true] {
+                instances.push(fp8_ragged_dot_simt_instance(out, transposed).unwrap());
+            }
+            instances.push(fp8_transposed_simt_instance(out).unwrap());
         }
         instances
     }

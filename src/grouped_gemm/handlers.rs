@@ -4,16 +4,22 @@
 //! under the same target name) hands it to `cuda` with the call's
 //! [`LaunchContext`].
 
+use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot};
 use super::{cpu, cuda, RaggedDot, TransposedRaggedDot};
 use crate::cuda::LaunchContext;
 use crate::ffi::{DataType, Result};
+use crate::real::E4m3;
 use crate::{export_handler, with_real_type};
 
 export_handler!(oxmoe_ragged_dot, RaggedDot, |_, op| ragged_dot_cpu(op));
 export_handler!(oxmoe_transposed_ragged_dot, TransposedRaggedDot, |_, op| transposed_ragged_dot_cpu(op));
+export_handler!(oxmoe_fp8_ragged_dot, Fp8RaggedDot, |_, op| fp8_ragged_dot_cpu(op));
+export_handler!(oxmoe_fp8_transposed_ragged_dot, Fp8TransposedRaggedDot, |_, op| fp8_transposed_ragged_dot_cpu(op));
 
 export_handler!(oxmoe_ragged_dot_cuda, RaggedDot, |call, op| cuda::ragged_dot(&LaunchContext::begin(call)?, &op));
 export_handler!(oxmoe_transposed_ragged_dot_cuda, TransposedRaggedDot, |call, op| cuda::transposed_ragged_dot(&LaunchContext::begin(call)?, &op));
+export_handler!(oxmoe_fp8_ragged_dot_cuda, Fp8RaggedDot, |call, op| cuda::fp8_ragged_dot(&LaunchContext::begin(call)?, &op));
+export_handler!(oxmoe_fp8_transposed_ragged_dot_cuda, Fp8TransposedRaggedDot, |call, op| cuda::fp8_transposed_ragged_dot(&LaunchContext::begin(call)?, &op));
 
 fn ragged_dot_cpu(op: RaggedDot) -> Result<()> {
     let (sizes, offset) = (op.group_sizes.slice::<i32>()?, op.group_offset.slice::<i32>()?[0]);
@@ -39,6 +45,29 @@ fn transposed_ragged_dot_cpu(op: TransposedRaggedDot) -> Result<()> {
         } else {
             cpu::transposed_ragged_dot::<T, T>(&op.shape, &chunks, sizes, offset, op.out.slice_mut()?);
         }
+    });
+    Ok(())
+}
+
+fn fp8_ragged_dot_cpu(op: Fp8RaggedDot) -> Result<()> {
+    let (sizes, offset) = (op.group_sizes.slice::<i32>()?, op.group_offset.slice::<i32>()?[0]);
+    let (lhs, lhs_scales) = (op.lhs.slice::<E4m3>()?, op.lhs_scales.slice::<f32>()?);
+    let (rhs, rhs_scales) = (op.rhs.slice::<E4m3>()?, op.rhs_scales.slice::<f32>()?);
+    with_real_type!(op.out.dtype(), O => {
+        cpu::fp8_ragged_dot::<O>(&op.shape, lhs, lhs_scales, rhs, rhs_scales, op.rhs_transposed, sizes, offset,
+                                 op.out.slice_mut()?);
+    });
+    Ok(())
+}
+
+fn fp8_transposed_ragged_dot_cpu(op: Fp8TransposedRaggedDot) -> Result<()> {
+    let (sizes, offset) = (op.group_sizes.slice::<i32>()?, op.group_offset.slice::<i32>()?[0]);
+    let chunks = op.chunks.iter()
+        .map(|c| Ok(cpu::Fp8ChunkRows { lhs: c.lhs.slice()?, lhs_scales: c.lhs_scales.slice()?, rhs: c.rhs.slice()?,
+                                        rhs_scales: c.rhs_scales.slice()?, rows: c.rows }))
+        .collect::<Result<Vec<_>>>()?;
+    with_real_type!(op.out.dtype(), O => {
+        cpu::fp8_transposed_ragged_dot::<O>(&op.shape, &chunks, sizes, offset, op.out.slice_mut()?);
     });
     Ok(())
 }

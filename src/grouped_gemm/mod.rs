@@ -1,6 +1,8 @@
 //! Grouped GEMM: `ragged_dot` (rows of each group of a matrix times that
 //! group's weight matrix) and its transposed product (per group, the rows'
-//! outer products summed: the weight gradient).
+//! outer products summed: the weight gradient), in 16- and 32-bit floats and
+//! on block-scaled FP8 operands (`fp8_*`: float8_e4m3fn values with one
+//! float32 scale per block of 128 along each blocked dimension).
 //!
 //! Group sizes and the window's first group live in device memory and are
 //! read by the kernels, never by the host. Out-of-range values are clamped
@@ -15,7 +17,7 @@ pub mod cuda;
 pub mod handlers;
 mod ops;
 
-pub use ops::{RaggedDot, TransposedRaggedDot};
+pub use ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, RaggedDot, TransposedRaggedDot};
 
 /// The static shape of a grouped product.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -95,16 +95,8 @@ pub struct TransposedRaggedDot<'a> {
 
 impl<'a> TransposedRaggedDot<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(4, 2 * MAX_CHUNKS + 2)?;
-        if call.num_args() % 2 != 0 {
-            invalid!("got {} arguments, expected lhs and rhs of each chunk, group_sizes and group_offset", call.num_args())
-        }
-        let count = (call.num_args() - 2) / 2;
-        // Each chunk's operands by name: "lhs" and "rhs" alone, "lhs[c]" and "rhs[c]" among chunks.
-        const LHS: [&str; MAX_CHUNKS] = ["lhs[0]", "lhs[1]", "lhs[2]", "lhs[3]", "lhs[4]", "lhs[5]", "lhs[6]", "lhs[7]"];
-        const RHS: [&str; MAX_CHUNKS] = ["rhs[0]", "rhs[1]", "rhs[2]", "rhs[3]", "rhs[4]", "rhs[5]", "rhs[6]", "rhs[7]"];
-        let lhs_name = |c: usize| if count == 1 { "lhs" } else { LHS[c] };
-        let rhs_name = |c: usize| if count == 1 { "rhs" } else { RHS[c] };
+        let count = chunk_count(call, 2)?;
+        let (lhs_name, rhs_name) = (chunk_name(&LHS, count), chunk_name(&RHS, count));
         let first = call.arg(0, lhs_name(0))?;
         let dtype = first.expect_dtype(&FLOAT_TYPES)?;
         let (_, k) = first.matrix()?;
@@ -118,18 +110,185 @@ impl<'a> TransposedRaggedDot<'a> {
             rhs.expect(&[dtype], &[rows, n])?;
             chunks.push(Chunk { lhs, rhs, rows });
         }
-        let (group_sizes, group_offset) = decode_groups(call, 2 * count)?;
-        let groups = match (group_sizes.dims(), count) {
-            (&[groups], 1) => groups as usize,
-            (&[c, groups], _) if c as usize == count => groups as usize,
-            (dims, _) => invalid!("group_sizes has shape {dims:?}, expected [{count}, groups] for {count} chunks"),
-        };
+        let (group_sizes, group_offset, groups) = decode_chunk_groups(call, 2 * count, count)?;
         let out = call.ret(0, "out")?;
-        let local_groups = match out.dims() {
-            &[groups, _, _] => groups as usize,
-            dims => invalid!("out has shape {dims:?}, expected [groups, {k}, {n}]"),
-        };
+        let local_groups = out_groups(&out, k, n)?;
         check_out(&out, dtype, &[local_groups, k, n])?;
+        check_window(local_groups, groups)?;
+        let m = chunks.iter().map(|c| c.rows).sum();
+        let shape = GroupedShape { m, k, n, groups, local_groups };
+        Ok(Self { shape, chunks, group_sizes, group_offset, out })
+    }
+}
+
+/// The chunks of a transposed product's call: its arguments are `operands`
+/// per chunk, then group_sizes and group_offset.
+fn chunk_count(call: &Call, operands: usize) -> Result<usize> {
+    call.expect_num_args(operands + 2, operands * MAX_CHUNKS + 2)?;
+    if !(call.num_args() - 2).is_multiple_of(operands) {
+        invalid!("got {} arguments, expected the {operands} operands of each chunk, group_sizes and group_offset",
+                 call.num_args())
+    }
+    Ok((call.num_args() - 2) / operands)
+}
+
+/// Each chunk's operand names: the operand alone, `operand[c]` among chunks.
+macro_rules! chunk_names {
+    ($operand:literal) => {
+        [$operand, concat!($operand, "[0]"), concat!($operand, "[1]"), concat!($operand, "[2]"),
+         concat!($operand, "[3]"), concat!($operand, "[4]"), concat!($operand, "[5]"), concat!($operand, "[6]"),
+         concat!($operand, "[7]")]
+    };
+}
+type ChunkNames = [&'static str; MAX_CHUNKS + 1];
+const LHS: ChunkNames = chunk_names!("lhs");
+const RHS: ChunkNames = chunk_names!("rhs");
+const LHS_SCALES: ChunkNames = chunk_names!("lhs_scales");
+const RHS_SCALES: ChunkNames = chunk_names!("rhs_scales");
+
+/// The name of an operand of chunk `c` of `count`.
+fn chunk_name(names: &'static ChunkNames, count: usize) -> impl Fn(usize) -> &'static str {
+    move |c| if count == 1 { names[0] } else { names[c + 1] }
+}
+
+/// group_sizes `[C, G]` (`[G]` for one chunk) at argument `first`, then
+/// group_offset; returns them and `G`.
+fn decode_chunk_groups<'a>(call: &Call<'a>, first: usize, count: usize) -> Result<(Arg<'a>, Arg<'a>, usize)> {
+    let (group_sizes, group_offset) = decode_groups(call, first)?;
+    let groups = match (group_sizes.dims(), count) {
+        (&[groups], 1) => groups as usize,
+        (&[c, groups], _) if c as usize == count => groups as usize,
+        (dims, _) => invalid!("group_sizes has shape {dims:?}, expected [{count}, groups] for {count} chunks"),
+    };
+    Ok((group_sizes, group_offset, groups))
+}
+
+/// The local groups of a transposed product's `out [Gl, K, N]`.
+fn out_groups(out: &Ret, k: usize, n: usize) -> Result<usize> {
+    match out.dims() {
+        &[groups, _, _] => Ok(groups as usize),
+        dims => invalid!("out has shape {dims:?}, expected [groups, {k}, {n}]"),
+    }
+}
+
+// -- FP8 -------------------------------------------------------------------------------
+
+/// The rows and columns of a block of FP8 values that share one scale, along
+/// each blocked dimension (`oxmoe.fp8`'s 1 x 128, 128 x 128 and 128 x 1 blocks).
+pub const FP8_BLOCK: usize = 128;
+
+/// The FP8 results' types.
+const FP8_OUT_TYPES: [DataType; 3] = [DataType::F32, DataType::BF16, DataType::F16];
+
+/// `size` as whole FP8 blocks, or an error naming the dimension.
+fn fp8_blocks(size: usize, what: &str) -> Result<usize> {
+    if !size.is_multiple_of(FP8_BLOCK) {
+        invalid!("{what} is {size}; FP8 operands have one scale per {FP8_BLOCK} of it, so it must be a multiple of {FP8_BLOCK}")
+    }
+    Ok(size / FP8_BLOCK)
+}
+
+/// `oxmoe_fp8_ragged_dot`: lhs [M, K] float8_e4m3fn with its scales [M, K/128]
+/// (1 x 128 blocks), rhs [Gl, K, N] (attribute `rhs_transposed`: [Gl, N, K])
+/// with its scales [Gl, K/128, N/128] ([Gl, N/128, K/128]; 128 x 128 blocks),
+/// group_sizes, group_offset -> out [M, N] float32, bfloat16 or float16: each
+/// row of local group `i` times `rhs[i]` (`rhs[i]ᵀ`), the float32 partial of
+/// each 128 of K scaled by both blocks' scales and added in block order.
+pub struct Fp8RaggedDot<'a> {
+    pub shape: GroupedShape,
+    pub rhs_transposed: bool,
+    pub lhs: Arg<'a>,
+    pub lhs_scales: Arg<'a>,
+    pub rhs: Arg<'a>,
+    pub rhs_scales: Arg<'a>,
+    pub group_sizes: Arg<'a>,
+    pub group_offset: Arg<'a>,
+    pub out: Ret<'a>,
+}
+
+impl<'a> Fp8RaggedDot<'a> {
+    pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(6, 6)?;
+        let lhs = call.arg(0, "lhs")?;
+        lhs.expect_dtype(&[DataType::F8E4M3FN])?;
+        let (m, k) = lhs.matrix()?;
+        let k_blocks = fp8_blocks(k, "lhs's K")?;
+        let lhs_scales = call.arg(1, "lhs_scales")?;
+        lhs_scales.expect(&[DataType::F32], &[m, k_blocks])?;
+        let rhs = call.arg(2, "rhs")?;
+        let rhs_transposed: bool = call.attr("rhs_transposed")?;
+        let &[local_groups, d1, d2] = rhs.dims() else {
+            invalid!("rhs has shape {:?}, expected [groups, K, N] or [groups, N, K]", rhs.dims())
+        };
+        let (local_groups, d1, d2) = (local_groups as usize, d1 as usize, d2 as usize);
+        let n = if rhs_transposed { d1 } else { d2 };
+        let rhs_shape = if rhs_transposed { [local_groups, n, k] } else { [local_groups, k, n] };
+        rhs.expect(&[DataType::F8E4M3FN], &rhs_shape)?;
+        let n_blocks = fp8_blocks(n, "rhs's N")?;
+        let rhs_scales = call.arg(3, "rhs_scales")?;
+        let scales_shape = if rhs_transposed { [local_groups, n_blocks, k_blocks] } else { [local_groups, k_blocks, n_blocks] };
+        rhs_scales.expect(&[DataType::F32], &scales_shape)?;
+        let (group_sizes, group_offset) = decode_groups(call, 4)?;
+        group_sizes.expect(&[DataType::S32], &[group_sizes.len()])?;
+        check_window(local_groups, group_sizes.len())?;
+        let out = call.ret(0, "out")?;
+        out.expect(&FP8_OUT_TYPES, &[m, n])?;
+        let shape = GroupedShape { m, k, n, groups: group_sizes.len(), local_groups };
+        Ok(Self { shape, rhs_transposed, lhs, lhs_scales, rhs, rhs_scales, group_sizes, group_offset, out })
+    }
+}
+
+/// One chunk of an FP8 transposed product's rows: `lhs [M_c, K]` with its
+/// scales `[M_c/128, K]` and `rhs [M_c, N]` with its scales `[M_c/128, N]`
+/// (128 x 1 blocks).
+pub struct Fp8Chunk<'a> {
+    pub lhs: Arg<'a>,
+    pub lhs_scales: Arg<'a>,
+    pub rhs: Arg<'a>,
+    pub rhs_scales: Arg<'a>,
+    /// `M_c`, a multiple of 128.
+    pub rows: usize,
+}
+
+/// `oxmoe_fp8_transposed_ragged_dot`: `C` chunks of rows, each operand's
+/// chunks in turn (lhs_0 .. lhs_{C-1}, their scales, rhs_0 .., their scales),
+/// group_sizes [C, G] ([G] for one chunk), group_offset -> out [Gl, K, N]:
+/// local group `i`'s rows of every chunk, and for each 128-row block of a
+/// chunk, the float32 sum of its rows' products (those of the group) scaled
+/// by both blocks' scales of each column, added in block order.
+pub struct Fp8TransposedRaggedDot<'a> {
+    pub shape: GroupedShape,
+    pub chunks: Vec<Fp8Chunk<'a>>,
+    pub group_sizes: Arg<'a>,
+    pub group_offset: Arg<'a>,
+    pub out: Ret<'a>,
+}
+
+impl<'a> Fp8TransposedRaggedDot<'a> {
+    pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
+        let count = chunk_count(call, 4)?;
+        let names = [chunk_name(&LHS, count), chunk_name(&LHS_SCALES, count), chunk_name(&RHS, count),
+                     chunk_name(&RHS_SCALES, count)];
+        let (_, k) = call.arg(0, names[0](0))?.matrix()?;
+        let (_, n) = call.arg(2 * count, names[2](0))?.matrix()?;
+        let mut chunks = Vec::with_capacity(count);
+        for c in 0..count {
+            let lhs = call.arg(c, names[0](c))?;
+            let (rows, _) = lhs.matrix()?;
+            lhs.expect(&[DataType::F8E4M3FN], &[rows, k])?;
+            let row_blocks = fp8_blocks(rows, &format!("{}'s rows", names[0](c)))?;
+            let lhs_scales = call.arg(count + c, names[1](c))?;
+            lhs_scales.expect(&[DataType::F32], &[row_blocks, k])?;
+            let rhs = call.arg(2 * count + c, names[2](c))?;
+            rhs.expect(&[DataType::F8E4M3FN], &[rows, n])?;
+            let rhs_scales = call.arg(3 * count + c, names[3](c))?;
+            rhs_scales.expect(&[DataType::F32], &[row_blocks, n])?;
+            chunks.push(Fp8Chunk { lhs, lhs_scales, rhs, rhs_scales, rows });
+        }
+        let (group_sizes, group_offset, groups) = decode_chunk_groups(call, 4 * count, count)?;
+        let out = call.ret(0, "out")?;
+        let local_groups = out_groups(&out, k, n)?;
+        out.expect(&FP8_OUT_TYPES, &[local_groups, k, n])?;
         check_window(local_groups, groups)?;
         let m = chunks.iter().map(|c| c.rows).sum();
         let shape = GroupedShape { m, k, n, groups, local_groups };
