@@ -191,6 +191,21 @@ CASES.update({
         lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS, ROWS[:, :3], ROWS, ROWS,
                       np.ones((2, 2), np.int32), OFFSET),
         "oxmoe_transposed_ragged_dot", [r"lhs\[1\] has shape float32\[6, 3\], expected \[6, 8\]"]),
+    "fp8_ragged_dot_k_not_a_multiple_of_128": (
+        lambda: _call("oxmoe_fp8_ragged_dot", _spec((4, 128), jnp.float32), np.zeros((4, 100), jnp.float8_e4m3fn),
+                      np.ones((4, 1), np.float32), np.zeros((2, 100, 128), jnp.float8_e4m3fn),
+                      np.ones((2, 1, 1), np.float32), SIZES, OFFSET, rhs_transposed=np.bool_(False)),
+        "oxmoe_fp8_ragged_dot", [r"lhs has K = 100", r"K must be a multiple of 128"]),
+    "fp8_ragged_dot_bf16_values": (
+        lambda: _call("oxmoe_fp8_ragged_dot", _spec((4, 128), jnp.float32), np.zeros((4, 128), jnp.bfloat16),
+                      np.ones((4, 1), np.float32), np.zeros((2, 128, 128), jnp.float8_e4m3fn),
+                      np.ones((2, 1, 1), np.float32), SIZES, OFFSET, rhs_transposed=np.bool_(False)),
+        "oxmoe_fp8_ragged_dot", [r"lhs", r"bfloat16", r"float8_e4m3fn"]),
+    "fp8_transposed_ragged_dot_rows_not_a_multiple_of_128": (
+        lambda: _call("oxmoe_fp8_transposed_ragged_dot", _spec((2, 128, 128), jnp.float32),
+                      np.zeros((6, 128), jnp.float8_e4m3fn), np.ones((1, 128), np.float32),
+                      np.zeros((6, 128), jnp.float8_e4m3fn), np.ones((1, 128), np.float32), SIZES, OFFSET),
+        "oxmoe_fp8_transposed_ragged_dot", [r"lhs has M = 6", r"M must be a multiple of 128"]),
     "sort_chunks_result_aliasing_tokens": (
         lambda: aliased("oxmoe_sort_chunks", _spec(ROWS.shape, jnp.float32), ROWS, SPLITS, ORDER,
                         inverse=np.bool_(False)),

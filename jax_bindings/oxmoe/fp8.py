@@ -39,18 +39,43 @@ Semantics (the same on every backend: it is JAX, computed in float32):
 
 The quantization is not differentiated: the FP8 GEMMs that consume it define their own
 gradients.
+
+The grouped products on quantized operands (the expert GEMMs of an FP8 training step, as
+DeepSeek-V3 runs them):
+
+- :func:`ragged_dot`: rows ``[M, K]`` in ``(1, 128)`` blocks times their group's weights
+  ``[G, K, N]`` in ``(128, 128)`` blocks (the forward), or, with ``rhs_transposed``, times
+  ``rhs[g]ᵀ`` for weights ``[G, N, K]`` (d lhs: the forward's quantized weights, read the
+  other way round; square blocks serve both);
+- :func:`transposed_ragged_dot`: per group, ``lhsᵀ · rhs`` over its rows, both in
+  ``(128, 1)`` blocks (the weight gradient), over up to 8 chunks of rows as
+  :func:`oxmoe.transposed_ragged_dot`.
+
+For each block of 128 of the contraction, the products of the FP8 values (exact in float32)
+are summed in float32 (in any order: the one freedom a kernel has), and the block's partial
+is multiplied by the product of the two blocks' scales and added to the float32 result in
+block order (DeepSeek-V3's promotion out of the tensor core's accumulator every 128 of K,
+which keeps a long contraction as precise as float32 accumulation); the result is rounded
+once to ``preferred_element_type``. Their CPU implementations are the specification;
+:mod:`oxmoe.reference.fp8` writes the same in plain JAX. On a GPU they run on a kernel that
+dequantizes on load (no tensor-core FP8 kernel yet). They are not differentiable.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from oxmoe._checks import FLOAT_DTYPES, check_array
-from oxmoe.moe.config import pytree_dataclass
+from oxmoe._checks import FLOAT_DTYPES, check_array, check_bool, check_count
+from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
+from oxmoe._pytree import pytree_dataclass
+from oxmoe.grouped_gemm import MAX_CHUNKS, _check_groups
 
 __all__ = ["E4M3_MAX", "ACTIVATION_BLOCK", "WEIGHT_BLOCK", "TRANSPOSED_ACTIVATION_BLOCK", "BlockQuantized",
-           "quantize", "dequantize"]
+           "quantize", "dequantize", "ragged_dot", "transposed_ragged_dot"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = 448.0
@@ -178,3 +203,160 @@ def dequantize(q: BlockQuantized, dtype=jnp.float32) -> jax.Array:
         raise TypeError(f"q must be an oxmoe.fp8.BlockQuantized, got {type(q).__name__}")
     blocks = _blocks(q.values.astype(jnp.float32), q.block)
     return (blocks * q.scales[..., :, None, :, None]).reshape(q.values.shape).astype(dtype)
+
+
+# -- the grouped products ------------------------------------------------------------
+
+DISPATCHED, WHOLE = Layout.DISPATCHED, Layout.WHOLE
+_BLOCK = 128
+_OUT_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
+
+_ragged_dot_p = FfiPrimitive(
+    "oxmoe_fp8_ragged_dot", operands=(DISPATCHED, DISPATCHED, WHOLE, WHOLE, WHOLE, WHOLE), results=(DISPATCHED,),
+    result_specs=lambda lhs, *_, n, out_dtype, **__: [jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)],
+    shape_params=("n", "out_dtype"))
+
+
+@functools.cache
+def _transposed_ragged_dot_p(chunks: int) -> FfiPrimitive:
+    """The FP8 transposed product of ``chunks`` chunks: each operand's chunks in turn (lhs
+    values, lhs scales, rhs values, rhs scales), group_sizes ``[chunks, G]``, group_offset."""
+    return FfiPrimitive(
+        "oxmoe_fp8_transposed_ragged_dot", operands=(DISPATCHED,) * (4 * chunks) + (WHOLE, WHOLE), results=(WHOLE,),
+        result_specs=lambda *operands, groups, out_dtype, **_: [
+            jax.ShapeDtypeStruct((groups, operands[0].shape[1], operands[2 * chunks].shape[1]), out_dtype)],
+        shape_params=("groups", "out_dtype"))
+
+
+_transposed_ragged_dot_p(1)  # registers the target at import, as every other primitive's is
+
+
+def _check_quantized(name: str, q, block: tuple[int, int], layout: str) -> None:
+    """``q`` is a :class:`BlockQuantized` of ``len(layout)`` dimensions in ``block`` blocks,
+    its values float8_e4m3fn and its scales float32 of the blocks' shape."""
+    if not isinstance(q, BlockQuantized):
+        raise TypeError(f"{name} must be an oxmoe.fp8.BlockQuantized (oxmoe.fp8.quantize's result), "
+                        f"got {type(q).__name__}")
+    rank = len(layout.split(","))
+    if q.block != block or len(q.shape) != rank:
+        raise ValueError(f"{name} must be {layout} quantized in {block} blocks, got shape {list(q.shape)} in "
+                         f"{q.block} blocks")
+    check_array(f"{name}.values", q.values)
+    check_array(f"{name}.scales", q.scales)
+    if q.values.dtype != E4M3:
+        raise TypeError(f"{name}.values must be float8_e4m3fn, got {q.values.dtype}")
+    *lead, rows, cols = q.shape
+    expected = (*lead, rows // block[0], cols // block[1])
+    if rows % block[0] or cols % block[1] or q.scales.shape != expected or q.scales.dtype != jnp.float32:
+        raise ValueError(f"{name}.scales must be float32 {list(expected)} (one per {block} block of its values "
+                         f"{list(q.shape)}), got {q.scales.dtype}{list(q.scales.shape)}")
+
+
+def _out_dtype(preferred_element_type):
+    out = jnp.dtype(preferred_element_type)
+    if out not in _OUT_DTYPES:
+        raise TypeError(f"preferred_element_type must be float32, bfloat16 or float16, got {out}")
+    return out
+
+
+def ragged_dot(lhs: BlockQuantized, rhs: BlockQuantized, group_sizes, *, group_offset=None,
+               rhs_transposed: bool = False, preferred_element_type=jnp.bfloat16) -> jax.Array:
+    """The block-scaled FP8 grouped product: the rows of group ``g`` of ``lhs`` times
+    ``rhs[g]`` (the module's semantics), as :func:`oxmoe.ragged_dot` groups them.
+
+    Args:
+      lhs: ``[M, K]`` in :data:`ACTIVATION_BLOCK` blocks (``K`` a multiple of 128).
+      rhs: ``[G_local, K, N]`` in :data:`WEIGHT_BLOCK` blocks, or ``[G_local, N, K]``
+        with ``rhs_transposed`` (``rhs[g]ᵀ`` multiplies: the forward's weights give
+        the product of its d lhs).
+      group_sizes: ``[G]`` integer row counts, on the device (cast to int32).
+      group_offset: optional integer scalar or ``[1]`` array: local group ``i``
+        multiplies the rows of group ``group_offset + i``.
+      rhs_transposed: ``rhs`` is ``[G_local, N, K]``.
+      preferred_element_type: float32, bfloat16 (default) or float16.
+
+    Returns:
+      ``[M, N]``; rows outside the window's groups are zero. Not differentiable.
+    """
+    _check_quantized("lhs", lhs, ACTIVATION_BLOCK, "[M, K]")
+    rhs_transposed = check_bool("rhs_transposed", rhs_transposed)
+    _check_quantized("rhs", rhs, WEIGHT_BLOCK, "[groups, N, K]" if rhs_transposed else "[groups, K, N]")
+    m, k = lhs.shape
+    local_groups, d1, d2 = rhs.shape
+    rhs_k, n = (d2, d1) if rhs_transposed else (d1, d2)
+    if rhs_k != k:
+        layout = "[groups, N, K]" if rhs_transposed else "[groups, K, N]"
+        raise ValueError(f"rhs must be {layout} with K = {k} (lhs's second dimension), got {list(rhs.shape)}")
+    out_dtype = _out_dtype(preferred_element_type)
+    _, sizes, offset = _check_groups(group_sizes, group_offset, local_groups, "rhs.shape[0] (its groups)", (m,))
+    operands = vary_alike(lhs.values, lhs.scales, rhs.values, rhs.scales, sizes, offset)
+    return _not_differentiable("oxmoe.fp8.ragged_dot", functools.partial(
+        _ragged_dot_p, rhs_transposed=np.bool_(rhs_transposed), n=n, out_dtype=out_dtype))(*operands)
+
+
+def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offset=None,
+                          preferred_element_type=jnp.float32) -> jax.Array:
+    """The block-scaled FP8 weight gradient: per group, ``lhs_gᵀ · rhs_g`` over its rows
+    (the module's semantics; each 128-row block of the operands scaled apart).
+
+    Args:
+      lhs: ``[M, K]`` in :data:`TRANSPOSED_ACTIVATION_BLOCK` blocks (``M`` a multiple of
+        128), or a sequence of up to :data:`oxmoe.grouped_gemm.MAX_CHUNKS` such chunks
+        ``[M_c, K]`` whose rows, chunk after chunk, the groups take, as
+        :func:`oxmoe.transposed_ragged_dot` does.
+      rhs: ``[M, N]`` in the same blocks, or a sequence of chunks as ``lhs``'s.
+      group_sizes: ``[G]`` integer row counts (``[C, G]`` for chunks), on the device.
+      num_groups: the groups of the result; ``G`` by default, required with ``group_offset``.
+      group_offset: optional integer scalar or ``[1]`` array, the window's first group.
+      preferred_element_type: float32 (default), bfloat16 or float16.
+
+    Returns:
+      ``[num_groups, K, N]``; a group with no rows gives zeros. Not differentiable.
+    """
+    chunked = isinstance(lhs, (list, tuple))
+    if isinstance(rhs, (list, tuple)) != chunked:
+        raise TypeError(f"lhs and rhs must both be BlockQuantized or both sequences of chunks, got "
+                        f"{type(lhs).__name__} and {type(rhs).__name__}")
+    lhs_chunks, rhs_chunks = (tuple(lhs), tuple(rhs)) if chunked else ((lhs,), (rhs,))
+    if not 1 <= len(lhs_chunks) <= MAX_CHUNKS:
+        raise ValueError(f"lhs must have 1 to {MAX_CHUNKS} chunks, got {len(lhs_chunks)}")
+    if len(rhs_chunks) != len(lhs_chunks):
+        raise ValueError(f"rhs must have lhs's {len(lhs_chunks)} chunks, got {len(rhs_chunks)}")
+    for c, (a, b) in enumerate(zip(lhs_chunks, rhs_chunks)):
+        index = f"[{c}]" if chunked else ""
+        _check_quantized(f"lhs{index}", a, TRANSPOSED_ACTIVATION_BLOCK, "[M, K]")
+        _check_quantized(f"rhs{index}", b, TRANSPOSED_ACTIVATION_BLOCK, "[M, N]")
+        if a.shape[1] != lhs_chunks[0].shape[1]:
+            raise ValueError(f"lhs{index} must have lhs[0]'s K = {lhs_chunks[0].shape[1]}, got {list(a.shape)}")
+        if b.shape[0] != a.shape[0] or b.shape[1] != rhs_chunks[0].shape[1]:
+            raise ValueError(f"rhs{index} must have shape [M, N] with M = {a.shape[0]} (lhs{index}'s rows) and "
+                             f"N = {rhs_chunks[0].shape[1]}, got {list(b.shape)}")
+    if group_offset is not None and num_groups is None:
+        raise ValueError("num_groups (the groups of the result) is required with group_offset")
+    if num_groups is not None:
+        num_groups = check_count("num_groups", num_groups, 0)
+    rows = tuple(a.shape[0] for a in lhs_chunks)
+    groups, sizes, offset = _check_groups(group_sizes, group_offset, num_groups, "num_groups", rows, chunked)
+    out_dtype = _out_dtype(preferred_element_type)
+    operands = vary_alike(*(a.values for a in lhs_chunks), *(a.scales for a in lhs_chunks),
+                          *(b.values for b in rhs_chunks), *(b.scales for b in rhs_chunks),
+                          sizes.reshape(len(rows), groups), offset)
+    return _not_differentiable("oxmoe.fp8.transposed_ragged_dot", functools.partial(
+        _transposed_ragged_dot_p(len(rows)), groups=groups if num_groups is None else num_groups,
+        out_dtype=out_dtype))(*operands)
+
+
+def _not_differentiable(name: str, bind):
+    """``bind(*operands)``'s single result, whose differentiation raises an error that
+    says what to differentiate instead."""
+    @jax.custom_vjp
+    def product(*operands):
+        (out,) = bind(*operands)
+        return out
+
+    def refuse(*_):
+        raise TypeError(f"{name} is not differentiable (its operands are quantized); differentiate the layer "
+                        "that uses it (oxmoe.moe.moe with MoEConfig.fp8), which defines the FP8 backward")
+
+    product.defvjp(lambda *operands: (product(*operands), None), refuse)
+    return product

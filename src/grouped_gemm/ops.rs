@@ -180,10 +180,10 @@ pub const FP8_BLOCK: usize = 128;
 /// The FP8 results' types.
 const FP8_OUT_TYPES: [DataType; 3] = [DataType::F32, DataType::BF16, DataType::F16];
 
-/// `size` as whole FP8 blocks, or an error naming the dimension.
-fn fp8_blocks(size: usize, what: &str) -> Result<usize> {
+/// `size`, dimension `dim` of `operand`, as whole FP8 blocks, or an error naming them.
+fn fp8_blocks(size: usize, operand: &str, dim: &str) -> Result<usize> {
     if !size.is_multiple_of(FP8_BLOCK) {
-        invalid!("{what} is {size}; FP8 operands have one scale per {FP8_BLOCK} of it, so it must be a multiple of {FP8_BLOCK}")
+        invalid!("{operand} has {dim} = {size}; FP8 operands have one scale per {FP8_BLOCK} along it, so {dim} must be a multiple of {FP8_BLOCK}")
     }
     Ok(size / FP8_BLOCK)
 }
@@ -212,7 +212,7 @@ impl<'a> Fp8RaggedDot<'a> {
         let lhs = call.arg(0, "lhs")?;
         lhs.expect_dtype(&[DataType::F8E4M3FN])?;
         let (m, k) = lhs.matrix()?;
-        let k_blocks = fp8_blocks(k, "lhs's K")?;
+        let k_blocks = fp8_blocks(k, "lhs", "K")?;
         let lhs_scales = call.arg(1, "lhs_scales")?;
         lhs_scales.expect(&[DataType::F32], &[m, k_blocks])?;
         let rhs = call.arg(2, "rhs")?;
@@ -224,7 +224,7 @@ impl<'a> Fp8RaggedDot<'a> {
         let n = if rhs_transposed { d1 } else { d2 };
         let rhs_shape = if rhs_transposed { [local_groups, n, k] } else { [local_groups, k, n] };
         rhs.expect(&[DataType::F8E4M3FN], &rhs_shape)?;
-        let n_blocks = fp8_blocks(n, "rhs's N")?;
+        let n_blocks = fp8_blocks(n, "rhs", "N")?;
         let rhs_scales = call.arg(3, "rhs_scales")?;
         let scales_shape = if rhs_transposed { [local_groups, n_blocks, k_blocks] } else { [local_groups, k_blocks, n_blocks] };
         rhs_scales.expect(&[DataType::F32], &scales_shape)?;
@@ -276,7 +276,7 @@ impl<'a> Fp8TransposedRaggedDot<'a> {
             let lhs = call.arg(c, names[0](c))?;
             let (rows, _) = lhs.matrix()?;
             lhs.expect(&[DataType::F8E4M3FN], &[rows, k])?;
-            let row_blocks = fp8_blocks(rows, &format!("{}'s rows", names[0](c)))?;
+            let row_blocks = fp8_blocks(rows, names[0](c), "M")?;
             let lhs_scales = call.arg(count + c, names[1](c))?;
             lhs_scales.expect(&[DataType::F32], &[row_blocks, k])?;
             let rhs = call.arg(2 * count + c, names[2](c))?;

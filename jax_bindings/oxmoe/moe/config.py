@@ -6,8 +6,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-import typing
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -16,21 +14,12 @@ import numpy as np
 
 from oxmoe import router
 from oxmoe._checks import FLOAT_DTYPES, MAX_ROWS, check_array, check_bool, check_count, check_real
+from oxmoe._pytree import pytree_dataclass
 from oxmoe.grouped_gemm import MAX_CHUNKS
 
 ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
 EXCHANGES = ("auto", "ragged_all_to_all", "all_to_all", "ring")
 _F32 = jnp.float32
-_T = typing.TypeVar("_T")
-
-
-@typing.dataclass_transform(frozen_default=True)
-def pytree_dataclass(data: tuple[str, ...], meta: tuple[str, ...] = ()) -> Callable[[type[_T]], type[_T]]:
-    """A frozen dataclass registered as a pytree with these data and static fields."""
-    def register(cls: type[_T]) -> type[_T]:
-        return jax.tree_util.register_dataclass(
-            dataclasses.dataclass(frozen=True)(cls), data_fields=list(data), meta_fields=list(meta))
-    return register
 
 
 # -- configuration and parameters ------------------------------------------------

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from oxmoe import permutation
 from oxmoe._checks import MAX_ROWS
 from oxmoe._primitive import _varying_axes
-from oxmoe.moe.config import Axes, MoEConfig, pytree_dataclass
+from oxmoe._pytree import pytree_dataclass
+from oxmoe.moe.config import Axes, MoEConfig
 
 SLOT_STEP = 1.1
 """Each slot size of the all_to_all is at most this factor above the next smaller one."""

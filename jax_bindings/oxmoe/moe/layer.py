@@ -13,8 +13,9 @@ import jax.numpy as jnp
 
 from oxmoe import grouped_gemm, permutation, router
 from oxmoe._checks import FLOAT_DTYPES, check_array
+from oxmoe._pytree import pytree_dataclass
 from oxmoe.moe.config import (Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, as_weight_axes, check_weight_shards,
-                              mesh_axes, pytree_dataclass)
+                              mesh_axes)
 from oxmoe.moe.exchange import Exchange, check_rows, dispatch_rows, exchange_method, exchange_tokens
 
 _F32 = jnp.float32
