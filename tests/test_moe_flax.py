@@ -14,8 +14,8 @@ The modules own parameters and call oxmoe.moe; these tests check that they add n
   eager sharding when the module has a mesh) places every variable so, and the values equal
   the unsharded initialisation with the same key; under a mesh without rules, NNX names the
   logical axes that lack one;
-- MoEConfig.float32_gate_logits reaches the layer: with it the modules' output is oxmoe.moe.moe's
-  with it, not without it;
+- MoEConfig.float32_gate_logits and MoEConfig.fp8 reach the layer: with either the modules'
+  output is oxmoe.moe.moe's with it, not without it;
 - the expert-bias update (Linen helper on a nested model's variables, NNX method, eager and
   under nnx.jit) against the NumPy formula bias + rate * sign(mean(tokens) - tokens);
 - `import oxmoe` does not import flax.
@@ -40,7 +40,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import devices  # noqa: E402
-from oxmoe import moe  # noqa: E402
+from oxmoe import fp8, moe  # noqa: E402
 from oxmoe.flax import MoEBlock, update_expert_bias  # noqa: E402
 from oxmoe.moe import MoEConfig, MoEParams  # noqa: E402
 from oxmoe.nnx import MoE  # noqa: E402
@@ -264,6 +264,24 @@ def test_float32_gate_logits_reaches_both_modules(rng, seed):
     for name, y in outputs.items():
         assert_identical(y, with_option, f"{name} y with float32_gate_logits (seed={seed})")
         assert not np.array_equal(np.asarray(y), np.asarray(without)), f"{name}: the option made no difference"
+
+
+def test_the_fp8_recipe_reaches_both_modules(rng, seed):
+    # The same for MoEConfig.fp8, at sizes FP8 can block (multiples of 128): the modules' output
+    # is the FP8 layer's, which differs from the layer's without it.
+    config = MoEConfig(num_experts=8, topk=2, dtype=jnp.float32, fp8=fp8.BlockScaling())
+    hidden = ffn = 128
+    x = jnp.asarray(rng.standard_normal((64, hidden)), jnp.float32)
+    normal = lambda shape, fan_in: jnp.asarray(rng.standard_normal(shape) / np.sqrt(fan_in), jnp.float32)  # noqa: E731
+    weights = {"gate": normal((hidden, 8), hidden), "up": normal((8, hidden, 2 * ffn), hidden),
+               "down": normal((8, ffn, hidden), ffn)}
+    with_recipe = moe.moe(x, MoEParams(**weights), config)[0]
+    without = moe.moe(x, MoEParams(**weights), dataclasses.replace(config, fp8=None))[0]
+    outputs = {"Linen": MoEBlock(config=config, ffn=ffn, **given_inits(weights)).apply({"params": weights}, x)[0],
+               "NNX": MoE(config, hidden, ffn, rngs=nnx.Rngs(params=seed), **given_inits(weights))(x)[0]}
+    for name, y in outputs.items():
+        assert_identical(y, with_recipe, f"{name} y with fp8 (seed={seed})")
+        assert not np.array_equal(np.asarray(y), np.asarray(without)), f"{name}: the recipe made no difference"
 
 
 # ------------------------------------------------------------ sharded init

@@ -24,7 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 
 import moe_reference  # noqa: E402
-from oxmoe import train  # noqa: E402
+from oxmoe import fp8, train  # noqa: E402
 from oxmoe.moe import MoEConfig  # noqa: E402
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -142,6 +142,7 @@ def test_train_step_moves_the_expert_bias_by_the_returned_counts(rng):
 @pytest.mark.parametrize("argv, message", [
     (["--heads", "3"], "--heads 3 must divide --hidden 128"),
     (["--steps", "0"], "--steps must be at least 1"),
+    (["--fp8", "--ffn", "96"], "--fp8 needs --hidden and --ffn multiples of 128 (one scale per 128), got 128 and 96"),
 ])
 def test_bad_flags_are_named(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -211,6 +212,11 @@ def test_the_plots_mark_evaluations_as_points_and_name_the_expert_colours(expert
 def test_shared_experts_flag_gives_shared_ffn_of_that_many_experts():
     assert train.moe_config(train.parse_args(["--shared-experts", "2", "--ffn", "48"]), jnp.float32).shared_ffn == 96
     assert train.moe_config(train.parse_args([]), jnp.float32).shared_ffn is None
+
+
+def test_fp8_flag_gives_the_block_scaling_recipe():
+    assert train.moe_config(train.parse_args(["--fp8"]), jnp.float32).fp8 == fp8.BlockScaling()
+    assert train.moe_config(train.parse_args([]), jnp.float32).fp8 is None
 
 
 def test_bad_routing_is_named():

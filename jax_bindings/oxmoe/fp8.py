@@ -63,6 +63,7 @@ dequantizes on load (no tensor-core FP8 kernel yet). They are not differentiable
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -75,7 +76,7 @@ from oxmoe._pytree import pytree_dataclass
 from oxmoe.grouped_gemm import MAX_CHUNKS, _check_groups
 
 __all__ = ["E4M3_MAX", "ACTIVATION_BLOCK", "WEIGHT_BLOCK", "TRANSPOSED_ACTIVATION_BLOCK", "BlockQuantized",
-           "quantize", "dequantize", "ragged_dot", "transposed_ragged_dot"]
+           "BlockScaling", "quantize", "dequantize", "ragged_dot", "transposed_ragged_dot"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = 448.0
@@ -103,6 +104,24 @@ class BlockQuantized:
     def shape(self) -> tuple[int, ...]:
         """The tensor's shape."""
         return tuple(self.values.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScaling:
+    """The FP8 recipe of the MoE layer (``MoEConfig(fp8=BlockScaling())``), DeepSeek-V3's
+    and TransformerEngine's ``Float8BlockScaling``: the experts' three GEMMs of the
+    forward and four of the backward on ``float8_e4m3fn`` operands, activations quantized
+    in :data:`ACTIVATION_BLOCK` blocks, weights in :data:`WEIGHT_BLOCK` blocks, the weight
+    gradients' operands in :data:`TRANSPOSED_ACTIVATION_BLOCK` blocks, every scale float32;
+    the master weights, the router, the activation, the combine and the shared experts
+    keep their own dtypes. The weights are quantized from their master copy in every step.
+
+    ``power_of_two_scales``: every scale rounded up to a power of two (exact scaling)."""
+
+    power_of_two_scales: bool = False
+
+    def __post_init__(self):
+        check_bool("power_of_two_scales", self.power_of_two_scales)
 
 
 def _check_block(x, block) -> None:

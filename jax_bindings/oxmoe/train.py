@@ -45,6 +45,7 @@ except ModuleNotFoundError as missing:
     raise ModuleNotFoundError(f"oxmoe.train needs {missing.name}: {TOOLS_HINT}", name=missing.name) from missing
 
 import oxmoe
+from oxmoe import fp8
 from oxmoe._progress import Progress
 from oxmoe.moe import MoEConfig
 from oxmoe.nnx import MoE
@@ -243,6 +244,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default 3e-3)")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                      help="compute dtype (default bfloat16 on a GPU, float32 on the CPU)")
+    run.add_argument("--fp8", action="store_true",
+                     help="the experts' GEMMs in block-scaled FP8 (MoEConfig.fp8 = oxmoe.fp8.BlockScaling(), "
+                          "DeepSeek-V3's recipe); --hidden and --ffn must be multiples of 128")
     run.add_argument("--devices", type=int, default=None,
                      help="devices for expert parallelism; must divide --experts and --batch (default: every "
                           "GPU; on the CPU, 2 virtual devices)")
@@ -260,6 +264,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--shared-experts must be at least 0, got {args.shared_experts}")
     if args.devices is not None and args.devices < 1:
         parser.error(f"--devices must be at least 1, got {args.devices}")
+    if args.fp8 and (args.hidden % 128 or args.ffn % 128):
+        parser.error(f"--fp8 needs --hidden and --ffn multiples of 128 (one scale per 128), got {args.hidden} and "
+                     f"{args.ffn}")
     return args
 
 
@@ -286,7 +293,8 @@ def moe_config(args, dtype) -> MoEConfig:
         return MoEConfig(num_experts=args.experts, topk=args.topk, score_function=args.routing,
                          num_groups=args.groups, group_topk=args.group_topk, use_expert_bias=sigmoid,
                          aux_loss_coeff=aux, z_loss_coeff=args.z_loss_coeff, dtype=dtype,
-                         shared_ffn=args.shared_experts * args.ffn or None)
+                         shared_ffn=args.shared_experts * args.ffn or None,
+                         fp8=fp8.BlockScaling() if args.fp8 else None)
     except (ValueError, TypeError) as error:
         raise SystemExit(f"bad routing options: {error}") from None
 
@@ -335,7 +343,8 @@ def train(args: argparse.Namespace) -> dict:
         progress.log(f"oxmoe {oxmoe.build_id()}: {config.layers} blocks, H={config.hidden}, {args.experts} experts "
                      f"(top-{args.topk}, {args.routing}) of F={config.ffn} over {mesh.size} {device.device_kind} "
                      f"device(s), {total_params / 1e6:.2f}M parameters ({active_params / 1e6:.2f}M per token), "
-                     f"{dtype.name}; {len(corpus.train) / 1e6:.2f} MB of Shakespeare, unigram baseline "
+                     f"{dtype.name}{', FP8 experts' if args.fp8 else ''}; {len(corpus.train) / 1e6:.2f} MB of "
+                     "Shakespeare, unigram baseline "
                      f"{baseline:.3f} nats/byte")
         progress.running("compiling")
         clock = time.perf_counter()
@@ -398,7 +407,8 @@ def train(args: argparse.Namespace) -> dict:
                    routing=args.routing, groups=args.groups, group_topk=args.group_topk,
                    aux_loss_coeff=config.moe.aux_loss_coeff,
                    z_loss_coeff=config.moe.z_loss_coeff, expert_bias_rate=args.bias_rate if args.routing == "sigmoid"
-                   else None, dtype=dtype.name, parameters=total_params, active_parameters=active_params),
+                   else None, dtype=dtype.name, fp8=args.fp8, parameters=total_params,
+                   active_parameters=active_params),
         training=dict(steps=args.steps, batch=args.batch, tokens_per_step=tokens_per_step, lr=args.lr,
                       seed=args.seed, first_step_seconds=step_seconds[0], seconds=steady_seconds,
                       tokens_per_second=tokens_per_step * (args.steps - 1) / steady_seconds if args.steps > 1

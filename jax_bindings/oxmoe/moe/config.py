@@ -15,6 +15,7 @@ import numpy as np
 from oxmoe import router
 from oxmoe._checks import FLOAT_DTYPES, MAX_ROWS, check_array, check_bool, check_count, check_real
 from oxmoe._pytree import pytree_dataclass
+from oxmoe.fp8 import BlockScaling
 from oxmoe.grouped_gemm import MAX_CHUNKS
 
 ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
@@ -62,6 +63,18 @@ class MoEConfig:
     ``exchange``: how tokens travel between expert shards: ``"auto"``,
     ``"ragged_all_to_all"``, ``"all_to_all"`` or ``"ring"`` (see
     :mod:`oxmoe.moe`).
+
+    ``fp8`` (default None: the experts' GEMMs in ``dtype``): an
+    :class:`oxmoe.fp8.BlockScaling` recipe makes the experts' three GEMMs of the
+    forward and four of the backward block-scaled FP8 products
+    (:func:`oxmoe.fp8.ragged_dot`, :func:`oxmoe.fp8.transposed_ragged_dot`): the
+    dispatched rows and the activation's output quantized per row in 1 x 128
+    blocks, the expert weights in 128 x 128 blocks (once a step, kept for the
+    backward: half the bytes of bfloat16 weights), the weight gradients' operands
+    in 128 x 1 blocks; each product's result rounded to ``dtype``. The router, the
+    activation, the combine and the shared experts are not quantized, and the
+    master weights are untouched. The hidden and the experts' FFN sizes must be
+    multiples of 128; the row buffers are padded to multiples of 128.
 
     ``token_chunks`` (MaxText's ``num_moe_token_chunks``; default 1, at most
     :data:`oxmoe.grouped_gemm.MAX_CHUNKS`): with expert shards, each shard's
@@ -125,6 +138,7 @@ class MoEConfig:
     shared_ffn: int | None = None
     shared_gate: bool = False
     token_chunks: int = 1
+    fp8: BlockScaling | None = None
 
     def __post_init__(self):
         check_count("num_experts", self.num_experts, 1)
@@ -148,6 +162,8 @@ class MoEConfig:
             raise ValueError(f"exchange must be one of {EXCHANGES}, got {self.exchange!r}")
         check_count("token_chunks", self.token_chunks, 1, MAX_CHUNKS,
                     " (the weight gradients take every chunk's rows in one product)")
+        if self.fp8 is not None and not isinstance(self.fp8, BlockScaling):
+            raise TypeError(f"fp8 must be None or an oxmoe.fp8.BlockScaling recipe, got {self.fp8!r}")
         if self.capacity_factor is not None:
             check_real("capacity_factor", self.capacity_factor, low=0)
             if self.capacity_factor == 0:

@@ -340,11 +340,13 @@ def dispatch_rows(config: MoEConfig, num_tokens: int, num_experts: int, capacity
     """The rows of a dispatch of ``num_tokens`` tokens to ``num_experts`` of the
     experts: each token reaches at most ``min(topk, num_experts)`` of them, each
     expert at most ``capacity`` copies (:meth:`MoEConfig.expert_capacity`;
-    None: no bound), each expert's block padded to ``align_size``."""
+    None: no bound), each expert's block padded to ``align_size``; with
+    ``config.fp8`` a multiple of 128 (the weight gradients' FP8 operands have one
+    scale per 128 rows)."""
     rows = permutation.padded_rows(num_tokens * min(config.topk, num_experts), num_experts, config.align_size)
-    if capacity is None:
-        return rows
-    return min(rows, permutation.padded_rows(num_experts * capacity, num_experts, config.align_size))
+    if capacity is not None:
+        rows = min(rows, permutation.padded_rows(num_experts * capacity, num_experts, config.align_size))
+    return -(-rows // 128) * 128 if config.fp8 is not None else rows
 
 
 def check_rows(config: MoEConfig, axes: Axes, num_tokens: int, method: str | None, capacity: int | None) -> None:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from oxmoe import grouped_gemm, permutation, router
+from oxmoe import fp8, grouped_gemm, permutation, router
 from oxmoe._checks import FLOAT_DTYPES, check_array
 from oxmoe._pytree import pytree_dataclass
 from oxmoe.moe.config import (Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, as_weight_axes, check_weight_shards,
@@ -227,41 +228,82 @@ def _activate(u, activation: str):
 
 def expert_ffn(dispatched: ExpertInput, params: MoEParams, config: MoEConfig) -> ExpertOutput:
     """Each local expert's FFN on its rows: one grouped GEMM over the fused
-    gate+up weight, the activation, one grouped GEMM over the down weight.
+    gate+up weight, the activation, one grouped GEMM over the down weight (FP8
+    products with ``config.fp8``).
 
     Args:
       dispatched: :func:`dispatch`'s result.
       params: :class:`MoEParams` whose ``up``/``down`` are the local experts.
       config: the layer's :class:`MoEConfig`.
     """
+    return _expert_ffn(dispatched, _expert_weights(params, config), config)
+
+
+def _expert_weights(params: MoEParams, config: MoEConfig) -> tuple:
+    """``(up, down)`` as the experts' products take them: in ``config.dtype``, or
+    with ``config.fp8`` quantized in 128 x 128 blocks."""
+    if config.fp8 is None:
+        return params.up.astype(config.dtype), params.down.astype(config.dtype)
+    quantize = functools.partial(fp8.quantize, block=fp8.WEIGHT_BLOCK,
+                                 power_of_two_scales=config.fp8.power_of_two_scales)
+    return quantize(params.up), quantize(params.down)
+
+
+def _expert_product(rows, weight, sizes, config: MoEConfig, *, rhs_transposed: bool = False):
+    """``rows`` of each group times its expert's ``weight`` (``weight[g]ᵀ`` with
+    ``rhs_transposed``), in ``config.dtype``; with ``config.fp8`` the rows
+    quantized per row in 1 x 128 blocks and the FP8 product."""
+    if config.fp8 is None:
+        return grouped_gemm.ragged_dot(rows, weight, sizes, rhs_transposed=rhs_transposed)
+    quantized = fp8.quantize(rows, fp8.ACTIVATION_BLOCK, power_of_two_scales=config.fp8.power_of_two_scales)
+    return fp8.ragged_dot(quantized, weight, sizes, rhs_transposed=rhs_transposed,
+                          preferred_element_type=config.dtype)
+
+
+def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> ExpertOutput:
+    """:func:`expert_ffn` with the weights of :func:`_expert_weights`."""
+    up_weight, down_weight = weights
     sizes = dispatched.group_sizes
-    up = grouped_gemm.ragged_dot(dispatched.rows, params.up.astype(config.dtype), sizes)
-    rows = grouped_gemm.ragged_dot(_activate(up, config.activation), params.down.astype(config.dtype), sizes)
+    up = _expert_product(dispatched.rows, up_weight, sizes, config)
+    rows = _expert_product(_activate(up, config.activation), down_weight, sizes, config)
     return ExpertOutput(rows, up)
 
 
-def _expert_ffn_bwd(grad_rows, dispatched: ExpertInput, out: ExpertOutput, params: MoEParams, config: MoEConfig):
+def _expert_ffn_bwd(grad_rows, dispatched: ExpertInput, out: ExpertOutput, weights: tuple, config: MoEConfig):
     """The gradient of the dispatched rows, ``(grad_in, hidden, grad_up_rows)``: with
     ``hidden`` (the activation's output) and ``grad_up_rows``, what the weight
-    gradients (:func:`_expert_weight_grads`) need besides the rows."""
+    gradients (:func:`_expert_weight_grads`) need besides the rows. ``weights``:
+    :func:`_expert_weights`'."""
+    up_weight, down_weight = weights
     sizes = dispatched.group_sizes
     hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), out.up_rows)
-    grad_hidden = grouped_gemm.ragged_dot(grad_rows, params.down.astype(config.dtype), sizes, rhs_transposed=True)
+    grad_hidden = _expert_product(grad_rows, down_weight, sizes, config, rhs_transposed=True)
     (grad_up_rows,) = activation_vjp(grad_hidden)
-    grad_in = grouped_gemm.ragged_dot(grad_up_rows, params.up.astype(config.dtype), sizes, rhs_transposed=True)
+    grad_in = _expert_product(grad_up_rows, up_weight, sizes, config, rhs_transposed=True)
     return grad_in, hidden, grad_up_rows
 
 
 def _expert_weight_grads(dispatched: list[ExpertInput], hidden: list, grad_rows: list, grad_up_rows: list,
                          params: MoEParams, config: MoEConfig):
     """``(grad_up, grad_down)`` of the local experts over every chunk's rows: one
-    weight-gradient product per weight, its rows kept in their chunks' buffers."""
+    weight-gradient product per weight, its rows kept in their chunks' buffers
+    (with ``config.fp8``, each quantized in 128 x 1 blocks: one scale per 128 rows
+    of a column)."""
     sizes = jnp.stack([d.group_sizes for d in dispatched])  # [C, El]
     groups = sizes.shape[1]
-    grad_down = grouped_gemm.transposed_ragged_dot(hidden, grad_rows, sizes, num_groups=groups,
-                                                   preferred_element_type=_weight_grad_dtype(params.down, config))
-    grad_up = grouped_gemm.transposed_ragged_dot([d.rows for d in dispatched], grad_up_rows, sizes, num_groups=groups,
-                                                 preferred_element_type=_weight_grad_dtype(params.up, config))
+    down_operands: tuple = (hidden, grad_rows)
+    up_operands: tuple = ([d.rows for d in dispatched], grad_up_rows)
+    product: Callable = grouped_gemm.transposed_ragged_dot
+    if config.fp8 is not None:
+        quantize = functools.partial(fp8.quantize, block=fp8.TRANSPOSED_ACTIVATION_BLOCK,
+                                     power_of_two_scales=config.fp8.power_of_two_scales)
+        down_operands, up_operands = (tuple([quantize(r) for r in chunks] for chunks in operands)
+                                      for operands in (down_operands, up_operands))
+        product = fp8.transposed_ragged_dot
+    grad_down = product(*down_operands, sizes, num_groups=groups,
+                        preferred_element_type=_weight_grad_dtype(params.down, config))
+    grad_up = product(*up_operands, sizes, num_groups=groups,
+                      preferred_element_type=_weight_grad_dtype(params.up, config))
     return grad_up, grad_down
 
 
@@ -369,7 +411,7 @@ def _combine(rows, dispatched: ExpertInput, axes: Axes):
 
 # -- the layer -------------------------------------------------------------------------
 
-@pytree_dataclass(("tokens", "params", "routing", "dispatched", "expert_output", "shared"),
+@pytree_dataclass(("tokens", "params", "routing", "dispatched", "expert_output", "fp8_weights", "shared"),
                   ("x_shape", "x_dtype"))
 class Residuals:
     """What the forward pass keeps for the backward."""
@@ -382,6 +424,9 @@ class Residuals:
     """Each token chunk's dispatch (one chunk without ``MoEConfig.token_chunks``)."""
     expert_output: tuple[ExpertOutput, ...]
     """Each token chunk's expert FFN result."""
+    fp8_weights: tuple[fp8.BlockQuantized, fp8.BlockQuantized] | None
+    """With ``MoEConfig.fp8``: ``(up, down)`` quantized for the forward's products,
+    which the backward's take too; else None."""
     x_shape: tuple[int, ...]
     """The layer input's shape, to give its gradient."""
     x_dtype: Any
@@ -415,6 +460,9 @@ def _check_params(params, config: MoEConfig, axes: Axes, hidden: int) -> None:
         raise ValueError(f"params.down must have shape [local experts, ffn, hidden] = [{held}{where}, F, {hidden}], "
                          f"got {list(down)}")
     f = down[1]
+    if config.fp8 is not None and (hidden % 128 or f % 128):
+        raise ValueError(f"config.fp8 needs the hidden size and the experts' ffn to be multiples of 128 (one scale "
+                         f"per 128 of each), got hidden {hidden} and ffn {f}")
     width, form = (2 * f, "2 * ffn (gate and up halves)") if config.glu else (f, "ffn")
     if up != (held, hidden, width):
         raise ValueError(f"params.up must have shape [local experts, hidden, {form}] = [{held}{where}, {hidden}, "
@@ -529,7 +577,7 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     routing_map, probs = routing.dispatched()
     tokens = flat.astype(config.dtype)
     capacity = config.expert_capacity(len(flat) * axes.expert_shards)
-    weights = _gather_weights(params, axes)
+    weights = _expert_weights(_gather_weights(params, axes), config)
     # The shared experts need only this shard's tokens: nothing ties them to the exchange.
     shared = shared_expert_ffn(flat, params, config) if config.shared_ffn is not None else None
     # Each chunk's tokens travel, meet their experts and come back on their own, so that one
@@ -537,7 +585,7 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     dispatched, outputs, ys = [], [], []
     for rows in _token_chunks(len(flat), config, axes):
         d = _dispatch(tokens[rows], routing_map[rows], probs[rows], config, axes, capacity)
-        out = expert_ffn(d, weights, config)
+        out = _expert_ffn(d, weights, config)
         dispatched.append(d)
         outputs.append(out)
         ys.append(_combine(out.rows, d, axes))
@@ -545,8 +593,9 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     if shared is not None:
         y = shared.added_to(y)
     aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert, routing.dropped_copies)
+    fp8_weights = weights if config.fp8 is not None else None
     return (y.reshape(x.shape), aux), Residuals(router_tokens, params, routing, tuple(dispatched), tuple(outputs),
-                                                x.shape, x.dtype, shared)
+                                                fp8_weights, x.shape, x.dtype, shared)
 
 
 def _token_chunks(tokens: int, config: MoEConfig, axes: Axes) -> list[slice]:
@@ -560,7 +609,8 @@ def _token_chunks(tokens: int, config: MoEConfig, axes: Axes) -> list[slice]:
 def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     grad_y, grad_aux = cotangents
     params = res.params
-    weights = _gather_weights(params, axes)
+    # The FP8 weights are the forward's; others are cast (and gathered) again rather than kept.
+    weights = res.fp8_weights or _expert_weights(_gather_weights(params, axes), config)
     grad_y = grad_y.reshape(-1, grad_y.shape[-1]).astype(config.dtype)
     shared_grads = None
     if res.shared is not None:  # independent of the exchange below
@@ -590,7 +640,7 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
         hidden.append(chunk_hidden)
         grad_rows.append(grad_out_rows)
         grad_up_rows.append(chunk_grad_up_rows)
-    grad_up, grad_down = _expert_weight_grads(list(res.dispatched), hidden, grad_rows, grad_up_rows, weights, config)
+    grad_up, grad_down = _expert_weight_grads(list(res.dispatched), hidden, grad_rows, grad_up_rows, params, config)
     grad_logits = _route_bwd(res.routing, jnp.concatenate(grad_probs), grad_aux, config, axes)
     gate = params.gate.astype(config.router_dtype)
     grad_x = jnp.concatenate(grad_tokens).astype(_F32) + _f32_dot(grad_logits, gate.T)

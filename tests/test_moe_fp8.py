@@ -1,0 +1,178 @@
+"""The MoE layer with the FP8 recipe (MoEConfig(fp8=oxmoe.fp8.BlockScaling())), on the host's
+CPU devices, on fresh random data:
+
+- its expert FFN is, up to float32 summation order, the composition of the plain-JAX FP8
+  products (oxmoe.reference.fp8) on the quantized rows and weights;
+- the whole layer (y, both losses, the counts, the gradients of x, gate, up and down) against
+  the float64 dense reference and against the same layer without FP8, within FP8's error
+  (documented below), on one device and inside shard_map with 2 and 4 expert shards, each
+  exchange the CPU runs, with alignment, token chunks, data shards, power-of-two scales,
+  float32 and bfloat16 compute;
+- its training step holds the FP8 products only (four grouped and two weight-gradient
+  products a chunk), none of the 16-bit ones;
+- the errors for sizes FP8 cannot block and for a recipe that is not one.
+
+FP8's error. float8_e4m3fn keeps 3 mantissa bits: each quantized value is off by up to 2^-4
+of itself (about 2.5% on average over a block's spread of magnitudes), each product of two
+quantized operands by about 3.5%, and the layer chains two such products forward and two
+backward: on these draws the result is off the float64 reference by 6-7% of its norm
+(measured: y 6.4%, d x 6.4-6.6%, d gate 6.1-6.7%, d up 6.4%, d down 6.3%), where the layer
+without FP8 is off by 3e-7 (float32) or 0.3% (bfloat16). The bound is 10% of the norm, and
+every element within 10% of the largest |reference| element: a wrong scale, block or
+transposition puts the error near 100%. The router is not quantized: the losses and the
+counts are the reference's to float32 precision.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import devices
+import moe_checks as checks
+import moe_reference as ref
+from oxmoe import fp8, moe
+from oxmoe.moe import MoEConfig, MoEParams
+from oxmoe.reference import fp8 as fp8_reference
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+FP8_TOLERANCE = (0.10, 0.10)
+HIDDEN, FFN, TOKENS = 256, 128, 512
+ROUTINGS = {
+    "softmax_top2": dict(num_experts=8, topk=2),
+    "sigmoid_groups": dict(num_experts=16, topk=4, score_function="sigmoid", num_groups=4, group_topk=2,
+                           scaling_factor=2.5, use_expert_bias=True),
+}
+
+
+def config_of(routing: str, **kwargs) -> MoEConfig:
+    fields = dict(ROUTINGS[routing], aux_loss_coeff=checks.AUX_LOSS_COEFF, z_loss_coeff=checks.Z_LOSS_COEFF,
+                  fp8=fp8.BlockScaling())
+    return MoEConfig(**{**fields, **kwargs})
+
+
+def swiglu(u, dtype):
+    """The layer's activation: float32, rounded to the compute dtype."""
+    gate, up = jnp.split(u.astype(F32), 2, axis=-1)
+    return (jax.nn.silu(gate) * up).astype(dtype)
+
+
+def test_expert_ffn_is_the_fp8_reference_products(seed, rng):
+    config = config_of("softmax_top2", dtype=F32)
+    x, params, _ = checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams)
+    routing = moe.route(x, params, config)
+    dispatched = moe.dispatch(x, routing, config)
+    got = moe.expert_ffn(dispatched, params, config)
+    sizes = dispatched.group_sizes
+    rows_q = fp8.quantize(dispatched.rows, fp8.ACTIVATION_BLOCK)
+    up = fp8_reference.ragged_dot(rows_q, fp8.quantize(params.up, fp8.WEIGHT_BLOCK), sizes,
+                                  preferred_element_type=F32)
+    hidden_q = fp8.quantize(swiglu(up, F32), fp8.ACTIVATION_BLOCK)
+    rows = fp8_reference.ragged_dot(hidden_q, fp8.quantize(params.down, fp8.WEIGHT_BLOCK), sizes,
+                                    preferred_element_type=F32)
+    context = f"sizes={np.asarray(sizes).tolist()}, seed={seed}"
+    assert dispatched.rows.shape[0] % 128 == 0, dispatched.rows.shape  # the FP8 weight gradient's blocks
+    checks.assert_close(got.up_rows, up, F32, what="up rows", context=context, tolerance=(1e-5, 1e-5))
+    # A float32 sum that differs in its last bit may round an activation to the neighbouring
+    # FP8 value (2^-4 of it) in rare elements: a few in a million, each off by ~1e-3 of a row.
+    checks.assert_close(got.rows, rows, F32, what="rows", context=context, tolerance=(1e-3, 2e-2))
+
+
+# (data shards, expert shards or None: no shard_map, exchange, align_size, routing, dtype, extra config)
+LAYER_CASES = {
+    "local_softmax_f32": (None, None, "auto", None, "softmax_top2", F32, {}),
+    "local_sigmoid_groups_bf16_pow2": (None, None, "auto", None, "sigmoid_groups", BF16,
+                                       dict(fp8=fp8.BlockScaling(power_of_two_scales=True))),
+    "ep2_all_to_all_sigmoid_groups_align_f32": (1, 2, "all_to_all", 128, "sigmoid_groups", F32, {}),
+    "ep4_ring_softmax_2chunks_bf16": (1, 4, "ring", None, "softmax_top2", BF16, dict(token_chunks=2)),
+    "data2_ep2_all_to_all_softmax_3chunks_f32": (2, 2, "all_to_all", None, "softmax_top2", F32,
+                                                 dict(token_chunks=3)),
+}
+
+
+@pytest.mark.parametrize("case", LAYER_CASES)
+def test_fp8_layer_matches_the_reference_within_fp8_error(case, cpu, seed, rng):
+    data, ep, exchange, align, routing, dtype, extra = LAYER_CASES[case]
+    config = config_of(routing, dtype=dtype, exchange=exchange, align_size=align, **extra)
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
+    context = f"{case}, seed={seed}"
+    if ep is None:
+        def layer(x, p, c):
+            return moe.moe(x, p, c)
+        args = (x, params, y_weight)
+    else:
+        mesh = jax.make_mesh((data, ep), ("data", "expert"), devices=devices.cpu_devices()[:data * ep])
+        tokens = P(("data", "expert"))
+        specs = MoEParams(gate=P(), up=P("expert"), down=P("expert"),
+                          expert_bias=P() if params.expert_bias is not None else None)
+
+        def layer(x, p, c):
+            return jax.shard_map(lambda x, p: moe.moe(x, p, c, expert_axis="expert", data_axes=("data",)),
+                                 mesh=mesh, in_specs=(tokens, specs), out_specs=(tokens, P()))(x, p)
+        place = jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+        args = (jax.device_put(x, NamedSharding(mesh, tokens)), jax.device_put(params, place),
+                jax.device_put(y_weight, NamedSharding(mesh, tokens)))
+
+    def run(c):
+        return jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: layer(x, p, c), x, p, w))(*args)
+
+    got = run(config)
+    plain = dataclasses.replace(config, fp8=None, align_size=None, exchange="auto", token_chunks=1)
+    expected = jax.jit(ref.value_and_grads, static_argnums=2)(x, params, plain, y_weight)
+    without_fp8 = run(dataclasses.replace(config, fp8=None))
+    (y, aux), (dx, dparams) = got
+    for name, reference in (("the float64 reference", expected), ("the layer without FP8", without_fp8)):
+        (y_ref, aux_ref), (dx_ref, dparams_ref) = reference
+        where = f"{context}, against {name}"
+        checks.assert_close(y, y_ref, dtype, what="y", context=where, tolerance=FP8_TOLERANCE)
+        checks.assert_close(dx, dx_ref, dtype, what="d x", context=where, tolerance=FP8_TOLERANCE)
+        for weight in ("gate", "up", "down"):
+            checks.assert_close(getattr(dparams, weight), getattr(dparams_ref, weight), dtype, what=f"d {weight}",
+                                context=where, tolerance=FP8_TOLERANCE)
+        for loss in ("load_balancing_loss", "z_loss"):
+            checks.assert_close(getattr(aux, loss), getattr(aux_ref, loss), F32, what=loss, context=where,
+                                tolerance=checks.LOSS_TOLERANCE)
+        np.testing.assert_array_equal(aux.tokens_per_expert, aux_ref.tokens_per_expert, err_msg=where)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_the_fp8_step_holds_only_fp8_expert_products(chunks):
+    config = config_of("softmax_top2", dtype=BF16, token_chunks=chunks)
+    mesh = jax.make_mesh((2,), ("expert",), devices=devices.cpu_devices()[:2])
+    params = moe.init_params(jax.random.key(0), config, HIDDEN, FFN)
+    x = jnp.zeros((TOKENS, HIDDEN), BF16)
+
+    def loss(x, params):
+        y, aux = moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert")
+        return jnp.sum(y.astype(F32)) + aux.load_balancing_loss
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, params))
+    counts = {name: jaxpr.count(f"{name}[") for name in
+              ("oxmoe_fp8_ragged_dot", "oxmoe_fp8_transposed_ragged_dot", "oxmoe_ragged_dot",
+               "oxmoe_transposed_ragged_dot")}
+    assert counts == {"oxmoe_fp8_ragged_dot": 4 * chunks, "oxmoe_fp8_transposed_ragged_dot": 2,
+                      "oxmoe_ragged_dot": 0, "oxmoe_transposed_ragged_dot": 0}, counts
+
+
+def test_sizes_fp8_cannot_block_are_named():
+    config = config_of("softmax_top2")
+    params = moe.init_params(jax.random.key(0), config, 192, 128)
+    with pytest.raises(ValueError, match=r"config.fp8 needs the hidden size and the experts' ffn to be multiples of "
+                                         r"128 \(one scale per 128 of each\), got hidden 192 and ffn 128"):
+        moe.moe(jnp.zeros((8, 192)), params, config)
+    params = moe.init_params(jax.random.key(0), config, 128, 96)
+    with pytest.raises(ValueError, match=r"got hidden 128 and ffn 96"):
+        moe.moe(jnp.zeros((8, 128)), params, config)
+
+
+def test_a_recipe_that_is_not_one_is_named():
+    with pytest.raises(TypeError, match=r"fp8 must be None or an oxmoe.fp8.BlockScaling recipe, got True"):
+        MoEConfig(num_experts=8, topk=2, fp8=True)
+    with pytest.raises(ValueError, match=r"power_of_two_scales must be a bool, got 1"):
+        fp8.BlockScaling(power_of_two_scales=1)
