@@ -81,6 +81,45 @@ __device__ __forceinline__ void check_simt_launch() {
   static_assert(TILE == SIMT_TILE, "a 64 x 64 output tile a block");
 }
 
+// The rows of a SIMT block's 64 x 64 tile of out at (row0, col0) outside the
+// window [bounds[0], bounds[local_groups]) (and below m) are zero.
+template <typename O>
+__device__ __forceinline__ void zero_rows_outside_window(O* __restrict__ out, const int* __restrict__ bounds,
+                                                         int local_groups, int m, int n, int row0, int col0) {
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int first_row = bounds[0], last_row = bounds[local_groups];
+  for (int i = 0; i < 4; ++i) {
+    const int row = row0 + ty * 4 + i;
+    if (row >= m || (row >= first_row && row < last_row)) continue;
+    for (int j = 0; j < 4; ++j)
+      if (col0 + tx + 16 * j < n) out[static_cast<size_t>(row) * n + col0 + tx + 16 * j] = from_float<O>(0.f);
+  }
+}
+
+// The first local group ending after row0 (bounds are non-decreasing).
+__device__ __forceinline__ int first_group_ending_after(const int* __restrict__ bounds, int local_groups, int row0) {
+  int lo = 0, hi = local_groups;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (bounds[mid + 1] <= row0) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Writes a thread's 4 x 4 sums of the tile at (row0, col0) of out (row stride
+// n): the rows in [begin, end), the columns below n.
+template <typename O>
+__device__ __forceinline__ void store_tile_rows(const float (&acc)[4][4], O* __restrict__ out, int row0, int col0,
+                                                int begin, int end, int n) {
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  for (int i = 0; i < 4; ++i) {
+    const int row = row0 + ty * 4 + i;
+    if (row < begin || row >= end) continue;
+    for (int j = 0; j < 4; ++j)
+      if (col0 + tx + 16 * j < n) out[static_cast<size_t>(row) * n + col0 + tx + 16 * j] = from_float<O>(acc[i][j]);
+  }
+}
+
 // Adds the 64 x 64 product of as (depth x rows) and bs (depth x columns) to acc.
 __device__ __forceinline__ void simt_tile_product(const float (&as)[SIMT_DEPTH][SIMT_TILE + 1],
                                                   const float (&bs)[SIMT_DEPTH][SIMT_TILE], float (&acc)[4][4]) {
@@ -111,21 +150,8 @@ __global__ void __launch_bounds__(THREADS) ragged_dot_simt(
   __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
   const int tiles_n = (n + SIMT_TILE - 1) / SIMT_TILE;
   const int row0 = blockIdx.x / tiles_n * SIMT_TILE, col0 = blockIdx.x % tiles_n * SIMT_TILE;
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
-  const int first_row = bounds[0], last_row = bounds[local_groups];
-  for (int i = 0; i < 4; ++i) {
-    const int row = row0 + ty * 4 + i;
-    if (row >= m || (row >= first_row && row < last_row)) continue;
-    for (int j = 0; j < 4; ++j)
-      if (col0 + tx + 16 * j < n) out[static_cast<size_t>(row) * n + col0 + tx + 16 * j] = from_float<O>(0.f);
-  }
-  // The first group ending after row0 (bounds are non-decreasing).
-  int lo = 0, hi = local_groups;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (bounds[mid + 1] <= row0) lo = mid + 1; else hi = mid;
-  }
-  for (int g = lo; g < local_groups && bounds[g] < row0 + SIMT_TILE; ++g) {
+  zero_rows_outside_window(out, bounds, local_groups, m, n, row0, col0);
+  for (int g = first_group_ending_after(bounds, local_groups, row0); g < local_groups && bounds[g] < row0 + SIMT_TILE; ++g) {
     const int begin = max(bounds[g], row0), end = min(bounds[g + 1], row0 + SIMT_TILE);
     if (begin >= end) continue;  // block-uniform
     float acc[4][4] = {};
@@ -144,12 +170,7 @@ __global__ void __launch_bounds__(THREADS) ragged_dot_simt(
       simt_tile_product(as, bs, acc);
       __syncthreads();
     }
-    for (int i = 0; i < 4; ++i) {
-      const int row = row0 + ty * 4 + i;
-      if (row < begin || row >= end) continue;
-      for (int j = 0; j < 4; ++j)
-        if (col0 + tx + 16 * j < n) out[static_cast<size_t>(row) * n + col0 + tx + 16 * j] = from_float<O>(acc[i][j]);
-    }
+    store_tile_rows(acc, out, row0, col0, begin, end, n);
   }
 }
 
@@ -172,7 +193,6 @@ __global__ void __launch_bounds__(THREADS) transposed_ragged_dot_simt(
   const int tiles_n = (n + SIMT_TILE - 1) / SIMT_TILE, tiles_k = (k + SIMT_TILE - 1) / SIMT_TILE;
   const int g = blockIdx.x / (tiles_k * tiles_n), tile = blockIdx.x % (tiles_k * tiles_n);
   const int k_0 = tile / tiles_n * SIMT_TILE, col0 = tile % tiles_n * SIMT_TILE;
-  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   float acc[4][4] = {};
   for (int c = 0; c < chunks; ++c) {
     const T* __restrict__ lhs = operands.lhs[c];
@@ -189,13 +209,7 @@ __global__ void __launch_bounds__(THREADS) transposed_ragged_dot_simt(
       __syncthreads();
     }
   }
-  O* block = out + static_cast<size_t>(g) * k * n;
-  for (int i = 0; i < 4; ++i) {
-    const int kr = k_0 + ty * 4 + i;
-    if (kr >= k) continue;
-    for (int j = 0; j < 4; ++j)
-      if (col0 + tx + 16 * j < n) block[static_cast<size_t>(kr) * n + col0 + tx + 16 * j] = from_float<O>(acc[i][j]);
-  }
+  store_tile_rows(acc, out + static_cast<size_t>(g) * k * n, k_0, col0, 0, k, n);
 }
 
 // ---------------------------------------------------------------------------
@@ -225,19 +239,8 @@ __global__ void __launch_bounds__(THREADS) fp8_ragged_dot_simt(
   const int row0 = blockIdx.x / tiles_n * SIMT_TILE, col0 = blockIdx.x % tiles_n * SIMT_TILE;
   const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
   const int k_blocks = k / FP8_BLOCK, n_blocks = n / FP8_BLOCK;
-  const int first_row = bounds[0], last_row = bounds[local_groups];
-  for (int i = 0; i < 4; ++i) {
-    const int row = row0 + ty * 4 + i;
-    if (row >= m || (row >= first_row && row < last_row)) continue;
-    for (int j = 0; j < 4; ++j)
-      if (col0 + tx + 16 * j < n) out[static_cast<size_t>(row) * n + col0 + tx + 16 * j] = from_float<O>(0.f);
-  }
-  int lo = 0, hi = local_groups;
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (bounds[mid + 1] <= row0) lo = mid + 1; else hi = mid;
-  }
-  for (int g = lo; g < local_groups && bounds[g] < row0 + SIMT_TILE; ++g) {
+  zero_rows_outside_window(out, bounds, local_groups, m, n, row0, col0);
+  for (int g = first_group_ending_after(bounds, local_groups, row0); g < local_groups && bounds[g] < row0 + SIMT_TILE; ++g) {
     const int begin = max(bounds[g], row0), end = min(bounds[g + 1], row0 + SIMT_TILE);
     if (begin >= end) continue;  // block-uniform
     const unsigned char* w = rhs + static_cast<size_t>(g) * k * n;
@@ -270,12 +273,7 @@ __global__ void __launch_bounds__(THREADS) fp8_ragged_dot_simt(
         }
       }
     }
-    for (int i = 0; i < 4; ++i) {
-      const int row = row0 + ty * 4 + i;
-      if (row < begin || row >= end) continue;
-      for (int j = 0; j < 4; ++j)
-        if (col0 + tx + 16 * j < n) out[static_cast<size_t>(row) * n + col0 + tx + 16 * j] = from_float<O>(acc[i][j]);
-    }
+    store_tile_rows(acc, out, row0, col0, begin, end, n);
   }
 }
 
@@ -333,13 +331,7 @@ __global__ void __launch_bounds__(THREADS) fp8_transposed_ragged_dot_simt(
       }
     }
   }
-  O* block = out + static_cast<size_t>(g) * k * n;
-  for (int i = 0; i < 4; ++i) {
-    const int kr = k_0 + ty * 4 + i;
-    if (kr >= k) continue;
-    for (int j = 0; j < 4; ++j)
-      if (col0 + tx + 16 * j < n) block[static_cast<size_t>(kr) * n + col0 + tx + 16 * j] = from_float<O>(acc[i][j]);
-  }
+  store_tile_rows(acc, out + static_cast<size_t>(g) * k * n, k_0, col0, 0, k, n);
 }
 
 // ---------------------------------------------------------------------------

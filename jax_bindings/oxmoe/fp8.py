@@ -70,10 +70,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxmoe._checks import FLOAT_DTYPES, check_array, check_bool, check_count
+from oxmoe._checks import FLOAT_DTYPES, check_array, check_bool
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 from oxmoe._pytree import pytree_dataclass
-from oxmoe.grouped_gemm import MAX_CHUNKS, _check_groups
+from oxmoe.grouped_gemm import _check_groups, _check_num_groups, _chunks_of
 
 __all__ = ["E4M3_MAX", "ACTIVATION_BLOCK", "WEIGHT_BLOCK", "TRANSPOSED_ACTIVATION_BLOCK", "BlockQuantized",
            "BlockScaling", "quantize", "dequantize", "ragged_dot", "transposed_ragged_dot"]
@@ -332,15 +332,7 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     Returns:
       ``[num_groups, K, N]``; a group with no rows gives zeros. Not differentiable.
     """
-    chunked = isinstance(lhs, (list, tuple))
-    if isinstance(rhs, (list, tuple)) != chunked:
-        raise TypeError(f"lhs and rhs must both be BlockQuantized or both sequences of chunks, got "
-                        f"{type(lhs).__name__} and {type(rhs).__name__}")
-    lhs_chunks, rhs_chunks = (tuple(lhs), tuple(rhs)) if chunked else ((lhs,), (rhs,))
-    if not 1 <= len(lhs_chunks) <= MAX_CHUNKS:
-        raise ValueError(f"lhs must have 1 to {MAX_CHUNKS} chunks, got {len(lhs_chunks)}")
-    if len(rhs_chunks) != len(lhs_chunks):
-        raise ValueError(f"rhs must have lhs's {len(lhs_chunks)} chunks, got {len(rhs_chunks)}")
+    lhs_chunks, rhs_chunks, chunked = _chunks_of(lhs, rhs, "BlockQuantized")
     for c, (a, b) in enumerate(zip(lhs_chunks, rhs_chunks)):
         index = f"[{c}]" if chunked else ""
         _check_quantized(f"lhs{index}", a, TRANSPOSED_ACTIVATION_BLOCK, "[M, K]")
@@ -350,10 +342,7 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
         if b.shape[0] != a.shape[0] or b.shape[1] != rhs_chunks[0].shape[1]:
             raise ValueError(f"rhs{index} must have shape [M, N] with M = {a.shape[0]} (lhs{index}'s rows) and "
                              f"N = {rhs_chunks[0].shape[1]}, got {list(b.shape)}")
-    if group_offset is not None and num_groups is None:
-        raise ValueError("num_groups (the groups of the result) is required with group_offset")
-    if num_groups is not None:
-        num_groups = check_count("num_groups", num_groups, 0)
+    num_groups = _check_num_groups(num_groups, group_offset)
     rows = tuple(a.shape[0] for a in lhs_chunks)
     groups, sizes, offset = _check_groups(group_sizes, group_offset, num_groups, "num_groups", rows, chunked)
     out_dtype = _out_dtype(preferred_element_type)

@@ -280,27 +280,39 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
       ``[num_groups, K, N]``, summed in float32; a group with no rows (or past
       the last group) gives zeros. Differentiable in ``lhs`` and ``rhs``.
     """
-    chunked = isinstance(lhs, (list, tuple))
-    if isinstance(rhs, (list, tuple)) != chunked:
-        raise TypeError(f"lhs and rhs must both be arrays or both sequences of chunks, got {type(lhs).__name__} "
-                        f"and {type(rhs).__name__}")
-    lhs_chunks, rhs_chunks = (tuple(lhs), tuple(rhs)) if chunked else ((lhs,), (rhs,))
-    if not 1 <= len(lhs_chunks) <= MAX_CHUNKS:
-        raise ValueError(f"lhs must have 1 to {MAX_CHUNKS} chunks, got {len(lhs_chunks)}")
-    if len(rhs_chunks) != len(lhs_chunks):
-        raise ValueError(f"rhs must have lhs's {len(lhs_chunks)} chunks, got {len(rhs_chunks)}")
+    lhs_chunks, rhs_chunks, chunked = _chunks_of(lhs, rhs, "arrays")
     for c, (a, b) in enumerate(zip(lhs_chunks, rhs_chunks)):
         _check_chunk(a, b, lhs_chunks[0], rhs_chunks[0], f"[{c}]" if chunked else "")
-    if group_offset is not None and num_groups is None:
-        raise ValueError("num_groups (the groups of the result) is required with group_offset")
-    if num_groups is not None:
-        num_groups = check_count("num_groups", num_groups, 0)
+    num_groups = _check_num_groups(num_groups, group_offset)
     rows = tuple(a.shape[0] for a in lhs_chunks)
     groups, sizes, offset = _check_groups(group_sizes, group_offset, num_groups, "num_groups", rows, chunked)
     out_dtype = _out_dtype(preferred_element_type, lhs_chunks[0].dtype)
     static = (groups if num_groups is None else num_groups, out_dtype)
     *operands, sizes, offset = vary_alike(*lhs_chunks, *rhs_chunks, sizes.reshape(len(rows), groups), offset)
     return _transposed(tuple(operands[:len(rows)]), tuple(operands[len(rows):]), sizes, offset, static)
+
+
+def _chunks_of(lhs, rhs, single: str) -> tuple[tuple, tuple, bool]:
+    """``(lhs's chunks, rhs's chunks, whether they came as sequences)`` of a transposed
+    product's operands: both ``single`` operands (one chunk), or both sequences of
+    the same 1 to :data:`MAX_CHUNKS` chunks."""
+    chunked = isinstance(lhs, (list, tuple))
+    if isinstance(rhs, (list, tuple)) != chunked:
+        raise TypeError(f"lhs and rhs must both be {single} or both sequences of chunks, got {type(lhs).__name__} "
+                        f"and {type(rhs).__name__}")
+    lhs_chunks, rhs_chunks = (tuple(lhs), tuple(rhs)) if chunked else ((lhs,), (rhs,))
+    if not 1 <= len(lhs_chunks) <= MAX_CHUNKS:
+        raise ValueError(f"lhs must have 1 to {MAX_CHUNKS} chunks, got {len(lhs_chunks)}")
+    if len(rhs_chunks) != len(lhs_chunks):
+        raise ValueError(f"rhs must have lhs's {len(lhs_chunks)} chunks, got {len(rhs_chunks)}")
+    return lhs_chunks, rhs_chunks, chunked
+
+
+def _check_num_groups(num_groups, group_offset) -> int | None:
+    """A transposed product's ``num_groups``, required with ``group_offset``."""
+    if group_offset is not None and num_groups is None:
+        raise ValueError("num_groups (the groups of the result) is required with group_offset")
+    return None if num_groups is None else check_count("num_groups", num_groups, 0)
 
 
 def _check_chunk(lhs, rhs, first_lhs, first_rhs, index: str) -> None:

@@ -114,6 +114,15 @@ pub fn ragged_dot<T: Real, O: Real>(
     }
 }
 
+/// Each chunk's [`group_rows`] (chunk `c` has `rows[c]` rows and the sizes
+/// `group_sizes[c]` of the row-major `[C, G]` sizes).
+fn chunk_group_rows(shape: &GroupedShape, rows: impl Iterator<Item = usize>, group_sizes: &[i32], group_offset: i32)
+                    -> Vec<Vec<(usize, usize)>> {
+    rows.zip(group_sizes.chunks(shape.groups.max(1)))
+        .map(|(m, sizes)| group_rows(sizes, group_offset, shape.local_groups, m))
+        .collect()
+}
+
 /// One chunk of a transposed product's rows: `lhs [rows, K]`, `rhs [rows, N]`.
 pub struct ChunkRows<'s, T> {
     pub lhs: &'s [T],
@@ -135,11 +144,7 @@ pub fn transposed_ragged_dot<T: Real, O: Real>(
     if k * n == 0 {
         return;
     }
-    let bounds: Vec<Vec<(usize, usize)>> = chunks
-        .iter()
-        .zip(group_sizes.chunks(shape.groups.max(1)))
-        .map(|(chunk, sizes)| group_rows(sizes, group_offset, shape.local_groups, chunk.rows))
-        .collect();
+    let bounds = chunk_group_rows(shape, chunks.iter().map(|c| c.rows), group_sizes, group_offset);
     for (g, block) in out.chunks_mut(k * n).enumerate() {
         // The group's rows, chunk after chunk: (chunk, row) in the order they are summed.
         let rows: Vec<(&ChunkRows<T>, usize)> =
@@ -263,11 +268,7 @@ pub fn fp8_transposed_ragged_dot<O: Real>(
     if k * n == 0 {
         return;
     }
-    let bounds: Vec<Vec<(usize, usize)>> = chunks
-        .iter()
-        .zip(group_sizes.chunks(shape.groups.max(1)))
-        .map(|(chunk, sizes)| group_rows(sizes, group_offset, shape.local_groups, chunk.rows))
-        .collect();
+    let bounds = chunk_group_rows(shape, chunks.iter().map(|c| c.rows), group_sizes, group_offset);
     for (g, block) in out.chunks_mut(k * n).enumerate() {
         // The group's rows as (chunk, row block, first row, end), block by block.
         let mut segments = Vec::new();
