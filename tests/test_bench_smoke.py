@@ -529,6 +529,13 @@ def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
             assert case["goals"]["dense"] is None, name
             assert cells[-4] == "-", (name, cells)
             assert case["breakdown"] == [] and case["device_rows"] is None, name
+            # The layer keeps its up projection and the routing's bookkeeping, about the dense MLP's
+            # input and up projection, and less than the plain-JAX layer, which keeps its sorted rows too.
+            memory = case["memory"]
+            bookkeeping = case["tokens_per_device"] * (case["num_experts"] * 5 + case["topk"] * 8) + 4096
+            assert memory["oxmoe_saved"] <= memory["dense_mlp_saved"] + bookkeeping, (name, memory)
+            assert memory["oxmoe_saved"] < memory["plain_saved"], (name, memory)
+            assert memory["oxmoe_peak"] > memory["oxmoe_saved"] and memory["plain_peak"] > 0, (name, memory)
         else:
             assert case["plain_jax"] is None and case["speedup"] is None and case["goals"]["dense"] is None, name
             parts = case["breakdown"]

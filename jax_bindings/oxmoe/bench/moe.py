@@ -36,6 +36,10 @@ activation and the permutations are not counted. Each case times, on the default
   projection, unsorted with ``argsort`` and weight-summed), differentiated by JAX. If it
   runs out of device memory that is reported as ``OOM``, not as a failure; a slow one is
   timed with fewer samples (about :data:`PLAIN_BUDGET_S` seconds);
+- one device: the bytes each layer's VJP keeps for the backward (:func:`saved_bytes`)
+  beside a dense SwiGLU MLP's of the same activated parameters (its input and its up
+  projection, ``T (H + k 2F)``), and each step's peak device memory
+  (:func:`peak_device_bytes`);
 - the EP case: where a step's time goes, per device:
 
   - the step with exchange ``"auto"`` (the case's time; the layer's default), named with
@@ -411,6 +415,18 @@ def peak_device_bytes(fn: Callable, args: tuple) -> int | None:
             - stats.alias_size_in_bytes)
 
 
+def saved_bytes(layer: Callable, args: tuple) -> int:
+    """The bytes a layer's VJP keeps for its backward beyond its arguments: the residuals
+    JAX saves of ``layer(x, params)``'s forward (the list :func:`jax.ad_checkpoint.
+    print_saved_residuals` prints; the arguments, which the step holds anyway, left out)."""
+    from jax._src.ad_checkpoint import saved_residuals  # what print_saved_residuals prints, as data
+
+    x, params, _ = args
+    residuals = saved_residuals(lambda x, params: layer(x, params)[0], x, params)
+    return sum(math.prod(aval.shape) * aval.dtype.itemsize for aval, where in residuals
+               if not where.startswith("from the argument"))
+
+
 def argument_device_bytes(args: tuple) -> int:
     """The bytes of ``args`` one device holds (the first's shards)."""
     device = jax.tree.leaves(args)[0].sharding.mesh.devices.flat[0]
@@ -635,6 +651,12 @@ class LayerResult:
     primitives: dict[str, float] = dataclasses.field(default_factory=dict)
     """oxmoe's grouped GEMM primitives per step in the timed jaxpr."""
     set_bytes: int | None = None
+    memory: dict[str, int | None] = dataclasses.field(default_factory=dict)
+    """One device: the bytes each layer's VJP keeps (``oxmoe_saved``, ``plain_saved``;
+    :func:`saved_bytes`), a dense SwiGLU MLP's of the same activated parameters, the
+    shared experts' included (``dense_mlp_saved``: its input and up projection), and
+    each step's peak
+    (``oxmoe_peak``, ``plain_peak``; :func:`peak_device_bytes`)."""
     breakdown: list[Part] = dataclasses.field(default_factory=list)
     auto_exchange: str | None = None
     """The exchange ``"auto"`` chose (EP)."""
@@ -714,6 +736,7 @@ def run_one_device(case: LayerCase, settings: timing.Settings, dense: DenseTimes
         result.oxmoe = timing.measure(ox_run, arg_sets, settings)
         if result.plain_error is None:
             result.plain, result.plain_error = _time_plain(plain_run, arg_sets, settings)
+        result.memory = layer_memory(layer, arg_sets[0], plain_fails=result.plain_error is not None)
         del arg_sets
         _dense(result, layer, settings, dense, seed)
     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
@@ -801,6 +824,16 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
 #: The token chunks (``MoEConfig.token_chunks``) the EP case's steps are also timed with, each
 #: exchange's: each chunk's exchange may run under another chunk's expert GEMMs.
 TOKEN_CHUNKS = (2, 4)
+
+def layer_memory(layer: Layer, args: tuple, plain_fails: bool) -> dict[str, int | None]:
+    """:attr:`LayerResult.memory` of a one-device layer (the plain-JAX layer's peak not
+    compiled where its step failed)."""
+    config, tokens = layer.config, layer.tokens
+    dense = tokens * (layer.hidden + config.topk * layer.up_width + layer.shared_up_width) * DTYPE.itemsize
+    return dict(oxmoe_saved=saved_bytes(oxmoe_layer(config), args), plain_saved=saved_bytes(plain_layer(config), args),
+                dense_mlp_saved=dense, oxmoe_peak=peak_device_bytes(step(oxmoe_layer(config)), args),
+                plain_peak=None if plain_fails else peak_device_bytes(step(plain_layer(config)), args))
+
 
 #: The layers of the deeper data-parallel step: enough for XLA to gather one layer's sharded
 #: weights while another computes, which a one-layer step cannot show.
@@ -957,7 +990,15 @@ class Summary:
                 f"{100 * self.ratio:.0f}% of dense {format_tflops(r.case.flops, r.dense_s)}), {plain_text}"
                 f"check at {r.check_tokens} tokens: max rel err {self.max_rel_err:.1e}, "
                 f"R={r.oxmoe.num_sets}, {r.oxmoe.calls_per_sample} call(s) x {len(r.oxmoe.samples_s)} samples, "
-                f"{r.set_bytes / 1e6:.1f} MB per set{self._rows_text()}")
+                f"{r.set_bytes / 1e6:.1f} MB per set{self._rows_text()}{self._memory_text()}")
+
+    def _memory_text(self) -> str:
+        m = self.result.memory
+        if not m:
+            return ""
+        return (f"; kept for the backward: oxmoe {_megabytes(m['oxmoe_saved'])} MB, plain JAX "
+                f"{_megabytes(m['plain_saved'])} MB, a dense SwiGLU MLP {_megabytes(m['dense_mlp_saved'])} MB; "
+                f"peak: oxmoe {_megabytes(m['oxmoe_peak'])} MB, plain JAX {_megabytes(m['plain_peak'])} MB")
 
     def _rows_text(self) -> str:
         rows = self.result.device_rows
@@ -979,6 +1020,7 @@ class Summary:
             speedup=self.speedup,
             check=dict(passed=r.failure is None and r.skipped is None, tokens=r.check_tokens, errors=r.errors,
                        limits=case.limits, primitives_per_step=r.primitives),
+            memory=r.memory or None,
             breakdown=[p.to_json() for p in r.breakdown], auto_exchange=r.auto_exchange, device_rows=r.device_rows,
             device_bytes_per_set=r.set_bytes, skipped=r.skipped, failure=r.failure)
 

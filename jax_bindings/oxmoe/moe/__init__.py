@@ -22,7 +22,9 @@ small pytree:
 
 :func:`moe` wraps them in one ``custom_vjp`` whose backward runs the same
 steps in reverse from saved residuals (:class:`Residuals`): the gradients
-cross the same exchanges the activations did, in the other direction. Both
+cross the same exchanges the activations did, in the other direction. It
+keeps no dispatched row nor its output (:class:`ExpertResiduals`): about the
+activations a dense SwiGLU MLP of the same activated parameters keeps. Both
 directions call the primitive level of :mod:`oxmoe.router` and
 :mod:`oxmoe.permutation`, so :func:`route`, :func:`dispatch` and
 :func:`combine` are not differentiable on their own: differentiate :func:`moe`.
@@ -64,9 +66,9 @@ dropped and the result does not depend on the exchange beyond that rounding.
 
 from oxmoe.moe.config import MoEAux, MoEConfig, MoEParams, init_params, update_expert_bias
 from oxmoe.moe.exchange import Exchange
-from oxmoe.moe.layer import (ExpertInput, ExpertOutput, Residuals, Routing, SharedOutput, combine, dispatch, expert_ffn,
-                             expert_weights_spec, moe, route, shard_map_moe, shared_expert_ffn)
+from oxmoe.moe.layer import (ExpertInput, ExpertOutput, ExpertResiduals, Residuals, Routing, SharedOutput, combine,
+                             dispatch, expert_ffn, expert_weights_spec, moe, route, shard_map_moe, shared_expert_ffn)
 
 __all__ = ["MoEConfig", "MoEParams", "MoEAux", "Routing", "ExpertInput", "ExpertOutput", "SharedOutput", "Exchange",
-           "Residuals", "init_params", "moe", "shard_map_moe", "route", "dispatch", "expert_ffn", "combine",
-           "shared_expert_ffn", "update_expert_bias", "expert_weights_spec"]
+           "Residuals", "ExpertResiduals", "init_params", "moe", "shard_map_moe", "route", "dispatch", "expert_ffn",
+           "combine", "shared_expert_ffn", "update_expert_bias", "expert_weights_spec"]

@@ -126,12 +126,11 @@ def _within_capacity(routing_map, config: MoEConfig, axes: Axes):
     return routing_map & (position < capacity)
 
 
-def _route_bwd(routing: Routing, grad_probs, aux: MoEAux, config: MoEConfig, axes: Axes):
+def _route_bwd(logits, routing_map, aux_tokens_per_expert, grad_probs, aux: MoEAux, config: MoEConfig, axes: Axes):
     """The logits' gradient: through the top-k weights and both losses."""
-    logits = routing.logits
-    grad = router.topk_bwd(grad_probs, logits, routing.routing_map, config.topk_config)
+    grad = router.topk_bwd(grad_probs, logits, routing_map, config.topk_config)
     if config.aux_loss_coeff:
-        grad_scores = router.aux_loss_bwd(aux.load_balancing_loss, routing.aux_tokens_per_expert,
+        grad_scores = router.aux_loss_bwd(aux.load_balancing_loss, aux_tokens_per_expert,
                                           _aux_loss_config(config, axes, len(logits)),
                                           jax.ShapeDtypeStruct(logits.shape, _F32))
         grad_from_loss = router.aux_loss_scores_bwd(grad_scores, logits, config.score_function)
@@ -145,7 +144,7 @@ def _route_bwd(routing: Routing, grad_probs, aux: MoEAux, config: MoEConfig, axe
 
 # -- dispatch --------------------------------------------------------------------------
 
-@pytree_dataclass(("rows", "group_sizes", "row_id_map", "probs", "exchange"), ("ring",))
+@pytree_dataclass(("rows", "tokens", "group_sizes", "row_id_map", "probs", "row_probs", "exchange"), ("ring",))
 class ExpertInput:
     """The result of :func:`dispatch`: the rows the local experts compute on,
     and what :func:`combine` needs to bring their results back. (Named
@@ -154,7 +153,10 @@ class ExpertInput:
 
     rows: jax.Array
     """``[N, H]`` in ``config.dtype``: the local experts' rows, expert by
-    expert, then zero rows."""
+    expert, then zero rows: ``tokens`` permuted."""
+    tokens: jax.Array
+    """``[T', H]`` in ``config.dtype``: what the local permutation took: this
+    shard's tokens, the rows the exchange brought, or the ring's gathered tokens."""
     group_sizes: jax.Array
     """``[El]`` int32: the rows of each local expert."""
     row_id_map: permutation.RowIdMap
@@ -162,6 +164,8 @@ class ExpertInput:
     probs: jax.Array
     """``[T', E']`` float32: the weights :func:`combine` applies, for the tokens
     and experts of ``row_id_map``."""
+    row_probs: jax.Array
+    """``[N]`` float32: each row's weight (``probs`` permuted), zero on padding rows."""
     exchange: Exchange | None
     """The exchange between expert shards; None without one."""
     ring: bool
@@ -197,10 +201,11 @@ def _dispatch(tokens, routing_map, probs, config: MoEConfig, axes: Axes, capacit
     elif method is not None:
         exchange, tokens, weights = exchange_tokens(tokens, routing_map, probs, config, axes, method, capacity)
         routing_map, probs = weights >= 0, jnp.maximum(weights, 0)
-    local_rows = permutation.dispatch_fwd(tokens, routing_map, None,
+    local_rows = permutation.dispatch_fwd(tokens, routing_map, probs,
                                           num_rows=dispatch_rows(config, len(tokens), el, capacity), align_size=align)
-    return ExpertInput(local_rows.tokens, local_rows.group_sizes, local_rows.row_id_map, probs, exchange,
-                       method == "ring")
+    assert local_rows.probs is not None  # given the weights, dispatch_fwd permutes them
+    return ExpertInput(local_rows.tokens, tokens, local_rows.group_sizes, local_rows.row_id_map, probs,
+                       local_rows.probs.astype(_F32), exchange, method == "ring")
 
 
 # -- expert FFN --------------------------------------------------------------------------
@@ -269,30 +274,37 @@ def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> E
     return ExpertOutput(rows, up)
 
 
-def _expert_ffn_bwd(grad_rows, dispatched: ExpertInput, out: ExpertOutput, weights: tuple, config: MoEConfig):
-    """The gradient of the dispatched rows, ``(grad_in, hidden, grad_up_rows)``: with
-    ``hidden`` (the activation's output) and ``grad_up_rows``, what the weight
-    gradients (:func:`_expert_weight_grads`) need besides the rows. ``weights``:
-    :func:`_expert_weights`'."""
+def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config: MoEConfig):
+    """From each row's output gradient before its routing weight (``grad_out_rows``),
+    ``(grad_in, weighted_hidden, grad_up_rows, grad_row_probs)``: the gradient of the
+    dispatched rows, the activation's output times each row's weight and the up
+    projection's gradient (what the weight gradients, :func:`_expert_weight_grads`,
+    take besides the rows), and each row's weight's gradient, ``<row output,
+    its gradient> = <hidden, its gradient times downᵀ>``: from values the backward
+    computes anyway, so the forward keeps neither the rows nor their outputs (as
+    SonicMoE does). ``weights``: :func:`_expert_weights`'."""
     up_weight, down_weight = weights
-    sizes = dispatched.group_sizes
-    hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), out.up_rows)
-    grad_hidden = _expert_product(grad_rows, down_weight, sizes, config, rhs_transposed=True)
-    (grad_up_rows,) = activation_vjp(grad_hidden)
+    sizes, row_probs = kept.group_sizes, kept.row_probs[:, None]
+    hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), kept.up_rows)
+    grad_hidden = _expert_product(grad_out_rows, down_weight, sizes, config, rhs_transposed=True).astype(_F32)
+    grad_row_probs = jnp.sum(hidden.astype(_F32) * grad_hidden, axis=-1)
+    (grad_up_rows,) = activation_vjp((grad_hidden * row_probs).astype(config.dtype))
     grad_in = _expert_product(grad_up_rows, up_weight, sizes, config, rhs_transposed=True)
-    return grad_in, hidden, grad_up_rows
+    weighted_hidden = (hidden.astype(_F32) * row_probs).astype(config.dtype)
+    return grad_in, weighted_hidden, grad_up_rows, grad_row_probs
 
 
-def _expert_weight_grads(dispatched: list[ExpertInput], hidden: list, grad_rows: list, grad_up_rows: list,
-                         params: MoEParams, config: MoEConfig):
+def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: list, grad_out_rows: list,
+                         grad_up_rows: list, params: MoEParams, config: MoEConfig):
     """``(grad_up, grad_down)`` of the local experts over every chunk's rows: one
     weight-gradient product per weight, its rows kept in their chunks' buffers
     (with ``config.fp8``, each quantized in 128 x 1 blocks: one scale per 128 rows
-    of a column)."""
-    sizes = jnp.stack([d.group_sizes for d in dispatched])  # [C, El]
+    of a column). The dispatched rows are permuted again from their tokens."""
+    sizes = jnp.stack([chunk.group_sizes for chunk in kept])  # [C, El]
     groups = sizes.shape[1]
-    down_operands: tuple = (hidden, grad_rows)
-    up_operands: tuple = ([d.rows for d in dispatched], grad_up_rows)
+    rows = [permutation.combine_bwd(chunk.tokens, None, chunk.row_id_map)[0] for chunk in kept]
+    down_operands: tuple = (weighted_hidden, grad_out_rows)
+    up_operands: tuple = (rows, grad_up_rows)
     product: Callable = grouped_gemm.transposed_ragged_dot
     if config.fp8 is not None:
         quantize = functools.partial(fp8.quantize, block=fp8.TRANSPOSED_ACTIVATION_BLOCK,
@@ -325,8 +337,9 @@ class SharedOutput:
     """``[T, H]`` in ``config.dtype``: the MLP's input."""
     up_rows: jax.Array
     """``[T, 2Fs]`` or ``[T, Fs]``: the up projection before the activation."""
-    rows: jax.Array
-    """``[T, H]`` in ``config.dtype``: the MLP's output, before the gate."""
+    rows: jax.Array | None
+    """``[T, H]`` in ``config.dtype``: the MLP's output, before the gate (None in the
+    layer's :class:`Residuals` without the gate, whose gradient alone reads it)."""
     gate: jax.Array | None
     """``[T, 1]`` float32: ``sigmoid(tokens @ shared_gate)`` with ``config.shared_gate``, else None."""
 
@@ -367,7 +380,7 @@ def _shared_expert_ffn_bwd(grad_y, shared: SharedOutput, params: MoEParams, conf
     up, down, gate_weight = _shared_weights(params, config)
     down, up = down.astype(dtype), up.astype(dtype)
     grad_rows, grad_x, grad_gate = grad_y.astype(dtype), 0, None
-    if shared.gate is not None and gate_weight is not None:
+    if shared.gate is not None and gate_weight is not None and shared.rows is not None:  # rows are kept with a gate
         g, grad_f32 = shared.gate, grad_y.astype(_F32)
         grad_logit = jnp.sum(grad_f32 * shared.rows.astype(_F32), axis=-1, keepdims=True) * g * (1 - g)
         grad_rows = (grad_f32 * g).astype(dtype)
@@ -411,19 +424,52 @@ def _combine(rows, dispatched: ExpertInput, axes: Axes):
 
 # -- the layer -------------------------------------------------------------------------
 
-@pytree_dataclass(("tokens", "params", "routing", "dispatched", "expert_output", "fp8_weights", "shared"),
+@pytree_dataclass(("tokens", "group_sizes", "row_id_map", "row_probs", "exchange", "up_rows"), ("ring",))
+class ExpertResiduals:
+    """What the layer's backward keeps of one token chunk's trip through the
+    experts. Neither the dispatched rows nor their outputs (``N`` rows of ``H``
+    each): the backward permutes ``tokens`` again for the up weight's gradient,
+    and takes each row's weight's gradient as ``<hidden, its gradient times
+    downᵀ>``, from values it computes anyway (SonicMoE's way)."""
+
+    tokens: jax.Array
+    """:attr:`ExpertInput.tokens`."""
+    group_sizes: jax.Array
+    """:attr:`ExpertInput.group_sizes`."""
+    row_id_map: permutation.RowIdMap
+    """:attr:`ExpertInput.row_id_map`."""
+    row_probs: jax.Array
+    """:attr:`ExpertInput.row_probs`."""
+    exchange: Exchange | None
+    """:attr:`ExpertInput.exchange`."""
+    up_rows: jax.Array
+    """:attr:`ExpertOutput.up_rows`."""
+    ring: bool
+    """:attr:`ExpertInput.ring`."""
+
+    @classmethod
+    def of(cls, dispatched: ExpertInput, out: ExpertOutput) -> ExpertResiduals:
+        """What the backward keeps of ``dispatched`` and ``out``."""
+        return cls(dispatched.tokens, dispatched.group_sizes, dispatched.row_id_map, dispatched.row_probs,
+                   dispatched.exchange, out.up_rows, dispatched.ring)
+
+
+@pytree_dataclass(("tokens", "params", "routing_map", "aux_tokens_per_expert", "chunks", "fp8_weights", "shared"),
                   ("x_shape", "x_dtype"))
 class Residuals:
-    """What the forward pass keeps for the backward."""
+    """What the forward pass keeps for the backward: the router's input and
+    choices (the logits are computed again), each token chunk's
+    :class:`ExpertResiduals`, the FP8 weights, the shared experts' values."""
 
     tokens: jax.Array
     """``[T, H]`` in ``config.router_dtype``: the router's input."""
     params: MoEParams
-    routing: Routing
-    dispatched: tuple[ExpertInput, ...]
-    """Each token chunk's dispatch (one chunk without ``MoEConfig.token_chunks``)."""
-    expert_output: tuple[ExpertOutput, ...]
-    """Each token chunk's expert FFN result."""
+    routing_map: jax.Array
+    """:attr:`Routing.routing_map`."""
+    aux_tokens_per_expert: jax.Array | None
+    """:attr:`Routing.aux_tokens_per_expert`."""
+    chunks: tuple[ExpertResiduals, ...]
+    """Each token chunk's (one without ``MoEConfig.token_chunks``)."""
     fp8_weights: tuple[fp8.BlockQuantized, fp8.BlockQuantized] | None
     """With ``MoEConfig.fp8``: ``(up, down)`` quantized for the forward's products,
     which the backward's take too; else None."""
@@ -594,8 +640,12 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
         y = shared.added_to(y)
     aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert, routing.dropped_copies)
     fp8_weights = weights if config.fp8 is not None else None
-    return (y.reshape(x.shape), aux), Residuals(router_tokens, params, routing, tuple(dispatched), tuple(outputs),
-                                                fp8_weights, x.shape, x.dtype, shared)
+    kept = tuple(ExpertResiduals.of(d, out) for d, out in zip(dispatched, outputs))
+    if shared is not None and shared.gate is None:
+        shared = dataclasses.replace(shared, rows=None)
+    return (y.reshape(x.shape), aux), Residuals(router_tokens, params, routing.routing_map,
+                                                routing.aux_tokens_per_expert, kept, fp8_weights, x.shape, x.dtype,
+                                                shared)
 
 
 def _token_chunks(tokens: int, config: MoEConfig, axes: Axes) -> list[slice]:
@@ -619,16 +669,16 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     # own, as in the forward; the weight gradients sum every chunk's rows in one product each.
     chunks = _token_chunks(len(grad_y), config, axes)
     grad_tokens, grad_probs, hidden, grad_rows, grad_up_rows = [], [], [], [], []
-    for rows, d, out in zip(chunks, res.dispatched, res.expert_output):
+    for rows, d in zip(chunks, res.chunks):
         g = grad_y[rows]
         if d.ring:
             g = jax.lax.all_gather(g, axes.expert_axis, tiled=True)
         if d.exchange is not None:
             g = d.exchange.scatter_tokens(g)
-        grad_out_rows, chunk_grad_probs = permutation.combine_bwd(g, out.rows, d.row_id_map, d.probs)
-        assert chunk_grad_probs is not None  # given the weights, combine_bwd gives their gradient
-        grad_in, chunk_hidden, chunk_grad_up_rows = _expert_ffn_bwd(grad_out_rows, d, out, weights, config)
-        chunk_grad_tokens, _ = permutation.dispatch_bwd(grad_in, d.row_id_map)
+        grad_out_rows, _ = permutation.combine_bwd(g, None, d.row_id_map)  # each row's token's, unweighted
+        grad_in, chunk_hidden, chunk_grad_up_rows, grad_row_probs = _expert_ffn_bwd(grad_out_rows, d, weights, config)
+        chunk_grad_tokens, chunk_grad_probs = permutation.dispatch_bwd(grad_in, d.row_id_map, grad_row_probs)
+        assert chunk_grad_probs is not None  # given the rows' weights' gradient, dispatch_bwd takes it back
         if d.exchange is not None:
             chunk_grad_tokens, chunk_grad_probs = d.exchange.gather_tokens(chunk_grad_tokens, chunk_grad_probs)
         if d.ring:
@@ -640,9 +690,11 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
         hidden.append(chunk_hidden)
         grad_rows.append(grad_out_rows)
         grad_up_rows.append(chunk_grad_up_rows)
-    grad_up, grad_down = _expert_weight_grads(list(res.dispatched), hidden, grad_rows, grad_up_rows, params, config)
-    grad_logits = _route_bwd(res.routing, jnp.concatenate(grad_probs), grad_aux, config, axes)
+    grad_up, grad_down = _expert_weight_grads(res.chunks, hidden, grad_rows, grad_up_rows, params, config)
     gate = params.gate.astype(config.router_dtype)
+    logits = _f32_dot(res.tokens, gate)  # as the forward computed them: cheaper than keeping [T, E] float32
+    grad_logits = _route_bwd(logits, res.routing_map, res.aux_tokens_per_expert, jnp.concatenate(grad_probs),
+                             grad_aux, config, axes)
     grad_x = jnp.concatenate(grad_tokens).astype(_F32) + _f32_dot(grad_logits, gate.T)
     grad_gate = _sum_over(_f32_dot(res.tokens.T, grad_logits), axes.token_axes)
     grad_up, grad_down = _reduce_weight_grads(grad_up, grad_down, axes)
