@@ -270,3 +270,27 @@ def test_a_short_run_learns_and_reports_it(tmp_path):
 
     assert _png_size(out / "loss.png") == (960, 540)
     assert _png_size(out / "expert_share.png") == (1320, int((2.6 * 2 + 0.6) * 120))
+
+
+def test_compare_runs_puts_each_final_validation_loss_against_the_first(tmp_path, capsys):
+    """bench/compare_runs.py (issue 18's FP8 accuracy check): two summaries as the job writes
+    them, the second with --fp8 and a final validation loss 0.5% above the first's."""
+    import runpy
+
+    compare_runs = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "bench" / "compare_runs.py"))
+    base = ["python", "-m", "oxmoe.train", "--layers", "4", "--out", "a"]
+    for name, command, final in (("bf16", base, 2.0), ("fp8", base[:-2] + ["--fp8", "--out", "b"], 2.01)):
+        run = tmp_path / name
+        run.mkdir()
+        summary = dict(command=" ".join(command), device="cpu",
+                       model=dict(layers=4, hidden=512, experts=32, topk=4, dtype="bfloat16"),
+                       loss=dict(validation=[[0, 5.5], [150, 2.5], [300, final]], final_validation=final,
+                                 unigram_baseline=3.32),
+                       training=dict(tokens_per_second=1000.0))
+        (run / "summary.json").write_text(json.dumps(summary))
+    rows = compare_runs["compare"]([compare_runs["load"](tmp_path / n) for n in ("bf16", "fp8")])
+    assert [r["label"] for r in rows] == ["bfloat16", "--fp8"]
+    assert rows[1]["ratio"] == pytest.approx(1.005)
+    compare_runs["main"]([str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--out", str(tmp_path / "c.png")])
+    assert "--fp8: final validation loss 2.0100, 1.0050x the first run's" in capsys.readouterr().out
+    assert _png_size(tmp_path / "c.png") == (960, 540)
