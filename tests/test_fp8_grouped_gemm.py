@@ -4,7 +4,8 @@ NumPy reference of the semantics (each 128-block's products summed, scaled by bo
 scales, the blocks added), and against oxmoe.reference.fp8, on fresh random data:
 
 - the expert widths of real models (Qwen3-30B-A3B's up and down projections, DeepSeek-V3's
-  down projection with a window of its groups), output float32 and bfloat16;
+  down projection with a window of its groups), each shape's forward and d lhs, one with a
+  float32 and one with a bfloat16 output;
 - windows of groups (inside, at the end of and past G), empty groups, rows past the groups
   (exactly zero), groups that straddle 128-row blocks, chunks of rows (one without rows);
 - under jit with traced group sizes, without retracing;
@@ -93,19 +94,22 @@ def draw_sizes(rng, rows: int, groups: int) -> np.ndarray:
     return checks.sizes_with_empty_groups(rng, groups, rows - int(rng.integers(1, 4)), fraction=0.1)
 
 
-# (name, rows, K, N, groups of the weights, groups of the window or None: all)
-FORWARD_CASES = [
+# (name, rows, K, N, groups of the weights, groups of the window or None: all): each shape's
+# forward with one output dtype and its d lhs with the other.
+FORWARD_SHAPES = [
     ("qwen3_up", 384, QWEN3.hidden, 2 * QWEN3.ffn, 8, None),
     ("qwen3_down", 384, QWEN3.ffn, QWEN3.hidden, 8, None),
     ("deepseek_v3_down", 256, DEEPSEEK.ffn, DEEPSEEK.hidden, 4, 2),
 ]
+FORWARD_CASES = [(shape, rhs_transposed, out) for i, shape in enumerate(FORWARD_SHAPES)
+                 for rhs_transposed, out in ((False, (F32, BF16)[i % 2]), (True, (BF16, F32)[i % 2]))]
 
 
-@pytest.mark.parametrize("case", FORWARD_CASES, ids=[c[0] for c in FORWARD_CASES])
-@pytest.mark.parametrize("rhs_transposed", [False, True], ids=["forward", "d_lhs"])
-@pytest.mark.parametrize("out", [F32, BF16], ids=["f32", "bf16"])
-def test_ragged_dot_on_model_widths(case, rhs_transposed, out, seed, rng):
-    name, m, k, n, groups, window = case
+@pytest.mark.parametrize("case", FORWARD_CASES,
+                         ids=[f"{shape[0]}-{'d_lhs' if transposed else 'forward'}-{jnp.dtype(out).name}"
+                              for shape, transposed, out in FORWARD_CASES])
+def test_ragged_dot_on_model_widths(case, seed, rng):
+    (name, m, k, n, groups, window), rhs_transposed, out = case
     local = groups if window is None else window
     lhs = draw(rng, (m, k), fp8.ACTIVATION_BLOCK)
     rhs = draw(rng, (local, n, k) if rhs_transposed else (local, k, n), fp8.WEIGHT_BLOCK)
@@ -114,15 +118,12 @@ def test_ragged_dot_on_model_widths(case, rhs_transposed, out, seed, rng):
     got = fp8.ragged_dot(lhs, rhs, sizes, group_offset=offset, rhs_transposed=rhs_transposed,
                          preferred_element_type=out)
     context = f"{name}, rhs_transposed={rhs_transposed}, sizes={sizes.tolist()}, offset={offset}, seed={seed}"
-    checks.assert_gemm_close(got, expected_ragged_dot(lhs, rhs, sizes, group_offset=offset,
-                                                      rhs_transposed=rhs_transposed), out,
-                             what="fp8.ragged_dot", context=context)
+    expected = expected_ragged_dot(lhs, rhs, sizes, group_offset=offset, rhs_transposed=rhs_transposed)
+    checks.assert_gemm_close(got, expected, out, what="fp8.ragged_dot", context=context)
     if out == F32:  # the plain-JAX statement of the semantics, once a shape
         semantics = fp8_reference.ragged_dot(lhs, rhs, sizes, group_offset=offset, rhs_transposed=rhs_transposed,
                                              preferred_element_type=out)
-        checks.assert_gemm_close(semantics, expected_ragged_dot(lhs, rhs, sizes, group_offset=offset,
-                                                                rhs_transposed=rhs_transposed), out,
-                                 what="oxmoe.reference.fp8.ragged_dot", context=context)
+        checks.assert_gemm_close(semantics, expected, out, what="oxmoe.reference.fp8.ragged_dot", context=context)
 
 
 @pytest.mark.parametrize("g0", [0, 3, 5, 6], ids=lambda g: f"g0_{g}")
@@ -136,19 +137,19 @@ def test_ragged_dot_window_of_groups(g0, seed, rng):
                              what="fp8.ragged_dot", context=f"g0={g0}, sizes={sizes.tolist()}, seed={seed}")
 
 
-# (rows of each chunk, K, N, groups, window or None)
+# (rows of each chunk, K, N, groups, window or None, output dtype)
 TRANSPOSED_CASES = [
-    ((384,), QWEN3.hidden, 2 * QWEN3.ffn, 8, None),
-    ((256, 128), QWEN3.ffn, QWEN3.hidden, 8, None),
-    ((128, 0, 256), 256, 384, 5, 3),
+    ((384,), QWEN3.hidden, 2 * QWEN3.ffn, 8, None, BF16),
+    ((256, 128), QWEN3.ffn, QWEN3.hidden, 8, None, F32),
+    ((128, 0, 256), 256, 384, 5, 3, F32),
 ]
 
 
 @pytest.mark.parametrize("case", TRANSPOSED_CASES,
-                         ids=[f"chunks{'_'.join(map(str, c[0]))}_K{c[1]}_N{c[2]}" for c in TRANSPOSED_CASES])
-@pytest.mark.parametrize("out", [F32, BF16], ids=["f32", "bf16"])
-def test_transposed_ragged_dot_in_chunks(case, out, seed, rng):
-    rows, k, n, groups, window = case
+                         ids=[f"chunks{'_'.join(map(str, c[0]))}_K{c[1]}_N{c[2]}_{jnp.dtype(c[5]).name}"
+                              for c in TRANSPOSED_CASES])
+def test_transposed_ragged_dot_in_chunks(case, seed, rng):
+    rows, k, n, groups, window, out = case
     lhs = [draw(rng, (m, k), fp8.TRANSPOSED_ACTIVATION_BLOCK) for m in rows]
     rhs = [draw(rng, (m, n), fp8.TRANSPOSED_ACTIVATION_BLOCK) for m in rows]
     sizes = np.stack([draw_sizes(rng, m, groups) if m else np.zeros(groups, np.int32) for m in rows])
