@@ -57,6 +57,7 @@ class Collective:
     kind: str
     shapes: list  # the result's array shapes (an all-to-all's equal its operands')
     computation: str
+    dtypes: list  # their element types, as HLO names them
 
 
 def collectives_of(hlo: str) -> tuple[list[Collective], list[list[str]]]:
@@ -71,8 +72,9 @@ def collectives_of(hlo: str) -> tuple[list[Collective], list[list[str]]]:
             continue
         match = _COLLECTIVE.search(stripped)
         if match and not stripped.startswith("ROOT %tuple"):
-            shapes = [tuple(int(d) for d in dims.split(",") if d) for _, dims in _SHAPE.findall(match.group(1))]
-            found.append(Collective(match.group(2), shapes, computation))
+            arrays = _SHAPE.findall(match.group(1))
+            shapes = [tuple(int(d) for d in dims.split(",") if d) for _, dims in arrays]
+            found.append(Collective(match.group(2), shapes, computation, [dtype for dtype, _ in arrays]))
         if " conditional(" in stripped:
             branches = re.search(r"branch_computations=\{([^}]*)\}", stripped)
             conditionals.append([b.strip().lstrip("%") for b in branches.group(1).split(",")])

@@ -1,8 +1,9 @@
 """The MoE layer with the FP8 recipe (MoEConfig(fp8=oxmoe.fp8.BlockScaling())), on the host's
 CPU devices, on fresh random data:
 
-- its expert FFN is, up to float32 summation order, the composition of the plain-JAX FP8
-  products (oxmoe.reference.fp8) on the quantized rows and weights;
+- its dispatch quantizes each token once, before the permutation: the same values and
+  scales as quantizing the dispatched rows; its expert FFN is, up to float32 summation
+  order, the composition of the plain-JAX FP8 products (oxmoe.reference.fp8) on them;
 - the whole layer (y, both losses, the counts, the gradients of x, gate, up and down) against
   the float64 dense reference and against the same layer without FP8, within FP8's error
   (documented below), on one device and inside shard_map with 2 and 4 expert shards, each
@@ -37,7 +38,7 @@ from jax.sharding import PartitionSpec as P
 import devices
 import moe_checks as checks
 import moe_reference as ref
-from oxmoe import fp8, moe
+from oxmoe import fp8, model_shapes, moe
 from oxmoe.moe import MoEConfig, MoEParams
 from oxmoe.reference import fp8 as fp8_reference
 
@@ -70,7 +71,12 @@ def test_expert_ffn_is_the_fp8_reference_products(seed, rng):
     dispatched = moe.dispatch(x, routing, config)
     got = moe.expert_ffn(dispatched, params, config)
     sizes = dispatched.group_sizes
-    rows_q = fp8.quantize(dispatched.rows, fp8.ACTIVATION_BLOCK)
+    # The tokens are quantized once, then permuted: the same as quantizing the dispatched rows.
+    plain_rows = moe.dispatch(x, routing, dataclasses.replace(config, fp8=None)).rows
+    rows_q = fp8.quantize(jnp.pad(plain_rows, ((0, dispatched.rows.shape[0] - plain_rows.shape[0]), (0, 0))),
+                          fp8.ACTIVATION_BLOCK)
+    np.testing.assert_array_equal(np.asarray(dispatched.rows.values, np.float32), np.asarray(rows_q.values, np.float32))
+    np.testing.assert_array_equal(dispatched.rows.scales, rows_q.scales)
     up = fp8_reference.ragged_dot(rows_q, fp8.quantize(params.up, fp8.WEIGHT_BLOCK), sizes,
                                   preferred_element_type=F32)
     hidden_q = fp8.quantize(swiglu(up, F32), fp8.ACTIVATION_BLOCK)
@@ -176,3 +182,28 @@ def test_a_recipe_that_is_not_one_is_named():
         MoEConfig(num_experts=8, topk=2, fp8=True)
     with pytest.raises(ValueError, match=r"power_of_two_scales must be a bool, got 1"):
         fp8.BlockScaling(power_of_two_scales=1)
+
+
+def test_tokens_and_their_gradient_cross_the_exchange_in_fp8():
+    """EP 2 (one static slot): the compiled step's exchanges of token rows out to the experts
+    (the tokens, and the output's gradient) carry FP8 values (uint8 [.., H]) and their
+    scales (float32 [.., H / 128]): H + 4 H / 128 bytes a row, 0.52x bfloat16's at H = 7168
+    and 0.53x here; the way back (the outputs, the tokens' gradient) stays in the compute dtype."""
+    import compiled_steps
+    from test_moe_exchange import collectives_of
+
+    hidden = 256
+    config = MoEConfig(**model_shapes.QWEN3_MOE.moe_kwargs(), exchange="all_to_all", fp8=fp8.BlockScaling())
+    mesh = jax.make_mesh((2,), ("expert",), devices=devices.cpu_devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Explicit,))
+    x = jax.ShapeDtypeStruct((512, hidden), BF16, sharding=NamedSharding(mesh, P("expert")))
+    hlo = compiled_steps.compiled_step(config, mesh, x, compiled_steps.abstract_params(config, mesh, hidden, 128)
+                                       ).as_text()
+    found, _ = collectives_of(hlo)
+    rows = [c for c in found if c.kind == "all-to-all"]
+    kinds = sorted((dtype, shape[-1]) for c in rows for dtype, shape in zip(c.dtypes, c.shapes)
+                   if shape[-1] in (hidden, hidden // 128))
+    # Each exchange an all-to-all of one [1, S, X] operand a shard; XLA:CPU moves bfloat16 as
+    # float32, so the way back's rows show as f32 [.., H].
+    expected = [("u8", hidden)] * 2 + [("f32", hidden // 128)] * 2 + [("f32", hidden)] * 2
+    assert kinds == sorted(expected * 2), kinds

@@ -90,13 +90,11 @@ class Exchange:
             return jnp.arange(self.shards, dtype=jnp.int32) * self.slot_rows[0]
         return _exclusive_cumsum(self.send_sizes)
 
-    def scatter_tokens(self, x):
-        """``[T, X]`` rows of this shard's tokens → ``[n * T, X]``: each token's
-        row in the receive buffer of every shard it is routed to (the
-        transpose of :meth:`gather_tokens`)."""
-        rows, _ = permutation.combine_bwd(x, None, self.token_rows)
-        (received,) = self.to_experts(rows)
-        return received
+    def scatter_tokens(self, *xs):
+        """``[T, X]`` rows of this shard's tokens (one array or several, each
+        its own ``X``) → ``[n * T, X]``: each token's row in the receive buffer
+        of every shard it is routed to (the transpose of :meth:`gather_tokens`)."""
+        return self.to_experts(*(rows_of(x, self.token_rows) for x in xs))
 
     def gather_tokens(self, rows, weights=None):
         """``[n * T, X]`` receive buffer rows → ``[T, X]``: each token's rows
@@ -119,6 +117,9 @@ class Exchange:
         ``s`` holds what shard ``s`` sent, then its array's fill (``fills``,
         default 0)."""
         fills = fills or (0,) * len(arrays)
+        if any(_is_byte_float(rows) for rows in arrays):  # collectives move bytes, not float8 values
+            moved = self.to_experts(*(_as_bytes(rows) for rows in arrays), fills=fills)
+            return tuple(_from_bytes(rows, like) for rows, like in zip(moved, arrays))
         if self.method == "ragged_all_to_all":
             me = jax.lax.axis_index(self.axis)
             landing = jnp.full((self.shards,), me * self.tokens, jnp.int32)
@@ -180,6 +181,35 @@ class Exchange:
         if len(self.slot_rows) == 1:
             return transfer(self.slot_rows[0])
         return jax.lax.switch(self.slot_choice, [functools.partial(transfer, size) for size in self.slot_rows])
+
+
+def _is_byte_float(x) -> bool:
+    return jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize == 1
+
+
+def _as_bytes(x):
+    """A float8 array as uint8 (its bits), anything else as it is."""
+    return jax.lax.bitcast_convert_type(x, jnp.uint8) if _is_byte_float(x) else x
+
+
+def _from_bytes(x, like):
+    return jax.lax.bitcast_convert_type(x, like.dtype) if x.dtype != like.dtype else x
+
+
+def rows_of(x, row_map: permutation.RowIdMap):
+    """``[T, X]`` → ``[R, X]``: each row's token's ``x`` (``row_map.source_tokens``),
+    zero on rows of no token: the permutation's gather (:func:`oxmoe.permutation.combine_bwd`
+    without weights) for floats, XLA's for float8 values (the permutation primitives
+    move 16- and 32-bit floats)."""
+    if not _is_byte_float(x):
+        return permutation.combine_bwd(x, None, row_map)[0]
+    source = row_map.source_tokens
+    return x.at[jnp.where(source >= 0, source, x.shape[0])].get(mode="fill", fill_value=0)
+
+
+def gather_over(axis: str, *xs):
+    """Each of ``xs`` all-gathered over ``axis`` (tiled); float8 values as their bytes."""
+    return tuple(_from_bytes(jax.lax.all_gather(_as_bytes(x), axis, tiled=True), x) for x in xs)
 
 
 def lays_out_in_slots(method: str, slot_rows: tuple[int, ...]) -> bool:
@@ -285,18 +315,20 @@ def cost_model(config: MoEConfig, shards: int, tokens: int, hidden: int) -> dict
     return {"all_to_all": routed, "ring": ring}
 
 
-def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, method: str,
+def exchange_tokens(tokens: tuple, routing_map, probs, config: MoEConfig, axes: Axes, method: str,
                     capacity: int | None = None):
     """Sends this shard's tokens to the shards of their experts (each of which
     takes at most ``capacity`` copies, so at most ``El * capacity`` tokens
-    from one shard).
+    from one shard). ``tokens``: one ``[T, X]`` array per part of a token that
+    travels (its row; or with FP8 its values and its scales), the last a float
+    array of 16 or 32 bits.
 
-    Returns ``(exchange, rows, weights)``: the :class:`Exchange`, the ``[n * T,
-    H]`` received rows, and ``[n * T, El]`` float32 weights of each received
-    row for this shard's experts, ``-1`` where it is not routed there (and on
-    padding rows).
+    Returns ``(exchange, received, weights)``: the :class:`Exchange`, the
+    ``[n * T, X]`` received rows of each array of ``tokens``, and ``[n * T, El]``
+    float32 weights of each received row for this shard's experts, ``-1`` where
+    it is not routed there (and on padding rows).
     """
-    n, t, axis = axes.expert_shards, tokens.shape[0], axes.expert_axis
+    n, t, axis = axes.expert_shards, tokens[-1].shape[0], axes.expert_axis
     assert axis is not None, "an exchange needs an expert axis"
     el = config.num_experts // n
     per_shard = routing_map.reshape(t, n, el)
@@ -304,10 +336,11 @@ def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, m
     slots = slot_sizes(t, n, config, None if capacity is None else el * capacity)
     if lays_out_in_slots(method, slots):
         token_rows, sizes = _slotted_rows(goes, slots[0])
-        rows, _ = permutation.combine_bwd(tokens, None, token_rows)
+        rows = tuple(rows_of(x, token_rows) for x in tokens)
     else:
-        by_shard = permutation.dispatch_fwd(tokens, goes, None, num_rows=t * min(config.topk, n), align_size=None)
-        token_rows, sizes, rows = by_shard.row_id_map, by_shard.group_sizes, by_shard.tokens
+        by_shard = permutation.dispatch_fwd(tokens[-1], goes, None, num_rows=t * min(config.topk, n), align_size=None)
+        token_rows, sizes = by_shard.row_id_map, by_shard.group_sizes
+        rows = (*(rows_of(x, token_rows) for x in tokens[:-1]), by_shard.tokens)
     every = jax.lax.all_gather(sizes, axis)  # every[s, j]: rows shard s sends shard j
     me = jax.lax.axis_index(axis)
     choice = jnp.minimum(jnp.searchsorted(jnp.asarray(slots, jnp.int32), every.max()), len(slots) - 1)
@@ -316,10 +349,11 @@ def exchange_tokens(tokens, routing_map, probs, config: MoEConfig, axes: Axes, m
                         axis=axis, shards=n, slot_rows=slots, method=method)
     # Each row's weights for its destination's experts, scattered to the row of each (token, shard);
     # the rows past them (and the dummy row every unsent pair writes) keep -1.
-    dest, num_rows = token_rows.dest_rows, rows.shape[0]
+    dest, num_rows = token_rows.dest_rows, token_rows.source_tokens.shape[0]
     local = jnp.where(per_shard, probs.astype(jnp.float32).reshape(t, n, el), -1.0)
     weights = jnp.full((num_rows + 1, el), -1.0, jnp.float32).at[jnp.where(dest >= 0, dest, num_rows)].set(local)
-    return (exchange, *exchange.to_experts(rows, weights[:num_rows], fills=(0, -1.0)))
+    *received, received_weights = exchange.to_experts(*rows, weights[:num_rows], fills=(0,) * len(rows) + (-1.0,))
+    return exchange, tuple(received), received_weights
 
 
 def _slotted_rows(goes, slot: int) -> tuple[permutation.RowIdMap, jax.Array]:

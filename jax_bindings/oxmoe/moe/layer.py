@@ -17,7 +17,8 @@ from oxmoe._checks import FLOAT_DTYPES, check_array
 from oxmoe._pytree import pytree_dataclass
 from oxmoe.moe.config import (Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, as_weight_axes, check_weight_shards,
                               mesh_axes)
-from oxmoe.moe.exchange import Exchange, check_rows, dispatch_rows, exchange_method, exchange_tokens
+from oxmoe.moe.exchange import (Exchange, check_rows, dispatch_rows, exchange_method, exchange_tokens, gather_over,
+                                rows_of)
 
 _F32 = jnp.float32
 
@@ -151,12 +152,15 @@ class ExpertInput:
     ``Dispatched`` before, like :class:`oxmoe.permutation.Dispatched`, which
     is another thing: the result of the local permutation.)"""
 
-    rows: jax.Array
+    rows: jax.Array | fp8.BlockQuantized
     """``[N, H]`` in ``config.dtype``: the local experts' rows, expert by
-    expert, then zero rows: ``tokens`` permuted."""
-    tokens: jax.Array
+    expert, then zero rows: ``tokens`` permuted (with ``config.fp8``, their
+    FP8 values and scales)."""
+    tokens: jax.Array | fp8.BlockQuantized
     """``[T', H]`` in ``config.dtype``: what the local permutation took: this
-    shard's tokens, the rows the exchange brought, or the ring's gathered tokens."""
+    shard's tokens, the rows the exchange brought, or the ring's gathered tokens.
+    With ``config.fp8``, quantized in 1 x 128 blocks before they left their
+    shard: they travel and are permuted as FP8 values and scales, quantized once."""
     group_sizes: jax.Array
     """``[El]`` int32: the rows of each local expert."""
     row_id_map: permutation.RowIdMap
@@ -193,19 +197,50 @@ def _dispatch(tokens, routing_map, probs, config: MoEConfig, axes: Axes, capacit
     check_rows(config, axes, len(tokens), method, capacity)
     el = config.num_experts // axes.expert_shards
     exchange = None
+    parts = _token_parts(tokens, config)
     if method == "ring":
-        first = jax.lax.axis_index(axes.expert_axis) * el
-        gather = functools.partial(jax.lax.all_gather, axis_name=axes.expert_axis, tiled=True)
+        axis = axes.expert_axis
+        assert axis is not None, "the ring needs an expert axis"
+        first = jax.lax.axis_index(axis) * el
         local = functools.partial(jax.lax.dynamic_slice_in_dim, start_index=first, slice_size=el, axis=1)
-        tokens, routing_map, probs = gather(tokens), local(gather(routing_map)), local(gather(probs))
+        parts = gather_over(axis, *parts)
+        routing_map, probs = (local(x) for x in gather_over(axis, routing_map, probs))
     elif method is not None:
-        exchange, tokens, weights = exchange_tokens(tokens, routing_map, probs, config, axes, method, capacity)
+        exchange, parts, weights = exchange_tokens(parts, routing_map, probs, config, axes, method, capacity)
         routing_map, probs = weights >= 0, jnp.maximum(weights, 0)
-    local_rows = permutation.dispatch_fwd(tokens, routing_map, probs,
-                                          num_rows=dispatch_rows(config, len(tokens), el, capacity), align_size=align)
+    # The last part (the rows, or the FP8 scales) is permuted by the dispatch, which makes the row map.
+    local_rows = permutation.dispatch_fwd(parts[-1], routing_map, probs, num_rows=dispatch_rows(
+        config, len(parts[-1]), el, capacity), align_size=align)
     assert local_rows.probs is not None  # given the weights, dispatch_fwd permutes them
-    return ExpertInput(local_rows.tokens, tokens, local_rows.group_sizes, local_rows.row_id_map, probs,
+    rows: jax.Array | fp8.BlockQuantized = local_rows.tokens
+    if config.fp8 is not None:  # the dispatch permuted the scales; the values follow its map
+        rows = fp8.BlockQuantized(rows_of(parts[0], local_rows.row_id_map), local_rows.tokens, fp8.ACTIVATION_BLOCK)
+    return ExpertInput(rows, _from_parts(parts), local_rows.group_sizes, local_rows.row_id_map, probs,
                        local_rows.probs.astype(_F32), exchange, method == "ring")
+
+
+def _token_parts(tokens, config: MoEConfig) -> tuple:
+    """What of ``[T, H]`` rows travels and is permuted: the rows, or with ``config.fp8``
+    their FP8 values and scales (1 x 128 blocks: half the bytes, quantized once)."""
+    if config.fp8 is None:
+        return (tokens,)
+    q = fp8.quantize(tokens, fp8.ACTIVATION_BLOCK, power_of_two_scales=config.fp8.power_of_two_scales)
+    return q.values, q.scales
+
+
+def _from_parts(parts: tuple):
+    """The rows :func:`_token_parts` cut up."""
+    if len(parts) == 1:
+        return parts[0]
+    values, scales = parts
+    return fp8.BlockQuantized(values, scales, fp8.ACTIVATION_BLOCK)
+
+
+def _permuted(rows, row_map: permutation.RowIdMap):
+    """``[T, H]`` rows (or their FP8 values and scales) → ``[R, H]``: each row's token's."""
+    if isinstance(rows, fp8.BlockQuantized):
+        return fp8.BlockQuantized(rows_of(rows.values, row_map), rows_of(rows.scales, row_map), rows.block)
+    return rows_of(rows, row_map)
 
 
 # -- expert FFN --------------------------------------------------------------------------
@@ -256,13 +291,13 @@ def _expert_weights(params: MoEParams, config: MoEConfig) -> tuple:
 
 def _expert_product(rows, weight, sizes, config: MoEConfig, *, rhs_transposed: bool = False):
     """``rows`` of each group times its expert's ``weight`` (``weight[g]ᵀ`` with
-    ``rhs_transposed``), in ``config.dtype``; with ``config.fp8`` the rows
-    quantized per row in 1 x 128 blocks and the FP8 product."""
+    ``rhs_transposed``), in ``config.dtype``; with ``config.fp8`` the FP8 product of
+    the rows quantized per row in 1 x 128 blocks (or as they came, quantized)."""
     if config.fp8 is None:
         return grouped_gemm.ragged_dot(rows, weight, sizes, rhs_transposed=rhs_transposed)
-    quantized = fp8.quantize(rows, fp8.ACTIVATION_BLOCK, power_of_two_scales=config.fp8.power_of_two_scales)
-    return fp8.ragged_dot(quantized, weight, sizes, rhs_transposed=rhs_transposed,
-                          preferred_element_type=config.dtype)
+    if not isinstance(rows, fp8.BlockQuantized):
+        rows = fp8.quantize(rows, fp8.ACTIVATION_BLOCK, power_of_two_scales=config.fp8.power_of_two_scales)
+    return fp8.ragged_dot(rows, weight, sizes, rhs_transposed=rhs_transposed, preferred_element_type=config.dtype)
 
 
 def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> ExpertOutput:
@@ -302,13 +337,17 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     of a column). The dispatched rows are permuted again from their tokens."""
     sizes = jnp.stack([chunk.group_sizes for chunk in kept])  # [C, El]
     groups = sizes.shape[1]
-    rows = [permutation.combine_bwd(chunk.tokens, None, chunk.row_id_map)[0] for chunk in kept]
+    rows = [_permuted(chunk.tokens, chunk.row_id_map) for chunk in kept]
     down_operands: tuple = (weighted_hidden, grad_out_rows)
     up_operands: tuple = (rows, grad_up_rows)
     product: Callable = grouped_gemm.transposed_ragged_dot
     if config.fp8 is not None:
-        quantize = functools.partial(fp8.quantize, block=fp8.TRANSPOSED_ACTIVATION_BLOCK,
-                                     power_of_two_scales=config.fp8.power_of_two_scales)
+        # Rows that travelled quantized per row are quantized again per 128 rows (DeepSeek-V3's way).
+        def quantize(rows):
+            if isinstance(rows, fp8.BlockQuantized):
+                rows = fp8.dequantize(rows, config.dtype)
+            return fp8.quantize(rows, fp8.TRANSPOSED_ACTIVATION_BLOCK,
+                                power_of_two_scales=config.fp8.power_of_two_scales)
         down_operands, up_operands = (tuple([quantize(r) for r in chunks] for chunks in operands)
                                       for operands in (down_operands, up_operands))
         product = fp8.transposed_ragged_dot
@@ -432,7 +471,7 @@ class ExpertResiduals:
     and takes each row's weight's gradient as ``<hidden, its gradient times
     downᵀ>``, from values it computes anyway (SonicMoE's way)."""
 
-    tokens: jax.Array
+    tokens: jax.Array | fp8.BlockQuantized
     """:attr:`ExpertInput.tokens`."""
     group_sizes: jax.Array
     """:attr:`ExpertInput.group_sizes`."""
@@ -670,12 +709,13 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     chunks = _token_chunks(len(grad_y), config, axes)
     grad_tokens, grad_probs, hidden, grad_rows, grad_up_rows = [], [], [], [], []
     for rows, d in zip(chunks, res.chunks):
-        g = grad_y[rows]
-        if d.ring:
-            g = jax.lax.all_gather(g, axes.expert_axis, tiled=True)
+        # The output's gradient travels as the tokens did (with FP8, quantized once before it leaves).
+        g = _token_parts(grad_y[rows], config)
+        if d.ring and axes.expert_axis is not None:
+            g = gather_over(axes.expert_axis, *g)
         if d.exchange is not None:
-            g = d.exchange.scatter_tokens(g)
-        grad_out_rows, _ = permutation.combine_bwd(g, None, d.row_id_map)  # each row's token's, unweighted
+            g = d.exchange.scatter_tokens(*g)
+        grad_out_rows = _permuted(_from_parts(g), d.row_id_map)  # each row's token's, unweighted
         grad_in, chunk_hidden, chunk_grad_up_rows, grad_row_probs = _expert_ffn_bwd(grad_out_rows, d, weights, config)
         chunk_grad_tokens, chunk_grad_probs = permutation.dispatch_bwd(grad_in, d.row_id_map, grad_row_probs)
         assert chunk_grad_probs is not None  # given the rows' weights' gradient, dispatch_bwd takes it back
