@@ -68,10 +68,13 @@ class MoEConfig:
     :class:`oxmoe.fp8.BlockScaling` recipe makes the experts' three GEMMs of the
     forward and four of the backward block-scaled FP8 products
     (:func:`oxmoe.fp8.ragged_dot`, :func:`oxmoe.fp8.transposed_ragged_dot`): the
-    dispatched rows and the activation's output quantized per row in 1 x 128
-    blocks, the expert weights in 128 x 128 blocks (once a step, kept for the
-    backward: half the bytes of bfloat16 weights), the weight gradients' operands
-    in 128 x 1 blocks; each product's result rounded to ``dtype``. The router, the
+    tokens quantized per row in 1 x 128 blocks once, before they leave their
+    shard (they cross the exchange and the permutation as FP8 values and
+    scales, as the output's gradient does in the backward), the activation's
+    output likewise, the expert weights in 128 x 128 blocks (once a step, kept
+    for the backward: half the bytes of bfloat16 weights), the weight
+    gradients' operands in 128 x 1 blocks; each product's result rounded to
+    ``dtype``. The router, the
     activation, the combine and the shared experts are not quantized, and the
     master weights are untouched. The hidden and the experts' FFN sizes must be
     multiples of 128; the row buffers are padded to multiples of 128.
