@@ -747,4 +747,115 @@ __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
   }
 }
 
+// ---------------------------------------------------------------------------
+// FP8 on Hopper: the RHS_TRANSPOSED form of fp8_ragged_dot_simt, both operands
+// K-major as 8-bit wgmma takes them: lhs [m, k] and rhs [groups, n, k]. A
+// stage is one 128-deep scale block: 128 rows of lhs and 128 of rhs, 128
+// bytes each. Its four wgmmas leave the block's partial in the tensor cores'
+// accumulator; the consumers scale it by the row's and the weight block's
+// scales and add it to their float32 sums (DeepSeek-V3's promotion), while
+// the other consumer warpgroup keeps the tensor cores busy.
+
+constexpr int FP8_BN = 128;  // the partial and the sums: 2 x 64 registers a thread
+
+template <int STAGES_, int MAX_LOCAL_GROUPS_> struct Fp8HopperConfig {
+  static constexpr int BN = FP8_BN;
+  static constexpr int STAGES = STAGES_;
+  static constexpr int MAX_LOCAL_GROUPS = MAX_LOCAL_GROUPS_;
+  static constexpr int A_BYTES = BLOCK_M * FP8_BLOCK;
+  static constexpr int B_BYTES = BN * FP8_BLOCK;
+  static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
+  static constexpr int OUT_PITCH = BN + 8;
+  static constexpr int OUT_BYTES = 2 * 64 * OUT_PITCH * 2;
+  static constexpr int SHARED_BYTES =
+      1024 + STAGES * STAGE_BYTES + OUT_BYTES + 2 * STAGES * 8 + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
+};
+
+// out[r] for the rows r of local group i: for each 128 of K, the partial of
+// lhs[r] · rhs[i][col] times lhs_scales[r, b] rhs_scales[i, col / 128, b];
+// zero for rows outside the window. lhs_map: lhs, box 128 x 128 rows;
+// rhs_map: rhs, box 128 x 128 rows x 1. K and N are multiples of FP8_BLOCK.
+template <typename O, int STAGES, int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
+__global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
+    const __grid_constant__ TensorMap lhs_map, const float* __restrict__ lhs_scales,
+    const __grid_constant__ TensorMap rhs_map, const float* __restrict__ rhs_scales,
+    const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
+    int k, int n, O* __restrict__ out) {
+  using Config = Fp8HopperConfig<STAGES, MAX_LOCAL_GROUPS>;
+  constexpr int BN = Config::BN;
+  check_hopper_launch<Config, THREADS, SHARED_BYTES>();
+  extern __shared__ unsigned char raw[];
+  const Shared<Config> s = Shared<Config>::carve(raw);
+  if (threadIdx.x == 0) s.init_barriers();
+  if (threadIdx.x < 32) {
+    window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
+    __syncwarp();
+    group_tiles<BN>(s.bounds, local_groups, n, s.tiles);
+  }
+  __syncthreads();
+  RaggedTiles<BN> walk(s.bounds, s.tiles, local_groups, m, n);
+  const int k_blocks = k / FP8_BLOCK, n_blocks = n / FP8_BLOCK;
+  Ring ring;
+
+  if (threadIdx.x < 128) {
+    producer_registers();
+    if (threadIdx.x != 0) return;
+    for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+      const auto tile = walk.at(t);
+      if (tile.zeros) continue;
+      for (int kb = 0; kb < k_blocks; ++kb, ring.advance<STAGES>()) {
+        barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
+        unsigned long long* full = &s.full[ring.stage];
+        barrier_expect_bytes(full, Config::STAGE_BYTES);
+        tma_load(s.a + ring.stage * Config::A_BYTES, &lhs_map, full, kb * FP8_BLOCK, tile.row0);
+        tma_load(s.b + ring.stage * Config::B_BYTES, &rhs_map, full, kb * FP8_BLOCK, tile.col0, tile.group);
+      }
+    }
+    return;
+  }
+
+  consumer_registers();
+  const int half = threadIdx.x / 128 - 1;  // this warpgroup's 64 rows of the tile
+  // The tile rows of this thread's accumulators: row and row + 8.
+  const int row = half * 64 + threadIdx.x / 32 % 4 * 16 + threadIdx.x % 32 / 4;
+  float partial[BN / 2], sums[BN / 2];
+  for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+    const auto tile = walk.at(t);
+    if (tile.zeros) {
+      zero_tile<O, BN>(out, tile.row0, tile.row_end, tile.col0, n);
+      continue;
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) sums[i] = 0.f;
+    // Rows past m are never stored: they read the last row's scales.
+    const float* row_scales = lhs_scales + static_cast<size_t>(min(tile.row0 + row, m - 1)) * k_blocks;
+    const float* row8_scales = lhs_scales + static_cast<size_t>(min(tile.row0 + row + 8, m - 1)) * k_blocks;
+    const float* block_scales = rhs_scales + (static_cast<size_t>(tile.group) * n_blocks + tile.col0 / FP8_BLOCK) * k_blocks;
+    for (int kb = 0; kb < k_blocks; ++kb, ring.advance<STAGES>()) {
+      barrier_wait(&s.full[ring.stage], ring.phase);
+      const unsigned char* a = s.a + ring.stage * Config::A_BYTES + half * 64 * FP8_BLOCK;
+      const unsigned char* b = s.b + ring.stage * Config::B_BYTES;
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < FP8_BLOCK / 32; ++kk)
+        wgmma_e4m3(partial, matrix_descriptor(a + kk * 32, 16), matrix_descriptor(b + kk * 32, 16), kk > 0);
+      wgmma_commit();
+      const float block_scale = block_scales[kb];
+      const float scale = row_scales[kb] * block_scale, scale8 = row8_scales[kb] * block_scale;
+      wgmma_wait<0>();
+      keep_in_registers(partial);
+      release_stage(s.empty, ring.stage);
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+        sums[4 * i] += partial[4 * i] * scale;
+        sums[4 * i + 1] += partial[4 * i + 1] * scale;
+        sums[4 * i + 2] += partial[4 * i + 2] * scale8;
+        sums[4 * i + 3] += partial[4 * i + 3] * scale8;
+      }
+    }
+    store_tile<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, out, tile.row0 + half * 64, tile.row_end,
+                          tile.col0, n);
+  }
+}
+
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

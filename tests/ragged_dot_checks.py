@@ -116,10 +116,12 @@ def tiny_out(dtype) -> float:
     return float(ml_dtypes.finfo(np_dtype(dtype)).smallest_subnormal)
 
 
-def allowed_error(expected_value, scale, acc_len, dtype) -> np.ndarray:
-    """eps_out |ref| + C eps_acc sqrt(n) (|lhs| @ |rhs|) + tiny_out (see the module docstring)."""
-    return (eps_out(dtype) * np.abs(expected_value) + C * EPS_ACC * np.sqrt(np.asarray(acc_len, np.float64)) * scale
-            + tiny_out(dtype))
+def allowed_error(expected_value, scale, acc_len, dtype, block_sum_error: float = 0.0) -> np.ndarray:
+    """eps_out |ref| + (C eps_acc sqrt(n) + block_sum_error) (|lhs| @ |rhs|) + tiny_out (see the
+    module docstring; block_sum_error: a kernel's own summation error, a fraction of the
+    magnitudes)."""
+    accumulation = C * EPS_ACC * np.sqrt(np.asarray(acc_len, np.float64)) + block_sum_error
+    return eps_out(dtype) * np.abs(expected_value) + accumulation * scale + tiny_out(dtype)
 
 
 def _where(bad: np.ndarray, limit: int = 6) -> list[tuple[int, ...]]:
@@ -127,10 +129,11 @@ def _where(bad: np.ndarray, limit: int = 6) -> list[tuple[int, ...]]:
 
 
 def assert_gemm_close(actual, expected: Expected, dtype, *, what: str, context: str,
-                      chunk_elements: int = 1 << 21) -> None:
+                      chunk_elements: int = 1 << 21, block_sum_error: float = 0.0) -> None:
     """`actual` has dtype and shape of the reference, is within the error bound of it, and is
     exactly zero (+0.0 or -0.0, never NaN) wherever the reference must be zero. Compares a
-    block of rows at a time (the float64 temporaries of a [G, K, N] result would take gigabytes)."""
+    block of rows at a time (the float64 temporaries of a [G, K, N] result would take gigabytes).
+    `block_sum_error`: see `allowed_error`."""
     dt = np_dtype(dtype)
     actual = np.asarray(actual)
     assert actual.dtype == dt, f"{what}: dtype {actual.dtype}, expected {dt} ({context})"
@@ -153,7 +156,7 @@ def assert_gemm_close(actual, expected: Expected, dtype, *, what: str, context: 
         if nonzero.any():
             nonzero_count += int(nonzero.sum())
             nonzero_examples += [(start + w[0], w[1], a[w]) for w in _where(nonzero)]
-        allowed = allowed_error(value[rows], scale[rows], acc_len[rows], dt)
+        allowed = allowed_error(value[rows], scale[rows], acc_len[rows], dt, block_sum_error)
         error = np.abs(a - value[rows])
         bad = ~(error <= allowed)  # NaN counts as bad
         if bad.any():
@@ -175,5 +178,5 @@ def assert_gemm_close(actual, expected: Expected, dtype, *, what: str, context: 
         lines = [f"{index(r, c)}: got {x!r}, expected {e!r}, allowed {float(b):.3g}"
                  for r, c, x, e, b in bad_examples[:6]]
         raise AssertionError(
-            f"{what}: {bad_count} of {actual.size} elements off by more than the float32-accumulation bound "
+            f"{what}: {bad_count} of {actual.size} elements off by more than the accumulation bound "
             f"(worst {worst[0]:.3g}x the bound at {index(*worst[1])}):\n  " + "\n  ".join(lines) + f"\n({context})")

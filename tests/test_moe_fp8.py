@@ -84,10 +84,12 @@ def test_expert_ffn_is_the_fp8_reference_products(seed, rng):
                                     preferred_element_type=F32)
     context = f"sizes={np.asarray(sizes).tolist()}, seed={seed}"
     assert dispatched.rows.shape[0] % 128 == 0, dispatched.rows.shape  # the FP8 weight gradient's blocks
-    checks.assert_close(got.up_rows, up, F32, what="up rows", context=context, tolerance=(1e-5, 1e-5))
-    # A float32 sum that differs in its last bit may round an activation to the neighbouring
-    # FP8 value (2^-4 of it) in rare elements: a few in a million, each off by ~1e-3 of a row.
-    checks.assert_close(got.rows, rows, F32, what="rows", context=context, tolerance=(1e-3, 2e-2))
+    # Hopper's FP8 tensor cores sum each 128-block of products with about 14 bits (oxmoe.fp8).
+    checks.assert_close(got.up_rows, up, F32, what="up rows", context=context, tolerance=(2e-3, 2e-3))
+    # An up row that differs in its last bits may round an activation to the neighbouring FP8
+    # value (2^-4 of it): a few in a million on the CPU (float32 sums), about 0.5% of them on
+    # Hopper's tensor cores (14-bit block sums: 3.6e-3 of the norm measured on an H200).
+    checks.assert_close(got.rows, rows, F32, what="rows", context=context, tolerance=(1e-2, 2e-2))
 
 
 # (data shards, expert shards or None: no shard_map, exchange, align_size, routing, dtype, extra config)

@@ -52,13 +52,17 @@ DeepSeek-V3 runs them):
   :func:`oxmoe.transposed_ragged_dot`.
 
 For each block of 128 of the contraction, the products of the FP8 values (exact in float32)
-are summed in float32 (in any order: the one freedom a kernel has), and the block's partial
+are summed, in any order and at float32 precision or at the tensor cores' (the one freedom a
+kernel has: Hopper's FP8 ``wgmma`` sums into an accumulator of about 14 bits, which loses at
+most about 2^-11 of the block's magnitudes), and the block's partial
 is multiplied by the product of the two blocks' scales and added to the float32 result in
 block order (DeepSeek-V3's promotion out of the tensor core's accumulator every 128 of K,
 which keeps a long contraction as precise as float32 accumulation); the result is rounded
 once to ``preferred_element_type``. Their CPU implementations are the specification;
-:mod:`oxmoe.reference.fp8` writes the same in plain JAX. On a GPU they run on a kernel that
-dequantizes on load (no tensor-core FP8 kernel yet). They are not differentiable.
+:mod:`oxmoe.reference.fp8` writes the same in plain JAX. On Hopper (sm_90a), :func:`ragged_dot`
+with ``rhs_transposed`` runs on the tensor cores (FP8 ``wgmma``, whose 8-bit operands must
+both be K-major: keep weights ``[G, N, K]`` for the forward); the other products, and every
+other GPU, run on kernels that dequantize on load. They are not differentiable.
 """
 
 from __future__ import annotations
@@ -291,7 +295,8 @@ def ragged_dot(lhs: BlockQuantized, rhs: BlockQuantized, group_sizes, *, group_o
       group_sizes: ``[G]`` integer row counts, on the device (cast to int32).
       group_offset: optional integer scalar or ``[1]`` array: local group ``i``
         multiplies the rows of group ``group_offset + i``.
-      rhs_transposed: ``rhs`` is ``[G_local, N, K]``.
+      rhs_transposed: ``rhs`` is ``[G_local, N, K]`` (the form Hopper's tensor cores
+        take: both operands K-major).
       preferred_element_type: float32, bfloat16 (default) or float16.
 
     Returns:

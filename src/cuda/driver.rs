@@ -212,8 +212,8 @@ impl Stream {
     }
 }
 
-/// A TMA descriptor of a row-major tensor of 16-bit elements, loaded in boxes
-/// with the 128-byte swizzle (what `wgmma` reads); passed to a kernel by value.
+/// A TMA descriptor of a row-major tensor of 16- or 8-bit elements, loaded in
+/// boxes with the 128-byte swizzle (what `wgmma` reads); passed to a kernel by value.
 #[repr(transparent)]
 pub struct TensorMap(sys::CUtensorMap);
 
@@ -227,8 +227,17 @@ impl TensorMap {
     /// `dims` and `box_dims` innermost first; rows must be multiples of 16
     /// bytes. Elements outside the tensor load as zero.
     pub fn tiled_16bit(address: u64, dims: &[u64], box_dims: &[u32]) -> Result<Self> {
+        Self::tiled(sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, address, dims, box_dims)
+    }
+
+    /// The same for 8-bit elements (FP8 values).
+    pub fn tiled_8bit(address: u64, dims: &[u64], box_dims: &[u32]) -> Result<Self> {
+        Self::tiled(sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, address, dims, box_dims)
+    }
+
+    fn tiled(data_type: sys::CUtensorMapDataType, element_bytes: u64, address: u64, dims: &[u64], box_dims: &[u32]) -> Result<Self> {
         let mut strides = Vec::with_capacity(dims.len());
-        let mut stride = 2u64;
+        let mut stride = element_bytes;
         for &dim in &dims[..dims.len() - 1] {
             stride *= dim;
             strides.push(stride);
@@ -240,7 +249,7 @@ impl TensorMap {
         check("cuTensorMapEncodeTiled", unsafe {
             sys::cuTensorMapEncodeTiled(
                 &mut map,
-                sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                data_type,
                 dims.len() as u32,
                 address as *mut c_void,
                 dims.as_ptr(),

@@ -58,6 +58,19 @@ fn hopper_shared_bytes(block_n: u32) -> u32 {
     1024 + stages * stage + out_rows + 2 * stages * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
 }
 
+/// Stages of the FP8 Hopper kernel's ring: 128-deep blocks of 128 x 128 bytes
+/// of each operand, as many as fit beside its 128-column output rows.
+const FP8_HOPPER_STAGES: u32 = 5;
+/// Output columns of an FP8 Hopper tile, and the depth of its stages.
+const FP8_BLOCK: u32 = 128;
+
+/// The FP8 Hopper kernel's dynamic shared memory (its `Fp8HopperConfig::SHARED_BYTES`).
+fn fp8_hopper_shared_bytes() -> u32 {
+    let stage = (BLOCK_M + FP8_BLOCK) * FP8_BLOCK;
+    let out_rows = 2 * 64 * (FP8_BLOCK + 8) * 2;
+    1024 + FP8_HOPPER_STAGES * stage + out_rows + 2 * FP8_HOPPER_STAGES * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
+}
+
 /// Whether a product takes the Hopper kernels.
 fn takes_hopper(device: &Device, dtype: DataType, shape: &GroupedShape) -> bool {
     let sixteen_bit = matches!(dtype, DataType::BF16 | DataType::F16);
@@ -65,10 +78,15 @@ fn takes_hopper(device: &Device, dtype: DataType, shape: &GroupedShape) -> bool 
     sixteen_bit && aligned && shape.local_groups <= MAX_LOCAL_GROUPS && device.architecture.0 == "sm_90a"
 }
 
-/// Launches a Hopper kernel (block `block_n` columns wide), one block per
-/// multiprocessor, with `args` (pointers to the kernel's arguments, in order).
+/// Launches a Hopper kernel (block `block_n` columns wide) with `args`
+/// (pointers to the kernel's arguments, in order).
 fn launch_hopper(stream: Stream, device: &Device, instance: &str, block_n: u32, args: &mut [*mut c_void]) -> Result<()> {
-    let shared = hopper_shared_bytes(block_n);
+    launch_persistent(stream, device, instance, hopper_shared_bytes(block_n), args)
+}
+
+/// Launches a persistent Hopper kernel, one block per multiprocessor, with
+/// `shared` bytes of dynamic shared memory.
+fn launch_persistent(stream: Stream, device: &Device, instance: &str, shared: u32, args: &mut [*mut c_void]) -> Result<()> {
     let kernel = Kernel::get(stream, &GROUPED_GEMM, instance)?.allow_shared_bytes(shared)?;
     let config = LaunchConfig { grid: device.multiprocessors, block: HOPPER_THREADS, shared_bytes: shared };
     launch(stream, kernel, config, args)
@@ -87,6 +105,11 @@ pub fn transposed_hopper_instance(dtype: DataType, out: DataType, block_n: u32) 
 fn hopper_instance(instance: Instance, block_n: u32) -> Result<String> {
     let instance = instance.int(block_n).int(hopper_stages(block_n)).int(MAX_LOCAL_GROUPS);
     instance.int(HOPPER_THREADS).int(hopper_shared_bytes(block_n)).build()
+}
+
+pub fn fp8_ragged_dot_hopper_instance(out: DataType) -> Result<String> {
+    let instance = Instance::new("fp8_ragged_dot_hopper").dtype(out).int(FP8_HOPPER_STAGES).int(MAX_LOCAL_GROUPS);
+    instance.int(HOPPER_THREADS).int(fp8_hopper_shared_bytes()).build()
 }
 
 pub fn ragged_dot_simt_instance(dtype: DataType, out: DataType, rhs_transposed: bool) -> Result<String> {
@@ -259,8 +282,9 @@ struct Fp8ChunkOperands {
     rhs_scales: [u64; MAX_CHUNKS],
 }
 
-/// The FP8 products run on the SIMT kernels, on every GPU (no tensor-core
-/// kernel for them yet).
+/// On Hopper, the FP8 product whose operands are both K-major (the
+/// `rhs_transposed` form: 8-bit `wgmma` reads no other layout) runs on the
+/// tensor cores; the other form, and every other GPU, on the SIMT kernels.
 pub fn fp8_ragged_dot(ctx: &LaunchContext, a: &Fp8RaggedDot) -> Result<()> {
     let stream = ctx.stream;
     let shape = &a.shape;
@@ -269,6 +293,17 @@ pub fn fp8_ragged_dot(ctx: &LaunchContext, a: &Fp8RaggedDot) -> Result<()> {
     }
     let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
     let [m, k, n] = g.dims;
+    let device = stream.device()?;
+    if a.rhs_transposed && shape.k > 0 && shape.local_groups <= MAX_LOCAL_GROUPS && device.architecture.0 == "sm_90a" {
+        let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
+        let lhs_map = TensorMap::tiled_8bit(a.lhs.device_ptr(), &[k64, m64], &[FP8_BLOCK, BLOCK_M])?;
+        let rhs_map = TensorMap::tiled_8bit(a.rhs.device_ptr(), &[k64, n64, gl], &[FP8_BLOCK, FP8_BLOCK, 1])?;
+        let (lhs_scales, rhs_scales, out) = (a.lhs_scales.device_ptr(), a.rhs_scales.device_ptr(), a.out.device_ptr());
+        return launch_persistent(stream, &device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(), &mut [
+            arg(&lhs_map), arg(&lhs_scales), arg(&rhs_map), arg(&rhs_scales), arg(&g.sizes), arg(&g.groups), arg(&g.offset),
+            arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out),
+        ]);
+    }
     let (scratch, rows) = chunk_bounds(ctx, shape, g.sizes, g.offset, &[shape.m])?;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &fp8_ragged_dot_simt_instance(a.out.dtype(), a.rhs_transposed)?)?;
     let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
@@ -345,6 +380,7 @@ mod tests {
                 instances.push(transposed_hopper_instance(dtype, out, bn).unwrap());
             }
         }
+        instances.extend([DataType::BF16, DataType::F16, DataType::F32].map(|out| fp8_ragged_dot_hopper_instance(out).unwrap()));
         instances
     }
 
@@ -385,6 +421,7 @@ mod tests {
         for bn in [128, 256] {
             assert!(hopper_shared_bytes(bn) <= 227 * 1024, "{bn}: {}", hopper_shared_bytes(bn));
         }
+        assert!(fp8_hopper_shared_bytes() <= 227 * 1024, "FP8: {}", fp8_hopper_shared_bytes());
     }
 
     #[test]

@@ -300,12 +300,27 @@ def _expert_product(rows, weight, sizes, config: MoEConfig, *, rhs_transposed: b
     return fp8.ragged_dot(rows, weight, sizes, rhs_transposed=rhs_transposed, preferred_element_type=config.dtype)
 
 
+def _transposed_weight(q: fp8.BlockQuantized) -> fp8.BlockQuantized:
+    """Expert weights ``[E, K, N]`` quantized in square blocks as ``[E, N, K]``: the
+    same values and scales, each block where the transpose puts it."""
+    return fp8.BlockQuantized(jnp.swapaxes(q.values, -1, -2), jnp.swapaxes(q.scales, -1, -2), q.block)
+
+
+def _forward_product(rows, weight, sizes, config: MoEConfig):
+    """``rows`` of each group times its expert's ``weight`` ``[E, K, N]``. FP8 takes
+    the weight transposed (``[E, N, K]``, 1 byte an element): the form whose
+    operands are both K-major, which Hopper's tensor cores multiply in FP8."""
+    if config.fp8 is None:
+        return _expert_product(rows, weight, sizes, config)
+    return _expert_product(rows, _transposed_weight(weight), sizes, config, rhs_transposed=True)
+
+
 def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> ExpertOutput:
     """:func:`expert_ffn` with the weights of :func:`_expert_weights`."""
     up_weight, down_weight = weights
     sizes = dispatched.group_sizes
-    up = _expert_product(dispatched.rows, up_weight, sizes, config)
-    rows = _expert_product(_activate(up, config.activation), down_weight, sizes, config)
+    up = _forward_product(dispatched.rows, up_weight, sizes, config)
+    rows = _forward_product(_activate(up, config.activation), down_weight, sizes, config)
     return ExpertOutput(rows, up)
 
 
