@@ -334,6 +334,28 @@ __global__ void __launch_bounds__(THREADS) fp8_transposed_ragged_dot_simt(
   store_tile_rows(acc, out + static_cast<size_t>(g) * k * n, k_0, col0, 0, k, n);
 }
 
+// out [cols, rows] = in [rows, cols]ᵀ of bytes (FP8 values), both multiples
+// of 64: a block moves a 64 x 64 tile through shared memory, 16 bytes a
+// thread each way. The weight gradient's FP8 operands, K-major for Hopper.
+constexpr int TRANSPOSE_TILE = 64;
+
+extern "C" __global__ void __launch_bounds__(256) transpose_bytes(const unsigned char* __restrict__ in, int rows,
+                                                                  int cols, unsigned char* __restrict__ out) {
+  __shared__ unsigned char tile[TRANSPOSE_TILE][TRANSPOSE_TILE + 1];
+  const int tiles_c = cols / TRANSPOSE_TILE;
+  const int r0 = blockIdx.x / tiles_c * TRANSPOSE_TILE, c0 = blockIdx.x % tiles_c * TRANSPOSE_TILE;
+  const int line = threadIdx.x / 4, piece = threadIdx.x % 4 * 16;
+  uint4 v = *reinterpret_cast<const uint4*>(in + static_cast<size_t>(r0 + line) * cols + c0 + piece);
+  const unsigned char* loaded = reinterpret_cast<const unsigned char*>(&v);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) tile[line][piece + i] = loaded[i];
+  __syncthreads();
+  unsigned char* stored = reinterpret_cast<unsigned char*>(&v);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) stored[i] = tile[piece + i][line];
+  *reinterpret_cast<uint4*>(out + static_cast<size_t>(c0 + line) * rows + r0 + piece) = v;
+}
+
 // ---------------------------------------------------------------------------
 // Hopper: TMA + wgmma, warp-specialised and persistent.
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -855,6 +877,126 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
     }
     store_tile<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, out, tile.row0 + half * 64, tile.row_end,
                           tile.col0, n);
+  }
+}
+
+// Each chunk's K-major FP8 operands of the weight gradient: lhsᵀ [k, m_c] and
+// rhsᵀ [n, m_c] (tensor maps, boxes 128 x 128 rows), and the scales of lhs
+// and rhs ([m_c / 128, k] and [m_c / 128, n]).
+struct Fp8ChunkMaps {
+  TensorMap lhs[MAX_CHUNKS];
+  TensorMap rhs[MAX_CHUNKS];
+  const float* lhs_scales[MAX_CHUNKS];
+  const float* rhs_scales[MAX_CHUNKS];
+};
+
+// Zeroes the columns outside [lo, hi) of a stage's A and B tiles (128 rows of
+// 128 bytes each; the 128-byte swizzle puts 16-byte piece q of row r at piece
+// q ^ r % 8), with the 256 consumer threads: a 128-row block's rows of other
+// groups, whose values may be anything (an FP8 NaN times zero is NaN).
+__device__ __forceinline__ void zero_columns_outside(unsigned char* a, unsigned char* b, int lo, int hi) {
+  const int t = threadIdx.x - 128, r = t % 128;
+  unsigned char* row = (t < 128 ? a : b) + r * 128;
+#pragma unroll
+  for (int q = 0; q < 8; ++q) {
+    unsigned char* piece = row + (q ^ r % 8) * 16;
+    if (q * 16 >= lo && q * 16 + 16 <= hi) continue;
+    if (q * 16 + 16 <= lo || q * 16 >= hi) {
+      *reinterpret_cast<uint4*>(piece) = make_uint4(0, 0, 0, 0);
+      continue;
+    }
+    for (int j = 0; j < 16; ++j)
+      if (q * 16 + j < lo || q * 16 + j >= hi) piece[j] = 0;
+  }
+}
+
+// fp8_transposed_ragged_dot_simt on Hopper: out[i] ([k, n]) over the rows of
+// local group i in each chunk, a stage per 128-row block that holds any of
+// them (its other rows zeroed), each block's partial scaled by the row's
+// lhs scale and the column's rhs scale. A tile is 128 rows of out[i] by 128
+// columns; K and N are multiples of 128, and so is each chunk's m_c.
+template <typename O, int STAGES, int THREADS, int SHARED_BYTES>
+__global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
+    const __grid_constant__ Fp8ChunkMaps operands, int chunks, const ChunkBounds rows, int k, int n,
+    O* __restrict__ out) {
+  using Config = Fp8HopperConfig<STAGES, 0>;
+  constexpr int BN = Config::BN;
+  check_hopper_launch<Config, THREADS, SHARED_BYTES>();
+  extern __shared__ unsigned char raw[];
+  const Shared<Config> s = Shared<Config>::carve(raw);
+  if (threadIdx.x == 0) s.init_barriers();
+  __syncthreads();
+  const int column_tiles = n / BN, per_group = k / BLOCK_M * column_tiles, total = rows.local_groups * per_group;
+  Ring ring;
+
+  if (threadIdx.x < 128) {
+    producer_registers();
+    if (threadIdx.x != 0) return;
+    for (int t = blockIdx.x; t < total; t += gridDim.x) {
+      const int g = t / per_group, local = t % per_group;
+      const int out_row0 = local / column_tiles * BLOCK_M, col0 = local % column_tiles * BN;
+      for (int c = 0; c < chunks; ++c) {
+        const int begin = rows.begin(c, g), end = rows.end(c, g);
+        for (int b = begin / FP8_BLOCK; begin < end && b * FP8_BLOCK < end; ++b, ring.advance<STAGES>()) {
+          barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
+          unsigned long long* full = &s.full[ring.stage];
+          barrier_expect_bytes(full, Config::STAGE_BYTES);
+          tma_load(s.a + ring.stage * Config::A_BYTES, &operands.lhs[c], full, b * FP8_BLOCK, out_row0);
+          tma_load(s.b + ring.stage * Config::B_BYTES, &operands.rhs[c], full, b * FP8_BLOCK, col0);
+        }
+      }
+    }
+    return;
+  }
+
+  consumer_registers();
+  const int half = threadIdx.x / 128 - 1;  // this warpgroup's 64 rows of the tile
+  // The tile rows of this thread's accumulators (row and row + 8) and their
+  // first column (then + 1, and 8 columns apart).
+  const int row = half * 64 + threadIdx.x / 32 % 4 * 16 + threadIdx.x % 32 / 4, col = 2 * (threadIdx.x % 4);
+  float partial[BN / 2], sums[BN / 2];
+  for (int t = blockIdx.x; t < total; t += gridDim.x) {
+    const int g = t / per_group, local = t % per_group;
+    const int out_row0 = local / column_tiles * BLOCK_M, col0 = local % column_tiles * BN;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) sums[i] = 0.f;
+    for (int c = 0; c < chunks; ++c) {
+      const int begin = rows.begin(c, g), end = rows.end(c, g);
+      for (int b = begin / FP8_BLOCK; begin < end && b * FP8_BLOCK < end; ++b, ring.advance<STAGES>()) {
+        barrier_wait(&s.full[ring.stage], ring.phase);
+        unsigned char* a = s.a + ring.stage * Config::A_BYTES;
+        unsigned char* w = s.b + ring.stage * Config::B_BYTES;
+        const int lo = max(begin - b * FP8_BLOCK, 0), hi = min(end - b * FP8_BLOCK, FP8_BLOCK);
+        if (lo > 0 || hi < FP8_BLOCK) {  // block-uniform
+          zero_columns_outside(a, w, lo, hi);
+          consumers_publish_shared();
+        }
+        wgmma_fence();
+#pragma unroll
+        for (int kk = 0; kk < FP8_BLOCK / 32; ++kk)
+          wgmma_e4m3(partial, matrix_descriptor(a + half * 64 * FP8_BLOCK + kk * 32, 16),
+                     matrix_descriptor(w + kk * 32, 16), kk > 0);
+        wgmma_commit();
+        const float* row_scales = operands.lhs_scales[c] + static_cast<size_t>(b) * k + out_row0;
+        const float* column_scales = operands.rhs_scales[c] + static_cast<size_t>(b) * n + col0 + col;
+        const float row_scale = row_scales[row], row8_scale = row_scales[row + 8];
+        float2 column_scale[BN / 8];
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) column_scale[i] = *reinterpret_cast<const float2*>(column_scales + 8 * i);
+        wgmma_wait<0>();
+        keep_in_registers(partial);
+        release_stage(s.empty, ring.stage);
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+          sums[4 * i] += partial[4 * i] * (row_scale * column_scale[i].x);
+          sums[4 * i + 1] += partial[4 * i + 1] * (row_scale * column_scale[i].y);
+          sums[4 * i + 2] += partial[4 * i + 2] * (row8_scale * column_scale[i].x);
+          sums[4 * i + 3] += partial[4 * i + 3] * (row8_scale * column_scale[i].y);
+        }
+      }
+    }
+    store_tile<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, out + static_cast<size_t>(g) * k * n,
+                          out_row0 + half * 64, k, col0, n);
   }
 }
 

@@ -43,10 +43,21 @@ QWEN3, DEEPSEEK = model_shapes.QWEN3_30B_A3B_LAYER, model_shapes.DEEPSEEK_V3_LAY
 # elements). One block's partial wrongly scaled is ~sqrt(128) / K of them: 3x this at
 # DeepSeek-V3's K = 7168, more at smaller K.
 FP8_BLOCK_SUM = 2.0**-11
+# The weight gradient's contraction runs over tokens, whose magnitudes differ (these tests
+# draw rows 2^-4 .. 2^4 apart), and the accumulator aligns a step's products to its largest,
+# so the small ones lose more: 2.47 x 2^-11 of the magnitudes at worst on an H200 (of 25 M
+# elements). A wrongly scaled block is ~sqrt(128) / rows of them, >= 0.02 for a group of
+# 500 rows.
+FP8_WEIGHT_GRADIENT_BLOCK_SUM = 2.0**-8
 
 
 def assert_fp8_close(got, expected, out, *, what: str, context: str) -> None:
     checks.assert_gemm_close(got, expected, out, what=what, context=context, block_sum_error=FP8_BLOCK_SUM)
+
+
+def assert_fp8_weight_gradient_close(got, expected, out, *, what: str, context: str) -> None:
+    checks.assert_gemm_close(got, expected, out, what=what, context=context,
+                             block_sum_error=FP8_WEIGHT_GRADIENT_BLOCK_SUM)
 
 
 def as64(q: fp8.BlockQuantized) -> tuple[np.ndarray, np.ndarray]:
@@ -173,10 +184,11 @@ def test_transposed_ragged_dot_in_chunks(case, seed, rng):
     window_kwargs = {k: ([int(v)] if k == "group_offset" else v) for k, v in kwargs.items()}
     expected = expected_transposed(lhs, rhs, sizes, **window_kwargs)
     context = f"rows {rows}, sizes={sizes.tolist()}, {kwargs}, seed={seed}"
-    assert_fp8_close(got, expected, out, what="fp8.transposed_ragged_dot", context=context)
+    assert_fp8_weight_gradient_close(got, expected, out, what="fp8.transposed_ragged_dot", context=context)
     if out == F32:  # the plain-JAX statement of the semantics, once a shape
         semantics = fp8_reference.transposed_ragged_dot(lhs, rhs, sizes, preferred_element_type=F32, **kwargs)
-        assert_fp8_close(semantics, expected, F32, what="oxmoe.reference.fp8.transposed_ragged_dot",
+        assert_fp8_weight_gradient_close(semantics, expected, F32,
+                                         what="oxmoe.reference.fp8.transposed_ragged_dot",
                                  context=context)
 
 
@@ -293,7 +305,7 @@ def test_fp8_products_on_gpu_match_float64(rhs_transposed, seed, rng):
     context = f"rhs_transposed={rhs_transposed}, sizes={sizes.tolist()}, seed={seed}"
     assert_fp8_close(out, expected_ragged_dot(lhs, rhs, sizes, rhs_transposed=rhs_transposed), BF16,
                              what="GPU fp8.ragged_dot", context=context)
-    assert_fp8_close(weights, expected_transposed(rows, grads, chunk_sizes), F32,
+    assert_fp8_weight_gradient_close(weights, expected_transposed(rows, grads, chunk_sizes), F32,
                              what="GPU fp8.transposed_ragged_dot", context=context)
 
 

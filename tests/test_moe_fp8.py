@@ -87,9 +87,10 @@ def test_expert_ffn_is_the_fp8_reference_products(seed, rng):
     # Hopper's FP8 tensor cores sum each 128-block of products with about 14 bits (oxmoe.fp8).
     checks.assert_close(got.up_rows, up, F32, what="up rows", context=context, tolerance=(2e-3, 2e-3))
     # An up row that differs in its last bits may round an activation to the neighbouring FP8
-    # value (2^-4 of it): a few in a million on the CPU (float32 sums), about 0.5% of them on
-    # Hopper's tensor cores (14-bit block sums: 3.6e-3 of the norm measured on an H200).
-    checks.assert_close(got.rows, rows, F32, what="rows", context=context, tolerance=(1e-2, 2e-2))
+    # value (up to 2^-3 of it): a few in a million on the CPU (float32 sums), about 0.5% of them
+    # on Hopper's tensor cores (14-bit block sums: 3.6e-3 of the norm on an H200, and single
+    # elements up to 0.024 of the largest |row| off).
+    checks.assert_close(got.rows, rows, F32, what="rows", context=context, tolerance=(1e-2, 5e-2))
 
 
 # (data shards, expert shards or None: no shard_map, exchange, align_size, routing, dtype, extra config)

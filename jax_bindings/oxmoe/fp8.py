@@ -52,17 +52,20 @@ DeepSeek-V3 runs them):
   :func:`oxmoe.transposed_ragged_dot`.
 
 For each block of 128 of the contraction, the products of the FP8 values (exact in float32)
-are summed, in any order and at float32 precision or at the tensor cores' (the one freedom a
-kernel has: Hopper's FP8 ``wgmma`` sums into an accumulator of about 14 bits, which loses at
-most about 2^-11 of the block's magnitudes), and the block's partial
-is multiplied by the product of the two blocks' scales and added to the float32 result in
-block order (DeepSeek-V3's promotion out of the tensor core's accumulator every 128 of K,
-which keeps a long contraction as precise as float32 accumulation); the result is rounded
-once to ``preferred_element_type``. Their CPU implementations are the specification;
-:mod:`oxmoe.reference.fp8` writes the same in plain JAX. On Hopper (sm_90a), :func:`ragged_dot`
-with ``rhs_transposed`` runs on the tensor cores (FP8 ``wgmma``, whose 8-bit operands must
-both be K-major: keep weights ``[G, N, K]`` for the forward); the other products, and every
-other GPU, run on kernels that dequantize on load. They are not differentiable.
+are summed, in any order and at float32 precision or at the tensor cores' (the one freedom
+a kernel has: Hopper's FP8 ``wgmma`` sums into an accumulator of about 14 bits, aligned to a
+step's largest product, which lost up to 2^-11 of a block's magnitudes where they were alike
+and 2.5 x 2^-11 over tokens 2^8 apart, on an H200), and the block's partial is multiplied by
+the product of the two blocks' scales and added to the float32 result in block order
+(DeepSeek-V3's promotion out of the tensor core's accumulator every 128 of K, which keeps
+the low-precision sums 128 products long); the result is rounded once to
+``preferred_element_type``. Their CPU implementations are the specification;
+:mod:`oxmoe.reference.fp8` writes the same in plain JAX. On Hopper (sm_90a) they run on the
+tensor cores (FP8 ``wgmma``, whose 8-bit operands must both be K-major): :func:`ragged_dot`
+with ``rhs_transposed`` (keep weights ``[G, N, K]`` for the forward), and
+:func:`transposed_ragged_dot` after transposing its operands into scratch memory; the
+``[G, K, N]`` form of :func:`ragged_dot`, and every other GPU, run on kernels that
+dequantize on load. They are not differentiable.
 """
 
 from __future__ import annotations

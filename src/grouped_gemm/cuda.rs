@@ -64,11 +64,12 @@ const FP8_HOPPER_STAGES: u32 = 5;
 /// Output columns of an FP8 Hopper tile, and the depth of its stages.
 const FP8_BLOCK: u32 = 128;
 
-/// The FP8 Hopper kernel's dynamic shared memory (its `Fp8HopperConfig::SHARED_BYTES`).
-fn fp8_hopper_shared_bytes() -> u32 {
+/// An FP8 Hopper kernel's dynamic shared memory (its `Fp8HopperConfig::SHARED_BYTES`),
+/// with group tables of `max_local_groups` (none for the weight gradient).
+fn fp8_hopper_shared_bytes(max_local_groups: usize) -> u32 {
     let stage = (BLOCK_M + FP8_BLOCK) * FP8_BLOCK;
     let out_rows = 2 * 64 * (FP8_BLOCK + 8) * 2;
-    1024 + FP8_HOPPER_STAGES * stage + out_rows + 2 * FP8_HOPPER_STAGES * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
+    1024 + FP8_HOPPER_STAGES * stage + out_rows + 2 * FP8_HOPPER_STAGES * 8 + 2 * (max_local_groups as u32 + 1) * 4
 }
 
 /// Whether a product takes the Hopper kernels.
@@ -109,7 +110,12 @@ fn hopper_instance(instance: Instance, block_n: u32) -> Result<String> {
 
 pub fn fp8_ragged_dot_hopper_instance(out: DataType) -> Result<String> {
     let instance = Instance::new("fp8_ragged_dot_hopper").dtype(out).int(FP8_HOPPER_STAGES).int(MAX_LOCAL_GROUPS);
-    instance.int(HOPPER_THREADS).int(fp8_hopper_shared_bytes()).build()
+    instance.int(HOPPER_THREADS).int(fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS)).build()
+}
+
+pub fn fp8_transposed_hopper_instance(out: DataType) -> Result<String> {
+    let instance = Instance::new("fp8_transposed_ragged_dot_hopper").dtype(out).int(FP8_HOPPER_STAGES);
+    instance.int(HOPPER_THREADS).int(fp8_hopper_shared_bytes(0)).build()
 }
 
 pub fn ragged_dot_simt_instance(dtype: DataType, out: DataType, rhs_transposed: bool) -> Result<String> {
@@ -299,7 +305,7 @@ pub fn fp8_ragged_dot(ctx: &LaunchContext, a: &Fp8RaggedDot) -> Result<()> {
         let lhs_map = TensorMap::tiled_8bit(a.lhs.device_ptr(), &[k64, m64], &[FP8_BLOCK, BLOCK_M])?;
         let rhs_map = TensorMap::tiled_8bit(a.rhs.device_ptr(), &[k64, n64, gl], &[FP8_BLOCK, FP8_BLOCK, 1])?;
         let (lhs_scales, rhs_scales, out) = (a.lhs_scales.device_ptr(), a.rhs_scales.device_ptr(), a.out.device_ptr());
-        return launch_persistent(stream, &device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(), &mut [
+        return launch_persistent(stream, &device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS), &mut [
             arg(&lhs_map), arg(&lhs_scales), arg(&rhs_map), arg(&rhs_scales), arg(&g.sizes), arg(&g.groups), arg(&g.offset),
             arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out),
         ]);
@@ -317,6 +323,28 @@ pub fn fp8_ragged_dot(ctx: &LaunchContext, a: &Fp8RaggedDot) -> Result<()> {
     result
 }
 
+/// The Hopper kernel's `Fp8ChunkMaps`: each chunk's K-major values (tensor maps) and scales.
+#[repr(C)]
+struct Fp8ChunkMaps {
+    lhs: [TensorMap; MAX_CHUNKS],
+    rhs: [TensorMap; MAX_CHUNKS],
+    lhs_scales: [u64; MAX_CHUNKS],
+    rhs_scales: [u64; MAX_CHUNKS],
+}
+
+/// `out = inᵀ` for `in` `[rows, cols]` of bytes (both multiples of 64).
+fn transpose_bytes(stream: Stream, input: u64, rows: usize, cols: usize, out: u64) -> Result<()> {
+    let kernel = Kernel::get(stream, &GROUPED_GEMM, "transpose_bytes")?;
+    let blocks = (rows / 64) * (cols / 64);
+    let (rows, cols) = (int(rows)?, int(cols)?);
+    launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: 256, shared_bytes: 0 }, &mut [
+        arg(&input), arg(&rows), arg(&cols), arg(&out),
+    ])
+}
+
+/// On Hopper, the weight gradient runs on the tensor cores after its operands
+/// are transposed into scratch memory (K-major: each column's tokens
+/// contiguous, as 8-bit `wgmma` reads them); elsewhere on the SIMT kernel.
 pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot) -> Result<()> {
     let stream = ctx.stream;
     let shape = &a.shape;
@@ -326,6 +354,37 @@ pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot
     let (k, n, chunks) = (int(shape.k)?, int(shape.n)?, int(a.chunks.len())?);
     let rows: Vec<usize> = a.chunks.iter().map(|c| c.rows).collect();
     let (scratch, bounds) = chunk_bounds(ctx, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows)?;
+    let device = stream.device()?;
+    if shape.m > 0 && device.architecture.0 == "sm_90a" {
+        let transposed = ctx.scratch(rows.iter().map(|m| m * (shape.k + shape.n)).sum())?;
+        let mut maps = Fp8ChunkMaps {
+            lhs: std::array::from_fn(|_| TensorMap::unused()),
+            rhs: std::array::from_fn(|_| TensorMap::unused()),
+            lhs_scales: [0; MAX_CHUNKS],
+            rhs_scales: [0; MAX_CHUNKS],
+        };
+        let mut free = transposed.ptr() as u64;
+        for (c, chunk) in a.chunks.iter().enumerate() {
+            (maps.lhs_scales[c], maps.rhs_scales[c]) = (chunk.lhs_scales.device_ptr(), chunk.rhs_scales.device_ptr());
+            // A chunk without rows is never loaded from (its bounds are empty), and has no map.
+            if chunk.rows == 0 {
+                continue;
+            }
+            let (lhs_t, rhs_t) = (free, free + (chunk.rows * shape.k) as u64);
+            free += (chunk.rows * (shape.k + shape.n)) as u64;
+            transpose_bytes(stream, chunk.lhs.device_ptr(), chunk.rows, shape.k, lhs_t)?;
+            transpose_bytes(stream, chunk.rhs.device_ptr(), chunk.rows, shape.n, rhs_t)?;
+            let m64 = chunk.rows as u64;
+            maps.lhs[c] = TensorMap::tiled_8bit(lhs_t, &[m64, shape.k as u64], &[FP8_BLOCK, BLOCK_M])?;
+            maps.rhs[c] = TensorMap::tiled_8bit(rhs_t, &[m64, shape.n as u64], &[FP8_BLOCK, FP8_BLOCK])?;
+        }
+        let out = a.out.device_ptr();
+        let result = launch_persistent(stream, &device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0), &mut [
+            arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out),
+        ]);
+        drop((transposed, scratch));
+        return result;
+    }
     let mut operands = Fp8ChunkOperands { lhs: [0; MAX_CHUNKS], lhs_scales: [0; MAX_CHUNKS], rhs: [0; MAX_CHUNKS], rhs_scales: [0; MAX_CHUNKS] };
     for (c, chunk) in a.chunks.iter().enumerate() {
         operands.lhs[c] = chunk.lhs.device_ptr();
@@ -354,7 +413,7 @@ mod tests {
     }
 
     fn simt_instances() -> Vec<String> {
-        let mut instances = vec!["group_bounds".to_string()];
+        let mut instances = vec!["group_bounds".to_string(), "transpose_bytes".to_string()];
         for (dtype, out) in types() {
             for transposed in [false, true] {
                 instances.push(ragged_dot_simt_instance(dtype, out, transposed).unwrap());
@@ -380,7 +439,10 @@ mod tests {
                 instances.push(transposed_hopper_instance(dtype, out, bn).unwrap());
             }
         }
-        instances.extend([DataType::BF16, DataType::F16, DataType::F32].map(|out| fp8_ragged_dot_hopper_instance(out).unwrap()));
+        for out in [DataType::BF16, DataType::F16, DataType::F32] {
+            instances.push(fp8_ragged_dot_hopper_instance(out).unwrap());
+            instances.push(fp8_transposed_hopper_instance(out).unwrap());
+        }
         instances
     }
 
@@ -421,7 +483,7 @@ mod tests {
         for bn in [128, 256] {
             assert!(hopper_shared_bytes(bn) <= 227 * 1024, "{bn}: {}", hopper_shared_bytes(bn));
         }
-        assert!(fp8_hopper_shared_bytes() <= 227 * 1024, "FP8: {}", fp8_hopper_shared_bytes());
+        assert!(fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS) <= 227 * 1024, "FP8: {}", fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS));
     }
 
     #[test]
