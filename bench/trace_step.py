@@ -6,12 +6,13 @@ kernels that take the most time. Nsight Systems' summary, from the trace JAX wri
 
     PYTHONPATH=jax_bindings python3 bench/trace_step.py [--case "deepseek_v3 ep=2"]
         [--exchange all_to_all] [--token-chunks 2] [--steps 5] [--out trace-out] [--smoke]
-        [--data-parallel]
+        [--data-parallel] [--fp8]
 
 The case is one of the benchmark's layers (oxmoe.bench.moe.LAYERS); an EP case is traced
 over its devices, then the same per-device work on one device (E / devices experts). With
 --data-parallel, that one-device layer is traced data-parallel over the EP case's devices
-instead, its expert weights replicated, then sharded over the data axis (issue 17).
+instead, its expert weights replicated, then sharded over the data axis (issue 17). With
+--fp8, the one-device layer is traced again with ``MoEConfig.fp8 = BlockScaling()`` (issue 18).
 """
 
 import argparse
@@ -26,6 +27,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from oxmoe import fp8
 from oxmoe.bench import moe as bench_moe
 from oxmoe.bench import timing
 
@@ -135,6 +137,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="the smoke run's layers (tiny sizes)")
     parser.add_argument("--data-parallel", action="store_true",
                         help="the EP case's one-device layer data-parallel, weights replicated and sharded")
+    parser.add_argument("--fp8", action="store_true", help="the one-device layer with FP8 expert GEMMs too")
     args = parser.parse_args()
     layers = bench_moe.SMOKE_LAYERS if args.smoke else bench_moe.LAYERS
     (layer,) = [layer for layer in layers if layer.name == args.case]
@@ -158,6 +161,9 @@ def main() -> None:
     if not args.data_parallel:
         (sets,) = bench_moe._draw_sets(layer, bench_moe.Placement(None), seed, 1)
         runs.append((layer.name, jax.jit(bench_moe.step(bench_moe.oxmoe_layer(layer.config))), sets))
+        if args.fp8:
+            config = dataclasses.replace(layer.config, fp8=fp8.BlockScaling())
+            runs.append((f"{layer.name}, fp8", jax.jit(bench_moe.step(bench_moe.oxmoe_layer(config))), sets))
     for n, (label, fn, fn_args) in enumerate(runs):
         timing_ = timing.measure(timing.rotated(fn), [fn_args], bench_moe.step_settings(timing.FULL))
         print(f"{label}: step {timing_.median_s * 1e6:.0f} us (median, untraced, steps back to back)")
