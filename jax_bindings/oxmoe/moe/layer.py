@@ -352,16 +352,17 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     of a column). The dispatched rows are permuted again from their tokens."""
     sizes = jnp.stack([chunk.group_sizes for chunk in kept])  # [C, El]
     groups = sizes.shape[1]
-    rows = [_permuted(chunk.tokens, chunk.row_id_map) for chunk in kept]
+    # FP8 tokens are dequantized before they are permuted again: the permutation kernel moves
+    # 16-bit rows, where XLA's gather of their bytes, fused into the 128 x 1 quantization
+    # below, took 4.5 ms of the FP8 step at Qwen3 on an H200 (bench/NOTES.md). The same values.
+    rows = [_permuted(_dequantized(chunk.tokens, config), chunk.row_id_map) for chunk in kept]
     down_operands: tuple = (weighted_hidden, grad_out_rows)
     up_operands: tuple = (rows, grad_up_rows)
     product: Callable = grouped_gemm.transposed_ragged_dot
     if config.fp8 is not None:
         # Rows that travelled quantized per row are quantized again per 128 rows (DeepSeek-V3's way).
         def quantize(rows):
-            if isinstance(rows, fp8.BlockQuantized):
-                rows = fp8.dequantize(rows, config.dtype)
-            return fp8.quantize(rows, fp8.TRANSPOSED_ACTIVATION_BLOCK,
+            return fp8.quantize(_dequantized(rows, config), fp8.TRANSPOSED_ACTIVATION_BLOCK,
                                 power_of_two_scales=config.fp8.power_of_two_scales)
         down_operands, up_operands = (tuple([quantize(r) for r in chunks] for chunks in operands)
                                       for operands in (down_operands, up_operands))
@@ -371,6 +372,11 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     grad_up = product(*up_operands, sizes, num_groups=groups,
                       preferred_element_type=_weight_grad_dtype(params.up, config))
     return grad_up, grad_down
+
+
+def _dequantized(rows, config: MoEConfig):
+    """``rows`` in ``config.dtype`` if they are FP8, else as they are."""
+    return fp8.dequantize(rows, config.dtype) if isinstance(rows, fp8.BlockQuantized) else rows
 
 
 def _weight_grad_dtype(weight, config: MoEConfig):
