@@ -575,6 +575,23 @@ __device__ void group_tiles(const int* bounds, int local_groups, int n, int* til
   }
 }
 
+// The start of a ragged_dot kernel: its shared memory carved, the barriers
+// set up, the window's row bounds and each local group's first tile in the
+// tables (one warp), every thread waiting for them.
+template <typename Config>
+__device__ __forceinline__ Shared<Config> start_ragged_dot(unsigned char* raw, const int* group_sizes, int groups,
+                                                           const int* group_offset, int local_groups, int m, int n) {
+  const Shared<Config> s = Shared<Config>::carve(raw);
+  if (threadIdx.x == 0) s.init_barriers();
+  if (threadIdx.x < 32) {
+    window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
+    __syncwarp();
+    group_tiles<Config::BN>(s.bounds, local_groups, n, s.tiles);
+  }
+  __syncthreads();
+  return s;
+}
+
 // Producer warpgroup: 40 registers; consumers: 232 (of 64K for 384 threads).
 __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;"); }
 __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;"); }
@@ -591,14 +608,7 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_dot_hopper(
   using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
-  const Shared<Config> s = Shared<Config>::carve(raw);
-  if (threadIdx.x == 0) s.init_barriers();
-  if (threadIdx.x < 32) {
-    window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
-    __syncwarp();
-    group_tiles<BN>(s.bounds, local_groups, n, s.tiles);
-  }
-  __syncthreads();
+  const Shared<Config> s = start_ragged_dot<Config>(raw, group_sizes, groups, group_offset, local_groups, m, n);
   RaggedTiles<BN> walk(s.bounds, s.tiles, local_groups, m, n);
   const int k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
   Ring ring;
@@ -793,6 +803,18 @@ template <int STAGES_, int MAX_LOCAL_GROUPS_> struct Fp8HopperConfig {
       1024 + STAGES * STAGE_BYTES + OUT_BYTES + 2 * STAGES * 8 + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
 };
 
+// One 128-deep block's partial into `partial`: four wgmmas over a stage's
+// K-major tiles (this warpgroup's 64 rows at a, 128 rows at b), committed and
+// not yet waited for.
+__device__ __forceinline__ void fp8_block_product(float (&partial)[FP8_BN / 2], const unsigned char* a,
+                                                  const unsigned char* b) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < FP8_BLOCK / 32; ++kk)
+    wgmma_e4m3(partial, matrix_descriptor(a + kk * 32, 16), matrix_descriptor(b + kk * 32, 16), kk > 0);
+  wgmma_commit();
+}
+
 // out[r] for the rows r of local group i: for each 128 of K, the partial of
 // lhs[r] · rhs[i][col] times lhs_scales[r, b] rhs_scales[i, col / 128, b];
 // zero for rows outside the window. lhs_map: lhs, box 128 x 128 rows;
@@ -807,14 +829,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
   constexpr int BN = Config::BN;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
-  const Shared<Config> s = Shared<Config>::carve(raw);
-  if (threadIdx.x == 0) s.init_barriers();
-  if (threadIdx.x < 32) {
-    window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
-    __syncwarp();
-    group_tiles<BN>(s.bounds, local_groups, n, s.tiles);
-  }
-  __syncthreads();
+  const Shared<Config> s = start_ragged_dot<Config>(raw, group_sizes, groups, group_offset, local_groups, m, n);
   RaggedTiles<BN> walk(s.bounds, s.tiles, local_groups, m, n);
   const int k_blocks = k / FP8_BLOCK, n_blocks = n / FP8_BLOCK;
   Ring ring;
@@ -857,11 +872,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
       barrier_wait(&s.full[ring.stage], ring.phase);
       const unsigned char* a = s.a + ring.stage * Config::A_BYTES + half * 64 * FP8_BLOCK;
       const unsigned char* b = s.b + ring.stage * Config::B_BYTES;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < FP8_BLOCK / 32; ++kk)
-        wgmma_e4m3(partial, matrix_descriptor(a + kk * 32, 16), matrix_descriptor(b + kk * 32, 16), kk > 0);
-      wgmma_commit();
+      fp8_block_product(partial, a, b);
       const float block_scale = block_scales[kb];
       const float scale = row_scales[kb] * block_scale, scale8 = row8_scales[kb] * block_scale;
       wgmma_wait<0>();
@@ -971,12 +982,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
           zero_columns_outside(a, w, lo, hi);
           consumers_publish_shared();
         }
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < FP8_BLOCK / 32; ++kk)
-          wgmma_e4m3(partial, matrix_descriptor(a + half * 64 * FP8_BLOCK + kk * 32, 16),
-                     matrix_descriptor(w + kk * 32, 16), kk > 0);
-        wgmma_commit();
+        fp8_block_product(partial, a + half * 64 * FP8_BLOCK, w);
         const float* row_scales = operands.lhs_scales[c] + static_cast<size_t>(b) * k + out_row0;
         const float* column_scales = operands.rhs_scales[c] + static_cast<size_t>(b) * n + col0 + col;
         const float row_scale = row_scales[row], row8_scale = row_scales[row + 8];
