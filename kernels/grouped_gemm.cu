@@ -13,6 +13,10 @@
 //   store from registers. Tiles are walked group by group from the bounds
 //   computed on the device at the start of each block.
 // - Everywhere else (f32, odd shapes, other GPUs): a tiled SIMT kernel.
+// Their block-scaled FP8 versions (float8_e4m3fn values, float32 scales) follow
+// the same split: on Hopper, the same ring with e4m3 wgmma for the products
+// whose operands are both K-major; SIMT kernels that dequantize on load
+// elsewhere.
 #include "common.cuh"
 #include "hopper.cuh"
 
