@@ -72,11 +72,17 @@ fn fp8_hopper_shared_bytes(max_local_groups: usize) -> u32 {
     1024 + FP8_HOPPER_STAGES * stage + out_rows + 2 * FP8_HOPPER_STAGES * 8 + 2 * (max_local_groups as u32 + 1) * 4
 }
 
-/// Whether a product takes the Hopper kernels.
+/// Whether a product of `shape` can take a Hopper kernel on `device`: an
+/// sm_90a GPU, a contraction, and local groups that the kernels' tables hold.
+fn on_hopper(device: &Device, shape: &GroupedShape) -> bool {
+    shape.k > 0 && shape.local_groups <= MAX_LOCAL_GROUPS && device.architecture.0 == "sm_90a"
+}
+
+/// Whether a 16-bit product takes the Hopper kernels: rows of multiples of 16
+/// bytes, as TMA needs (FP8 operands are multiples of 128 anyway).
 fn takes_hopper(device: &Device, dtype: DataType, shape: &GroupedShape) -> bool {
     let sixteen_bit = matches!(dtype, DataType::BF16 | DataType::F16);
-    let aligned = shape.k > 0 && shape.k.is_multiple_of(8) && shape.n.is_multiple_of(8);
-    sixteen_bit && aligned && shape.local_groups <= MAX_LOCAL_GROUPS && device.architecture.0 == "sm_90a"
+    sixteen_bit && shape.k.is_multiple_of(8) && shape.n.is_multiple_of(8) && on_hopper(device, shape)
 }
 
 /// Launches a Hopper kernel (block `block_n` columns wide) with `args`
@@ -300,7 +306,7 @@ pub fn fp8_ragged_dot(ctx: &LaunchContext, a: &Fp8RaggedDot) -> Result<()> {
     let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
     let [m, k, n] = g.dims;
     let device = stream.device()?;
-    if a.rhs_transposed && shape.k > 0 && shape.local_groups <= MAX_LOCAL_GROUPS && device.architecture.0 == "sm_90a" {
+    if a.rhs_transposed && on_hopper(&device, shape) {
         let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
         let lhs_map = TensorMap::tiled_8bit(a.lhs.device_ptr(), &[k64, m64], &[FP8_BLOCK, BLOCK_M])?;
         let rhs_map = TensorMap::tiled_8bit(a.rhs.device_ptr(), &[k64, n64, gl], &[FP8_BLOCK, FP8_BLOCK, 1])?;
@@ -355,7 +361,7 @@ pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot
     let rows: Vec<usize> = a.chunks.iter().map(|c| c.rows).collect();
     let (scratch, bounds) = chunk_bounds(ctx, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows)?;
     let device = stream.device()?;
-    if shape.m > 0 && device.architecture.0 == "sm_90a" {
+    if shape.m > 0 && on_hopper(&device, shape) {
         let transposed = ctx.scratch(rows.iter().map(|m| m * (shape.k + shape.n)).sum())?;
         let mut maps = Fp8ChunkMaps {
             lhs: std::array::from_fn(|_| TensorMap::unused()),

@@ -31,6 +31,32 @@ fn check_window(local_groups: usize, groups: usize) -> Result<()> {
     Ok(())
 }
 
+/// A ragged product's weights at argument `index`: `[Gl, K, N]`, or with the
+/// attribute `rhs_transposed` `[Gl, N, K]`, of `dtype`. Returns them, the
+/// attribute, `Gl` and `N`.
+fn decode_weights<'a>(call: &Call<'a>, index: usize, k: usize, dtype: DataType) -> Result<(Arg<'a>, bool, usize, usize)> {
+    let rhs = call.arg(index, "rhs")?;
+    let rhs_transposed: bool = call.attr("rhs_transposed")?;
+    let &[local_groups, d1, d2] = rhs.dims() else {
+        invalid!("rhs has shape {:?}, expected [groups, K, N] or [groups, N, K]", rhs.dims())
+    };
+    let (local_groups, d1, d2) = (local_groups as usize, d1 as usize, d2 as usize);
+    let n = if rhs_transposed { d1 } else { d2 };
+    let rhs_shape = if rhs_transposed { [local_groups, n, k] } else { [local_groups, k, n] };
+    rhs.expect(&[dtype], &rhs_shape)?;
+    Ok((rhs, rhs_transposed, local_groups, n))
+}
+
+/// A ragged product's group_sizes `[G]` and group_offset at argument `first`,
+/// for a window of `local_groups`; returns them and `G`.
+fn decode_ragged_groups<'a>(call: &Call<'a>, first: usize, local_groups: usize) -> Result<(Arg<'a>, Arg<'a>, usize)> {
+    let (group_sizes, group_offset) = decode_groups(call, first)?;
+    let groups = group_sizes.len();
+    group_sizes.expect(&[DataType::S32], &[groups])?;
+    check_window(local_groups, groups)?;
+    Ok((group_sizes, group_offset, groups))
+}
+
 /// `oxmoe_ragged_dot`: lhs [M, K], rhs [Gl, K, N] (attribute
 /// `rhs_transposed`: [Gl, N, K]), group_sizes, group_offset -> out [M, N].
 pub struct RaggedDot<'a> {
@@ -49,21 +75,11 @@ impl<'a> RaggedDot<'a> {
         let lhs = call.arg(0, "lhs")?;
         let dtype = lhs.expect_dtype(&FLOAT_TYPES)?;
         let (m, k) = lhs.matrix()?;
-        let rhs = call.arg(1, "rhs")?;
-        let rhs_transposed: bool = call.attr("rhs_transposed")?;
-        let &[local_groups, d1, d2] = rhs.dims() else {
-            invalid!("rhs has shape {:?}, expected [groups, K, N] or [groups, N, K]", rhs.dims())
-        };
-        let (local_groups, d1, d2) = (local_groups as usize, d1 as usize, d2 as usize);
-        let n = if rhs_transposed { d1 } else { d2 };
-        let rhs_shape = if rhs_transposed { [local_groups, n, k] } else { [local_groups, k, n] };
-        rhs.expect(&[dtype], &rhs_shape)?;
-        let (group_sizes, group_offset) = decode_groups(call, 2)?;
-        group_sizes.expect(&[DataType::S32], &[group_sizes.len()])?;
-        check_window(local_groups, group_sizes.len())?;
+        let (rhs, rhs_transposed, local_groups, n) = decode_weights(call, 1, k, dtype)?;
+        let (group_sizes, group_offset, groups) = decode_ragged_groups(call, 2, local_groups)?;
         let out = call.ret(0, "out")?;
         check_out(&out, dtype, &[m, n])?;
-        let shape = GroupedShape { m, k, n, groups: group_sizes.len(), local_groups };
+        let shape = GroupedShape { m, k, n, groups, local_groups };
         Ok(Self { shape, rhs_transposed, lhs, rhs, group_sizes, group_offset, out })
     }
 }
@@ -215,25 +231,15 @@ impl<'a> Fp8RaggedDot<'a> {
         let k_blocks = fp8_blocks(k, "lhs", "K")?;
         let lhs_scales = call.arg(1, "lhs_scales")?;
         lhs_scales.expect(&[DataType::F32], &[m, k_blocks])?;
-        let rhs = call.arg(2, "rhs")?;
-        let rhs_transposed: bool = call.attr("rhs_transposed")?;
-        let &[local_groups, d1, d2] = rhs.dims() else {
-            invalid!("rhs has shape {:?}, expected [groups, K, N] or [groups, N, K]", rhs.dims())
-        };
-        let (local_groups, d1, d2) = (local_groups as usize, d1 as usize, d2 as usize);
-        let n = if rhs_transposed { d1 } else { d2 };
-        let rhs_shape = if rhs_transposed { [local_groups, n, k] } else { [local_groups, k, n] };
-        rhs.expect(&[DataType::F8E4M3FN], &rhs_shape)?;
+        let (rhs, rhs_transposed, local_groups, n) = decode_weights(call, 2, k, DataType::F8E4M3FN)?;
         let n_blocks = fp8_blocks(n, "rhs", "N")?;
         let rhs_scales = call.arg(3, "rhs_scales")?;
         let scales_shape = if rhs_transposed { [local_groups, n_blocks, k_blocks] } else { [local_groups, k_blocks, n_blocks] };
         rhs_scales.expect(&[DataType::F32], &scales_shape)?;
-        let (group_sizes, group_offset) = decode_groups(call, 4)?;
-        group_sizes.expect(&[DataType::S32], &[group_sizes.len()])?;
-        check_window(local_groups, group_sizes.len())?;
+        let (group_sizes, group_offset, groups) = decode_ragged_groups(call, 4, local_groups)?;
         let out = call.ret(0, "out")?;
         out.expect(&FP8_OUT_TYPES, &[m, n])?;
-        let shape = GroupedShape { m, k, n, groups: group_sizes.len(), local_groups };
+        let shape = GroupedShape { m, k, n, groups, local_groups };
         Ok(Self { shape, rhs_transposed, lhs, lhs_scales, rhs, rhs_scales, group_sizes, group_offset, out })
     }
 }
