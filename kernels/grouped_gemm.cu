@@ -560,6 +560,26 @@ struct RaggedTiles {
   }
 };
 
+// The tile order of a transposed product: each local group's [k, n] output in
+// tiles of 128 rows by BN columns, row-block-major, group after group.
+template <int BN>
+struct TransposedTiles {
+  int column_tiles, per_group, total;
+
+  __device__ TransposedTiles(int local_groups, int k, int n)
+      : column_tiles((n + BN - 1) / BN), per_group((k + BLOCK_M - 1) / BLOCK_M * column_tiles),
+        total(local_groups * per_group) {}
+
+  struct Tile {
+    int group, row0, col0;
+  };
+
+  __device__ Tile at(int t) const {
+    const int local = t % per_group;
+    return {t / per_group, local / column_tiles * BLOCK_M, local % column_tiles * BN};
+  }
+};
+
 // The first tile of each local group (rows in blocks of 128, columns in
 // blocks of BN), after bounds; one warp.
 template <int BN>
@@ -713,16 +733,14 @@ __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
   const Shared<Config> s = Shared<Config>::carve(raw);
   if (threadIdx.x == 0) s.init_barriers();
   __syncthreads();
-  const int column_tiles = (n + BN - 1) / BN, row_tiles = (k + BLOCK_M - 1) / BLOCK_M;
-  const int per_group = row_tiles * column_tiles, total = rows.local_groups * per_group;
+  const TransposedTiles<BN> walk(rows.local_groups, k, n);
   Ring ring;
 
   if (threadIdx.x < 128) {
     producer_registers();
     if (threadIdx.x != 0) return;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      const int g = t / per_group, local = t % per_group;
-      const int out_row0 = local / column_tiles * BLOCK_M, col0 = local % column_tiles * BN;
+    for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+      const auto [g, out_row0, col0] = walk.at(t);
       for (int c = 0; c < chunks; ++c) {
         const int end = rows.end(c, g);
         for (int row = rows.begin(c, g); row < end; row += 64, ring.advance<Config::STAGES>()) {
@@ -744,9 +762,8 @@ __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
   consumer_registers();
   const int half = threadIdx.x / 128 - 1;
   float d[BN / 2];
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const int g = t / per_group, local = t % per_group;
-    const int out_row0 = local / column_tiles * BLOCK_M, col0 = local % column_tiles * BN;
+  for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+    const auto [g, out_row0, col0] = walk.at(t);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
     bool loaded = false;  // whether a stage of this tile has been multiplied
@@ -941,15 +958,14 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
   const Shared<Config> s = Shared<Config>::carve(raw);
   if (threadIdx.x == 0) s.init_barriers();
   __syncthreads();
-  const int column_tiles = n / BN, per_group = k / BLOCK_M * column_tiles, total = rows.local_groups * per_group;
+  const TransposedTiles<BN> walk(rows.local_groups, k, n);
   Ring ring;
 
   if (threadIdx.x < 128) {
     producer_registers();
     if (threadIdx.x != 0) return;
-    for (int t = blockIdx.x; t < total; t += gridDim.x) {
-      const int g = t / per_group, local = t % per_group;
-      const int out_row0 = local / column_tiles * BLOCK_M, col0 = local % column_tiles * BN;
+    for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+      const auto [g, out_row0, col0] = walk.at(t);
       for (int c = 0; c < chunks; ++c) {
         const int begin = rows.begin(c, g), end = rows.end(c, g);
         for (int b = begin / FP8_BLOCK; begin < end && b * FP8_BLOCK < end; ++b, ring.advance<STAGES>()) {
@@ -970,9 +986,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
   // first column (then + 1, and 8 columns apart).
   const int row = half * 64 + threadIdx.x / 32 % 4 * 16 + threadIdx.x % 32 / 4, col = 2 * (threadIdx.x % 4);
   float partial[BN / 2], sums[BN / 2];
-  for (int t = blockIdx.x; t < total; t += gridDim.x) {
-    const int g = t / per_group, local = t % per_group;
-    const int out_row0 = local / column_tiles * BLOCK_M, col0 = local % column_tiles * BN;
+  for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+    const auto [g, out_row0, col0] = walk.at(t);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) sums[i] = 0.f;
     for (int c = 0; c < chunks; ++c) {
