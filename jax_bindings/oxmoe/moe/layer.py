@@ -276,7 +276,7 @@ def expert_ffn(dispatched: ExpertInput, params: MoEParams, config: MoEConfig) ->
       params: :class:`MoEParams` whose ``up``/``down`` are the local experts.
       config: the layer's :class:`MoEConfig`.
     """
-    return _expert_ffn(dispatched, _expert_weights(params, config), config)
+    return _expert_ffn(dispatched, _forward_weights(_expert_weights(params, config), config), config)
 
 
 def _expert_weights(params: MoEParams, config: MoEConfig) -> tuple:
@@ -306,21 +306,21 @@ def _transposed_weight(q: fp8.BlockQuantized) -> fp8.BlockQuantized:
     return fp8.BlockQuantized(jnp.swapaxes(q.values, -1, -2), jnp.swapaxes(q.scales, -1, -2), q.block)
 
 
-def _forward_product(rows, weight, sizes, config: MoEConfig):
-    """``rows`` of each group times its expert's ``weight`` ``[E, K, N]``. FP8 takes
-    the weight transposed (``[E, N, K]``, 1 byte an element): the form whose
-    operands are both K-major, which Hopper's tensor cores multiply in FP8."""
+def _forward_weights(weights: tuple, config: MoEConfig) -> tuple:
+    """:func:`_expert_weights`' ``(up, down)`` as the forward's products take them: with
+    ``config.fp8`` transposed (``[E, N, K]``, 1 byte an element: the form whose operands
+    are both K-major, which Hopper's tensor cores multiply in FP8), else as they are."""
     if config.fp8 is None:
-        return _expert_product(rows, weight, sizes, config)
-    return _expert_product(rows, _transposed_weight(weight), sizes, config, rhs_transposed=True)
+        return weights
+    return tuple(_transposed_weight(w) for w in weights)
 
 
 def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> ExpertOutput:
-    """:func:`expert_ffn` with the weights of :func:`_expert_weights`."""
+    """:func:`expert_ffn` with the weights of :func:`_forward_weights`."""
     up_weight, down_weight = weights
-    sizes = dispatched.group_sizes
-    up = _forward_product(dispatched.rows, up_weight, sizes, config)
-    rows = _forward_product(_activate(up, config.activation), down_weight, sizes, config)
+    sizes, transposed = dispatched.group_sizes, config.fp8 is not None
+    up = _expert_product(dispatched.rows, up_weight, sizes, config, rhs_transposed=transposed)
+    rows = _expert_product(_activate(up, config.activation), down_weight, sizes, config, rhs_transposed=transposed)
     return ExpertOutput(rows, up)
 
 
@@ -531,8 +531,9 @@ class Residuals:
     chunks: tuple[ExpertResiduals, ...]
     """Each token chunk's (one without ``MoEConfig.token_chunks``)."""
     fp8_weights: tuple[fp8.BlockQuantized, fp8.BlockQuantized] | None
-    """With ``MoEConfig.fp8``: ``(up, down)`` quantized for the forward's products,
-    which the backward's take too; else None."""
+    """With ``MoEConfig.fp8``: ``(up, down)`` as the forward quantized them, in their
+    own layout (the backward's products take them so; the forward's read them
+    transposed); else None."""
     x_shape: tuple[int, ...]
     """The layer input's shape, to give its gradient."""
     x_dtype: Any
@@ -684,6 +685,7 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     tokens = flat.astype(config.dtype)
     capacity = config.expert_capacity(len(flat) * axes.expert_shards)
     weights = _expert_weights(_gather_weights(params, axes), config)
+    forward_weights = _forward_weights(weights, config)
     # The shared experts need only this shard's tokens: nothing ties them to the exchange.
     shared = shared_expert_ffn(flat, params, config) if config.shared_ffn is not None else None
     # Each chunk's tokens travel, meet their experts and come back on their own, so that one
@@ -691,7 +693,7 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     dispatched, outputs, ys = [], [], []
     for rows in _token_chunks(len(flat), config, axes):
         d = _dispatch(tokens[rows], routing_map[rows], probs[rows], config, axes, capacity)
-        out = _expert_ffn(d, weights, config)
+        out = _expert_ffn(d, forward_weights, config)
         dispatched.append(d)
         outputs.append(out)
         ys.append(_combine(out.rows, d, axes))
