@@ -10,8 +10,9 @@ DeepSeek-V3 up and down on one rank of EP = 8) and its ``a=4`` draw of the group
   operands K-major: the form Hopper's 8-bit wgmma takes);
 - ``dlhs``: ``fp8.ragged_dot(dy, w, gs, rhs_transposed=True)``, dy ``[M, N]`` in 1 x 128
   blocks, w ``[G, K, N]`` in 128 x 128 blocks, giving ``[M, K]``;
-- ``drhs``: ``fp8.transposed_ragged_dot(x, dy, gs)``, both in 128 x 1 blocks, giving
-  ``[G, K, N]``.
+- ``drhs``: ``fp8.transposed_ragged_dot(xᵀ, dyᵀ, gs)``, x and dy in 128 x 1 blocks stored
+  transposed (``[K, M]`` and ``[N, M]`` in 1 x 128 blocks: each column's tokens contiguous),
+  giving ``[G, K, N]``.
 
 Every output is bf16, and the operands are quantized outside the timed function. Each
 product is timed beside oxmoe's bf16 product of the same shape (the grouped GEMM benchmark's
@@ -133,7 +134,8 @@ def _quantize_dlhs(dy, w):
 
 @jax.jit
 def _quantize_drhs(x, dy):
-    return fp8.quantize(x, fp8.TRANSPOSED_ACTIVATION_BLOCK), fp8.quantize(dy, fp8.TRANSPOSED_ACTIVATION_BLOCK)
+    """x ``[M, K]`` and dy ``[M, N]`` in 128 x 1 blocks, stored transposed."""
+    return fp8.quantize(x.T, fp8.ACTIVATION_BLOCK), fp8.quantize(dy.T, fp8.ACTIVATION_BLOCK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,7 +164,7 @@ PRODUCTS = (
     Fp8Product(_BF16_PRODUCTS["dlhs"], _quantize_dlhs, _rows_times_weights, _reference_rows_times_weights,
                "fp8.ragged_dot(dy [M,N] 1x128, w [G,K,N] 128x128, gs, rhs_transposed=True)", True),
     Fp8Product(_BF16_PRODUCTS["drhs"], _quantize_drhs, _weight_gradient, _reference_weight_gradient,
-               "fp8.transposed_ragged_dot(x [M,K] 128x1, dy [M,N] 128x1, gs)", False),
+               "fp8.transposed_ragged_dot(xt [K,M] 1x128, dyt [N,M] 1x128, gs)", False),
 )
 
 
@@ -196,6 +198,11 @@ def _first_rows(q: fp8.BlockQuantized, rows: int) -> fp8.BlockQuantized:
     return fp8.BlockQuantized(q.values[:rows], q.scales[:rows // q.block[0]], q.block)
 
 
+def _first_columns(q: fp8.BlockQuantized, rows: int) -> fp8.BlockQuantized:
+    """The first ``rows`` rows of a transposed operand ``[C, M]`` (a multiple of 128)."""
+    return fp8.BlockQuantized(q.values[:, :rows], q.scales[:, :rows // q.block[1]], q.block)
+
+
 def check_rows(sizes: np.ndarray, m: int) -> int:
     """The rows the check covers: those of the first two groups and the 128-row block after
     them, at least :data:`MIN_CHECK_ROWS`."""
@@ -211,13 +218,13 @@ def max_rel_err(got, expected) -> float:
 
 def check(product: Fp8Product, out, lhs, rhs, sizes: np.ndarray) -> dict:
     """The FP8 output ``out`` of ``(lhs, rhs, sizes)`` against the reference on :func:`check_rows`."""
-    rows = check_rows(sizes, lhs.shape[0])
+    rows = check_rows(sizes, lhs.shape[0] if product.output_rows else lhs.shape[1])
     window_sizes = jnp.asarray(np.diff(np.minimum(np.cumsum(sizes), rows), prepend=0).astype(np.int32))
-    lhs = _first_rows(lhs, rows)
     if product.output_rows:
+        lhs = _first_rows(lhs, rows)
         got = out[:rows]
     else:
-        rhs = _first_rows(rhs, rows)
+        lhs, rhs = _first_columns(lhs, rows), _first_columns(rhs, rows)
         got = product.product(lhs, rhs, window_sizes)
     expected = jax.jit(product.reference)(lhs, rhs, window_sizes)
     error = max_rel_err(got, expected)

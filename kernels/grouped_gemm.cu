@@ -281,13 +281,14 @@ __global__ void __launch_bounds__(THREADS) fp8_ragged_dot_simt(
   }
 }
 
-// Each chunk's FP8 operands: lhs [m_c, k], rhs [m_c, n] and their scales
-// [m_c / 128, k] and [m_c / 128, n] (128 x 1 blocks).
+// Each chunk's FP8 operands, token-contiguous: lhsᵀ [k, m_c], rhsᵀ [n, m_c],
+// the scales of their 128-token blocks [m_c / 128, k] and [m_c / 128, n], and m_c.
 struct Fp8ChunkOperands {
   const unsigned char* lhs[MAX_CHUNKS];
   const float* lhs_scales[MAX_CHUNKS];
   const unsigned char* rhs[MAX_CHUNKS];
   const float* rhs_scales[MAX_CHUNKS];
+  int rows[MAX_CHUNKS];
 };
 
 // out[i] ([k, n]) over the rows of local group i in each chunk: for each
@@ -309,17 +310,17 @@ __global__ void __launch_bounds__(THREADS) fp8_transposed_ragged_dot_simt(
   for (int c = 0; c < chunks; ++c) {
     const unsigned char* __restrict__ lhs = operands.lhs[c];
     const unsigned char* __restrict__ rhs = operands.rhs[c];
+    const size_t m_c = operands.rows[c];
     const int begin = rows.begin(c, g), end = rows.end(c, g);
     for (int block_start = begin; block_start < end; block_start = (block_start / FP8_BLOCK + 1) * FP8_BLOCK) {
       const int b = block_start / FP8_BLOCK, block_end = min(end, (b + 1) * FP8_BLOCK);
       float partial[4][4] = {};
       for (int r0 = block_start; r0 < block_end; r0 += SIMT_DEPTH) {
+        // Consecutive threads take consecutive rows (tokens) of one column: contiguous bytes.
         for (int e = threadIdx.x; e < SIMT_DEPTH * SIMT_TILE; e += SIMT_THREADS) {
-          const int d = e / SIMT_TILE, col = e % SIMT_TILE, row = r0 + d;
-          as[d][col] = row < block_end && k_0 + col < k ? e4m3_to_float(lhs[static_cast<size_t>(row) * k + k_0 + col])
-                                                        : 0.f;
-          bs[d][col] = row < block_end && col0 + col < n ? e4m3_to_float(rhs[static_cast<size_t>(row) * n + col0 + col])
-                                                         : 0.f;
+          const int d = e % SIMT_DEPTH, col = e / SIMT_DEPTH, row = r0 + d;
+          as[d][col] = row < block_end && k_0 + col < k ? e4m3_to_float(lhs[(k_0 + col) * m_c + row]) : 0.f;
+          bs[d][col] = row < block_end && col0 + col < n ? e4m3_to_float(rhs[(col0 + col) * m_c + row]) : 0.f;
         }
         __syncthreads();
         simt_tile_product(as, bs, partial);
@@ -336,28 +337,6 @@ __global__ void __launch_bounds__(THREADS) fp8_transposed_ragged_dot_simt(
     }
   }
   store_tile_rows(acc, out + static_cast<size_t>(g) * k * n, k_0, col0, 0, k, n);
-}
-
-// out [cols, rows] = in [rows, cols]ᵀ of bytes (FP8 values), both multiples
-// of 64: a block moves a 64 x 64 tile through shared memory, 16 bytes a
-// thread each way. The weight gradient's FP8 operands, K-major for Hopper.
-constexpr int TRANSPOSE_TILE = 64;
-
-extern "C" __global__ void __launch_bounds__(256) transpose_bytes(const unsigned char* __restrict__ in, int rows,
-                                                                  int cols, unsigned char* __restrict__ out) {
-  __shared__ unsigned char tile[TRANSPOSE_TILE][TRANSPOSE_TILE + 1];
-  const int tiles_c = cols / TRANSPOSE_TILE;
-  const int r0 = blockIdx.x / tiles_c * TRANSPOSE_TILE, c0 = blockIdx.x % tiles_c * TRANSPOSE_TILE;
-  const int line = threadIdx.x / 4, piece = threadIdx.x % 4 * 16;
-  uint4 v = *reinterpret_cast<const uint4*>(in + static_cast<size_t>(r0 + line) * cols + c0 + piece);
-  const unsigned char* loaded = reinterpret_cast<const unsigned char*>(&v);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) tile[line][piece + i] = loaded[i];
-  __syncthreads();
-  unsigned char* stored = reinterpret_cast<unsigned char*>(&v);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) stored[i] = tile[piece + i][line];
-  *reinterpret_cast<uint4*>(out + static_cast<size_t>(c0 + line) * rows + r0 + piece) = v;
 }
 
 // ---------------------------------------------------------------------------
@@ -913,8 +892,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
 }
 
 // Each chunk's K-major FP8 operands of the weight gradient: lhsᵀ [k, m_c] and
-// rhsᵀ [n, m_c] (tensor maps, boxes 128 x 128 rows), and the scales of lhs
-// and rhs ([m_c / 128, k] and [m_c / 128, n]).
+// rhsᵀ [n, m_c] (tensor maps, boxes 128 x 128 rows), and the scales of their
+// 128-token blocks ([m_c / 128, k] and [m_c / 128, n]).
 struct Fp8ChunkMaps {
   TensorMap lhs[MAX_CHUNKS];
   TensorMap rhs[MAX_CHUNKS];

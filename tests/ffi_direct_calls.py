@@ -203,8 +203,8 @@ CASES.update({
         "oxmoe_fp8_ragged_dot", [r"lhs", r"bfloat16", r"float8_e4m3fn"]),
     "fp8_transposed_ragged_dot_rows_not_a_multiple_of_128": (
         lambda: _call("oxmoe_fp8_transposed_ragged_dot", _spec((2, 128, 128), jnp.float32),
-                      np.zeros((6, 128), jnp.float8_e4m3fn), np.ones((1, 128), np.float32),
-                      np.zeros((6, 128), jnp.float8_e4m3fn), np.ones((1, 128), np.float32), SIZES, OFFSET),
+                      np.zeros((128, 6), jnp.float8_e4m3fn), np.ones((1, 128), np.float32),
+                      np.zeros((128, 6), jnp.float8_e4m3fn), np.ones((1, 128), np.float32), SIZES, OFFSET),
         "oxmoe_fp8_transposed_ragged_dot", [r"lhs has M = 6", r"M must be a multiple of 128"]),
     "sort_chunks_result_aliasing_tokens": (
         lambda: aliased("oxmoe_sort_chunks", _spec(ROWS.shape, jnp.float32), ROWS, SPLITS, ORDER,

@@ -91,11 +91,12 @@ def expected_transposed(lhs_chunks, rhs_chunks, sizes, *, num_groups=None, group
     summed, times both blocks' scales of each column, summed over the blocks."""
     sizes = np.asarray(sizes).reshape(len(lhs_chunks), -1)
     groups = sizes.shape[1] if num_groups is None else num_groups
-    k, n = lhs_chunks[0].shape[1], rhs_chunks[0].shape[1]
+    k, n = lhs_chunks[0].shape[0], rhs_chunks[0].shape[0]
     value, scale = np.zeros((groups, k, n)), np.zeros((groups, k, n))
     acc_len = np.zeros((groups, 1, 1), np.int64)
     for lhs, rhs, chunk_sizes in zip(lhs_chunks, rhs_chunks, sizes):
-        (a, a_scales), (c, c_scales) = as64(lhs), as64(rhs)
+        # The rows [M, K] and their 128 x 1 blocks' scales [M / 128, K] of each transposed operand.
+        (a, a_scales), (c, c_scales) = (tuple(x.T for x in as64(q)) for q in (lhs, rhs))
         for i, (start, end) in enumerate(local_group_rows(len(a), chunk_sizes, groups, group_offset)):
             for b in range(start // 128, -(-end // 128)):
                 rows = slice(max(start, 128 * b), min(end, 128 * (b + 1)))
@@ -111,6 +112,13 @@ def draw(rng, shape, block, *, spread: int = 4):
     quantized in ``block`` blocks."""
     x = rng.standard_normal(shape) * 2.0 ** rng.integers(-spread, spread + 1, shape[:-1] + (1,))
     return fp8.quantize(jnp.asarray(x, F32), block)
+
+
+def draw_transposed(rng, shape, *, spread: int = 4):
+    """Rows ``[M, C]`` as :func:`draw` draws them, quantized in 128 x 1 blocks as the weight
+    gradient takes them: ``[C, M]`` in (1, 128) blocks."""
+    x = rng.standard_normal(shape) * 2.0 ** rng.integers(-spread, spread + 1, shape[:-1] + (1,))
+    return fp8.quantize(jnp.asarray(x, F32).T, fp8.ACTIVATION_BLOCK)
 
 
 def draw_sizes(rng, rows: int, groups: int) -> np.ndarray:
@@ -174,8 +182,8 @@ TRANSPOSED_CASES = [
                               for c in TRANSPOSED_CASES])
 def test_transposed_ragged_dot_in_chunks(case, seed, rng):
     rows, k, n, groups, window, out = case
-    lhs = [draw(rng, (m, k), fp8.TRANSPOSED_ACTIVATION_BLOCK) for m in rows]
-    rhs = [draw(rng, (m, n), fp8.TRANSPOSED_ACTIVATION_BLOCK) for m in rows]
+    lhs = [draw_transposed(rng, (m, k)) for m in rows]
+    rhs = [draw_transposed(rng, (m, n)) for m in rows]
     sizes = np.stack([draw_sizes(rng, m, groups) if m else np.zeros(groups, np.int32) for m in rows])
     kwargs = {} if window is None else dict(num_groups=window, group_offset=np.int32(rng.integers(0, 3)))
     chunked = len(rows) > 1
@@ -210,7 +218,7 @@ def test_under_jit_new_group_sizes_without_retracing(seed, rng):
 
 LHS = fp8.quantize(jnp.ones((128, 256)))
 RHS = fp8.quantize(jnp.ones((2, 256, 128)), fp8.WEIGHT_BLOCK)
-ROWS = fp8.quantize(jnp.ones((128, 256)), fp8.TRANSPOSED_ACTIVATION_BLOCK)
+ROWS = fp8.quantize(jnp.ones((256, 128)))  # 128 rows of K = 256, transposed
 SIZES = np.array([64, 64], np.int32)
 RAGGED_DOT_ERRORS = {
     "lhs_an_array": ((jnp.ones((128, 256)), RHS, SIZES), {}, TypeError,
@@ -247,14 +255,13 @@ def test_ragged_dot_bad_argument_raises_naming_it(case):
 
 
 TRANSPOSED_ERRORS = {
-    "activation_blocks": ((LHS, ROWS, SIZES), {}, ValueError,
-                          r"lhs must be \[M, K\] quantized in \(128, 1\) blocks, got shape \[128, 256\] in \(1, 128\)"),
-    "rows_differ": ((ROWS, fp8.quantize(jnp.ones((256, 128)), fp8.TRANSPOSED_ACTIVATION_BLOCK), SIZES), {},
-                    ValueError,
-                    r"rhs must have shape \[M, N\] with M = 128 \(lhs's rows\) and N = 128, got \[256, 128\]"),
+    "weight_blocks": ((fp8.quantize(jnp.ones((256, 128)), fp8.WEIGHT_BLOCK), ROWS, SIZES), {}, ValueError,
+                      r"lhs must be \[K, M\] quantized in \(1, 128\) blocks, got shape \[256, 128\] in \(128, 128\)"),
+    "rows_differ": ((ROWS, fp8.quantize(jnp.ones((128, 256))), SIZES), {}, ValueError,
+                    r"rhs must have shape \[N, M\] with M = 128 \(lhs's rows\) and N = 128, got \[128, 256\]"),
     "chunks_and_one": (([ROWS, ROWS], ROWS, np.ones((2, 2), np.int32)), {}, TypeError,
                        r"lhs and rhs must both be BlockQuantized or both sequences of chunks"),
-    "chunk_of_other_k": (([ROWS, fp8.quantize(jnp.ones((128, 128)), fp8.TRANSPOSED_ACTIVATION_BLOCK)], [ROWS, ROWS],
+    "chunk_of_other_k": (([ROWS, fp8.quantize(jnp.ones((128, 128)))], [ROWS, ROWS],
                           np.ones((2, 2), np.int32)), {}, ValueError, r"lhs\[1\] must have lhs\[0\]'s K = 256"),
     "sizes_of_one_chunk": (([ROWS, ROWS], [ROWS, ROWS], SIZES), {}, ValueError,
                            r"group_sizes must have shape \[chunks, num_groups\] = \[2, G\] for 2 chunks"),
@@ -291,8 +298,8 @@ def test_fp8_products_on_gpu_match_float64(rhs_transposed, seed, rng):
     lhs = draw(rng, (m, k), fp8.ACTIVATION_BLOCK)
     rhs = draw(rng, (groups, n, k) if rhs_transposed else (groups, k, n), fp8.WEIGHT_BLOCK)
     sizes = draw_sizes(rng, m, groups)
-    rows = [draw(rng, (r, k), fp8.TRANSPOSED_ACTIVATION_BLOCK) for r in (512, 384)]
-    grads = [draw(rng, (r, n), fp8.TRANSPOSED_ACTIVATION_BLOCK) for r in (512, 384)]
+    rows = [draw_transposed(rng, (r, k)) for r in (512, 384)]
+    grads = [draw_transposed(rng, (r, n)) for r in (512, 384)]
     chunk_sizes = np.stack([draw_sizes(rng, r, groups) for r in (512, 384)])
 
     @jax.jit

@@ -49,7 +49,8 @@ DeepSeek-V3 runs them):
   other way round; square blocks serve both);
 - :func:`transposed_ragged_dot`: per group, ``lhsᵀ · rhs`` over its rows, both in
   ``(128, 1)`` blocks (the weight gradient), over up to 8 chunks of rows as
-  :func:`oxmoe.transposed_ragged_dot`.
+  :func:`oxmoe.transposed_ragged_dot`; its operands come transposed (``lhsᵀ [K, M]``
+  in ``(1, 128)`` blocks: the same blocks, each column's rows contiguous).
 
 For each block of 128 of the contraction, the products of the FP8 values (exact in float32)
 are summed, in any order and at float32 precision or at the tensor cores' (the one freedom
@@ -63,7 +64,7 @@ the low-precision sums 128 products long); the result is rounded once to
 :mod:`oxmoe.reference.fp8` writes the same in plain JAX. On Hopper (sm_90a) they run on the
 tensor cores (FP8 ``wgmma``, whose 8-bit operands must both be K-major): :func:`ragged_dot`
 with ``rhs_transposed`` (keep weights ``[G, N, K]`` for the forward), and
-:func:`transposed_ragged_dot` after transposing its operands into scratch memory; the
+:func:`transposed_ragged_dot`; the
 ``[G, K, N]`` form of :func:`ragged_dot`, and every other GPU, run on kernels that
 dequantize on load. They are not differentiable.
 """
@@ -245,12 +246,13 @@ _ragged_dot_p = FfiPrimitive(
 
 @functools.cache
 def _transposed_ragged_dot_p(chunks: int) -> FfiPrimitive:
-    """The FP8 transposed product of ``chunks`` chunks: each operand's chunks in turn (lhs
-    values, lhs scales, rhs values, rhs scales), group_sizes ``[chunks, G]``, group_offset."""
+    """The FP8 transposed product of ``chunks`` chunks: each operand's chunks in turn (lhsᵀ
+    values ``[K, M_c]``, their scales ``[M_c / 128, K]``, rhsᵀ values ``[N, M_c]``, their
+    scales ``[M_c / 128, N]``), group_sizes ``[chunks, G]``, group_offset."""
     return FfiPrimitive(
         "oxmoe_fp8_transposed_ragged_dot", operands=(DISPATCHED,) * (4 * chunks) + (WHOLE, WHOLE), results=(WHOLE,),
         result_specs=lambda *operands, groups, out_dtype, **_: [
-            jax.ShapeDtypeStruct((groups, operands[0].shape[1], operands[2 * chunks].shape[1]), out_dtype)],
+            jax.ShapeDtypeStruct((groups, operands[0].shape[0], operands[2 * chunks].shape[0]), out_dtype)],
         shape_params=("groups", "out_dtype"))
 
 
@@ -326,12 +328,17 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     """The block-scaled FP8 weight gradient: per group, ``lhs_gᵀ · rhs_g`` over its rows
     (the module's semantics; each 128-row block of the operands scaled apart).
 
+    Its operands come transposed, each column's rows (tokens) contiguous, as the tensor
+    cores read them: rows ``x [M, K]`` quantized in 128 x 1 blocks (one scale per 128
+    rows of a column) are ``xᵀ [K, M]`` in :data:`ACTIVATION_BLOCK` blocks, which
+    ``quantize(x, transpose=True)`` writes from ``x`` itself.
+
     Args:
-      lhs: ``[M, K]`` in :data:`TRANSPOSED_ACTIVATION_BLOCK` blocks (``M`` a multiple of
+      lhs: ``lhsᵀ [K, M]`` in :data:`ACTIVATION_BLOCK` blocks (``M`` a multiple of
         128), or a sequence of up to :data:`oxmoe.grouped_gemm.MAX_CHUNKS` such chunks
-        ``[M_c, K]`` whose rows, chunk after chunk, the groups take, as
+        ``[K, M_c]`` whose rows, chunk after chunk, the groups take, as
         :func:`oxmoe.transposed_ragged_dot` does.
-      rhs: ``[M, N]`` in the same blocks, or a sequence of chunks as ``lhs``'s.
+      rhs: ``rhsᵀ [N, M]`` in the same blocks, or a sequence of chunks as ``lhs``'s.
       group_sizes: ``[G]`` integer row counts (``[C, G]`` for chunks), on the device.
       num_groups: the groups of the result; ``G`` by default, required with ``group_offset``.
       group_offset: optional integer scalar or ``[1]`` array, the window's first group.
@@ -343,19 +350,20 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     lhs_chunks, rhs_chunks, chunked = _chunks_of(lhs, rhs, "BlockQuantized")
     for c, (a, b) in enumerate(zip(lhs_chunks, rhs_chunks)):
         index = f"[{c}]" if chunked else ""
-        _check_quantized(f"lhs{index}", a, TRANSPOSED_ACTIVATION_BLOCK, "[M, K]")
-        _check_quantized(f"rhs{index}", b, TRANSPOSED_ACTIVATION_BLOCK, "[M, N]")
-        if a.shape[1] != lhs_chunks[0].shape[1]:
-            raise ValueError(f"lhs{index} must have lhs[0]'s K = {lhs_chunks[0].shape[1]}, got {list(a.shape)}")
-        if b.shape[0] != a.shape[0] or b.shape[1] != rhs_chunks[0].shape[1]:
-            raise ValueError(f"rhs{index} must have shape [M, N] with M = {a.shape[0]} (lhs{index}'s rows) and "
-                             f"N = {rhs_chunks[0].shape[1]}, got {list(b.shape)}")
+        _check_quantized(f"lhs{index}", a, ACTIVATION_BLOCK, "[K, M]")
+        _check_quantized(f"rhs{index}", b, ACTIVATION_BLOCK, "[N, M]")
+        if a.shape[0] != lhs_chunks[0].shape[0]:
+            raise ValueError(f"lhs{index} must have lhs[0]'s K = {lhs_chunks[0].shape[0]}, got {list(a.shape)}")
+        if b.shape[1] != a.shape[1] or b.shape[0] != rhs_chunks[0].shape[0]:
+            raise ValueError(f"rhs{index} must have shape [N, M] with M = {a.shape[1]} (lhs{index}'s rows) and "
+                             f"N = {rhs_chunks[0].shape[0]}, got {list(b.shape)}")
     num_groups = _check_num_groups(num_groups, group_offset)
-    rows = tuple(a.shape[0] for a in lhs_chunks)
+    rows = tuple(a.shape[1] for a in lhs_chunks)
     groups, sizes, offset = _check_groups(group_sizes, group_offset, num_groups, "num_groups", rows, chunked)
     out_dtype = _out_dtype(preferred_element_type)
-    operands = vary_alike(*(a.values for a in lhs_chunks), *(a.scales for a in lhs_chunks),
-                          *(b.values for b in rhs_chunks), *(b.scales for b in rhs_chunks),
+    # The kernels read a 128-row block's scales of every column together: [M_c / 128, K].
+    operands = vary_alike(*(a.values for a in lhs_chunks), *(a.scales.T for a in lhs_chunks),
+                          *(b.values for b in rhs_chunks), *(b.scales.T for b in rhs_chunks),
                           sizes.reshape(len(rows), groups), offset)
     return _not_differentiable("oxmoe.fp8.transposed_ragged_dot", functools.partial(
         _transposed_ragged_dot_p(len(rows)), groups=groups if num_groups is None else num_groups,

@@ -242,8 +242,8 @@ pub fn fp8_ragged_dot<O: Real>(
     }
 }
 
-/// One chunk of an FP8 transposed product's rows: `lhs [rows, K]` with scales
-/// `[rows/128, K]`, `rhs [rows, N]` with scales `[rows/128, N]`.
+/// One chunk of an FP8 transposed product's rows, token-contiguous: `lhsᵀ [K,
+/// rows]` with scales `[rows/128, K]`, `rhsᵀ [N, rows]` with scales `[rows/128, N]`.
 pub struct Fp8ChunkRows<'s> {
     pub lhs: &'s [E4m3],
     pub lhs_scales: &'s [f32],
@@ -255,7 +255,7 @@ pub struct Fp8ChunkRows<'s> {
 /// `out[g][k, n] = Σ (partial[k, n] * (lhs_scales[b, k] * rhs_scales[b, n]))` over
 /// each 128-row block `b` of each chunk, chunk after chunk and block after
 /// block, where `partial` is the f32 sum (in increasing row order) of the FP8
-/// products `lhs[r, k] rhs[r, n]` of the block's rows in local group `g`; a
+/// products `lhsᵀ[k, r] rhsᵀ[n, r]` of the block's rows in local group `g`; a
 /// group with no rows gives zeros.
 pub fn fp8_transposed_ragged_dot<O: Real>(
     shape: &GroupedShape,
@@ -287,17 +287,17 @@ pub fn fp8_transposed_ragged_dot<O: Real>(
             let mut partial = vec![0f32; TILE_ROWS * n];
             let mut acc = vec![0f32; TILE_ROWS * n];
             for (i, tile_rows) in out_rows.chunks_mut(TILE_ROWS * n).enumerate() {
-                // Output rows are columns of lhs: the tile's rows are lhs[r, first..first + count].
+                // Output rows are rows of lhsᵀ: the tile's rows are lhsᵀ[first..first + count, r].
                 let first = (task * TILES_PER_TASK + i) * TILE_ROWS;
                 let count = tile_rows.len() / n;
                 acc.fill(0.0);
                 for &(c, b, start, end) in &segments {
                     panel.clear();
                     panel.extend((start..end).map(|r| {
-                        std::array::from_fn(|t| if t < count { c.lhs[r * k + first + t].to_f32() } else { 0.0 })
+                        std::array::from_fn(|t| if t < count { c.lhs[(first + t) * c.rows + r].to_f32() } else { 0.0 })
                     }));
                     rhs_rows.clear();
-                    rhs_rows.extend(c.rhs[start * n..end * n].iter().map(|x| x.to_f32()));
+                    rhs_rows.extend((start..end).flat_map(|r| (0..n).map(move |j| c.rhs[j * c.rows + r].to_f32())));
                     panel_product(&panel, &rhs_rows, n, &mut partial);
                     for t in 0..count {
                         let lhs_scale = c.lhs_scales[b * k + first + t];

@@ -285,13 +285,15 @@ pub fn transposed_ragged_dot(ctx: &LaunchContext, a: &TransposedRaggedDot) -> Re
     result
 }
 
-/// The FP8 kernels' `Fp8ChunkOperands`: each chunk's values and scales (null past the chunks).
+/// The FP8 kernels' `Fp8ChunkOperands`: each chunk's values, scales and rows
+/// (null and 0 past the chunks).
 #[repr(C)]
 struct Fp8ChunkOperands {
     lhs: [u64; MAX_CHUNKS],
     lhs_scales: [u64; MAX_CHUNKS],
     rhs: [u64; MAX_CHUNKS],
     rhs_scales: [u64; MAX_CHUNKS],
+    rows: [i32; MAX_CHUNKS],
 }
 
 /// On Hopper, the FP8 product whose operands are both K-major (the
@@ -338,19 +340,9 @@ struct Fp8ChunkMaps {
     rhs_scales: [u64; MAX_CHUNKS],
 }
 
-/// `out = inᵀ` for `in` `[rows, cols]` of bytes (both multiples of 64).
-fn transpose_bytes(stream: Stream, input: u64, rows: usize, cols: usize, out: u64) -> Result<()> {
-    let kernel = Kernel::get(stream, &GROUPED_GEMM, "transpose_bytes")?;
-    let blocks = (rows / 64) * (cols / 64);
-    let (rows, cols) = (int(rows)?, int(cols)?);
-    launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: 256, shared_bytes: 0 }, &mut [
-        arg(&input), arg(&rows), arg(&cols), arg(&out),
-    ])
-}
-
-/// On Hopper, the weight gradient runs on the tensor cores after its operands
-/// are transposed into scratch memory (K-major: each column's tokens
-/// contiguous, as 8-bit `wgmma` reads them); elsewhere on the SIMT kernel.
+/// On Hopper, the weight gradient runs on the tensor cores (its operands come
+/// K-major, each column's tokens contiguous, as 8-bit `wgmma` reads them);
+/// elsewhere on the SIMT kernel.
 pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot) -> Result<()> {
     let stream = ctx.stream;
     let shape = &a.shape;
@@ -362,41 +354,39 @@ pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot
     let (scratch, bounds) = chunk_bounds(ctx, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows)?;
     let device = stream.device()?;
     if shape.m > 0 && on_hopper(&device, shape) {
-        let transposed = ctx.scratch(rows.iter().map(|m| m * (shape.k + shape.n)).sum())?;
         let mut maps = Fp8ChunkMaps {
             lhs: std::array::from_fn(|_| TensorMap::unused()),
             rhs: std::array::from_fn(|_| TensorMap::unused()),
             lhs_scales: [0; MAX_CHUNKS],
             rhs_scales: [0; MAX_CHUNKS],
         };
-        let mut free = transposed.ptr() as u64;
         for (c, chunk) in a.chunks.iter().enumerate() {
             (maps.lhs_scales[c], maps.rhs_scales[c]) = (chunk.lhs_scales.device_ptr(), chunk.rhs_scales.device_ptr());
             // A chunk without rows is never loaded from (its bounds are empty), and has no map.
             if chunk.rows == 0 {
                 continue;
             }
-            let (lhs_t, rhs_t) = (free, free + (chunk.rows * shape.k) as u64);
-            free += (chunk.rows * (shape.k + shape.n)) as u64;
-            transpose_bytes(stream, chunk.lhs.device_ptr(), chunk.rows, shape.k, lhs_t)?;
-            transpose_bytes(stream, chunk.rhs.device_ptr(), chunk.rows, shape.n, rhs_t)?;
             let m64 = chunk.rows as u64;
-            maps.lhs[c] = TensorMap::tiled_8bit(lhs_t, &[m64, shape.k as u64], &[FP8_BLOCK, BLOCK_M])?;
-            maps.rhs[c] = TensorMap::tiled_8bit(rhs_t, &[m64, shape.n as u64], &[FP8_BLOCK, FP8_BLOCK])?;
+            maps.lhs[c] = TensorMap::tiled_8bit(chunk.lhs.device_ptr(), &[m64, shape.k as u64], &[FP8_BLOCK, BLOCK_M])?;
+            maps.rhs[c] = TensorMap::tiled_8bit(chunk.rhs.device_ptr(), &[m64, shape.n as u64], &[FP8_BLOCK, FP8_BLOCK])?;
         }
         let out = a.out.device_ptr();
         let result = launch_persistent(stream, &device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0), &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out),
         ]);
-        drop((transposed, scratch));
+        drop(scratch);
         return result;
     }
-    let mut operands = Fp8ChunkOperands { lhs: [0; MAX_CHUNKS], lhs_scales: [0; MAX_CHUNKS], rhs: [0; MAX_CHUNKS], rhs_scales: [0; MAX_CHUNKS] };
+    let mut operands = Fp8ChunkOperands {
+        lhs: [0; MAX_CHUNKS], lhs_scales: [0; MAX_CHUNKS], rhs: [0; MAX_CHUNKS], rhs_scales: [0; MAX_CHUNKS],
+        rows: [0; MAX_CHUNKS],
+    };
     for (c, chunk) in a.chunks.iter().enumerate() {
         operands.lhs[c] = chunk.lhs.device_ptr();
         operands.lhs_scales[c] = chunk.lhs_scales.device_ptr();
         operands.rhs[c] = chunk.rhs.device_ptr();
         operands.rhs_scales[c] = chunk.rhs_scales.device_ptr();
+        operands.rows[c] = int(chunk.rows)?;
     }
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &fp8_transposed_simt_instance(a.out.dtype())?)?;
     let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
@@ -419,7 +409,7 @@ mod tests {
     }
 
     fn simt_instances() -> Vec<String> {
-        let mut instances = vec!["group_bounds".to_string(), "transpose_bytes".to_string()];
+        let mut instances = vec!["group_bounds".to_string()];
         for (dtype, out) in types() {
             for transposed in [false, true] {
                 instances.push(ragged_dot_simt_instance(dtype, out, transposed).unwrap());

@@ -244,9 +244,9 @@ impl<'a> Fp8RaggedDot<'a> {
     }
 }
 
-/// One chunk of an FP8 transposed product's rows: `lhs [M_c, K]` with its
-/// scales `[M_c/128, K]` and `rhs [M_c, N]` with its scales `[M_c/128, N]`
-/// (128 x 1 blocks).
+/// One chunk of an FP8 transposed product's rows, token-contiguous (K-major, as
+/// Hopper's 8-bit `wgmma` reads them): `lhsᵀ [K, M_c]` with the scales
+/// `[M_c/128, K]` of its 128-token blocks, `rhsᵀ [N, M_c]` with `[M_c/128, N]`.
 pub struct Fp8Chunk<'a> {
     pub lhs: Arg<'a>,
     pub lhs_scales: Arg<'a>,
@@ -256,12 +256,12 @@ pub struct Fp8Chunk<'a> {
     pub rows: usize,
 }
 
-/// `oxmoe_fp8_transposed_ragged_dot`: `C` chunks of rows, each operand's
-/// chunks in turn (lhs_0 .. lhs_{C-1}, their scales, rhs_0 .., their scales),
-/// group_sizes [C, G] ([G] for one chunk), group_offset -> out [Gl, K, N]:
-/// local group `i`'s rows of every chunk, and for each 128-row block of a
-/// chunk, the float32 sum of its rows' products (those of the group) scaled
-/// by both blocks' scales of each column, added in block order.
+/// `oxmoe_fp8_transposed_ragged_dot`: `C` chunks of rows ([`Fp8Chunk`]), each
+/// operand's chunks in turn (lhsᵀ_0 .. lhsᵀ_{C-1}, their scales, rhsᵀ_0 ..,
+/// their scales), group_sizes [C, G] ([G] for one chunk), group_offset -> out
+/// [Gl, K, N]: local group `i`'s rows of every chunk, and for each 128-row
+/// block of a chunk, the float32 sum of its rows' products (those of the
+/// group) scaled by both blocks' scales of each column, added in block order.
 pub struct Fp8TransposedRaggedDot<'a> {
     pub shape: GroupedShape,
     pub chunks: Vec<Fp8Chunk<'a>>,
@@ -275,18 +275,18 @@ impl<'a> Fp8TransposedRaggedDot<'a> {
         let count = chunk_count(call, 4)?;
         let names = [chunk_name(&LHS, count), chunk_name(&LHS_SCALES, count), chunk_name(&RHS, count),
                      chunk_name(&RHS_SCALES, count)];
-        let (_, k) = call.arg(0, names[0](0))?.matrix()?;
-        let (_, n) = call.arg(2 * count, names[2](0))?.matrix()?;
+        let (k, _) = call.arg(0, names[0](0))?.matrix()?;
+        let (n, _) = call.arg(2 * count, names[2](0))?.matrix()?;
         let mut chunks = Vec::with_capacity(count);
         for c in 0..count {
             let lhs = call.arg(c, names[0](c))?;
-            let (rows, _) = lhs.matrix()?;
-            lhs.expect(&[DataType::F8E4M3FN], &[rows, k])?;
+            let (_, rows) = lhs.matrix()?;
+            lhs.expect(&[DataType::F8E4M3FN], &[k, rows])?;
             let row_blocks = fp8_blocks(rows, names[0](c), "M")?;
             let lhs_scales = call.arg(count + c, names[1](c))?;
             lhs_scales.expect(&[DataType::F32], &[row_blocks, k])?;
             let rhs = call.arg(2 * count + c, names[2](c))?;
-            rhs.expect(&[DataType::F8E4M3FN], &[rows, n])?;
+            rhs.expect(&[DataType::F8E4M3FN], &[n, rows])?;
             let rhs_scales = call.arg(3 * count + c, names[3](c))?;
             rhs_scales.expect(&[DataType::F32], &[row_blocks, n])?;
             chunks.push(Fp8Chunk { lhs, lhs_scales, rhs, rhs_scales, rows });

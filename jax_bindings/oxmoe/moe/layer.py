@@ -348,8 +348,9 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
                          grad_up_rows: list, params: MoEParams, config: MoEConfig):
     """``(grad_up, grad_down)`` of the local experts over every chunk's rows: one
     weight-gradient product per weight, its rows kept in their chunks' buffers
-    (with ``config.fp8``, each quantized in 128 x 1 blocks: one scale per 128 rows
-    of a column). The dispatched rows are permuted again from their tokens."""
+    (with ``config.fp8``, each quantized in 128 x 1 blocks, one scale per 128 rows
+    of a column, and transposed: each column's rows contiguous, as the FP8 product
+    takes them). The dispatched rows are permuted again from their tokens."""
     sizes = jnp.stack([chunk.group_sizes for chunk in kept])  # [C, El]
     groups = sizes.shape[1]
     # FP8 tokens are dequantized before they are permuted again: the permutation kernel moves
@@ -362,7 +363,7 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     if config.fp8 is not None:
         # Rows that travelled quantized per row are quantized again per 128 rows (DeepSeek-V3's way).
         def quantize(rows):
-            return fp8.quantize(_dequantized(rows, config), fp8.TRANSPOSED_ACTIVATION_BLOCK,
+            return fp8.quantize(jnp.swapaxes(_dequantized(rows, config), -1, -2), fp8.ACTIVATION_BLOCK,
                                 power_of_two_scales=config.fp8.power_of_two_scales)
         down_operands, up_operands = (tuple([quantize(r) for r in chunks] for chunks in operands)
                                       for operands in (down_operands, up_operands))

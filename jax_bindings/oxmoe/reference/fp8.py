@@ -109,9 +109,9 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     module's semantics.
 
     Args:
-      lhs: ``[M, K]`` in :data:`oxmoe.fp8.TRANSPOSED_ACTIVATION_BLOCK` blocks, or a
-        sequence of chunks ``[M_c, K]``.
-      rhs: ``[M, N]`` in the same blocks, or a sequence of chunks.
+      lhs: ``lhsᵀ [K, M]`` in :data:`oxmoe.fp8.ACTIVATION_BLOCK` blocks (the rows'
+        128 x 1 blocks, transposed), or a sequence of chunks ``[K, M_c]``.
+      rhs: ``rhsᵀ [N, M]`` in the same blocks, or a sequence of chunks.
       group_sizes: ``[G]`` integers (``[C, G]`` for chunks).
       num_groups: the result's groups (default ``G``).
       group_offset: the window's first group (None: 0).
@@ -121,23 +121,24 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     lhs_chunks, rhs_chunks = (tuple(lhs), tuple(rhs)) if chunked else ((lhs,), (rhs,))
     sizes = jnp.asarray(group_sizes).reshape(len(lhs_chunks), -1)
     groups = sizes.shape[1] if num_groups is None else num_groups
-    k, n = lhs_chunks[0].shape[1], rhs_chunks[0].shape[1]
+    k, n = lhs_chunks[0].shape[0], rhs_chunks[0].shape[0]
     out = jnp.zeros((groups, k, n), jnp.float32)
     for a, c, chunk_sizes in zip(lhs_chunks, rhs_chunks, sizes):
-        _check("lhs", a, TRANSPOSED_ACTIVATION_BLOCK, "[M, K]")
-        _check("rhs", c, TRANSPOSED_ACTIVATION_BLOCK, "[M, N]")
-        rows = a.shape[0]
+        _check("lhs", a, ACTIVATION_BLOCK, "[K, M]")
+        _check("rhs", c, ACTIVATION_BLOCK, "[N, M]")
+        rows = a.shape[1]
         if rows == 0:
             continue
         local = _window(chunk_sizes, group_offset, groups, rows)[0].reshape(rows // _BLOCK, _BLOCK)
-        av = a.values.astype(jnp.float32).reshape(rows // _BLOCK, _BLOCK, k)
-        cv = c.values.astype(jnp.float32).reshape(rows // _BLOCK, _BLOCK, n)
+        av = a.values.astype(jnp.float32).T.reshape(rows // _BLOCK, _BLOCK, k)
+        cv = c.values.astype(jnp.float32).T.reshape(rows // _BLOCK, _BLOCK, n)
+        a_scales, c_scales = a.scales.T, c.scales.T  # [blocks, K], [blocks, N]
 
         def add_block(out, block):
             members = (local[block][:, None] == jnp.arange(groups)).astype(jnp.float32)  # [128, groups]
             partial = jnp.einsum("rg,rk,rn->gkn", members, av[block], cv[block],
                                  precision=jax.lax.Precision.HIGHEST)
-            return out + partial * (a.scales[block][None, :, None] * c.scales[block][None, None, :]), None
+            return out + partial * (a_scales[block][None, :, None] * c_scales[block][None, None, :]), None
 
         out, _ = jax.lax.scan(add_block, out, jnp.arange(rows // _BLOCK))
     return out.astype(preferred_element_type)
