@@ -363,6 +363,7 @@ template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_> struct HopperConfig {
   // out, rows padded by 16 bytes so that neither side conflicts on banks.
   static constexpr int OUT_PITCH = BN + 8;
   static constexpr int OUT_BYTES = 2 * 64 * OUT_PITCH * 2;
+  static constexpr int SCALE_BYTES = 0;  // the stages carry no scales
   // Alignment slack, the stages, the output rows, full and empty barriers,
   // the group tables.
   static constexpr int SHARED_BYTES =
@@ -378,7 +379,9 @@ __device__ __forceinline__ void check_hopper_launch() {
 }
 
 // The shared memory of a Hopper kernel: stages of A and B tiles (1024-byte
-// aligned, as the 128-byte swizzle wants), their barriers, the group tables.
+// aligned, as the 128-byte swizzle wants), their barriers, each stage's
+// scales (16-byte aligned, as bulk copies want; FP8 weight gradient only),
+// the group tables.
 template <typename Config>
 struct Shared {
   unsigned char* a;  // STAGES x A_BYTES
@@ -386,6 +389,7 @@ struct Shared {
   unsigned short* out;  // each consumer warpgroup's 64 x OUT_PITCH output rows
   unsigned long long* full;   // a stage's loads have landed
   unsigned long long* empty;  // the consumers are done with a stage
+  float* scales;  // STAGES x SCALE_BYTES
   int* bounds;  // local group i: rows [bounds[i], bounds[i + 1])
   int* tiles;   // ragged_dot: the first tile of each local group
 
@@ -397,7 +401,8 @@ struct Shared {
     s.out = reinterpret_cast<unsigned short*>(base + Config::STAGES * Config::STAGE_BYTES);
     s.full = reinterpret_cast<unsigned long long*>(base + Config::STAGES * Config::STAGE_BYTES + Config::OUT_BYTES);
     s.empty = s.full + Config::STAGES;
-    s.bounds = reinterpret_cast<int*>(s.empty + Config::STAGES);
+    s.scales = reinterpret_cast<float*>(s.empty + Config::STAGES);
+    s.bounds = reinterpret_cast<int*>(s.scales + Config::STAGES * Config::SCALE_BYTES / 4);
     s.tiles = s.bounds + Config::MAX_LOCAL_GROUPS + 1;
     return s;
   }
@@ -790,7 +795,9 @@ __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
 
 constexpr int FP8_BN = 128;  // the partial and the sums: 2 x 64 registers a thread
 
-template <int STAGES_, int MAX_LOCAL_GROUPS_> struct Fp8HopperConfig {
+// SCALE_BYTES: the scales a stage carries beside its tiles (0: the consumers
+// load them from global memory).
+template <int STAGES_, int MAX_LOCAL_GROUPS_, int SCALE_BYTES_> struct Fp8HopperConfig {
   static constexpr int BN = FP8_BN;
   static constexpr int STAGES = STAGES_;
   static constexpr int MAX_LOCAL_GROUPS = MAX_LOCAL_GROUPS_;
@@ -799,8 +806,9 @@ template <int STAGES_, int MAX_LOCAL_GROUPS_> struct Fp8HopperConfig {
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   static constexpr int OUT_PITCH = BN + 8;
   static constexpr int OUT_BYTES = 2 * 64 * OUT_PITCH * 2;
-  static constexpr int SHARED_BYTES =
-      1024 + STAGES * STAGE_BYTES + OUT_BYTES + 2 * STAGES * 8 + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
+  static constexpr int SCALE_BYTES = SCALE_BYTES_;
+  static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + OUT_BYTES + 2 * STAGES * 8 +
+                                      STAGES * SCALE_BYTES + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
 };
 
 // One 128-deep block's partial into `partial`: four wgmmas over a stage's
@@ -825,7 +833,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
     const __grid_constant__ TensorMap rhs_map, const float* __restrict__ rhs_scales,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
     int k, int n, O* __restrict__ out) {
-  using Config = Fp8HopperConfig<STAGES, MAX_LOCAL_GROUPS>;
+  using Config = Fp8HopperConfig<STAGES, MAX_LOCAL_GROUPS, 0>;
   constexpr int BN = Config::BN;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
@@ -925,13 +933,18 @@ __device__ __forceinline__ void zero_columns_outside(unsigned char* a, unsigned 
 // local group i in each chunk, a stage per 128-row block that holds any of
 // them (its other rows zeroed), each block's partial scaled by the row's
 // lhs scale and the column's rhs scale. A tile is 128 rows of out[i] by 128
-// columns; K and N are multiples of 128, and so is each chunk's m_c.
+// columns; K and N are multiples of 128, and so is each chunk's m_c. A stage
+// carries its block's scales of the tile's rows and columns (2 x 512 bytes,
+// contiguous in global memory): loaded by the consumers, their L2 latency
+// outlasted the block's four wgmmas (ncu on an H200: a third of the stalls).
 template <typename O, int STAGES, int THREADS, int SHARED_BYTES>
 __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
     const __grid_constant__ Fp8ChunkMaps operands, int chunks, const ChunkBounds rows, int k, int n,
     O* __restrict__ out) {
-  using Config = Fp8HopperConfig<STAGES, 0>;
+  using Config = Fp8HopperConfig<STAGES, 0, 2 * FP8_BLOCK * 4>;
   constexpr int BN = Config::BN;
+  static_assert((Config::STAGES * Config::STAGE_BYTES + Config::OUT_BYTES + 2 * Config::STAGES * 8) % 16 == 0,
+                "the stages' scales start 16-byte aligned");
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
   const Shared<Config> s = Shared<Config>::carve(raw);
@@ -950,9 +963,13 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
         for (int b = begin / FP8_BLOCK; begin < end && b * FP8_BLOCK < end; ++b, ring.advance<STAGES>()) {
           barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
           unsigned long long* full = &s.full[ring.stage];
-          barrier_expect_bytes(full, Config::STAGE_BYTES);
+          barrier_expect_bytes(full, Config::STAGE_BYTES + Config::SCALE_BYTES);
           tma_load(s.a + ring.stage * Config::A_BYTES, &operands.lhs[c], full, b * FP8_BLOCK, out_row0);
           tma_load(s.b + ring.stage * Config::B_BYTES, &operands.rhs[c], full, b * FP8_BLOCK, col0);
+          float* scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
+          bulk_load(scales, operands.lhs_scales[c] + static_cast<size_t>(b) * k + out_row0, FP8_BLOCK * 4, full);
+          bulk_load(scales + FP8_BLOCK, operands.rhs_scales[c] + static_cast<size_t>(b) * n + col0, FP8_BLOCK * 4,
+                    full);
         }
       }
     }
@@ -981,8 +998,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
           consumers_publish_shared();
         }
         fp8_block_product(partial, a + half * 64 * FP8_BLOCK, w);
-        const float* row_scales = operands.lhs_scales[c] + static_cast<size_t>(b) * k + out_row0;
-        const float* column_scales = operands.rhs_scales[c] + static_cast<size_t>(b) * n + col0 + col;
+        const float* row_scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
+        const float* column_scales = row_scales + FP8_BLOCK + col;
         const float row_scale = row_scales[row], row8_scale = row_scales[row + 8];
         float2 column_scale[BN / 8];
 #pragma unroll

@@ -63,6 +63,15 @@ __device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, unsign
       : "memory");
 }
 
+// Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from
+// global memory at src to shared memory at dst; completes on `bar` with them.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   shared_address(dst)),
+               "l"(src), "r"(bytes), "r"(shared_address(bar))
+               : "memory");
+}
+
 // A wgmma shared-memory matrix descriptor for a 128-byte-swizzled tile:
 // K-major (leading offset unused), or MN-major with 64-element columns
 // `leading_bytes` apart. Rows of 8 x 128 bytes are 1024 bytes apart.

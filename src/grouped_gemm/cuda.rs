@@ -65,12 +65,18 @@ const FP8_HOPPER_STAGES: u32 = 5;
 const FP8_BLOCK: u32 = 128;
 
 /// An FP8 Hopper kernel's dynamic shared memory (its `Fp8HopperConfig::SHARED_BYTES`),
-/// with group tables of `max_local_groups` (none for the weight gradient).
-fn fp8_hopper_shared_bytes(max_local_groups: usize) -> u32 {
+/// with group tables of `max_local_groups` (none for the weight gradient) and
+/// `scale_bytes` of scales a stage (the weight gradient's, else none).
+fn fp8_hopper_shared_bytes(max_local_groups: usize, scale_bytes: u32) -> u32 {
     let stage = (BLOCK_M + FP8_BLOCK) * FP8_BLOCK;
     let out_rows = 2 * 64 * (FP8_BLOCK + 8) * 2;
-    1024 + FP8_HOPPER_STAGES * stage + out_rows + 2 * FP8_HOPPER_STAGES * 8 + 2 * (max_local_groups as u32 + 1) * 4
+    1024 + FP8_HOPPER_STAGES * (stage + scale_bytes) + out_rows + 2 * FP8_HOPPER_STAGES * 8
+        + 2 * (max_local_groups as u32 + 1) * 4
 }
+
+/// The FP8 weight gradient's stages carry their block's scales of the tile's
+/// 128 rows and 128 columns (float32).
+const FP8_TRANSPOSED_SCALE_BYTES: u32 = 2 * FP8_BLOCK * 4;
 
 /// Whether a product of `shape` can take a Hopper kernel on `device`: an
 /// sm_90a GPU, a contraction, and local groups that the kernels' tables hold.
@@ -116,12 +122,12 @@ fn hopper_instance(instance: Instance, block_n: u32) -> Result<String> {
 
 pub fn fp8_ragged_dot_hopper_instance(out: DataType) -> Result<String> {
     let instance = Instance::new("fp8_ragged_dot_hopper").dtype(out).int(FP8_HOPPER_STAGES).int(MAX_LOCAL_GROUPS);
-    instance.int(HOPPER_THREADS).int(fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS)).build()
+    instance.int(HOPPER_THREADS).int(fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0)).build()
 }
 
 pub fn fp8_transposed_hopper_instance(out: DataType) -> Result<String> {
     let instance = Instance::new("fp8_transposed_ragged_dot_hopper").dtype(out).int(FP8_HOPPER_STAGES);
-    instance.int(HOPPER_THREADS).int(fp8_hopper_shared_bytes(0)).build()
+    instance.int(HOPPER_THREADS).int(fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES)).build()
 }
 
 pub fn ragged_dot_simt_instance(dtype: DataType, out: DataType, rhs_transposed: bool) -> Result<String> {
@@ -313,7 +319,7 @@ pub fn fp8_ragged_dot(ctx: &LaunchContext, a: &Fp8RaggedDot) -> Result<()> {
         let lhs_map = TensorMap::tiled_8bit(a.lhs.device_ptr(), &[k64, m64], &[FP8_BLOCK, BLOCK_M])?;
         let rhs_map = TensorMap::tiled_8bit(a.rhs.device_ptr(), &[k64, n64, gl], &[FP8_BLOCK, FP8_BLOCK, 1])?;
         let (lhs_scales, rhs_scales, out) = (a.lhs_scales.device_ptr(), a.rhs_scales.device_ptr(), a.out.device_ptr());
-        return launch_persistent(stream, &device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS), &mut [
+        return launch_persistent(stream, &device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), &mut [
             arg(&lhs_map), arg(&lhs_scales), arg(&rhs_map), arg(&rhs_scales), arg(&g.sizes), arg(&g.groups), arg(&g.offset),
             arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out),
         ]);
@@ -371,7 +377,7 @@ pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot
             maps.rhs[c] = TensorMap::tiled_8bit(chunk.rhs.device_ptr(), &[m64, shape.n as u64], &[FP8_BLOCK, FP8_BLOCK])?;
         }
         let out = a.out.device_ptr();
-        let result = launch_persistent(stream, &device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0), &mut [
+        let result = launch_persistent(stream, &device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out),
         ]);
         drop(scratch);
@@ -479,7 +485,9 @@ mod tests {
         for bn in [128, 256] {
             assert!(hopper_shared_bytes(bn) <= 227 * 1024, "{bn}: {}", hopper_shared_bytes(bn));
         }
-        assert!(fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS) <= 227 * 1024, "FP8: {}", fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS));
+        for bytes in [fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES)] {
+            assert!(bytes <= 227 * 1024, "FP8: {bytes}");
+        }
     }
 
     #[test]
