@@ -37,6 +37,32 @@ __device__ __forceinline__ float e4m3_to_float(unsigned char bits) {
   return __uint_as_float(sign | (exponent + 120) << 23 | mantissa << 20);
 }
 
+// float8_e4m3fn of v, rounded to nearest with ties to the even pattern; past
+// 448 (infinities too) saturated to +-448 and NaN kept NaN, as the conversion
+// instruction's .satfinite does: src/real.rs's E4m3::from_f32, step for step.
+__device__ __forceinline__ unsigned float_to_e4m3(float v) {
+  const unsigned bits = __float_as_uint(v), sign = bits >> 24 & 0x80, magnitude = bits & 0x7fffffff;
+  if (magnitude > 0x7f800000) return sign | 0x7f;
+  if (magnitude >= 0x43e00000) return sign | 0x7e;  // 448
+  // Below 2^-6, the subnormals: multiples of 2^-9 (8 of them is 2^-6, pattern 0x08).
+  if (magnitude < 0x3c800000) return sign | static_cast<unsigned>(__float2int_rn(__uint_as_float(magnitude) * 512.f));
+  // The float32 mantissa rounded to its top 3 bits, ties to even (a carry moves the exponent up).
+  const unsigned rounded = magnitude + 0x7ffff + (magnitude >> 20 & 1);
+  return sign | ((rounded >> 23) - 120) << 3 | (rounded >> 20 & 7);
+}
+
+// Two floats as float8_e4m3fn, lo in the low byte: one instruction from sm_89 on
+// (round to nearest even, .satfinite: the same results as float_to_e4m3).
+__device__ __forceinline__ unsigned floats_to_e4m3x2(float lo, float hi) {
+#if __CUDA_ARCH__ >= 890
+  unsigned short pair;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(hi), "f"(lo));
+  return pair;
+#else
+  return float_to_e4m3(lo) | float_to_e4m3(hi) << 8;
+#endif
+}
+
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
 
 // W bytes (16, 8, 4 or 2) moved as one vector, seen as elements of T.

@@ -2,7 +2,7 @@
 //!
 //! Layers, each only calling down: [`ffi`] (a safe view of XLA's call frame),
 //! [`cuda`] (NVRTC compilation, module cache, launches), and the primitive
-//! families ([`router`], [`permutation`], [`grouped_gemm`]): CPU implementations as the executable
+//! families ([`router`], [`permutation`], [`grouped_gemm`], [`quantize`]): CPU implementations as the executable
 //! specification, CUDA ones checked against them, and the `extern "C"`
 //! handlers registered by the Python package `oxmoe`.
 
@@ -11,6 +11,7 @@ pub mod ffi;
 pub mod grouped_gemm;
 pub mod real;
 pub mod permutation;
+pub mod quantize;
 pub mod router;
 
 use std::ffi::c_char;

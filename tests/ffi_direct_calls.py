@@ -170,6 +170,18 @@ def dispatch_fwd(tokens, routing_map, rows, **attrs):
     return _call("oxmoe_dispatch_fwd", rets, tokens, routing_map, **attrs)
 
 
+def quantize(x, values_shape=None, scales_dtype=jnp.float32, **changes):
+    """oxmoe_fp8_quantize of x [B, R, C], in (1, 128) blocks unless `changes` say otherwise."""
+    attrs = dict(block_rows=np.int64(1), block_cols=np.int64(128), power_of_two_scales=np.bool_(False),
+                 transpose=np.bool_(False))
+    attrs.update(changes)
+    b, r, c = (x.shape if x.ndim == 3 else (1, *x.shape))
+    rows, cols = (c, r) if attrs["transpose"] else (r, c)
+    rets = (_spec(values_shape or (b, rows, cols), jnp.float8_e4m3fn),
+            _spec((b, max(rows // int(attrs["block_rows"]), 1), max(cols // int(attrs["block_cols"]), 1)), scales_dtype))
+    return _call("oxmoe_fp8_quantize", rets, x, **attrs)
+
+
 CASES.update({
     "ragged_dot_fwd_result_aliasing_lhs": (
         lambda: aliased("oxmoe_ragged_dot", _spec(ROWS.shape, jnp.float32), ROWS, np.ones((2, E, E), np.float32),
@@ -206,6 +218,30 @@ CASES.update({
                       np.zeros((128, 6), jnp.float8_e4m3fn), np.ones((1, 128), np.float32),
                       np.zeros((128, 6), jnp.float8_e4m3fn), np.ones((1, 128), np.float32), SIZES, OFFSET),
         "oxmoe_fp8_transposed_ragged_dot", [r"lhs has M = 6", r"M must be a multiple of 128"]),
+    "fp8_quantize_block_of_64_rows": (
+        lambda: quantize(np.zeros((1, 128, 128), np.float32), block_rows=np.int64(64)), "oxmoe_fp8_quantize",
+        [r"the block is \(64, 128\)", r"\(1, 128\), \(128, 128\) or \(128, 1\)"]),
+    "fp8_quantize_rows_not_a_multiple_of_the_block": (
+        lambda: quantize(np.zeros((1, 100, 128), np.float32), block_rows=np.int64(128)), "oxmoe_fp8_quantize",
+        [r"x's rows \(100\) must be a multiple of the block's rows \(128\)"]),
+    "fp8_quantize_transposed_columns_not_a_multiple_of_the_block": (
+        lambda: quantize(np.zeros((1, 256, 100), np.float32), block_rows=np.int64(128), transpose=np.bool_(True)),
+        "oxmoe_fp8_quantize",
+        [r"x's columns \(100\), the transposed result's rows, must be a multiple of the block's rows \(128\)"]),
+    "fp8_quantize_matrix_x": (
+        lambda: quantize(np.zeros((128, 128), np.float32)), "oxmoe_fp8_quantize",
+        [r"x has shape \[128, 128\], expected \[batch, rows, columns\]"]),
+    "fp8_quantize_int32_x": (
+        lambda: quantize(np.zeros((1, 128, 128), np.int32)), "oxmoe_fp8_quantize", [r"x has dtype int32"]),
+    "fp8_quantize_untransposed_values": (
+        lambda: quantize(np.zeros((1, 128, 256), np.float32), transpose=np.bool_(True), values_shape=(1, 128, 256)),
+        "oxmoe_fp8_quantize", [r"values has shape float8_e4m3fn\[1, 128, 256\], expected \[1, 256, 128\]"]),
+    "fp8_quantize_bf16_scales": (
+        lambda: quantize(np.zeros((1, 128, 128), np.float32), scales_dtype=jnp.bfloat16), "oxmoe_fp8_quantize",
+        [r"scales has dtype bfloat16, expected float32"]),
+    "fp8_quantize_transpose_as_an_integer": (
+        lambda: quantize(np.zeros((1, 128, 128), np.float32), transpose=np.int64(1)), "oxmoe_fp8_quantize",
+        [r"attribute `transpose` has type int64, expected a bool"]),
     "sort_chunks_result_aliasing_tokens": (
         lambda: aliased("oxmoe_sort_chunks", _spec(ROWS.shape, jnp.float32), ROWS, SPLITS, ORDER,
                         inverse=np.bool_(False)),

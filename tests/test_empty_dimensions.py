@@ -3,7 +3,8 @@ results the handlers find filled with poison (``OXMOE_POISON_RESULTS=1``: NaN in
 results, 0x80808080 in int32 ones): whatever a dimension of 0 leaves of a result must
 still be written, and equal the float64 reference (the loss of no tokens is 0, the
 merging weights' gradient of rows of no elements is 0, a product over no rows is 0,
-a dispatch of no tokens lays out no rows, ...).
+a dispatch of no tokens lays out no rows, a quantization of no elements has no scales,
+...).
 
 The poison is set when the library loads, so the cases run in a child process: this
 file is also that child's script (``python tests/test_empty_dimensions.py --platform
@@ -250,6 +251,47 @@ def transposed_ragged_dot_of_no_lhs_columns(rng):
 @case
 def transposed_ragged_dot_of_no_rhs_columns(rng):
     return _check_grouped(True, rng, 40, 32, 0, [10, 0, 25])
+
+
+# -- FP8 quantization ------------------------------------------------------------------
+
+
+def _check_quantize(shape, block, transpose):
+    """oxmoe.fp8.quantize of zeros of `shape`: values [..., R, C] ([..., C, R] transposed)
+    and scales, each with a dimension of 0: nothing to write, and the shapes right."""
+    import jax.numpy as jnp
+    from oxmoe import fp8
+
+    q = fp8.quantize(jnp.zeros(shape, jnp.bfloat16), block, transpose=transpose)
+    *lead, rows, cols = shape
+    rows, cols = (cols, rows) if transpose else (rows, cols)
+    return [("values", q.values.astype(jnp.float32), np.zeros((*lead, rows, cols), np.float32)),
+            ("scales", q.scales, np.zeros((*lead, rows // block[0], cols // block[1]), np.float32))]
+
+
+@case
+def quantize_of_no_rows(rng):
+    return _check_quantize((0, 256), (1, 128), False)
+
+
+@case
+def quantize_of_no_columns(rng):
+    return _check_quantize((256, 0), (128, 1), False)
+
+
+@case
+def quantize_of_no_batch(rng):
+    return _check_quantize((0, 128, 256), (128, 128), False)
+
+
+@case
+def quantize_transposed_of_no_rows(rng):
+    return _check_quantize((0, 256), (128, 1), True)
+
+
+@case
+def quantize_transposed_of_no_columns(rng):
+    return _check_quantize((3, 256, 0), (1, 128), True)
 
 
 # -- the child process ---------------------------------------------------------------

@@ -1,7 +1,10 @@
-"""oxmoe.fp8's block quantization against a NumPy reference that decodes every float8_e4m3fn
-bit pattern itself and rounds to the nearest (ties to the even pattern), on the activation,
-weight and transposed-activation blocks at real models' widths, on fresh random data; its
-special cases (zero, NaN and infinite blocks, power-of-two scales); and its errors.
+"""oxmoe.fp8's block quantization (the oxmoe_fp8_quantize primitive: Rust on the CPU, the CUDA
+kernel on a GPU) against a NumPy reference that decodes every float8_e4m3fn bit pattern itself
+and rounds to the nearest (ties to the even pattern), and against the plain-JAX statement of the
+semantics (oxmoe.reference.fp8.quantize), bit for bit: on the activation, weight and
+transposed-activation blocks at real models' widths, transposed or not, from float32, bfloat16
+and float16, on fresh random data; its special cases (zero, NaN, infinite, subnormal and tiny
+blocks, power-of-two scales); vmap, jit and sharding; and its errors.
 """
 
 from __future__ import annotations
@@ -10,8 +13,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import devices
 from oxmoe import fp8, model_shapes
+from oxmoe.reference import fp8 as fp8_reference
 
 
 def e4m3_grid() -> tuple[np.ndarray, np.ndarray]:
@@ -39,17 +46,27 @@ def round_to_e4m3(v: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(v), np.nan, np.copysign(rounded, v))
 
 
-def reference(x: np.ndarray, block: tuple[int, int], power_of_two: bool = False):
-    """(values as float64, scales as float32) of x (any float dtype, as float32)."""
+TINY = np.finfo(np.float32).tiny  # 2^-126, the smallest normal float32
+SMALLEST_SCALED_AMAX = np.float32(448 * 2.0 ** -126)
+
+
+def reference(x: np.ndarray, block: tuple[int, int], power_of_two: bool = False, transpose: bool = False):
+    """(values as float64, scales as float32) of x (any float dtype, as float32), or with
+    `transpose` of x.swapaxes(-1, -2): float32 subnormals count as zeros; amax below
+    448 * 2^-126 gives scale 1; NaN and infinite blocks are NaN."""
     x32 = np.asarray(x, np.float32)
+    if transpose:
+        x32 = np.swapaxes(x32, -1, -2)
+    x32 = np.where(np.abs(x32) < TINY, np.copysign(np.float32(0), x32), x32)
     *lead, rows, cols = x32.shape
     blocks = x32.reshape(*lead, rows // block[0], block[0], cols // block[1], block[1])
     amax = np.abs(blocks).max(axis=(-3, -1))
-    with np.errstate(invalid="ignore", divide="ignore"):
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         ratio = (amax * np.float32(1 / 448)).astype(np.float32)
         if power_of_two:
-            ratio = np.where(amax > 0, 2.0 ** np.ceil(np.log2(ratio.astype(np.float64))), 1).astype(np.float32)
-        scales = np.where(np.isfinite(amax), np.where(amax > 0, ratio, np.float32(1)), np.nan).astype(np.float32)
+            ratio = (2.0 ** np.ceil(np.log2(ratio.astype(np.float64)))).astype(np.float32)
+        scales = np.where(np.isfinite(amax), np.where(amax >= SMALLEST_SCALED_AMAX, ratio, np.float32(1)),
+                          np.nan).astype(np.float32)
         inverse = (np.float32(1) / scales).astype(np.float32)
         scaled = blocks * inverse[..., :, None, :, None]  # float32 products, as specified
     values = round_to_e4m3(np.clip(scaled.astype(np.float64), -448, 448))
@@ -60,32 +77,52 @@ def as_float64(q: fp8.BlockQuantized) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(q.values.astype(jnp.float32), np.float64), np.asarray(q.scales)
 
 
-def assert_matches_reference(x, block, context, power_of_two=False):
-    q = jax.jit(fp8.quantize, static_argnums=1, static_argnames="power_of_two_scales")(
-        x, block, power_of_two_scales=power_of_two)
-    values, scales = as_float64(q)
-    want_values, want_scales = reference(np.asarray(x.astype(jnp.float32)), block, power_of_two)
-    assert q.values.dtype == jnp.float8_e4m3fn and q.scales.dtype == jnp.float32, context
-    assert q.block == block and q.shape == x.shape, context
+def assert_same(got, want, context: str) -> None:
+    """Equal values (NaN where NaN) and scales, saying where the first difference is."""
+    (values, scales), (want_values, want_scales) = got, want
+    assert values.shape == want_values.shape and scales.shape == want_scales.shape, context
     np.testing.assert_array_equal(scales, want_scales, err_msg=f"{context}: scales")
-    mismatch = values != want_values
+    mismatch = ~((values == want_values) | (np.isnan(values) & np.isnan(want_values)))
     assert not mismatch.any(), (f"{context}: {mismatch.sum()} of {mismatch.size} values differ, first at "
                                 f"{np.argwhere(mismatch)[0]}: {values[mismatch][0]} != {want_values[mismatch][0]}")
+
+
+_quantize = jax.jit(fp8.quantize, static_argnums=1, static_argnames=("power_of_two_scales", "transpose"))
+
+
+def assert_matches_reference(x, block, context, power_of_two=False, transpose=False):
+    q = _quantize(x, block, power_of_two_scales=power_of_two, transpose=transpose)
+    assert q.values.dtype == jnp.float8_e4m3fn and q.scales.dtype == jnp.float32, context
+    shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transpose else x.shape
+    assert q.block == block and q.shape == shape, context
+    assert_same(as_float64(q), reference(np.asarray(x.astype(jnp.float32)), block, power_of_two, transpose),
+                context)
     return q
 
 
-H_DEEPSEEK, H_QWEN3, F_DEEPSEEK = (model_shapes.DEEPSEEK_V3_LAYER.hidden, model_shapes.QWEN3_30B_A3B_LAYER.hidden,
-                                   model_shapes.DEEPSEEK_V3_LAYER.ffn)
+DEEPSEEK_V3, QWEN3 = model_shapes.DEEPSEEK_V3_LAYER, model_shapes.QWEN3_30B_A3B_LAYER
+H_DEEPSEEK, F_DEEPSEEK, H_QWEN3, F_QWEN3 = DEEPSEEK_V3.hidden, DEEPSEEK_V3.ffn, QWEN3.hidden, QWEN3.ffn
+ACT, WEIGHT, TACT = fp8.ACTIVATION_BLOCK, fp8.WEIGHT_BLOCK, fp8.TRANSPOSED_ACTIVATION_BLOCK
 
-# (shape, dtype, block): tokens of DeepSeek-V3's and Qwen3's width per 128 channels, a
-# DeepSeek-V3 expert's down weight [F, H] (two experts) per 128 x 128, and tokens per 128
-# tokens per channel (the weight gradient's operand).
+# (x's shape, dtype, block, transpose) at DeepSeek-V3's and Qwen3's widths: tokens per 128
+# channels (rows that are no multiple of 128 too), experts' weights per 128 x 128, tokens per
+# 128 tokens per channel, and transposed, the weight gradient's token-contiguous operands
+# (tokens [T, H] or [T, F] in (1, 128) blocks of the transpose) and transposed weights.
 CASES = {
-    "activations_deepseek_v3_bf16": ((256, H_DEEPSEEK), jnp.bfloat16, fp8.ACTIVATION_BLOCK),
-    "activations_qwen3_f32": ((512, H_QWEN3), jnp.float32, fp8.ACTIVATION_BLOCK),
-    "weights_deepseek_v3_down_bf16": ((2, F_DEEPSEEK, H_DEEPSEEK), jnp.bfloat16, fp8.WEIGHT_BLOCK),
-    "transposed_activations_qwen3_bf16": ((512, H_QWEN3), jnp.bfloat16, fp8.TRANSPOSED_ACTIVATION_BLOCK),
-    "activations_f16": ((64, 1024), jnp.float16, fp8.ACTIVATION_BLOCK),
+    "activations_deepseek_v3_bf16": ((200, H_DEEPSEEK), jnp.bfloat16, ACT, False),
+    "activations_qwen3_f32": ((512, H_QWEN3), jnp.float32, ACT, False),
+    "activations_qwen3_ffn_f16_batched": ((3, 40, F_QWEN3), jnp.float16, ACT, False),
+    "weights_deepseek_v3_down_bf16": ((2, F_DEEPSEEK, H_DEEPSEEK), jnp.bfloat16, WEIGHT, False),
+    "weights_qwen3_up_f32": ((2, H_QWEN3, 2 * F_QWEN3), jnp.float32, WEIGHT, False),
+    "transposed_activations_qwen3_bf16": ((512, H_QWEN3), jnp.bfloat16, TACT, False),
+    "transposed_activations_of_100_columns_f16": ((256, 100), jnp.float16, TACT, False),
+    "weight_gradient_rows_qwen3_bf16": ((512, H_QWEN3), jnp.bfloat16, ACT, True),
+    "weight_gradient_rows_deepseek_v3_ffn_bf16": ((256, F_DEEPSEEK), jnp.bfloat16, ACT, True),
+    "weight_gradient_rows_qwen3_ffn_f32": ((384, F_QWEN3), jnp.float32, ACT, True),
+    "weight_gradient_rows_of_200_channels_f16": ((2, 128, 200), jnp.float16, ACT, True),
+    "weights_deepseek_v3_down_transposed_bf16": ((1, F_DEEPSEEK, H_DEEPSEEK), jnp.bfloat16, WEIGHT, True),
+    "weights_qwen3_up_transposed_f32": ((2, H_QWEN3, 2 * F_QWEN3), jnp.float32, WEIGHT, True),
+    "rows_of_200_tokens_transposed_per_128_channels_bf16": ((200, F_QWEN3), jnp.bfloat16, TACT, True),
 }
 
 
@@ -99,20 +136,122 @@ def draw(rng, shape, dtype):
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["float32_scales", "power_of_two_scales"])
 def test_quantize_matches_the_float64_reference(case, power_of_two, rng, seed):
-    shape, dtype, block = CASES[case]
+    shape, dtype, block, transpose = CASES[case]
     x = draw(rng, shape, dtype)
     context = f"{case}, power_of_two={power_of_two}, seed={seed}"
-    q = assert_matches_reference(x, block, context, power_of_two)
+    q = assert_matches_reference(x, block, context, power_of_two, transpose)
     # Every block reaches the format's range: its largest value rounds to 448 (or, with
     # power-of-two scales, lands in (224, 448] and rounds into [224, 448]).
     values, scales = as_float64(q)
-    blocks = values.reshape(*shape[:-2], shape[-2] // block[0], block[0], shape[-1] // block[1], block[1])
-    top = np.abs(blocks).max(axis=(-3, -1))
+    *lead, rows, cols = q.shape
+    top = np.abs(values.reshape(*lead, rows // block[0], block[0], cols // block[1], block[1])).max(axis=(-3, -1))
     if power_of_two:
         assert (top >= 224).all() and (top <= 448).all(), context
         np.testing.assert_array_equal(np.exp2(np.round(np.log2(scales))), scales, err_msg=context)
     else:
         np.testing.assert_array_equal(top, 448.0, err_msg=context)
+
+
+@pytest.mark.parametrize("case", ["activations_qwen3_ffn_f16_batched", "weights_qwen3_up_f32",
+                                  "transposed_activations_of_100_columns_f16", "weight_gradient_rows_qwen3_bf16",
+                                  "rows_of_200_tokens_transposed_per_128_channels_bf16"])
+def test_quantize_equals_the_plain_jax_reference(case, rng, seed):
+    shape, dtype, block, transpose = CASES[case]
+    x = draw(rng, shape, dtype)
+    for power_of_two in (False, True):
+        q = _quantize(x, block, power_of_two_scales=power_of_two, transpose=transpose)
+        want = jax.jit(fp8_reference.quantize, static_argnums=1, static_argnames=("power_of_two_scales", "transpose"))(
+            x, block, power_of_two_scales=power_of_two, transpose=transpose)
+        assert q.block == want.block
+        assert_same(as_float64(q), as_float64(want), f"{case}, power_of_two={power_of_two}, seed={seed}")
+
+
+@pytest.mark.parametrize("block", [ACT, WEIGHT, TACT], ids=["activation", "weight", "transposed_activation"])
+def test_the_transposed_quantization_is_that_of_the_transpose(block, rng, seed):
+    x = draw(rng, (2, 256, 384), jnp.bfloat16)
+    transposed = _quantize(x, block, transpose=True)
+    of_transpose = _quantize(jnp.swapaxes(x, -1, -2), block)
+    assert_same(as_float64(transposed), as_float64(of_transpose), f"{block}, seed={seed}")
+    # And (1, 128) blocks of the transpose are (128, 1) blocks of x, written transposed.
+    if block == ACT:
+        column_blocks = _quantize(x, TACT)
+        values, scales = as_float64(column_blocks)
+        assert_same(as_float64(transposed), (np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)), "(128, 1)")
+
+
+def special_blocks(dtype) -> np.ndarray:
+    """[256, 384] in 128 x 128 tiles, each a kind of block (whatever the block shape, every
+    block of a tile is of the tile's kind, except the first row or column of a tile where
+    one value is planted): normal values; zeros; a NaN, an infinity and a minus infinity
+    among normal values; values below 448 * 2^-126 (their scale would be no normal float);
+    the same with one at 448 * 2^-126; float32 subnormals beside normal values 2^-110."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((256, 384))
+    tiles = [x[r:r + 128, c:c + 128] for r in (0, 128) for c in (0, 128, 256)]
+    tiles[1][:] = 0
+    tiles[2][[0, 5, 9], [3, 0, 7]] = [np.nan, np.inf, -np.inf]
+    tiles[3][:] *= 2.0 ** -120  # below 448 * 2^-126 ~ 2^-117.2
+    tiles[4][:] = np.clip(tiles[4], -1, 1) * 2.0 ** -120
+    tiles[4][0, :] = tiles[4][:, 0] = 448 * 2.0 ** -126
+    tiles[5][:] = np.where(rng.random((128, 128)) < 0.5, 2.0 ** -110, -(2.0 ** -127) * rng.random((128, 128)))
+    if dtype == jnp.bfloat16:
+        x = np.asarray(jnp.asarray(x, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    return x
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("transpose", [False, True], ids=["", "transposed"])
+@pytest.mark.parametrize("block", [ACT, WEIGHT, TACT], ids=["activation", "weight", "transposed_activation"])
+def test_special_blocks_match_the_reference(block, transpose, dtype):
+    x = jnp.asarray(special_blocks(dtype), dtype)
+    context = f"{block}, transpose={transpose}, {jnp.dtype(dtype).name}"
+    for power_of_two in (False, True):
+        q = assert_matches_reference(x, block, context, power_of_two, transpose)
+        want = fp8_reference.quantize(x, block, power_of_two_scales=power_of_two, transpose=transpose)
+        assert_same(as_float64(q), as_float64(want), f"{context}: the plain-JAX reference")
+
+
+def test_tiny_blocks_and_subnormals():
+    # Float32 subnormals count as zeros (of their sign) beside normal values: without that,
+    # -2^-127 in a block of largest magnitude 2^-110 would be -2^-17 * 448 ~ -0.0034 in FP8.
+    x = np.zeros((4, 128), np.float32)
+    x[0, :3] = [2.0 ** -110, -(2.0 ** -127), 2.0 ** -149]
+    # A block below 448 * 2^-126 has scale 1 and zero values; at it, a normal scale.
+    x[1, 0] = np.nextafter(np.float32(448 * 2.0 ** -126), np.float32(0))
+    x[2, 0] = 448 * 2.0 ** -126
+    x[3, 0] = 2.0 ** -130  # a subnormal alone: a block of zeros
+    values, scales = as_float64(fp8.quantize(jnp.asarray(x)))
+    np.testing.assert_array_equal(scales[:, 0], [np.float32(2.0 ** -110) * np.float32(1 / 448), 1.0,
+                                                 np.float32(448 * 2.0 ** -126) * np.float32(1 / 448), 1.0])
+    assert values[0, 0] == 448 and values[0, 1] == 0 and np.signbit(values[0, 1]) and values[0, 2] == 0
+    assert (values[1:3, 1:] == 0).all() and values[1, 0] == 0 and values[2, 0] == 448 and values[3, 0] == 0
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["", "transposed"])
+@pytest.mark.parametrize("block", [ACT, WEIGHT, TACT], ids=["activation", "weight", "transposed_activation"])
+def test_vmap_quantizes_each_element(block, transpose, rng, seed):
+    x = draw(rng, (3, 2, 128, 256), jnp.bfloat16)
+    quantize = lambda x: fp8.quantize(x, block, transpose=transpose)  # noqa: E731
+    whole = quantize(x)
+    for mapped in (jax.vmap(quantize)(x), jax.jit(jax.vmap(jax.vmap(quantize)))(x),
+                   jax.vmap(quantize, in_axes=1, out_axes=1)(x)):
+        assert_same(as_float64(mapped), as_float64(whole), f"{block}, transpose={transpose}, seed={seed}")
+
+
+def test_sharded_inputs_give_the_unsharded_result(rng, seed):
+    mesh = jax.make_mesh((4,), ("data",), devices=devices.mesh_devices(4))
+    tokens = draw(rng, (512, H_QWEN3), jnp.bfloat16)
+    weights = draw(rng, (4, 256, 384), jnp.float32)
+    on_mesh = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+    whole_device = mesh.devices.flat[0]
+    for x, spec, block, transpose in [(tokens, P("data", None), ACT, False), (tokens, P("data", None), ACT, True),
+                                      (tokens, P("data", None), TACT, False),
+                                      (weights, P("data", None, None), WEIGHT, True)]:
+        q = _quantize(on_mesh(x, spec), block, transpose=transpose)
+        want = _quantize(jax.device_put(x, whole_device), block, transpose=transpose)
+        assert_same(as_float64(q), as_float64(want), f"{spec}, {block}, transpose={transpose}, seed={seed}")
+        if not transpose and block == ACT:  # rows quantized where they are
+            assert q.values.sharding.spec[0] == "data" and q.scales.sharding.spec[0] == "data"
 
 
 def test_halfway_values_round_to_the_even_pattern():
@@ -173,41 +312,74 @@ def test_quantize_is_not_differentiated(rng):
     np.testing.assert_array_equal(np.asarray(grad), 0.0)
 
 
-@pytest.mark.parametrize("x, block, error, message", [
-    (jnp.zeros((4, 100)), (1, 128), ValueError, r"x's last two dimensions \(4, 100\) must be multiples of the block \(1, 128\)"),
-    (jnp.zeros((100, 128)), (128, 128), ValueError, r"\(100, 128\) must be multiples of the block \(128, 128\)"),
-    (jnp.zeros((256,)), (1, 128), ValueError, r"x must have at least two dimensions .* got shape \(256,\)"),
-    (jnp.zeros((4, 128), jnp.int32), (1, 128), TypeError, r"x must be float32, bfloat16 or float16, got int32"),
-    (jnp.zeros((4, 128)), (0, 128), ValueError, r"block must be a pair of positive ints \(rows, columns\), got \(0, 128\)"),
-    (jnp.zeros((4, 128)), [1, 128], ValueError, r"block must be a pair of positive ints .* got \[1, 128\]"),
-    ([[1.0] * 128], (1, 128), TypeError, r"x must be a JAX or NumPy array, got list"),
-], ids=["columns", "rows", "rank", "dtype", "zero_block", "list_block", "not_an_array"])
-def test_bad_input_is_named(x, block, error, message):
+RECIPE = r"\(ACTIVATION_BLOCK \(1, 128\), WEIGHT_BLOCK \(128, 128\), TRANSPOSED_ACTIVATION_BLOCK \(128, 1\)\)"
+
+
+@pytest.mark.parametrize("x, block, kwargs, error, message", [
+    (jnp.zeros((4, 100)), ACT, {}, ValueError,
+     r"x's last two dimensions \(4, 100\) must be multiples of the block \(1, 128\)"),
+    (jnp.zeros((100, 128)), WEIGHT, {}, ValueError, r"\(100, 128\) must be multiples of the block \(128, 128\)"),
+    (jnp.zeros((100, 256)), ACT, {"transpose": True}, ValueError,
+     r"x's last two dimensions \(100, 256\), transposed \(256, 100\), must be multiples of the block \(1, 128\)"),
+    (jnp.zeros((128, 100)), TACT, {"transpose": True}, ValueError,
+     r"\(128, 100\), transposed \(100, 128\), must be multiples of the block \(128, 1\)"),
+    (jnp.zeros((256,)), ACT, {}, ValueError, r"x must have at least two dimensions .* got shape \(256,\)"),
+    (jnp.zeros((4, 128), jnp.int32), ACT, {}, TypeError, r"x must be float32, bfloat16 or float16, got int32"),
+    (jnp.zeros((4, 128), jnp.float64) if jax.config.jax_enable_x64 else np.zeros((4, 128)), ACT, {}, TypeError,
+     r"x must be float32, bfloat16 or float16, got float64"),
+    (jnp.zeros((4, 128)), (0, 128), {}, ValueError, r"block must be one of the FP8 recipe's blocks " + RECIPE +
+     r", got \(0, 128\)"),
+    (jnp.zeros((128, 128)), (64, 128), {}, ValueError, r"block must be one of .* got \(64, 128\)"),
+    (jnp.zeros((4, 128)), (1, 1), {}, ValueError, r"block must be one of .* got \(1, 1\)"),
+    (jnp.zeros((4, 128)), [1, 128], {}, ValueError, r"block must be one of .* got \[1, 128\]"),
+    (jnp.zeros((4, 128)), (True, 128), {}, ValueError, r"block must be one of .* got \(True, 128\)"),
+    ([[1.0] * 128], ACT, {}, TypeError, r"x must be a JAX or NumPy array, got list"),
+    (jnp.zeros((1, 128)), ACT, {"power_of_two_scales": 1}, TypeError, r"power_of_two_scales must be a bool, got 1"),
+    (jnp.zeros((128, 128)), ACT, {"transpose": "yes"}, TypeError, r"transpose must be a bool, got 'yes'"),
+], ids=["columns", "rows", "transposed_rows", "transposed_columns", "rank", "dtype", "float64", "zero_block",
+        "block_of_64_rows", "block_of_one", "list_block", "bool_block", "not_an_array", "power_of_two_not_a_bool",
+        "transpose_not_a_bool"])
+def test_bad_input_is_named(x, block, kwargs, error, message):
     with pytest.raises(error, match=message):
-        fp8.quantize(x, block)
+        fp8.quantize(x, block, **kwargs)
 
 
-def test_bad_options_are_named():
-    with pytest.raises(TypeError, match=r"power_of_two_scales must be a bool, got 1"):
-        fp8.quantize(jnp.zeros((1, 128)), power_of_two_scales=1)
+def test_dequantize_takes_only_a_quantized_tensor():
     with pytest.raises(TypeError, match=r"q must be an oxmoe.fp8.BlockQuantized, got ArrayImpl"):
         fp8.dequantize(jnp.zeros((1, 128)))
 
 
+def test_the_reference_takes_any_block_and_names_bad_ones(rng):
+    x = draw(rng, (6, 10), jnp.float32)
+    q = fp8_reference.quantize(x, (3, 5))
+    assert_same(as_float64(q), reference(np.asarray(x), (3, 5)), "(3, 5)")
+    q = fp8_reference.quantize(x, (2, 3), transpose=True)
+    assert_same(as_float64(q), reference(np.asarray(x), (2, 3), transpose=True), "(2, 3), transposed")
+    with pytest.raises(ValueError, match=r"block must be a pair of positive ints \(rows, columns\), got \(0, 128\)"):
+        fp8_reference.quantize(x, (0, 128))
+    with pytest.raises(ValueError, match=r"x's last two dimensions \(6, 10\) must be multiples of the block \(4, 5\)"):
+        fp8_reference.quantize(x, (4, 5))
+
+
 def test_the_reciprocal_is_the_nearest_float32_from_any_guess_within_two_ulp(rng):
     # XLA:GPU's float32 division is up to an ulp or two off (about one quotient in seven on an H200):
-    # quantize corrects it. Here every guess 2 ulp either side of NumPy's correctly rounded
-    # quotient, for scales over the corrected range and scales of real blocks (amax / 448).
-    scales = np.concatenate([np.exp2(rng.uniform(-100, 100, 20000)),
-                             np.abs(rng.standard_normal(20000)) * np.float32(1 / 448)]).astype(np.float32)
-    scales = np.concatenate([scales, np.float32([2.0 ** -100, 2.0 ** 100, 1.0, 0.75])])
-    exact = np.float32(1) / scales
+    # the plain-JAX reference corrects it. Here every guess 2 ulp either side of NumPy's correctly
+    # rounded quotient, for significands in [1, 2).
+    m = np.concatenate([1 + rng.random(40000), [1.0, 1.5, np.nextafter(2, 0)]]).astype(np.float32)
+    exact = np.float32(1) / m
     bits = exact.view(np.int32)
     for step in (-2, -1, 0, 1, 2):
         guess = (bits + step).view(np.float32)
-        got = np.asarray(jax.jit(fp8._reciprocal)(jnp.asarray(scales), jnp.asarray(guess)))
+        got = np.asarray(jax.jit(fp8_reference._nearest_reciprocal)(jnp.asarray(m), jnp.asarray(guess)))
         np.testing.assert_array_equal(got, exact, err_msg=f"guess {step} ulp from the quotient")
-    # Outside the corrected range the guess stands.
-    outside = np.float32([2.0 ** -120, 2.0 ** 110])
-    guess = ((np.float32(1) / outside).view(np.int32) + 1).view(np.float32)
-    np.testing.assert_array_equal(np.asarray(fp8._reciprocal(jnp.asarray(outside), jnp.asarray(guess))), guess)
+
+
+def test_the_reference_reciprocal_is_correctly_rounded_over_every_scale(rng):
+    # Any normal float32 a scale can be (448 * 2^-126 * (1 / 448) up to 2^120), the powers of
+    # two among them, and NaN.
+    scales = np.concatenate([np.exp2(rng.uniform(-126, 125, 40000)), np.exp2(np.arange(-126, 126.0)),
+                             [np.finfo(np.float32).tiny, np.float32(2.0 ** 125) * np.float32(1.75)]])
+    scales = scales.astype(np.float32)
+    got = np.asarray(jax.jit(fp8_reference._reciprocal)(jnp.asarray(scales)))
+    np.testing.assert_array_equal(got, np.float32(1) / scales)
+    assert np.isnan(np.asarray(fp8_reference._reciprocal(jnp.float32(np.nan))))

@@ -2,8 +2,8 @@
 computation, an empty batch of results (and of gradients) of the right shapes and dtypes.
 
 The batching rule has two paths: a vmapped axis that folds into the token rows (the router
-primitives, the combine in a dispatch's backward) and a lax.map over the batch (aux_loss's sum
-over tokens, dispatch, the grouped GEMM); the cases below take both. Each oxmoe computation is
+primitives, the combine in a dispatch's backward, the FP8 quantization) and a lax.map over the
+batch (aux_loss's sum over tokens, dispatch, the grouped GEMM); the cases below take both. Each oxmoe computation is
 compared with a plain-JAX formula of the same values, vmapped the same way; a batch of two
 random elements checks that the formula is the computation's."""
 
@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from oxmoe import grouped_gemm, permutation, reference, router
+from oxmoe import fp8, grouped_gemm, permutation, reference, router
 
 T, E, K, H, N, G = 4, 8, 2, 6, 5, 3
 BATCHES = pytest.mark.parametrize("batch", [0, 2], ids=["empty_batch", "batch_of_2"])
@@ -111,6 +111,17 @@ def plain_transposed_ragged_dot(lhs, rhs, sizes):
     return jnp.einsum("gm,mk,mn->gkn", group_mask(sizes, lhs.shape[0]), lhs, rhs, precision="highest")
 
 
+def fp8_quantize(block, transpose):
+    """oxmoe.fp8.quantize's values (as float32) and scales, and the same of the plain-JAX
+    reference."""
+    def of(quantize):
+        def values_and_scales(x):
+            q = quantize(x, block, transpose=transpose)
+            return q.values.astype(jnp.float32), q.scales
+        return values_and_scales
+    return of(fp8.quantize), of(reference.fp8.quantize)
+
+
 # ---------------------------------------------------------------------------- cases
 
 # name: (oxmoe function, plain-JAX function, (rng, batch) -> (args, in_axes))
@@ -126,6 +137,11 @@ CASES = {
     "topk_nested_batch_inner": (jax.vmap(lambda x: router.topk(x, K)), jax.vmap(plain_topk),
                                 lambda rng, b: ((normal(rng, 3, b, T, E),), 0)),
     "dispatch": (dispatch, plain_dispatch, lambda rng, b: ((normal(rng, b, T, H), topk_maps(rng, b)), 0)),
+    "fp8_quantize": (*fp8_quantize(fp8.ACTIVATION_BLOCK, False), lambda rng, b: ((normal(rng, b, 3, 256),), 0)),
+    "fp8_quantize_batch_second": (*fp8_quantize(fp8.TRANSPOSED_ACTIVATION_BLOCK, False),
+                                  lambda rng, b: ((normal(rng, 128, b, 256),), 1)),
+    "fp8_quantize_transposed": (*fp8_quantize(fp8.WEIGHT_BLOCK, True),
+                                lambda rng, b: ((normal(rng, b, 128, 256),), 0)),
     # the lax.map over the batch
     "aux_loss": (functools.partial(router.aux_loss, **AUX), plain_aux_loss,
                  lambda rng, b: ((normal(rng, b, T, E), jnp.asarray(rng.integers(0, T, E), jnp.int32)), (0, None))),

@@ -12,33 +12,40 @@ DeepSeek-V3's recipe are the three uses:
   one scale per 128 tokens per channel, from the same ``[tokens, channels]`` array, with no
   transposed copy.
 
-The result is a :class:`BlockQuantized` pytree: the values (the input's shape), the scales
-and the block shape. ``values * scales`` (each scale over its block) is the tensor it stands
-for: :func:`dequantize`.
+``quantize(x, block, transpose=True)`` quantizes ``x``'s transpose instead, read from ``x`` as
+it is: ``quantize(rows, ACTIVATION_BLOCK, transpose=True)`` is the ``(128, 1)`` quantization
+of ``rows`` with its values written token-contiguous (``[channels, tokens]``), as Hopper's FP8
+``wgmma`` reads the weight gradient's operands.
 
-Semantics (the same on every backend: it is JAX, computed in float32):
+The result is a :class:`BlockQuantized` pytree: the values (the input's shape, or with
+``transpose`` its transpose's), the scales and the block shape. ``values * scales`` (each
+scale over its block) is the tensor it stands for: :func:`dequantize`.
 
+Semantics, the same bit for bit on every backend (float32 arithmetic; the CPU implementation,
+in Rust, is the specification, CUDA kernels compute the same, and
+:func:`oxmoe.reference.fp8.quantize` states it in plain JAX):
+
+- float32 subnormals (magnitudes below 2^-126, which float32 and bfloat16 inputs may hold)
+  count as zeros of their sign (XLA:CPU flushes them anyway; stated so that every backend
+  agrees);
 - ``amax`` is the largest ``|x|`` of a block; ``scale = amax * (1 / 448)`` (448 is the
-  largest finite ``float8_e4m3fn``; ``1 / 448`` rounded to float32, a product because
-  compilers turn a division by a constant into one, differently per backend), or with
+  largest finite ``float8_e4m3fn``; ``1 / 448`` rounded to float32), or with
   ``power_of_two_scales`` the smallest power of two at least that (DeepSeek-V3 used such
   scales for some tensors: multiplying by them is exact);
 - ``values = float8_e4m3fn(clip(x * (1 / scale), -448, 448))``: the block's reciprocal
-  rounded to the nearest float32, one float32 product per element (what XLA makes of
-  ``x / scale`` anyway, stated so that every backend rounds alike), then round to nearest,
-  ties to even (the clip only absorbs the roundings of the scale and its reciprocal; it
-  never changes a value otherwise). XLA:GPU's float32 division is not correctly rounded
-  (about one quotient in seven was an ulp off on an H200, and one value in 10^4 to 10^5 then
-  rounded to a neighbouring float8), so the quotient is corrected to the nearest
-  reciprocal for scales in ``[2**-100, 2**100]``; outside that range (blocks whose largest
-  magnitude is below about 10^-28 or above 10^32) it is the backend's division;
-- a block of zeros has scale 1 and zero values;
+  correctly rounded to float32, one float32 product per element, then round to nearest, ties
+  to even (the clip only absorbs the roundings of the scale and its reciprocal; it never
+  changes a value otherwise);
+- a block of zeros has scale 1 and zero values, and so has a block whose largest magnitude
+  is below ``448 * 2**-126`` (about 5e-36), whose scale would fall out of float32's normal
+  range;
 - a block holding a NaN or an infinity becomes NaN: its scale and every value (a
   non-finite ``amax`` says nothing about the block's other elements; nothing is silently
   clipped to a finite number).
 
-The quantization is not differentiated: the FP8 GEMMs that consume it define their own
-gradients.
+On a GPU, a CUDA kernel reads ``x`` once and writes the values and scales once (transposed
+or not) from the same pass. The quantization is not differentiated: the FP8 GEMMs that
+consume it define their own gradients.
 
 The grouped products on quantized operands (the expert GEMMs of an FP8 training step, as
 DeepSeek-V3 runs them):
@@ -73,6 +80,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -132,10 +140,22 @@ class BlockScaling:
         check_bool("power_of_two_scales", self.power_of_two_scales)
 
 
-def _check_block(x, block) -> None:
-    if (not isinstance(block, tuple) or len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise ValueError(f"block must be a pair of positive ints (rows, columns), got {block!r}")
+#: Each recipe block by its name, for messages.
+_RECIPE_BLOCKS = {ACTIVATION_BLOCK: "ACTIVATION_BLOCK", WEIGHT_BLOCK: "WEIGHT_BLOCK",
+                  TRANSPOSED_ACTIVATION_BLOCK: "TRANSPOSED_ACTIVATION_BLOCK"}
+
+
+def _check_flag(name: str, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+    return bool(value)
+
+
+def _check_quantize_input(x, block, transpose: bool) -> None:
+    ints = isinstance(block, tuple) and all(isinstance(b, int) and not isinstance(b, bool) for b in block)
+    if not ints or block not in _RECIPE_BLOCKS:
+        names = ", ".join(f"{name} {b}" for b, name in _RECIPE_BLOCKS.items())
+        raise ValueError(f"block must be one of the FP8 recipe's blocks ({names}), got {block!r}")
     check_array("x", x)
     if x.ndim < 2:
         raise ValueError(f"x must have at least two dimensions (the block's rows and columns), got shape "
@@ -143,84 +163,64 @@ def _check_block(x, block) -> None:
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
     rows, cols = x.shape[-2:]
-    if rows % block[0] or cols % block[1]:
-        raise ValueError(f"x's last two dimensions ({rows}, {cols}) must be multiples of the block {block}")
+    blocked = (cols, rows) if transpose else (rows, cols)
+    if blocked[0] % block[0] or blocked[1] % block[1]:
+        transposed = f", transposed {blocked}," if transpose else ""
+        raise ValueError(f"x's last two dimensions ({rows}, {cols}){transposed} must be multiples of the block {block}")
+
+
+def _quantize_results(x, *, block_rows, block_cols, transpose, **_):
+    batch, rows, cols = x.shape
+    if transpose:
+        rows, cols = cols, rows
+    return [jax.ShapeDtypeStruct((batch, rows, cols), E4M3),
+            jax.ShapeDtypeStruct((batch, rows // block_rows, cols // block_cols), jnp.float32)]
+
+
+# x [B, R, C] -> values, scales, each [B, ...]: the batch elements are quantized apart, so
+# dimension 0 is independent rows whichever way the last two are laid out (transposed
+# too), and batching folds into it and sharding splits it as the router's tokens.
+_quantize_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.ROWS,), results=(Layout.ROWS, Layout.ROWS),
+                           result_specs=_quantize_results)
+
+
+def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scales: bool = False,
+             transpose: bool = False) -> BlockQuantized:
+    """``x`` as ``float8_e4m3fn`` values with one float32 scale per block (the module's
+    semantics).
+
+    Args:
+      x: ``[..., R, C]`` float32, bfloat16 or float16.
+      block: ``(rows, columns)`` of a block of the result: :data:`ACTIVATION_BLOCK`,
+        :data:`WEIGHT_BLOCK` or :data:`TRANSPOSED_ACTIVATION_BLOCK`; it must divide
+        ``R`` and ``C`` (``C`` and ``R`` with ``transpose``).
+      power_of_two_scales: round each scale up to a power of two.
+      transpose: quantize ``swapaxes(x, -1, -2)`` instead, read from ``x`` as it is (no
+        transposed copy): values ``[..., C, R]``, scales ``[..., C / block[0], R /
+        block[1]]``, bit for bit ``quantize(jnp.swapaxes(x, -1, -2), block)``. The weight
+        gradient's operands, token-contiguous as Hopper's FP8 ``wgmma`` reads them, are
+        ``quantize(rows, ACTIVATION_BLOCK, transpose=True)``.
+    """
+    power_of_two_scales = _check_flag("power_of_two_scales", power_of_two_scales)
+    transpose = _check_flag("transpose", transpose)
+    _check_quantize_input(x, block, transpose)
+    *lead, rows, cols = x.shape
+    batch = math.prod(lead)
+    result = (cols, rows) if transpose else (rows, cols)
+    # Rows of 1 x 128 blocks are quantized apart: each its own batch element, so that a
+    # mesh splits them as it splits tokens.
+    view = (batch * rows, 1, cols) if block[0] == 1 and not transpose else (batch, rows, cols)
+    values, scales = _quantize_p(
+        jax.lax.stop_gradient(x).reshape(view), block_rows=np.int64(block[0]), block_cols=np.int64(block[1]),
+        power_of_two_scales=np.bool_(power_of_two_scales), transpose=np.bool_(transpose))
+    return BlockQuantized(values.reshape(*lead, *result),
+                          scales.reshape(*lead, result[0] // block[0], result[1] // block[1]), block)
 
 
 def _blocks(x, block: tuple[int, int]):
     """``[..., R, C]`` → ``[..., R / br, br, C / bc, bc]``."""
     *lead, rows, cols = x.shape
     return x.reshape(*lead, rows // block[0], block[0], cols // block[1], block[1])
-
-
-def _power_of_two_at_least(r):
-    """The smallest power of two ``>= r`` for positive finite float32 ``r``, exactly (anything
-    else gives a value the caller replaces)."""
-    mantissa, exponent = jnp.frexp(r)  # r = mantissa * 2**exponent, mantissa in [0.5, 1)
-    return jnp.ldexp(jnp.ones_like(r), jnp.where(mantissa == 0.5, exponent - 1, exponent))
-
-
-#: A float32's sign, exponent and top 11 stored mantissa bits: a value of 12 significant bits.
-_HIGH_HALF = 0xFFFFF000
-#: The scales whose reciprocal is corrected: every half and product below stays a normal number.
-_CORRECTED_SCALES = (2.0 ** -100, 2.0 ** 100)
-
-
-def _halves(a):
-    """``(high, low)``, ``a = high + low`` exactly, each of at most 12 significant bits (split
-    by masking the bits, which no compiler reassociates)."""
-    high = jax.lax.bitcast_convert_type(
-        jax.lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(_HIGH_HALF), jnp.float32)
-    return high, a - high
-
-
-def _one_minus_product(s, r):
-    """``1 - s * r`` within one rounding, for ``s * r`` near 1: the product as ``p + e``
-    exactly (Dekker's two-product on 12-bit halves, whose partial products are exact, so
-    that contracting any of its steps into a fused multiply-add changes nothing)."""
-    p = s * r
-    (sh, sl), (rh, rl) = _halves(s), _halves(r)
-    e = sl * rl - (((p - sh * rh) - sl * rh) - sh * rl)
-    return (1 - p) - e  # 1 - p is exact for p in [0.5, 2]
-
-
-def _reciprocal(s, guess):
-    """``1 / s`` rounded to the nearest float32, from a ``guess`` within 2 ulp of it: of the
-    guess and its four nearest neighbours, the one whose product with ``s`` is nearest 1
-    (for ``s`` in :data:`_CORRECTED_SCALES`; elsewhere the guess)."""
-    bits = jax.lax.bitcast_convert_type(guess, jnp.int32)
-    best, best_error = guess, jnp.full_like(guess, jnp.inf)
-    for step in (-2, -1, 0, 1, 2):
-        candidate = jax.lax.bitcast_convert_type(bits + step, jnp.float32)
-        error = jnp.abs(_one_minus_product(s, candidate))
-        closer = error < best_error
-        best, best_error = jnp.where(closer, candidate, best), jnp.where(closer, error, best_error)
-    low, high = _CORRECTED_SCALES
-    return jnp.where((s >= low) & (s <= high), best, guess)
-
-
-def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scales: bool = False) -> BlockQuantized:
-    """``x`` as ``float8_e4m3fn`` values with one float32 scale per block (the module's
-    semantics).
-
-    Args:
-      x: ``[..., R, C]`` float32, bfloat16 or float16; ``block`` must divide ``R`` and ``C``.
-      block: ``(rows, columns)`` of a block: :data:`ACTIVATION_BLOCK`,
-        :data:`WEIGHT_BLOCK`, :data:`TRANSPOSED_ACTIVATION_BLOCK` or any other.
-      power_of_two_scales: round each scale up to a power of two.
-    """
-    _check_block(x, block)
-    if not isinstance(power_of_two_scales, bool):
-        raise TypeError(f"power_of_two_scales must be a bool, got {power_of_two_scales!r}")
-    blocks = _blocks(jax.lax.stop_gradient(x).astype(jnp.float32), block)
-    amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
-    scales = jnp.where(amax > 0, amax * jnp.float32(1 / E4M3_MAX), 1.0)
-    if power_of_two_scales:
-        scales = _power_of_two_at_least(scales)
-    scales = jnp.where(jnp.isfinite(amax), scales, jnp.nan)
-    inverse = _reciprocal(scales, 1 / scales)
-    scaled = jnp.clip(blocks * inverse[..., :, None, :, None], -E4M3_MAX, E4M3_MAX)
-    return BlockQuantized(scaled.astype(E4M3).reshape(x.shape), scales, block)
 
 
 def dequantize(q: BlockQuantized, dtype=jnp.float32) -> jax.Array:

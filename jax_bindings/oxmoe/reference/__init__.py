@@ -3,8 +3,8 @@
 :mod:`oxmoe.reference.router`, :mod:`oxmoe.reference.permutation`,
 :mod:`oxmoe.reference.grouped_gemm` and :mod:`oxmoe.reference.moe` compute the
 semantics of the op of the same name in ``oxmoe`` with ``jax.numpy`` and
-``jax.lax`` only (:mod:`oxmoe.reference.fp8`: of the FP8 grouped GEMM oxmoe's
-kernels are to compute): jit-able, differentiable by JAX's autodiff, and written
+``jax.lax`` only (:mod:`oxmoe.reference.fp8`: of the FP8 quantization and grouped
+GEMMs): jit-able, differentiable by JAX's autodiff, and written
 independently of oxmoe's primitives. The benchmark times oxmoe against them
 and checks that both agree; the tests check oxmoe against them where a plain-JAX
 formula is what they compare with (the float64 oracles stay in ``tests/``).

@@ -1,0 +1,85 @@
+//! The CUDA quantization: `kernels/quantize.cu`'s `quantize`, one block of
+//! threads per 128 x 128 tile of `x` (see the kernel for its layout and why).
+
+use super::{Block, Quantize};
+use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, LaunchContext, QUANTIZE};
+use crate::ffi::{DataType, Result};
+
+/// Threads of a block, and the edge of the tile it quantizes (the kernel's
+/// `QUANTIZE_THREADS`, `QUANTIZE_TILE`).
+const THREADS: u32 = 256;
+const TILE: usize = 128;
+
+pub fn quantize_instance(dtype: DataType, block: Block, transpose: bool, power_of_two_scales: bool) -> Result<String> {
+    let instance = Instance::new("quantize").dtype(dtype).int(block.rows).int(block.cols);
+    instance.flag(transpose).flag(power_of_two_scales).int(THREADS).build()
+}
+
+pub fn quantize(ctx: &LaunchContext, op: &Quantize) -> Result<()> {
+    let q = &op.shape;
+    if op.values.is_empty() {
+        return Ok(());
+    }
+    // Without a transpose, no block straddles two batch elements (their rows
+    // are a multiple of the block's): the kernel sees one matrix of all rows.
+    let (batch, rows) = if q.transpose { (q.batch, q.rows) } else { (1, q.batch * q.rows) };
+    let tiles = batch * rows.div_ceil(TILE) * q.cols.div_ceil(TILE);
+    let instance = quantize_instance(op.x.dtype(), q.block, q.transpose, q.power_of_two_scales)?;
+    let kernel = Kernel::get(ctx.stream, &QUANTIZE, &instance)?;
+    let (batch, rows, cols) = (int(batch)?, int(rows)?, int(q.cols)?);
+    let (x, values, scales) = (op.x.device_ptr(), op.values.device_ptr(), op.scales.device_ptr());
+    launch(ctx.stream, kernel, LaunchConfig { grid: grid(tiles)?, block: THREADS, shared_bytes: 0 }, &mut [
+        arg(&x), arg(&batch), arg(&rows), arg(&cols), arg(&values), arg(&scales),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::{compile_check, Architecture};
+    use crate::quantize::RECIPE_BLOCKS;
+
+    fn instances() -> Vec<String> {
+        let mut instances = Vec::new();
+        for dtype in [DataType::F32, DataType::BF16, DataType::F16] {
+            for block in RECIPE_BLOCKS {
+                for transpose in [false, true] {
+                    for power_of_two in [false, true] {
+                        instances.push(quantize_instance(dtype, block, transpose, power_of_two).unwrap());
+                    }
+                }
+            }
+        }
+        instances
+    }
+
+    /// CI has no GPU but has NVRTC: every instance a call can ask for
+    /// compiles for Ampere (its own float-to-e4m3 rounding), Hopper and
+    /// Blackwell (the conversion instruction).
+    #[test]
+    fn quantize_kernels_compile_for_ampere_hopper_and_blackwell() {
+        let instances = instances();
+        let failures: Vec<String> = std::thread::scope(|scope| {
+            let checks: Vec<_> = ["sm_80", "sm_90a", "sm_100"]
+                .map(|arch| {
+                    let instances = &instances;
+                    scope.spawn(move || {
+                        let instances: Vec<&str> = instances.iter().map(String::as_str).collect();
+                        compile_check(&QUANTIZE, &instances, &Architecture(arch.into()))
+                    })
+                })
+                .into_iter()
+                .collect();
+            checks.into_iter().filter_map(|c| c.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
+        });
+        assert!(failures.is_empty(), "{}", failures.join("\n"));
+    }
+
+    /// The kernel checks the launch's threads against its layout.
+    #[test]
+    fn a_launch_of_other_threads_does_not_compile() {
+        let instance = Instance::new("quantize").dtype(DataType::BF16).int(1).int(128).flag(false).flag(false).int(128);
+        let error = compile_check(&QUANTIZE, &[&instance.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
+        assert!(error.message().contains("the launch's threads"), "{}", error.message());
+    }
+}

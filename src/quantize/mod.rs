@@ -1,0 +1,60 @@
+//! Block-scaled FP8 quantization (`oxmoe.fp8.quantize`): `x [batch, rows,
+//! columns]` to float8_e4m3fn values and one float32 scale per block of the
+//! result, DeepSeek-V3's 1 x 128, 128 x 128 and 128 x 1 blocks; with
+//! `transpose`, the quantization of each batch element's transpose, read from
+//! `x` as it is (the weight gradient's K-major operands).
+//!
+//! [`cpu`] is the executable specification, [`cuda`] runs
+//! `kernels/quantize.cu` with the same semantics. Both take a call decoded
+//! by `ops` ([`Quantize`]), which [`handlers`] hands to one or the other.
+
+pub mod cpu;
+pub mod cuda;
+pub mod handlers;
+mod ops;
+
+pub use ops::Quantize;
+
+/// The rows and columns of the result that one scale covers.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Block {
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// The blocks of the FP8 recipe: activations (1 x 128), weights (128 x 128),
+/// and the weight gradient's activations (128 x 1).
+pub const RECIPE_BLOCKS: [Block; 3] =
+    [Block { rows: 1, cols: 128 }, Block { rows: 128, cols: 128 }, Block { rows: 128, cols: 1 }];
+
+/// A quantization's static shape and options.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub struct Quantization {
+    /// `x`'s dimensions: `[batch, rows, cols]`.
+    pub batch: usize,
+    pub rows: usize,
+    pub cols: usize,
+    /// The block, in the result's rows and columns.
+    pub block: Block,
+    /// Each scale rounded up to a power of two.
+    pub power_of_two_scales: bool,
+    /// The result is each batch element's transpose, quantized: `[batch, cols, rows]`.
+    pub transpose: bool,
+}
+
+impl Quantization {
+    /// The result's rows and columns per batch element.
+    pub fn result_matrix(&self) -> (usize, usize) {
+        if self.transpose {
+            (self.cols, self.rows)
+        } else {
+            (self.rows, self.cols)
+        }
+    }
+
+    /// The scales' rows and columns per batch element.
+    pub fn scales_matrix(&self) -> (usize, usize) {
+        let (rows, cols) = self.result_matrix();
+        (rows / self.block.rows, cols / self.block.cols)
+    }
+}

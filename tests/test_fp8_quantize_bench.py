@@ -1,0 +1,35 @@
+"""bench/fp8_quantize.py (issue 18's quantization benchmark), its smoke run on the default
+device: every case (dispatched rows per row and per 128 tokens, transposed for the weight
+gradient, weights as they are and transposed) timed for oxmoe's primitive and for XLA's
+fusions of the plain-JAX semantics, and bit for bit the plain-JAX reference's result.
+"""
+
+import json
+import pathlib
+import runpy
+
+import pytest
+
+BENCH = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "bench" / "fp8_quantize.py"))
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("fp8_quantize") / "fp8_quantize.json"
+    BENCH["main"](["--smoke", "--out", str(out)])
+    return json.loads(out.read_text())
+
+
+def test_smoke_run_times_every_case_and_matches_the_reference(report):
+    assert report["smoke"] is True and report["goal_fraction_of_copy"] == 0.75
+    cases = BENCH["CASES"]
+    assert [r["name"] for r in report["rows"]] == [name for name, *_ in cases]
+    assert any(r["transpose"] for r in report["rows"]) and not all(r["transpose"] for r in report["rows"])
+    for row, (_, shape, block, transpose) in zip(report["rows"], cases):
+        assert row["shape"] == list(BENCH["smoke_shape"](shape)) and row["shape"][-2] == BENCH["SMOKE_ROWS"]
+        assert row["block"] == list(block) and row["transpose"] == transpose
+        assert row["bytes"] == BENCH["moved_bytes"](tuple(row["shape"]), block)
+        assert row["matches_reference"], row["name"]
+        for key in ("oxmoe", "xla"):
+            assert row[key]["median_us"] > 0
+            assert row[key]["gb_per_s"] == pytest.approx(row["bytes"] / row[key]["median_us"] / 1e3)
