@@ -135,7 +135,8 @@ def _quantize_dlhs(dy, w):
 @jax.jit
 def _quantize_drhs(x, dy):
     """x ``[M, K]`` and dy ``[M, N]`` in 128 x 1 blocks, stored transposed."""
-    return fp8.quantize(x.T, fp8.ACTIVATION_BLOCK), fp8.quantize(dy.T, fp8.ACTIVATION_BLOCK)
+    return (fp8.quantize(x, fp8.ACTIVATION_BLOCK, transpose=True),
+            fp8.quantize(dy, fp8.ACTIVATION_BLOCK, transpose=True))
 
 
 @dataclasses.dataclass(frozen=True)

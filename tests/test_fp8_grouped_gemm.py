@@ -118,7 +118,7 @@ def draw_transposed(rng, shape, *, spread: int = 4):
     """Rows ``[M, C]`` as :func:`draw` draws them, quantized in 128 x 1 blocks as the weight
     gradient takes them: ``[C, M]`` in (1, 128) blocks."""
     x = rng.standard_normal(shape) * 2.0 ** rng.integers(-spread, spread + 1, shape[:-1] + (1,))
-    return fp8.quantize(jnp.asarray(x, F32).T, fp8.ACTIVATION_BLOCK)
+    return fp8.quantize(jnp.asarray(x, F32), fp8.ACTIVATION_BLOCK, transpose=True)
 
 
 def draw_sizes(rng, rows: int, groups: int) -> np.ndarray:

@@ -363,7 +363,7 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     if config.fp8 is not None:
         # Rows that travelled quantized per row are quantized again per 128 rows (DeepSeek-V3's way).
         def quantize(rows):
-            return fp8.quantize(jnp.swapaxes(_dequantized(rows, config), -1, -2), fp8.ACTIVATION_BLOCK,
+            return fp8.quantize(_dequantized(rows, config), fp8.ACTIVATION_BLOCK, transpose=True,
                                 power_of_two_scales=config.fp8.power_of_two_scales)
         down_operands, up_operands = (tuple([quantize(r) for r in chunks] for chunks in operands)
                                       for operands in (down_operands, up_operands))
