@@ -139,6 +139,11 @@ quantize(const T* __restrict__ x, int batch, int rows, int cols, unsigned char* 
   // Each element's reciprocal scale: per row, per column or per tile.
   float row_inverse[ROW_BLOCKS ? ROWS : 1], column_inverse[COLUMN_BLOCKS ? VEC : 1], tile_inverse = 0.f;
   if constexpr (ROW_BLOCKS) {
+    // Every lane of a row ends with its block's maximum; lane `piece` of the row's
+    // LANES takes row `piece`'s scale and reciprocal (a dozen instructions each, which
+    // all LANES computing all ROWS of them made a fifth of the kernel's work) and
+    // hands the reciprocals round.
+    unsigned mine = 0;
 #pragma unroll
     for (int i = 0; i < ROWS; ++i) {
       unsigned amax = 0;
@@ -146,10 +151,13 @@ quantize(const T* __restrict__ x, int batch, int rows, int cols, unsigned char* 
       for (int e = 0; e < VEC; ++e) amax = max(amax, magnitude_bits(element<T>(tile_piece[i], e)));
 #pragma unroll
       for (int d = LANES / 2; d > 0; d /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-      const float scale = block_scale<POWER_OF_TWO>(amax);
-      row_inverse[i] = __frcp_rn(scale);
-      if (piece == 0 && r_first + i < rows) scales[scale_index(r_first + i, c0)] = scale;
+      if (piece == i) mine = amax;
     }
+    static_assert(ROWS <= LANES, "a lane per row of a thread's rows");
+    const float scale = block_scale<POWER_OF_TWO>(mine), inverse_scale = __frcp_rn(scale);
+    if (piece < ROWS && r_first + piece < rows) scales[scale_index(r_first + piece, c0)] = scale;
+#pragma unroll
+    for (int i = 0; i < ROWS; ++i) row_inverse[i] = __shfl_sync(0xffffffffu, inverse_scale, i, LANES);
   } else if constexpr (COLUMN_BLOCKS) {
     __shared__ unsigned warp_column_max[WARPS][TILE];
     __shared__ float column_inverses[TILE];
