@@ -24,7 +24,9 @@ TIMINGS = ("fp8", "bf16", "dense_fp8", "dense_bf16")
 @pytest.fixture(scope="module")
 def report(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("fp8_gemm") / "fp8_gemm.json"
-    BENCH["main"](["--smoke", "--out", str(out)])
+    # No time limit: that is the full GPU run's, and a smoke run on a GPU shared with other
+    # test workers can take longer than it (the last case was skipped at 180 s once).
+    BENCH["main"](["--smoke", "--time-limit-s", "3600", "--out", str(out)])
     return json.loads(out.read_text())
 
 
@@ -33,7 +35,7 @@ def test_smoke_run_times_every_product_of_every_shape_within_the_references_boun
     gemm = [r for r in report["rows"] if r["family"] == "fp8_gemm"]
     assert [(r["model"], r["product"]) for r in gemm] == [(s, p) for s in SHAPES for p in PRODUCTS]
     for r in gemm:
-        assert "failure" not in r and "skipped" not in r, r["name"]
+        assert "failure" not in r and "skipped" not in r, (r["name"], r.get("failure") or r.get("skipped"))
         assert r["flops"] == 2 * r["m"] * r["k"] * r["n"] and r["m"] == 256
         assert r["k"] % 128 == 0 and r["n"] % 128 == 0
         assert sum(map(int, r["group_sizes"].split())) == r["m"]
@@ -56,7 +58,7 @@ def test_smoke_run_times_the_fp8_layer_step_against_the_bf16_one(report):
     assert (deepseek["num_experts"], deepseek["topk"], deepseek["num_groups"]) == (32, 8, 8)
     assert (qwen3["num_experts"], qwen3["topk"]) == (128, 8)
     for r in layers:
-        assert "failure" not in r and "skipped" not in r, r["name"]
+        assert "failure" not in r and "skipped" not in r, (r["name"], r.get("failure") or r.get("skipped"))
         assert r["hidden"] % 128 == 0 and r["ffn"] % 128 == 0
         assert r["fp8"]["median_us"] > 0 and r["bf16"]["median_us"] > 0
         assert r["speedup_over_bf16"] == pytest.approx(r["bf16"]["median_us"] / r["fp8"]["median_us"])
