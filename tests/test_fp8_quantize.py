@@ -334,8 +334,8 @@ RECIPE = r"\(ACTIVATION_BLOCK \(1, 128\), WEIGHT_BLOCK \(128, 128\), TRANSPOSED_
     (jnp.zeros((4, 128)), [1, 128], {}, ValueError, r"block must be one of .* got \[1, 128\]"),
     (jnp.zeros((4, 128)), (True, 128), {}, ValueError, r"block must be one of .* got \(True, 128\)"),
     ([[1.0] * 128], ACT, {}, TypeError, r"x must be a JAX or NumPy array, got list"),
-    (jnp.zeros((1, 128)), ACT, {"power_of_two_scales": 1}, TypeError, r"power_of_two_scales must be a bool, got 1"),
-    (jnp.zeros((128, 128)), ACT, {"transpose": "yes"}, TypeError, r"transpose must be a bool, got 'yes'"),
+    (jnp.zeros((1, 128)), ACT, {"power_of_two_scales": 1}, ValueError, r"power_of_two_scales must be a bool, got 1"),
+    (jnp.zeros((128, 128)), ACT, {"transpose": "yes"}, ValueError, r"transpose must be a bool, got 'yes'"),
 ], ids=["columns", "rows", "transposed_rows", "transposed_columns", "rank", "dtype", "float64", "zero_block",
         "block_of_64_rows", "block_of_one", "list_block", "bool_block", "not_an_array", "power_of_two_not_a_bool",
         "transpose_not_a_bool"])

@@ -145,28 +145,28 @@ _RECIPE_BLOCKS = {ACTIVATION_BLOCK: "ACTIVATION_BLOCK", WEIGHT_BLOCK: "WEIGHT_BL
                   TRANSPOSED_ACTIVATION_BLOCK: "TRANSPOSED_ACTIVATION_BLOCK"}
 
 
-def _check_flag(name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a bool, got {value!r}")
-    return bool(value)
-
-
 def _check_quantize_input(x, block, transpose: bool) -> None:
     ints = isinstance(block, tuple) and all(isinstance(b, int) and not isinstance(b, bool) for b in block)
     if not ints or block not in _RECIPE_BLOCKS:
         names = ", ".join(f"{name} {b}" for b, name in _RECIPE_BLOCKS.items())
         raise ValueError(f"block must be one of the FP8 recipe's blocks ({names}), got {block!r}")
+    _check_float_blocks(x)
+    rows, cols = x.shape[-2:]
+    blocked = (cols, rows) if transpose else (rows, cols)
+    if blocked[0] % block[0] or blocked[1] % block[1]:
+        transposed = f", transposed {blocked}," if transpose else ""
+        raise ValueError(f"x's last two dimensions ({rows}, {cols}){transposed} must be multiples of the block {block}")
+
+
+def _check_float_blocks(x) -> None:
+    """``x`` is a float32, bfloat16 or float16 array of at least two dimensions (the
+    blocks'), for :func:`quantize` and :func:`oxmoe.reference.fp8.quantize`."""
     check_array("x", x)
     if x.ndim < 2:
         raise ValueError(f"x must have at least two dimensions (the block's rows and columns), got shape "
                          f"{tuple(x.shape)}")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
-    rows, cols = x.shape[-2:]
-    blocked = (cols, rows) if transpose else (rows, cols)
-    if blocked[0] % block[0] or blocked[1] % block[1]:
-        transposed = f", transposed {blocked}," if transpose else ""
-        raise ValueError(f"x's last two dimensions ({rows}, {cols}){transposed} must be multiples of the block {block}")
 
 
 def _quantize_results(x, *, block_rows, block_cols, transpose, **_):
@@ -201,8 +201,8 @@ def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scale
         gradient's operands, token-contiguous as Hopper's FP8 ``wgmma`` reads them, are
         ``quantize(rows, ACTIVATION_BLOCK, transpose=True)``.
     """
-    power_of_two_scales = _check_flag("power_of_two_scales", power_of_two_scales)
-    transpose = _check_flag("transpose", transpose)
+    power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
+    transpose = check_bool("transpose", transpose)
     _check_quantize_input(x, block, transpose)
     *lead, rows, cols = x.shape
     batch = math.prod(lead)

@@ -43,8 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxmoe._checks import FLOAT_DTYPES, check_array
-from oxmoe.fp8 import ACTIVATION_BLOCK, E4M3_MAX, TRANSPOSED_ACTIVATION_BLOCK, WEIGHT_BLOCK, BlockQuantized
+from oxmoe._checks import check_array, check_bool
+from oxmoe.fp8 import ACTIVATION_BLOCK, E4M3_MAX, TRANSPOSED_ACTIVATION_BLOCK, WEIGHT_BLOCK, BlockQuantized, _check_float_blocks
 
 __all__ = ["quantize", "ragged_dot", "transposed_ragged_dot"]
 
@@ -60,12 +60,7 @@ def _check_block(x, block) -> None:
     if (not isinstance(block, tuple) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
         raise ValueError(f"block must be a pair of positive ints (rows, columns), got {block!r}")
-    check_array("x", x)
-    if x.ndim < 2:
-        raise ValueError(f"x must have at least two dimensions (the block's rows and columns), got shape "
-                         f"{tuple(x.shape)}")
-    if x.dtype not in FLOAT_DTYPES:
-        raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
+    _check_float_blocks(x)
     rows, cols = x.shape[-2:]
     if rows % block[0] or cols % block[1]:
         raise ValueError(f"x's last two dimensions ({rows}, {cols}) must be multiples of the block {block}")
@@ -137,9 +132,8 @@ def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scale
       power_of_two_scales: round each scale up to a power of two.
       transpose: quantize ``swapaxes(x, -1, -2)``.
     """
-    if not isinstance(power_of_two_scales, bool) or not isinstance(transpose, bool):
-        raise TypeError(f"power_of_two_scales and transpose must be bools, got {power_of_two_scales!r} and "
-                        f"{transpose!r}")
+    power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
+    transpose = check_bool("transpose", transpose)
     check_array("x", x)
     x = jax.lax.stop_gradient(jnp.asarray(x))
     if transpose and x.ndim >= 2:
