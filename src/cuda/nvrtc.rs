@@ -155,6 +155,23 @@ pub fn compile_check(source: &Source, instances: &[&str], arch: &Architecture) -
     compile_program(source, instances, arch).map(|_| ())
 }
 
+/// [`compile_check`] of each `(architecture, instances)` pair, a thread each:
+/// the messages of the programs that failed (none: every one compiled).
+pub fn compile_failures(source: &Source, checks: &[(&str, &[String])]) -> Vec<String> {
+    std::thread::scope(|scope| {
+        let runs: Vec<_> = checks
+            .iter()
+            .map(|&(arch, instances)| {
+                scope.spawn(move || {
+                    let instances: Vec<&str> = instances.iter().map(String::as_str).collect();
+                    compile_check(source, &instances, &Architecture(arch.into()))
+                })
+            })
+            .collect();
+        runs.into_iter().filter_map(|run| run.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
+    })
+}
+
 /// Where compiled kernels are kept between processes: `$OXMOE_CACHE_DIR`,
 /// else `$XDG_CACHE_HOME/oxmoe/kernels`, else `~/.cache/oxmoe/kernels`.
 fn cache_dir() -> Option<PathBuf> {

@@ -407,7 +407,7 @@ pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::{compile_check, Architecture};
+    use crate::cuda::{compile_check, compile_failures, Architecture};
 
     fn types() -> [(DataType, DataType); 5] {
         let (bf16, f16, f32) = (DataType::BF16, DataType::F16, DataType::F32);
@@ -454,18 +454,7 @@ mod tests {
     fn grouped_gemm_kernels_compile_for_ampere_hopper_and_blackwell() {
         let (simt, mut all) = (simt_instances(), simt_instances());
         all.extend(hopper_instances());
-        let failures: Vec<String> = std::thread::scope(|scope| {
-            let checks: Vec<_> = [("sm_80", &simt), ("sm_90a", &all), ("sm_100", &simt)]
-                .map(|(arch, instances)| {
-                    scope.spawn(move || {
-                        let instances: Vec<&str> = instances.iter().map(String::as_str).collect();
-                        compile_check(&GROUPED_GEMM, &instances, &Architecture(arch.into()))
-                    })
-                })
-                .into_iter()
-                .collect();
-            checks.into_iter().filter_map(|c| c.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
-        });
+        let failures = compile_failures(&GROUPED_GEMM, &[("sm_80", &simt), ("sm_90a", &all), ("sm_100", &simt)]);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 

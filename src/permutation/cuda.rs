@@ -206,7 +206,7 @@ pub fn sort_chunks(ctx: &LaunchContext, a: &SortChunks) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::{compile_check, Architecture};
+    use crate::cuda::compile_failures;
 
     /// The instances of the real-model shapes (Mixtral, Qwen3-MoE,
     /// DeepSeek-V3), of rows that take the narrow-vector paths, and of the
@@ -235,15 +235,8 @@ mod tests {
     /// kernel that does not compile for any supported architecture fails here.
     #[test]
     fn permutation_kernels_compile_for_ampere_hopper_and_blackwell() {
-        let instances = instances();
-        let instances: Vec<&str> = instances.iter().map(String::as_str).collect();
-        let failures: Vec<String> = std::thread::scope(|scope| {
-            let checks: Vec<_> = ["sm_80", "sm_90a", "sm_100"]
-                .map(|arch| scope.spawn(|| compile_check(&PERMUTATION, &instances, &Architecture(arch.into()))))
-                .into_iter()
-                .collect();
-            checks.into_iter().filter_map(|c| c.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
-        });
+        let all = instances();
+        let failures = compile_failures(&PERMUTATION, &[("sm_80", &all), ("sm_90a", &all), ("sm_100", &all)]);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 }

@@ -36,7 +36,7 @@ pub fn quantize(ctx: &LaunchContext, op: &Quantize) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::cuda::{compile_check, Architecture};
+    use crate::cuda::{compile_check, compile_failures, Architecture};
     use crate::quantize::RECIPE_BLOCKS;
 
     fn instances() -> Vec<String> {
@@ -58,20 +58,8 @@ mod tests {
     /// Blackwell (the conversion instruction).
     #[test]
     fn quantize_kernels_compile_for_ampere_hopper_and_blackwell() {
-        let instances = instances();
-        let failures: Vec<String> = std::thread::scope(|scope| {
-            let checks: Vec<_> = ["sm_80", "sm_90a", "sm_100"]
-                .map(|arch| {
-                    let instances = &instances;
-                    scope.spawn(move || {
-                        let instances: Vec<&str> = instances.iter().map(String::as_str).collect();
-                        compile_check(&QUANTIZE, &instances, &Architecture(arch.into()))
-                    })
-                })
-                .into_iter()
-                .collect();
-            checks.into_iter().filter_map(|c| c.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
-        });
+        let all = instances();
+        let failures = compile_failures(&QUANTIZE, &[("sm_80", &all), ("sm_90a", &all), ("sm_100", &all)]);
         assert!(failures.is_empty(), "{}", failures.join("\n"));
     }
 
