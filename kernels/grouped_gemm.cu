@@ -600,6 +600,16 @@ __device__ __forceinline__ Shared<Config> start_ragged_dot(unsigned char* raw, c
   return s;
 }
 
+// The start of a transposed product's Hopper kernel: its shared memory carved
+// and its barriers set up, every thread waiting for them.
+template <typename Config>
+__device__ __forceinline__ Shared<Config> start_transposed(unsigned char* raw) {
+  const Shared<Config> s = Shared<Config>::carve(raw);
+  if (threadIdx.x == 0) s.init_barriers();
+  __syncthreads();
+  return s;
+}
+
 // Producer warpgroup: 40 registers; consumers: 232 (of 64K for 384 threads).
 __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;"); }
 __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;"); }
@@ -714,9 +724,7 @@ __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
   using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
-  const Shared<Config> s = Shared<Config>::carve(raw);
-  if (threadIdx.x == 0) s.init_barriers();
-  __syncthreads();
+  const Shared<Config> s = start_transposed<Config>(raw);
   const TransposedTiles<BN> walk(rows.local_groups, k, n);
   Ring ring;
 
@@ -947,9 +955,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
                 "the stages' scales start 16-byte aligned");
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
-  const Shared<Config> s = Shared<Config>::carve(raw);
-  if (threadIdx.x == 0) s.init_barriers();
-  __syncthreads();
+  const Shared<Config> s = start_transposed<Config>(raw);
   const TransposedTiles<BN> walk(rows.local_groups, k, n);
   Ring ring;
 
