@@ -102,7 +102,9 @@ ACTIVATION_BLOCK = (1, 128)
 WEIGHT_BLOCK = (128, 128)
 """One scale per 128 x 128 block."""
 TRANSPOSED_ACTIVATION_BLOCK = (128, 1)
-"""One scale per 128 rows (tokens) per column: the weight gradient's operand."""
+"""One scale per 128 rows (tokens) per column: the weight gradient's blocks, which its
+product takes stored transposed (``quantize(x, ACTIVATION_BLOCK, transpose=True)``: the
+same blocks, each column's tokens contiguous)."""
 
 
 @pytree_dataclass(("values", "scales"), ("block",))
@@ -128,7 +130,8 @@ class BlockScaling:
     and TransformerEngine's ``Float8BlockScaling``: the experts' three GEMMs of the
     forward and four of the backward on ``float8_e4m3fn`` operands, activations quantized
     in :data:`ACTIVATION_BLOCK` blocks, weights in :data:`WEIGHT_BLOCK` blocks, the weight
-    gradients' operands in :data:`TRANSPOSED_ACTIVATION_BLOCK` blocks, every scale float32;
+    gradients' operands in :data:`TRANSPOSED_ACTIVATION_BLOCK` blocks (stored transposed),
+    every scale float32;
     the master weights, the router, the activation, the combine and the shared experts
     keep their own dtypes. The weights are quantized from their master copy in every step.
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe._checks import check_array, check_bool
-from oxmoe.fp8 import ACTIVATION_BLOCK, E4M3_MAX, TRANSPOSED_ACTIVATION_BLOCK, WEIGHT_BLOCK, BlockQuantized, _check_float_blocks
+from oxmoe.fp8 import ACTIVATION_BLOCK, E4M3_MAX, WEIGHT_BLOCK, BlockQuantized, _check_float_blocks
 
 __all__ = ["quantize", "ragged_dot", "transposed_ragged_dot"]
 
