@@ -107,18 +107,17 @@ def expected_transposed(lhs_chunks, rhs_chunks, sizes, *, num_groups=None, group
     return Expected(value, scale, np.maximum(acc_len, 1), acc_len == 0)
 
 
-def draw(rng, shape, block, *, spread: int = 4):
-    """Normal values whose magnitude varies by 2**-spread .. 2**spread over the blocks,
-    quantized in ``block`` blocks."""
+def draw(rng, shape, block, *, spread: int = 4, transpose: bool = False):
+    """Normal values whose magnitude varies by 2**-spread .. 2**spread over the rows,
+    quantized in ``block`` blocks (with ``transpose``, the rows' transpose: the weight
+    gradient's operands are rows ``[M, C]`` as ``[C, M]`` in (1, 128) blocks)."""
     x = rng.standard_normal(shape) * 2.0 ** rng.integers(-spread, spread + 1, shape[:-1] + (1,))
-    return fp8.quantize(jnp.asarray(x, F32), block)
+    return fp8.quantize(jnp.asarray(x, F32), block, transpose=transpose)
 
 
-def draw_transposed(rng, shape, *, spread: int = 4):
-    """Rows ``[M, C]`` as :func:`draw` draws them, quantized in 128 x 1 blocks as the weight
-    gradient takes them: ``[C, M]`` in (1, 128) blocks."""
-    x = rng.standard_normal(shape) * 2.0 ** rng.integers(-spread, spread + 1, shape[:-1] + (1,))
-    return fp8.quantize(jnp.asarray(x, F32), fp8.ACTIVATION_BLOCK, transpose=True)
+def draw_transposed(rng, shape):
+    """Rows ``[M, C]`` quantized as the weight gradient takes them."""
+    return draw(rng, shape, fp8.ACTIVATION_BLOCK, transpose=True)
 
 
 def draw_sizes(rng, rows: int, groups: int) -> np.ndarray:
