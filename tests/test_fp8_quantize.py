@@ -4,7 +4,9 @@ and rounds to the nearest (ties to the even pattern), and against the plain-JAX 
 semantics (oxmoe.reference.fp8.quantize), bit for bit: on the activation, weight and
 transposed-activation blocks at real models' widths, transposed or not, from float32, bfloat16
 and float16, on fresh random data; its special cases (zero, NaN, infinite, subnormal and tiny
-blocks, power-of-two scales); vmap, jit and sharding; and its errors.
+blocks, power-of-two scales); vmap, jit and sharding; and its errors. The same for
+oxmoe.fp8.quantize_with_transpose, both quantizations from one read of x: each bit for bit the
+reference's and the separate quantize call's.
 """
 
 from __future__ import annotations
@@ -179,6 +181,61 @@ def test_the_transposed_quantization_is_that_of_the_transpose(block, rng, seed):
         assert_same(as_float64(transposed), (np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)), "(128, 1)")
 
 
+# (x's shape, dtype, block) of tensors the layer quantizes both ways: the up projection's
+# gradient rows [R, 2F] and the dispatched rows [R, H] in 1 x 128 blocks, the experts' weights
+# [E, K, N] in 128 x 128 blocks, and rows per 128 tokens per channel.
+BOTH_CASES = {
+    "grad_up_rows_qwen3_bf16": ((256, 2 * F_QWEN3), jnp.bfloat16, ACT),
+    "grad_up_rows_deepseek_v3_bf16": ((128, 2 * F_DEEPSEEK), jnp.bfloat16, ACT),
+    "dispatched_rows_qwen3_f32": ((384, H_QWEN3), jnp.float32, ACT),
+    "dispatched_rows_deepseek_v3_f16": ((128, H_DEEPSEEK), jnp.float16, ACT),
+    "rows_batched_f16": ((3, 128, 256), jnp.float16, ACT),
+    "weights_qwen3_up_bf16": ((2, H_QWEN3, 2 * F_QWEN3), jnp.bfloat16, WEIGHT),
+    "weights_qwen3_down_f32": ((2, F_QWEN3, H_QWEN3), jnp.float32, WEIGHT),
+    "weights_deepseek_v3_down_bf16": ((1, F_DEEPSEEK, H_DEEPSEEK), jnp.bfloat16, WEIGHT),
+    "transposed_activations_qwen3_bf16": ((256, H_QWEN3), jnp.bfloat16, TACT),
+}
+
+_quantize_with_transpose = jax.jit(fp8.quantize_with_transpose, static_argnums=1,
+                                   static_argnames="power_of_two_scales")
+
+
+def assert_both_match(x, block, context, power_of_two=False):
+    """quantize_with_transpose's two results: each the NumPy reference's, and bit for bit
+    quantize's of x and of x transposed."""
+    q, qt = _quantize_with_transpose(x, block, power_of_two_scales=power_of_two)
+    x64 = np.asarray(x.astype(jnp.float32))
+    for got, transpose in ((q, False), (qt, True)):
+        where = f"{context}, {'transposed' if transpose else 'as is'}"
+        shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transpose else x.shape
+        assert got.block == block and got.shape == shape and got.values.dtype == jnp.float8_e4m3fn, where
+        assert_same(as_float64(got), reference(x64, block, power_of_two, transpose), where)
+        alone = _quantize(x, block, power_of_two_scales=power_of_two, transpose=transpose)
+        np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(alone.values).view(np.uint8),
+                                      err_msg=f"{where}: the values' bits against quantize's")
+        np.testing.assert_array_equal(np.asarray(got.scales).view(np.uint32),
+                                      np.asarray(alone.scales).view(np.uint32),
+                                      err_msg=f"{where}: the scales' bits against quantize's")
+
+
+@pytest.mark.parametrize("case", BOTH_CASES)
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["float32_scales", "power_of_two_scales"])
+def test_quantize_with_transpose_is_both_quantizations(case, power_of_two, rng, seed):
+    shape, dtype, block = BOTH_CASES[case]
+    assert_both_match(draw(rng, shape, dtype), block, f"{case}, power_of_two={power_of_two}, seed={seed}",
+                      power_of_two)
+
+
+def test_quantize_with_transpose_equals_the_plain_jax_reference(rng, seed):
+    for block in (ACT, WEIGHT, TACT):
+        x = draw(rng, (2, 256, 384), jnp.bfloat16)
+        got = _quantize_with_transpose(x, block, power_of_two_scales=True)
+        want = fp8_reference.quantize_with_transpose(x, block, power_of_two_scales=True)
+        for g, w, what in zip(got, want, ("as is", "transposed")):
+            assert g.block == w.block
+            assert_same(as_float64(g), as_float64(w), f"{block}, {what}, seed={seed}")
+
+
 def special_blocks(dtype) -> np.ndarray:
     """[256, 384] in 128 x 128 tiles, each a kind of block (whatever the block shape, every
     block of a tile is of the tile's kind, except the first row or column of a tile where
@@ -211,6 +268,14 @@ def test_special_blocks_match_the_reference(block, transpose, dtype):
         assert_same(as_float64(q), as_float64(want), f"{context}: the plain-JAX reference")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block", [ACT, WEIGHT, TACT], ids=["activation", "weight", "transposed_activation"])
+def test_special_blocks_quantized_both_ways_match_the_reference(block, dtype):
+    x = jnp.asarray(special_blocks(dtype), dtype)
+    for power_of_two in (False, True):
+        assert_both_match(x, block, f"{block}, {jnp.dtype(dtype).name}, power_of_two={power_of_two}", power_of_two)
+
+
 def test_tiny_blocks_and_subnormals():
     # Float32 subnormals count as zeros (of their sign) beside normal values: without that,
     # -2^-127 in a block of largest magnitude 2^-110 would be -2^-17 * 448 ~ -0.0034 in FP8.
@@ -238,6 +303,17 @@ def test_vmap_quantizes_each_element(block, transpose, rng, seed):
         assert_same(as_float64(mapped), as_float64(whole), f"{block}, transpose={transpose}, seed={seed}")
 
 
+@pytest.mark.parametrize("block", [ACT, WEIGHT, TACT], ids=["activation", "weight", "transposed_activation"])
+def test_vmap_quantizes_each_element_both_ways(block, rng, seed):
+    x = draw(rng, (3, 2, 128, 256), jnp.bfloat16)
+    quantize = lambda x: fp8.quantize_with_transpose(x, block)  # noqa: E731
+    whole = quantize(x)
+    for mapped in (jax.vmap(quantize)(x), jax.jit(jax.vmap(jax.vmap(quantize)))(x),
+                   jax.vmap(quantize, in_axes=1, out_axes=1)(x)):
+        for got, want in zip(mapped, whole):
+            assert_same(as_float64(got), as_float64(want), f"{block}, seed={seed}")
+
+
 def test_sharded_inputs_give_the_unsharded_result(rng, seed):
     mesh = jax.make_mesh((4,), ("data",), devices=devices.mesh_devices(4))
     tokens = draw(rng, (512, H_QWEN3), jnp.bfloat16)
@@ -252,6 +328,11 @@ def test_sharded_inputs_give_the_unsharded_result(rng, seed):
         assert_same(as_float64(q), as_float64(want), f"{spec}, {block}, transpose={transpose}, seed={seed}")
         if not transpose and block == ACT:  # rows quantized where they are
             assert q.values.sharding.spec[0] == "data" and q.scales.sharding.spec[0] == "data"
+    # Both ways: the experts' weights split over the mesh, quantized where they are.
+    both = _quantize_with_transpose(on_mesh(weights, P("data", None, None)), WEIGHT)
+    for got, want in zip(both, _quantize_with_transpose(jax.device_put(weights, whole_device), WEIGHT)):
+        assert_same(as_float64(got), as_float64(want), f"both ways, seed={seed}")
+        assert got.values.sharding.spec[0] == "data" and got.scales.sharding.spec[0] == "data"
 
 
 def test_halfway_values_round_to_the_even_pattern():
@@ -342,6 +423,27 @@ RECIPE = r"\(ACTIVATION_BLOCK \(1, 128\), WEIGHT_BLOCK \(128, 128\), TRANSPOSED_
 def test_bad_input_is_named(x, block, kwargs, error, message):
     with pytest.raises(error, match=message):
         fp8.quantize(x, block, **kwargs)
+
+
+@pytest.mark.parametrize("x, block, kwargs, error, message", [
+    (jnp.zeros((100, 256)), ACT, {}, ValueError,
+     r"x's last two dimensions \(100, 256\), transposed \(256, 100\), must be multiples of the block \(1, 128\)"),
+    (jnp.zeros((256, 100)), ACT, {}, ValueError, r"x's last two dimensions \(256, 100\) must be multiples of the "
+                                                 r"block \(1, 128\)"),
+    (jnp.zeros((128, 100)), TACT, {}, ValueError,
+     r"\(128, 100\), transposed \(100, 128\), must be multiples of the block \(128, 1\)"),
+    (jnp.zeros((2, 128, 192)), WEIGHT, {}, ValueError, r"\(128, 192\) must be multiples of the block \(128, 128\)"),
+    (jnp.zeros((128,)), ACT, {}, ValueError, r"x must have at least two dimensions .* got shape \(128,\)"),
+    (jnp.zeros((128, 128), jnp.int8), ACT, {}, TypeError, r"x must be float32, bfloat16 or float16, got int8"),
+    (jnp.zeros((128, 128)), (1, 1), {}, ValueError, r"block must be one of .* got \(1, 1\)"),
+    (jnp.zeros((128, 128)), ACT, {"power_of_two_scales": "no"}, ValueError,
+     r"power_of_two_scales must be a bool, got 'no'"),
+    (jnp.zeros((128, 128)), ACT, {"transpose": True}, TypeError, r"unexpected keyword argument 'transpose'"),
+], ids=["rows", "columns", "transposed_columns", "weight_columns", "rank", "dtype", "block", "power_of_two_not_a_bool",
+        "transpose"])
+def test_bad_input_to_quantize_with_transpose_is_named(x, block, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        fp8.quantize_with_transpose(x, block, **kwargs)
 
 
 def test_dequantize_takes_only_a_quantized_tensor():

@@ -1,7 +1,8 @@
 //! XLA FFI handlers of the quantization. Each decodes its call into
-//! [`Quantize`]; the CPU handler then runs `cpu` on its slices, the CUDA
-//! handler (`oxmoe_fp8_quantize_cuda`, registered for the CUDA platform under
-//! the same target name) hands it to `cuda` with the call's [`LaunchContext`].
+//! [`Quantize`]; the CPU handler then runs `cpu` on its slices, once per
+//! quantization the call writes, the CUDA handler (`oxmoe_fp8_quantize_cuda`,
+//! registered for the CUDA platform under the same target name) hands it to
+//! `cuda` with the call's [`LaunchContext`].
 
 use super::{cpu, cuda, Quantize};
 use crate::cuda::LaunchContext;
@@ -13,8 +14,10 @@ export_handler!(oxmoe_fp8_quantize, Quantize, |_, op| quantize_cpu(op));
 export_handler!(oxmoe_fp8_quantize_cuda, Quantize, |call, op| cuda::quantize(&LaunchContext::begin(call)?, &op));
 
 fn quantize_cpu(op: Quantize) -> Result<()> {
-    with_real_type!(op.x.dtype(), T => {
-        cpu::quantize::<T>(&op.shape, op.x.slice()?, op.values.slice_mut()?, op.scales.slice_mut()?);
-    });
+    for out in op.as_is.into_iter().chain(op.transposed) {
+        with_real_type!(op.x.dtype(), T => {
+            cpu::quantize::<T>(&out.shape, op.x.slice()?, out.values.slice_mut()?, out.scales.slice_mut()?);
+        });
+    }
     Ok(())
 }

@@ -1,19 +1,29 @@
 //! The quantization's call, decoded (and checked) once into the typed struct
 //! that the CPU and CUDA backends both take.
 
-use super::{Block, Quantization, RECIPE_BLOCKS};
+use super::{Block, Orientation, Quantization, RECIPE_BLOCKS};
 use crate::ffi::{Arg, Call, DataType, Result, Ret};
 use crate::invalid;
 use crate::real::FLOAT_TYPES;
 
 /// `oxmoe_fp8_quantize`: x [B, R, C] float32, bfloat16 or float16
 /// (attributes `block_rows`, `block_cols`, `power_of_two_scales`,
-/// `transpose`) -> values float8_e4m3fn [B, R, C] and scales float32
-/// [B, R / block_rows, C / block_cols]; with `transpose`, values [B, C, R]
-/// and scales [B, C / block_rows, R / block_cols].
+/// `orientation`) -> with `orientation` `"as_is"`, values float8_e4m3fn
+/// [B, R, C] and scales float32 [B, R / block_rows, C / block_cols]; with
+/// `"transposed"`, those of each batch element's transpose, values [B, C, R]
+/// and scales [B, C / block_rows, R / block_cols]; with `"both"`, the two
+/// pairs in that order, from one read of x.
 pub struct Quantize<'a> {
-    pub shape: Quantization,
     pub x: Arg<'a>,
+    /// x's quantization as it is, if the call writes it.
+    pub as_is: Option<Output<'a>>,
+    /// The quantization of x's transpose, if the call writes it.
+    pub transposed: Option<Output<'a>>,
+}
+
+/// One quantization of a call and the results it writes.
+pub struct Output<'a> {
+    pub shape: Quantization,
     pub values: Ret<'a>,
     pub scales: Ret<'a>,
 }
@@ -32,22 +42,32 @@ impl<'a> Quantize<'a> {
             invalid!("the block is ({}, {}) (attributes `block_rows`, `block_cols`), expected one of the FP8 recipe's: (1, 128), (128, 128) or (128, 1)",
                      block.rows, block.cols)
         }
-        let shape = Quantization {
-            batch,
-            rows,
-            cols,
-            block,
-            power_of_two_scales: call.attr("power_of_two_scales")?,
-            transpose: call.attr("transpose")?,
+        let power_of_two_scales = call.attr("power_of_two_scales")?;
+        let orientation = Orientation::parse(call.attr("orientation")?)?;
+        let shape = |transpose| Quantization { batch, rows, cols, block, power_of_two_scales, transpose };
+        // Results 0 and 1 are the first quantization the call writes, 2 and 3 the second.
+        let as_is = if orientation.as_is() { Some(Output::decode(call, shape(false), 0, ["values", "scales"])?) } else { None };
+        let transposed = if orientation.transposed() {
+            let (first, names) = if as_is.is_some() { (2, ["transposed_values", "transposed_scales"]) } else { (0, ["values", "scales"]) };
+            Some(Output::decode(call, shape(true), first, names)?)
+        } else {
+            None
         };
+        Ok(Self { x, as_is, transposed })
+    }
+}
+
+impl<'a> Output<'a> {
+    /// The quantization `shape`, whose values and scales are results `first` and `first + 1`.
+    fn decode(call: &Call<'a>, shape: Quantization, first: usize, names: [&'static str; 2]) -> Result<Self> {
         check_tiled(&shape)?;
-        let values = call.ret(0, "values")?;
+        let values = call.ret(first, names[0])?;
         let (result_rows, result_cols) = shape.result_matrix();
-        values.expect(&[DataType::F8E4M3FN], &[batch, result_rows, result_cols])?;
-        let scales = call.ret(1, "scales")?;
+        values.expect(&[DataType::F8E4M3FN], &[shape.batch, result_rows, result_cols])?;
+        let scales = call.ret(first + 1, names[1])?;
         let (scale_rows, scale_cols) = shape.scales_matrix();
-        scales.expect(&[DataType::F32], &[batch, scale_rows, scale_cols])?;
-        Ok(Self { shape, x, values, scales })
+        scales.expect(&[DataType::F32], &[shape.batch, scale_rows, scale_cols])?;
+        Ok(Self { shape, values, scales })
     }
 }
 

@@ -1,6 +1,7 @@
-"""Block-scaled FP8 in plain JAX: the semantics of :func:`oxmoe.fp8.quantize` and of the
-grouped products :func:`oxmoe.fp8.ragged_dot` and :func:`oxmoe.fp8.transposed_ragged_dot`
-(DeepSeek-V3's recipe), written without oxmoe's kernels.
+"""Block-scaled FP8 in plain JAX: the semantics of :func:`oxmoe.fp8.quantize` (and
+:func:`oxmoe.fp8.quantize_with_transpose`) and of the grouped products
+:func:`oxmoe.fp8.ragged_dot` and :func:`oxmoe.fp8.transposed_ragged_dot` (DeepSeek-V3's
+recipe), written without oxmoe's kernels.
 
 :func:`quantize` states :mod:`oxmoe.fp8`'s quantization semantics step by step in float32
 (for any block shape, not only the recipe's three): float32 subnormals flushed to zeros of
@@ -46,7 +47,7 @@ import numpy as np
 from oxmoe._checks import check_array, check_bool
 from oxmoe.fp8 import ACTIVATION_BLOCK, E4M3_MAX, WEIGHT_BLOCK, BlockQuantized, _check_float_blocks
 
-__all__ = ["quantize", "ragged_dot", "transposed_ragged_dot"]
+__all__ = ["quantize", "quantize_with_transpose", "ragged_dot", "transposed_ragged_dot"]
 
 _BLOCK = 128
 _E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -153,6 +154,15 @@ def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scale
     inverse = _reciprocal(scales)
     scaled = jnp.clip(blocks * inverse[..., :, None, :, None], -E4M3_MAX, E4M3_MAX)
     return BlockQuantized(scaled.astype(_E4M3).reshape(x.shape), scales, block)
+
+
+def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *,
+                            power_of_two_scales: bool = False) -> tuple[BlockQuantized, BlockQuantized]:
+    """``(quantize(x, block), quantize(x, block, transpose=True))``: the two results of
+    :func:`oxmoe.fp8.quantize_with_transpose`, by the module's semantics (any block that
+    divides the last two dimensions both ways round)."""
+    return (quantize(x, block, power_of_two_scales=power_of_two_scales),
+            quantize(x, block, power_of_two_scales=power_of_two_scales, transpose=True))
 
 
 def _check(name: str, q, block: tuple[int, int], layout: str) -> None:
