@@ -11,11 +11,15 @@ GEMMs of a layer step:
   operands, as Hopper's FP8 wgmma reads them, from the dispatched rows [T k, H] and from the
   hidden activations [T k, F] (values [H, T k] and [F, T k]);
 - one GPU's expert weights (E_local experts of ``[H, 2F]``) in 128 x 128 blocks, as they are
-  and transposed (the forward's ``[E, 2F, H]``).
+  and transposed (the forward's ``[E, 2F, H]``);
+- both ways from one read (``oxmoe.fp8.quantize_with_transpose``): the experts' up weights
+  (the forward's ``[E, 2F, H]`` and the backward's ``[E, H, 2F]``) and the up projection's
+  gradient rows ``[T k, 2F]`` (per row for d lhs, transposed for the up weight's gradient),
+  also timed as the two ``quantize`` calls they replace.
 
 Bytes are the fewest the op moves: the bf16 input read once, the e4m3 values (1 byte) and
-float32 scales written once. Each case's result is checked bit for bit against the plain-JAX
-reference on the same device.
+float32 scales written once (both ways: twice). Each case's result is checked bit for bit
+against the plain-JAX reference on the same device.
 
     PYTHONPATH=jax_bindings python3 bench/fp8_quantize.py [--smoke] [--out results.json]
 """
@@ -41,22 +45,29 @@ from oxmoe.reference import fp8 as fp8_reference
 GOAL, AIM = 0.75, 0.85
 DTYPE = jnp.bfloat16
 
-#: (name, shape, block, transpose): Qwen3 (T 16384, k 8, H 2048, F 768, 128 experts) and
-#: DeepSeek-V3 on one GPU (T 8192, k 8, H 7168, F 2048, 32 experts).
+#: (name, shape, block, orientation): the results a case writes, x's quantization ("as_is"),
+#: its transpose's ("transposed") or both from one read ("both": quantize_with_transpose), at
+#: Qwen3 (T 16384, k 8, H 2048, F 768, 128 experts) and DeepSeek-V3 on one GPU (T 8192, k 8,
+#: H 7168, F 2048, 32 experts).
 CASES = (
-    ("qwen3 dispatched rows [T k, H]", (16384 * 8, 2048), fp8.ACTIVATION_BLOCK, False),
-    ("qwen3 dispatched rows, weight-gradient blocks", (16384 * 8, 2048), fp8.TRANSPOSED_ACTIVATION_BLOCK, False),
-    ("qwen3 dispatched rows transposed [H, T k]", (16384 * 8, 2048), fp8.ACTIVATION_BLOCK, True),
-    ("qwen3 hidden rows transposed [F, T k]", (16384 * 8, 768), fp8.ACTIVATION_BLOCK, True),
-    ("qwen3 expert up weights [E, H, 2F]", (128, 2048, 2 * 768), fp8.WEIGHT_BLOCK, False),
-    ("qwen3 expert up weights transposed [E, 2F, H]", (128, 2048, 2 * 768), fp8.WEIGHT_BLOCK, True),
-    ("deepseek_v3 dispatched rows [T k, H]", (8192 * 8, 7168), fp8.ACTIVATION_BLOCK, False),
+    ("qwen3 dispatched rows [T k, H]", (16384 * 8, 2048), fp8.ACTIVATION_BLOCK, "as_is"),
+    ("qwen3 dispatched rows, weight-gradient blocks", (16384 * 8, 2048), fp8.TRANSPOSED_ACTIVATION_BLOCK, "as_is"),
+    ("qwen3 dispatched rows transposed [H, T k]", (16384 * 8, 2048), fp8.ACTIVATION_BLOCK, "transposed"),
+    ("qwen3 hidden rows transposed [F, T k]", (16384 * 8, 768), fp8.ACTIVATION_BLOCK, "transposed"),
+    ("qwen3 expert up weights [E, H, 2F]", (128, 2048, 2 * 768), fp8.WEIGHT_BLOCK, "as_is"),
+    ("qwen3 expert up weights transposed [E, 2F, H]", (128, 2048, 2 * 768), fp8.WEIGHT_BLOCK, "transposed"),
+    ("qwen3 expert up weights both ways", (128, 2048, 2 * 768), fp8.WEIGHT_BLOCK, "both"),
+    ("qwen3 up-projection gradient rows [T k, 2F] both ways", (16384 * 8, 2 * 768), fp8.ACTIVATION_BLOCK, "both"),
+    ("deepseek_v3 dispatched rows [T k, H]", (8192 * 8, 7168), fp8.ACTIVATION_BLOCK, "as_is"),
     ("deepseek_v3 dispatched rows, weight-gradient blocks", (8192 * 8, 7168), fp8.TRANSPOSED_ACTIVATION_BLOCK,
-     False),
-    ("deepseek_v3 dispatched rows transposed [H, T k]", (8192 * 8, 7168), fp8.ACTIVATION_BLOCK, True),
-    ("deepseek_v3 hidden rows transposed [F, T k]", (8192 * 8, 2048), fp8.ACTIVATION_BLOCK, True),
-    ("deepseek_v3 expert up weights [E, H, 2F]", (32, 7168, 2 * 2048), fp8.WEIGHT_BLOCK, False),
-    ("deepseek_v3 expert up weights transposed [E, 2F, H]", (32, 7168, 2 * 2048), fp8.WEIGHT_BLOCK, True),
+     "as_is"),
+    ("deepseek_v3 dispatched rows transposed [H, T k]", (8192 * 8, 7168), fp8.ACTIVATION_BLOCK, "transposed"),
+    ("deepseek_v3 hidden rows transposed [F, T k]", (8192 * 8, 2048), fp8.ACTIVATION_BLOCK, "transposed"),
+    ("deepseek_v3 expert up weights [E, H, 2F]", (32, 7168, 2 * 2048), fp8.WEIGHT_BLOCK, "as_is"),
+    ("deepseek_v3 expert up weights transposed [E, 2F, H]", (32, 7168, 2 * 2048), fp8.WEIGHT_BLOCK, "transposed"),
+    ("deepseek_v3 expert up weights both ways", (32, 7168, 2 * 2048), fp8.WEIGHT_BLOCK, "both"),
+    ("deepseek_v3 up-projection gradient rows [T k, 2F] both ways", (8192 * 8, 2 * 2048), fp8.ACTIVATION_BLOCK,
+     "both"),
 )
 #: A smoke run's rows, and its experts.
 SMOKE_ROWS, SMOKE_EXPERTS = 256, 2
@@ -67,28 +78,45 @@ def smoke_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*lead, SMOKE_ROWS, shape[-1])
 
 
-def moved_bytes(shape, block) -> int:
+def moved_bytes(shape, block, orientation="as_is") -> int:
+    """x read once; each result's values (1 byte an element) and scales written once."""
     elements = math.prod(shape)
     blocks = elements // (block[0] * block[1])
-    return elements * (jnp.dtype(DTYPE).itemsize + 1) + 4 * blocks
+    results = 2 if orientation == "both" else 1
+    return elements * jnp.dtype(DTYPE).itemsize + results * (elements + 4 * blocks)
 
 
-def same_bits(q: fp8.BlockQuantized, want: fp8.BlockQuantized) -> bool:
-    """Equal values (NaN where NaN) and scales."""
+def same_bits(q, want) -> bool:
+    """Equal values (NaN where NaN) and scales, of one BlockQuantized or a tuple of them."""
+    if isinstance(q, tuple):
+        return len(q) == len(want) and all(same_bits(a, b) for a, b in zip(q, want))
     values, want_values = (np.asarray(v.astype(jnp.float32)) for v in (q.values, want.values))
     return (values.shape == want_values.shape and np.array_equal(values, want_values, equal_nan=True)
             and np.array_equal(np.asarray(q.scales), np.asarray(want.scales), equal_nan=True))
 
 
-def run_case(name, shape, block, transpose, settings, ceiling) -> dict:
+def quantizations(module, block, orientation):
+    """``x ->`` the case's quantization by ``module`` (oxmoe.fp8 or oxmoe.reference.fp8)."""
+    if orientation == "both":
+        return lambda x: module.quantize_with_transpose(x, block)
+    return lambda x: module.quantize(x, block, transpose=orientation == "transposed")
+
+
+def two_calls(block):
+    """``x ->`` both quantizations as two ``quantize`` calls, each reading ``x``."""
+    return lambda x: (fp8.quantize(x, block), fp8.quantize(x, block, transpose=True))
+
+
+def run_case(name, shape, block, orientation, settings, ceiling) -> dict:
     random = timing.RandomArrays(0, len(name))
-    arg_sets = [(random.normal(shape, DTYPE),) for _ in range(settings.num_sets(moved_bytes(shape, block)))]
-    ours = lambda x: fp8.quantize(x, block, transpose=transpose)  # noqa: E731
-    xla = lambda x: fp8_reference.quantize(x, block, transpose=transpose)  # noqa: E731
+    moved = moved_bytes(shape, block, orientation)
+    arg_sets = [(random.normal(shape, DTYPE),) for _ in range(settings.num_sets(moved))]
+    ours, xla = quantizations(fp8, block, orientation), quantizations(fp8_reference, block, orientation)
     x = arg_sets[0][0]
-    row = dict(name=name, shape=list(shape), block=list(block), transpose=transpose, dtype=jnp.dtype(DTYPE).name,
-               bytes=moved_bytes(shape, block), matches_reference=same_bits(jax.jit(ours)(x), jax.jit(xla)(x)))
-    for key, fn in (("oxmoe", ours), ("xla", xla)):
+    row = dict(name=name, shape=list(shape), block=list(block), orientation=orientation, dtype=jnp.dtype(DTYPE).name,
+               bytes=moved, matches_reference=same_bits(jax.jit(ours)(x), jax.jit(xla)(x)))
+    timed = [("oxmoe", ours), ("xla", xla)] + ([("two_calls", two_calls(block))] if orientation == "both" else [])
+    for key, fn in timed:
         t = timing.measure(timing.rotated(fn), arg_sets, settings)
         rate = row["bytes"] / t.median_s
         row[key] = dict(median_us=t.median_s * 1e6, gb_per_s=rate / 1e9, fraction_of_copy=rate / ceiling.bytes_per_s)
@@ -110,17 +138,20 @@ def main(argv=None) -> None:
                   goal_fraction_of_copy=GOAL, aim_fraction_of_copy=AIM, copy=ceiling.to_json(), rows=[])
     print(f"{report['device']}: copy {ceiling.bytes_per_s / 1e9:.0f} GB/s; oxmoe's kernel against XLA's fusions "
           f"of the plain-JAX semantics (goal {GOAL:.0%} of copy, aim {AIM:.0%})")
-    print(f"{'case':54s} {'shape':22s} {'block':10s} {'oxmoe us':>9s} {'GB/s':>6s} {'copy':>5s}   "
-          f"{'XLA us':>9s} {'copy':>5s}  bits")
-    for name, shape, block, transpose in CASES:
+    print("both ways: one quantize_with_transpose, its bytes read once and written twice; '2 calls' times the "
+          "two quantize calls it replaces")
+    print(f"{'case':60s} {'shape':22s} {'block':10s} {'oxmoe us':>9s} {'GB/s':>6s} {'copy':>5s}   "
+          f"{'XLA us':>9s} {'copy':>5s}  {'2 calls us':>10s}  bits")
+    for name, shape, block, orientation in CASES:
         if args.only and args.only not in name:
             continue
         shape = smoke_shape(shape) if args.smoke else shape
-        row = run_case(name, shape, block, transpose, settings, ceiling)
+        row = run_case(name, shape, block, orientation, settings, ceiling)
         report["rows"].append(row)
         ours, xla = row["oxmoe"], row["xla"]
-        print(f"{name:54s} {str(shape):22s} {str(block):10s} {ours['median_us']:9.1f} {ours['gb_per_s']:6.0f} "
-              f"{ours['fraction_of_copy']:5.0%}   {xla['median_us']:9.1f} {xla['fraction_of_copy']:5.0%}  "
+        calls = f"{row['two_calls']['median_us']:10.1f}" if "two_calls" in row else " " * 10
+        print(f"{name:60s} {str(shape):22s} {str(block):10s} {ours['median_us']:9.1f} {ours['gb_per_s']:6.0f} "
+              f"{ours['fraction_of_copy']:5.0%}   {xla['median_us']:9.1f} {xla['fraction_of_copy']:5.0%}  {calls}  "
               f"{'same' if row['matches_reference'] else 'DIFFER'}", flush=True)
         if args.out:
             args.out.write_text(json.dumps(report, indent=1))

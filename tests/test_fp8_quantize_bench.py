@@ -1,7 +1,8 @@
 """bench/fp8_quantize.py (issue 18's quantization benchmark), its smoke run on the default
 device: every case (dispatched rows per row and per 128 tokens, transposed for the weight
-gradient, weights as they are and transposed) timed for oxmoe's primitive and for XLA's
-fusions of the plain-JAX semantics, and bit for bit the plain-JAX reference's result.
+gradient, weights as they are and transposed, weights and gradient rows both ways) timed for
+oxmoe's primitive and for XLA's fusions of the plain-JAX semantics (both ways, also as two
+quantize calls), and bit for bit the plain-JAX reference's result.
 """
 
 import json
@@ -24,12 +25,14 @@ def test_smoke_run_times_every_case_and_matches_the_reference(report):
     assert report["smoke"] is True and report["goal_fraction_of_copy"] == 0.75
     cases = BENCH["CASES"]
     assert [r["name"] for r in report["rows"]] == [name for name, *_ in cases]
-    assert any(r["transpose"] for r in report["rows"]) and not all(r["transpose"] for r in report["rows"])
-    for row, (_, shape, block, transpose) in zip(report["rows"], cases):
+    assert {r["orientation"] for r in report["rows"]} == {"as_is", "transposed", "both"}
+    for row, (_, shape, block, orientation) in zip(report["rows"], cases):
         assert row["shape"] == list(BENCH["smoke_shape"](shape)) and row["shape"][-2] == BENCH["SMOKE_ROWS"]
-        assert row["block"] == list(block) and row["transpose"] == transpose
-        assert row["bytes"] == BENCH["moved_bytes"](tuple(row["shape"]), block)
+        assert row["block"] == list(block) and row["orientation"] == orientation
+        assert row["bytes"] == BENCH["moved_bytes"](tuple(row["shape"]), block, orientation)
         assert row["matches_reference"], row["name"]
-        for key in ("oxmoe", "xla"):
+        timed = ("oxmoe", "xla", "two_calls") if orientation == "both" else ("oxmoe", "xla")
+        assert ("two_calls" in row) == (orientation == "both"), row["name"]
+        for key in timed:
             assert row[key]["median_us"] > 0
             assert row[key]["gb_per_s"] == pytest.approx(row["bytes"] / row[key]["median_us"] / 1e3)
