@@ -322,19 +322,27 @@ def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config
     ``(grad_in, weighted_hidden, grad_up_rows, grad_row_probs)``: the gradient of the
     dispatched rows, the activation's output times each row's weight and the up
     projection's gradient (what the weight gradients, :func:`_expert_weight_grads`,
-    take besides the rows), and each row's weight's gradient, ``<row output,
-    its gradient> = <hidden, its gradient times downᵀ>``: from values the backward
-    computes anyway, so the forward keeps neither the rows nor their outputs (as
-    SonicMoE does). ``weights``: the backward's of :func:`_expert_weights`."""
+    take besides the rows; with ``config.fp8`` the up projection's gradient as that
+    product takes it, quantized transposed in the same pass as the d lhs product's
+    operand), and each row's weight's gradient, ``<row output, its gradient> = <hidden,
+    its gradient times downᵀ>``: from values the backward computes anyway, so the
+    forward keeps neither the rows nor their outputs (as SonicMoE does). ``weights``: the
+    backward's of :func:`_expert_weights`."""
     up_weight, down_weight = weights
     sizes, row_probs = kept.group_sizes, kept.row_probs[:, None]
     hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), kept.up_rows)
     grad_hidden = _expert_product(grad_out_rows, down_weight, sizes, config, rhs_transposed=True).astype(_F32)
     grad_row_probs = jnp.sum(hidden.astype(_F32) * grad_hidden, axis=-1)
     (grad_up_rows,) = activation_vjp((grad_hidden * row_probs).astype(config.dtype))
-    grad_in = _expert_product(grad_up_rows, up_weight, sizes, config, rhs_transposed=True)
+    # The d lhs product's operand and the up weight gradient's: with FP8, quantized per row
+    # and transposed from one read.
+    lhs_rows, weight_grad_rows = grad_up_rows, grad_up_rows
+    if config.fp8 is not None:
+        lhs_rows, weight_grad_rows = fp8.quantize_with_transpose(
+            grad_up_rows, fp8.ACTIVATION_BLOCK, power_of_two_scales=config.fp8.power_of_two_scales)
+    grad_in = _expert_product(lhs_rows, up_weight, sizes, config, rhs_transposed=True)
     weighted_hidden = (hidden.astype(_F32) * row_probs).astype(config.dtype)
-    return grad_in, weighted_hidden, grad_up_rows, grad_row_probs
+    return grad_in, weighted_hidden, weight_grad_rows, grad_row_probs
 
 
 def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: list, grad_out_rows: list,
@@ -343,7 +351,8 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     weight-gradient product per weight, its rows kept in their chunks' buffers
     (with ``config.fp8``, each quantized in 128 x 1 blocks, one scale per 128 rows
     of a column, and transposed: each column's rows contiguous, as the FP8 product
-    takes them). The dispatched rows are permuted again from their tokens."""
+    takes them; ``grad_up_rows`` come so from :func:`_expert_ffn_bwd`). The
+    dispatched rows are permuted again from their tokens."""
     sizes = jnp.stack([chunk.group_sizes for chunk in kept])  # [C, El]
     groups = sizes.shape[1]
     # FP8 tokens are dequantized before they are permuted again: the permutation kernel moves
@@ -358,8 +367,8 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
         def quantize(rows):
             return fp8.quantize(_dequantized(rows, config), fp8.ACTIVATION_BLOCK, transpose=True,
                                 power_of_two_scales=config.fp8.power_of_two_scales)
-        down_operands, up_operands = (tuple([quantize(r) for r in chunks] for chunks in operands)
-                                      for operands in (down_operands, up_operands))
+        down_operands = tuple([quantize(r) for r in chunks] for chunks in down_operands)
+        up_operands = ([quantize(r) for r in rows], grad_up_rows)
         product = fp8.transposed_ragged_dot
     grad_down = product(*down_operands, sizes, num_groups=groups,
                         preferred_element_type=_weight_grad_dtype(params.down, config))
