@@ -1,11 +1,12 @@
-// Block-scaled FP8 quantization (oxmoe.fp8.quantize, quantize_with_transpose): x
-// [batch, rows, cols] (float, bf16 or f16) to float8_e4m3fn values and one float32
-// scale per block of a result, whose blocks are BLOCK_ROWS x BLOCK_COLS (1 x 128,
-// 128 x 128 or 128 x 1). Two results, either or both from one read of x: AS_IS,
-// x's quantization (values [batch, rows, cols]); TRANSPOSED, the quantization of
-// each batch element's transpose (values [batch, cols, rows]), read from x as it is.
-// src/quantize/cpu.rs states the semantics; each step below says which of it
-// it computes.
+// Block-scaled FP8 quantization (oxmoe.fp8.quantize, quantize_with_transpose,
+// requantize): x [batch, rows, cols] (float, bf16 or f16) to float8_e4m3fn values and
+// one float32 scale per block of a result, whose blocks are BLOCK_ROWS x BLOCK_COLS
+// (1 x 128, 128 x 128 or 128 x 1). Two results, either or both from one read of x:
+// AS_IS, x's quantization (values [batch, rows, cols]); TRANSPOSED, the quantization
+// of each batch element's transpose (values [batch, cols, rows]), read from x as it
+// is. With FP8_INPUT, x is FP8 values and their 1 x 128 blocks' scales, dequantized
+// to T as they are read (no copy of x in T). src/quantize/cpu.rs states the
+// semantics; each step below says which of it it computes.
 //
 // Layout, and why. The op moves bytes: 2 (or 4) read and 1 written per
 // element and result, a few integer and float operations each. So everything
@@ -48,6 +49,10 @@
 //   memory unswizzled, 8 lanes on 8 distinct 16-byte slots.
 // - Both results: the tile is read once and held; the as-is values are
 //   stored first, then the transposed ones are reduced, staged and stored.
+// - FP8 input: each thread loads the same elements, VEC bytes a row (a warp
+//   128 contiguous bytes of a row or two), and its rows' scales (one a row:
+//   its piece lies in one 1 x 128 block), and holds them dequantized in T,
+//   the layout above from there on.
 #include "common.cuh"
 
 constexpr int QUANTIZE_TILE = 128;
@@ -74,12 +79,13 @@ __device__ __forceinline__ float block_scale(unsigned amax_bits) {
   return (bits & 0x7fffffu) == 0 ? ratio : __uint_as_float((bits & 0x7f800000u) + 0x800000u);
 }
 
-// x / scale as the CPU computes it: x times the reciprocal, with float32
-// subnormals (of x, and of the product, which rounds to zero in FP8 anyway)
-// flushed to zeros of their sign.
-__device__ __forceinline__ float scaled(float x, float inverse) {
+// a * b in float32 with subnormal operands and results flushed to zeros of
+// their sign: x / scale as the CPU computes it (x times the reciprocal; a
+// subnormal product rounds to zero in FP8 anyway), and an FP8 value times its
+// scale as cpu.rs's dequantized.
+__device__ __forceinline__ float flushed_product(float a, float b) {
   float product;
-  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(product) : "f"(x), "f"(inverse));
+  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(product) : "f"(a), "f"(b));
   return product;
 }
 
@@ -216,8 +222,8 @@ __device__ __forceinline__ Inverses<BLOCKS, T> block_inverses(const uint4 (&tile
 template <typename T, typename Inverse>
 __device__ __forceinline__ unsigned fp8_pair(const uint4 (&tile)[TileLayout<T>::ROWS], const Inverse& inverse, int i,
                                              int e, int i2, int e2) {
-  return floats_to_e4m3x2(scaled(element<T>(tile[i], e), inverse(i, e)),
-                          scaled(element<T>(tile[i2], e2), inverse(i2, e2)));
+  return floats_to_e4m3x2(flushed_product(element<T>(tile[i], e), inverse(i, e)),
+                          flushed_product(element<T>(tile[i2], e2), inverse(i2, e2)));
 }
 
 // The as-is values of the thread's elements: its piece of each of its rows.
@@ -297,10 +303,80 @@ __device__ __forceinline__ void store_staged(const unsigned char* stage, const T
   }
 }
 
-template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO, int THREADS>
+// The thread's ROWS rows of its piece of x, zeros past x's edges.
+template <typename T>
+__device__ __forceinline__ void load_tile(const T* __restrict__ x, const TilePlace& at,
+                                          uint4 (&tile)[TileLayout<T>::ROWS]) {
+  using L = TileLayout<T>;
+  const T* in = x + static_cast<long long>(at.b) * at.rows * at.cols;
+  // 16-byte pieces are aligned and wholly in or out of x when rows are whole pieces.
+  const bool whole_pieces = at.cols % L::VEC == 0;
+#pragma unroll
+  for (int i = 0; i < L::ROWS; ++i) {
+    const int r = at.r_first + i;
+    const T* src = in + static_cast<long long>(r) * at.cols + at.c;
+    if (whole_pieces) {
+      tile[i] = r < at.rows && at.c < at.cols ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+    } else {
+      Pack<T, 16> pack;
+#pragma unroll
+      for (int e = 0; e < L::VEC; ++e) pack.elems[e] = r < at.rows && at.c + e < at.cols ? src[e] : T{};
+      tile[i] = pack.raw;
+    }
+  }
+}
+
+// Two float8_e4m3fn (lo in the low byte) as floats, exactly: one conversion to
+// f16x2 from sm_89 on (every e4m3 value is an f16), common.cuh's decoding before.
+__device__ __forceinline__ float2 e4m3x2_to_floats(unsigned short pair) {
+#if __CUDA_ARCH__ >= 890
+  unsigned halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(pair));
+  return make_float2(to_float(f16{static_cast<unsigned short>(halves & 0xffff)}),
+                     to_float(f16{static_cast<unsigned short>(halves >> 16)}));
+#else
+  return make_float2(e4m3_to_float(pair & 0xff), e4m3_to_float(pair >> 8));
+#endif
+}
+
+// load_tile of x dequantized: x's FP8 values [rows, cols] times their 1 x 128
+// blocks' scales [rows, cols / 128] (one float32 product, subnormal operands and
+// results flushed to zeros of their sign, as cpu.rs's dequantized), rounded to T.
+// Rows are whole 1 x 128 blocks, so whole pieces.
+template <typename T>
+__device__ __forceinline__ void load_dequantized(const unsigned char* __restrict__ x,
+                                                 const float* __restrict__ x_scales, const TilePlace& at,
+                                                 uint4 (&tile)[TileLayout<T>::ROWS]) {
+  using L = TileLayout<T>;
+  const long long first_row = static_cast<long long>(at.b) * at.rows;
+  const int blocks = at.cols / QUANTIZE_TILE;
+#pragma unroll
+  for (int i = 0; i < L::ROWS; ++i) {
+    const int r = at.r_first + i;
+    Pack<T, 16> pack;
+    if (r < at.rows) {
+      Pack<unsigned short, L::VEC> bytes;  // VEC FP8 values, two a pair
+      bytes.raw = *reinterpret_cast<const typename VectorOf<L::VEC>::type*>(x + (first_row + r) * at.cols + at.c);
+      const float scale = x_scales[(first_row + r) * blocks + at.c0 / QUANTIZE_TILE];
+#pragma unroll
+      for (int e = 0; e < L::VEC; e += 2) {
+        const float2 pair = e4m3x2_to_floats(bytes.elems[e / 2]);
+        pack.elems[e] = from_float<T>(flushed_product(pair.x, scale));
+        pack.elems[e + 1] = from_float<T>(flushed_product(pair.y, scale));
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < L::VEC; ++e) pack.elems[e] = T{};
+    }
+    tile[i] = pack.raw;
+  }
+}
+
+template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO, bool FP8_INPUT,
+          int THREADS>
 __global__ void __launch_bounds__(THREADS, 2)
-quantize(const T* __restrict__ x, int batch, int rows, int cols, unsigned char* __restrict__ values,
-         float* __restrict__ scales, unsigned char* __restrict__ transposed_values,
+quantize(const void* __restrict__ x, const float* __restrict__ x_scales, int batch, int rows, int cols,
+         unsigned char* __restrict__ values, float* __restrict__ scales, unsigned char* __restrict__ transposed_values,
          float* __restrict__ transposed_scales) {
   static_assert(THREADS == QUANTIZE_THREADS, "the launch's threads are the layout's (src/quantize/cuda.rs)");
   static_assert(AS_IS || TRANSPOSED, "a result to write");
@@ -318,23 +394,11 @@ quantize(const T* __restrict__ x, int batch, int rows, int cols, unsigned char* 
   at.lane = threadIdx.x % 32, at.warp = threadIdx.x / 32;
   at.piece = threadIdx.x % L::LANES, at.group = threadIdx.x / L::LANES;
   at.r_first = at.r0 + at.group * L::ROWS, at.c = at.c0 + at.piece * L::VEC;
-  const T* in = x + static_cast<long long>(at.b) * rows * cols;
-  // 16-byte pieces are aligned and wholly in or out of x when rows are whole pieces.
-  const bool whole_pieces = cols % L::VEC == 0;
-
   uint4 tile[L::ROWS];
-#pragma unroll
-  for (int i = 0; i < L::ROWS; ++i) {
-    const int r = at.r_first + i;
-    const T* src = in + static_cast<long long>(r) * cols + at.c;
-    if (whole_pieces) {
-      tile[i] = r < rows && at.c < cols ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-    } else {
-      Pack<T, 16> pack;
-#pragma unroll
-      for (int e = 0; e < L::VEC; ++e) pack.elems[e] = r < rows && at.c + e < cols ? src[e] : T{};
-      tile[i] = pack.raw;
-    }
+  if constexpr (FP8_INPUT) {
+    load_dequantized<T>(static_cast<const unsigned char*>(x), x_scales, at, tile);
+  } else {
+    load_tile<T>(static_cast<const T*>(x), at, tile);
   }
 
   // Each result's scale of x's element (r, c)'s block.

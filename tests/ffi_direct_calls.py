@@ -190,6 +190,17 @@ def quantize(x, values_shape=None, scales_dtype=jnp.float32, results=None, **cha
     return _call("oxmoe_fp8_quantize", rets[:results], x, **attrs)
 
 
+def requantize(values, scales, dequantized_dtype="bfloat16", **changes):
+    """oxmoe_fp8_quantize of FP8 values [B, R, C] and their scales, as quantize's call (a
+    `dequantized_dtype` of None: the attribute left out)."""
+    attrs = dict(block_rows=np.int64(1), block_cols=np.int64(128), power_of_two_scales=np.bool_(False),
+                 orientation="as_is", dequantized_dtype=dequantized_dtype)
+    attrs.update(changes)
+    b, r, c = values.shape
+    rets = (_spec((b, r, c), jnp.float8_e4m3fn), _spec((b, r, max(c // 128, 1)), jnp.float32))
+    return _call("oxmoe_fp8_quantize", rets, values, scales, **{k: v for k, v in attrs.items() if v is not None})
+
+
 CASES.update({
     "ragged_dot_fwd_result_aliasing_lhs": (
         lambda: aliased("oxmoe_ragged_dot", _spec(ROWS.shape, jnp.float32), ROWS, np.ones((2, E, E), np.float32),
@@ -265,6 +276,26 @@ CASES.update({
                       np.zeros((1, 128, 256), np.float32), block_rows=np.int64(1), block_cols=np.int64(128),
                       power_of_two_scales=np.bool_(False), orientation="both"),
         "oxmoe_fp8_quantize", [r"transposed_values has shape float8_e4m3fn\[1, 128, 256\], expected \[1, 256, 128\]"]),
+    "fp8_requantize_values_of_100_columns": (
+        lambda: requantize(np.zeros((1, 128, 100), jnp.float8_e4m3fn), np.ones((1, 128, 1), np.float32)),
+        "oxmoe_fp8_quantize", [r"values has 100 columns, expected a multiple of 128"]),
+    "fp8_requantize_scales_per_column": (
+        lambda: requantize(np.zeros((1, 128, 256), jnp.float8_e4m3fn), np.ones((1, 128, 256), np.float32)),
+        "oxmoe_fp8_quantize", [r"scales has shape float32\[1, 128, 256\], expected \[1, 128, 2\]"]),
+    "fp8_requantize_bf16_values": (
+        lambda: requantize(np.zeros((1, 128, 256), jnp.bfloat16), np.ones((1, 128, 2), np.float32)),
+        "oxmoe_fp8_quantize", [r"values has dtype bfloat16", r"float8_e4m3fn"]),
+    "fp8_requantize_to_int32": (
+        lambda: requantize(np.zeros((1, 128, 256), jnp.float8_e4m3fn), np.ones((1, 128, 2), np.float32),
+                           dequantized_dtype="int32"),
+        "oxmoe_fp8_quantize", [r"dequantized_dtype is \"int32\", expected \"float32\", \"bfloat16\" or \"float16\""]),
+    "fp8_requantize_without_its_dtype": (
+        lambda: requantize(np.zeros((1, 128, 256), jnp.float8_e4m3fn), np.ones((1, 128, 2), np.float32),
+                           dequantized_dtype=None),
+        "oxmoe_fp8_quantize", [r"attribute `dequantized_dtype` \(a string\) is missing"]),
+    "fp8_quantize_float_x_with_a_dequantized_dtype": (
+        lambda: quantize(np.zeros((1, 128, 128), np.float32), dequantized_dtype="bfloat16"), "oxmoe_fp8_quantize",
+        [r"unknown attribute `dequantized_dtype`"]),
     "sort_chunks_result_aliasing_tokens": (
         lambda: aliased("oxmoe_sort_chunks", _spec(ROWS.shape, jnp.float32), ROWS, SPLITS, ORDER,
                         inverse=np.bool_(False)),

@@ -324,6 +324,35 @@ def quantize_with_transpose_of_no_batch(rng):
     return _check_quantize_with_transpose((0, 128, 256), (128, 128))
 
 
+def _check_requantize(shape, block, transpose):
+    """oxmoe.fp8.requantize of FP8 zeros of `shape` in 1 x 128 blocks: values and scales, each
+    with a dimension of 0."""
+    import jax.numpy as jnp
+    from oxmoe import fp8
+
+    *lead, rows, cols = shape
+    q = fp8.BlockQuantized(jnp.zeros(shape, jnp.float8_e4m3fn), jnp.ones((*lead, rows, cols // 128)), (1, 128))
+    got = fp8.requantize(q, block, dtype=jnp.bfloat16, transpose=transpose)
+    rows, cols = (cols, rows) if transpose else (rows, cols)
+    return [("values", got.values.astype(jnp.float32), np.zeros((*lead, rows, cols), np.float32)),
+            ("scales", got.scales, np.zeros((*lead, rows // block[0], cols // block[1]), np.float32))]
+
+
+@case
+def requantize_of_no_rows(rng):
+    return _check_requantize((0, 256), (1, 128), True)
+
+
+@case
+def requantize_of_no_columns(rng):
+    return _check_requantize((256, 0), (128, 1), False)
+
+
+@case
+def requantize_of_no_batch(rng):
+    return _check_requantize((0, 128, 256), (128, 128), True)
+
+
 # -- the child process ---------------------------------------------------------------
 
 

@@ -16,7 +16,9 @@ DeepSeek-V3's recipe are the three uses:
 it is: ``quantize(rows, ACTIVATION_BLOCK, transpose=True)`` is the ``(128, 1)`` quantization
 of ``rows`` with its values written token-contiguous (``[channels, tokens]``), as Hopper's FP8
 ``wgmma`` reads the weight gradient's operands. ``quantize_with_transpose(x, block)`` returns
-both quantizations, ``x``'s and its transpose's, from one read of ``x``.
+both quantizations, ``x``'s and its transpose's, from one read of ``x``, and
+``requantize(q, block, dtype=...)`` quantizes ``dequantize(q, dtype)`` again (in other blocks,
+or transposed) from ``q``'s FP8 values and scales.
 
 The result is a :class:`BlockQuantized` pytree: the values (the input's shape, or with
 ``transpose`` its transpose's), the scales and the block shape. ``values * scales`` (each
@@ -93,7 +95,8 @@ from oxmoe._pytree import pytree_dataclass
 from oxmoe.grouped_gemm import _check_groups, _check_num_groups, _chunks_of
 
 __all__ = ["E4M3_MAX", "ACTIVATION_BLOCK", "WEIGHT_BLOCK", "TRANSPOSED_ACTIVATION_BLOCK", "BlockQuantized",
-           "BlockScaling", "quantize", "quantize_with_transpose", "dequantize", "ragged_dot", "transposed_ragged_dot"]
+           "BlockScaling", "quantize", "quantize_with_transpose", "requantize", "dequantize", "ragged_dot",
+           "transposed_ragged_dot"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = 448.0
@@ -149,7 +152,7 @@ _RECIPE_BLOCKS = {ACTIVATION_BLOCK: "ACTIVATION_BLOCK", WEIGHT_BLOCK: "WEIGHT_BL
                   TRANSPOSED_ACTIVATION_BLOCK: "TRANSPOSED_ACTIVATION_BLOCK"}
 
 
-def _check_quantize_input(x, block, transpose: bool) -> None:
+def _check_quantize_input(x, block, transpose: bool, name: str = "x") -> None:
     ints = isinstance(block, tuple) and all(isinstance(b, int) and not isinstance(b, bool) for b in block)
     if not ints or block not in _RECIPE_BLOCKS:
         names = ", ".join(f"{name} {b}" for b, name in _RECIPE_BLOCKS.items())
@@ -159,7 +162,8 @@ def _check_quantize_input(x, block, transpose: bool) -> None:
     blocked = (cols, rows) if transpose else (rows, cols)
     if blocked[0] % block[0] or blocked[1] % block[1]:
         transposed = f", transposed {blocked}," if transpose else ""
-        raise ValueError(f"x's last two dimensions ({rows}, {cols}){transposed} must be multiples of the block {block}")
+        raise ValueError(f"{name}'s last two dimensions ({rows}, {cols}){transposed} must be multiples of the block "
+                         f"{block}")
 
 
 def _check_float_blocks(x) -> None:
@@ -173,7 +177,7 @@ def _check_float_blocks(x) -> None:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-def _quantize_results(x, *, block_rows, block_cols, orientation, **_):
+def _quantize_results(x, *_, block_rows, block_cols, orientation, **__):
     batch, rows, cols = x.shape
 
     def quantization(rows, cols):
@@ -193,6 +197,10 @@ _quantize_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.ROWS,), result
 # The same target with orientation "both": x's values and scales, then its transpose's.
 _quantize_with_transpose_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.ROWS,),
                                           results=(Layout.ROWS,) * 4, result_specs=_quantize_results)
+# The same target on x's FP8 values [B, R, C] and their 1 x 128 blocks' scales [B, R, C / 128],
+# dequantized to the attribute `dequantized_dtype` as they are read.
+_requantize_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.ROWS,) * 2, results=(Layout.ROWS,) * 2,
+                             result_specs=_quantize_results)
 
 
 def _block_attrs(block: tuple[int, int], power_of_two_scales: bool) -> dict:
@@ -267,6 +275,44 @@ def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *,
             _quantized(transposed_values, transposed_scales, (*lead, cols, rows), block))
 
 
+def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, dtype=jnp.float32,
+               power_of_two_scales: bool = False, transpose: bool = False) -> BlockQuantized:
+    """``quantize(dequantize(q, dtype), block, ...)``, bit for bit, read from ``q``'s FP8
+    values and scales: the tensor ``q`` stands for, in ``dtype``, quantized in other blocks
+    (or transposed) without a copy of it in ``dtype`` (the layer's output gradient, which
+    travels per row in 1 x 128 blocks, for the down weight's gradient per 128 rows).
+
+    Args:
+      q: ``[..., R, C]`` in :data:`ACTIVATION_BLOCK` blocks (:func:`quantize`'s result, or
+        values and scales of that form).
+      block: as for :func:`quantize`.
+      dtype: float32 (default, as :func:`dequantize`), bfloat16 or float16: each value
+        times its scale is rounded to it before its quantization. The product is
+        float32's with subnormal operands and results zeros of their sign, as XLA:CPU
+        computes :func:`dequantize` (another backend's :func:`dequantize` may keep a
+        subnormal product, which the quantization then counts as a zero unless it rounds
+        up to ``2**-126`` in ``dtype``).
+      power_of_two_scales: round each scale up to a power of two.
+      transpose: quantize the transpose (values ``[..., C, R]``), as :func:`quantize`.
+    """
+    _check_quantized("q", q, ACTIVATION_BLOCK, "[..., R, C]")
+    dtype = jnp.dtype(dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
+    transpose = check_bool("transpose", transpose)
+    _check_quantize_input(jax.ShapeDtypeStruct(q.shape, dtype), block, transpose, name="q")
+    *lead, rows, cols = q.shape
+    batch = math.prod(lead)
+    view = (batch * rows, 1) if block[0] == 1 and not transpose else (batch, rows)  # as quantize's
+    values, scales = _requantize_p(
+        jax.lax.stop_gradient(q.values).reshape(*view, cols),
+        jax.lax.stop_gradient(q.scales).reshape(*view, cols // 128),
+        **_block_attrs(block, power_of_two_scales), orientation="transposed" if transpose else "as_is",
+        dequantized_dtype=dtype.name)
+    return _quantized(values, scales, (*lead, cols, rows) if transpose else q.shape, block)
+
+
 def _blocks(x, block: tuple[int, int]):
     """``[..., R, C]`` → ``[..., R / br, br, C / bc, bc]``."""
     *lead, rows, cols = x.shape
@@ -310,13 +356,15 @@ _transposed_ragged_dot_p(1)  # registers the target at import, as every other pr
 
 
 def _check_quantized(name: str, q, block: tuple[int, int], layout: str) -> None:
-    """``q`` is a :class:`BlockQuantized` of ``len(layout)`` dimensions in ``block`` blocks,
-    its values float8_e4m3fn and its scales float32 of the blocks' shape."""
+    """``q`` is a :class:`BlockQuantized` of ``len(layout)`` dimensions (at least two for a
+    layout ``[..., R, C]``) in ``block`` blocks, its values float8_e4m3fn and its scales
+    float32 of the blocks' shape."""
     if not isinstance(q, BlockQuantized):
         raise TypeError(f"{name} must be an oxmoe.fp8.BlockQuantized (oxmoe.fp8.quantize's result), "
                         f"got {type(q).__name__}")
     rank = len(layout.split(","))
-    if q.block != block or len(q.shape) != rank:
+    ranks = range(2, 1 << 30) if layout.startswith("[...") else (rank,)
+    if q.block != block or len(q.shape) not in ranks:
         raise ValueError(f"{name} must be {layout} quantized in {block} blocks, got shape {list(q.shape)} in "
                          f"{q.block} blocks")
     check_array(f"{name}.values", q.values)

@@ -1,9 +1,11 @@
-//! Block-scaled FP8 quantization (`oxmoe.fp8.quantize` and
-//! `oxmoe.fp8.quantize_with_transpose`): `x [batch, rows, columns]` to
-//! float8_e4m3fn values and one float32 scale per block of the result,
-//! DeepSeek-V3's 1 x 128, 128 x 128 and 128 x 1 blocks; the quantization of
-//! `x` as it is, of each batch element's transpose (read from `x` as it is:
-//! the weight gradient's K-major operands), or both from one read of `x`.
+//! Block-scaled FP8 quantization (`oxmoe.fp8.quantize`,
+//! `oxmoe.fp8.quantize_with_transpose` and `oxmoe.fp8.requantize`): `x
+//! [batch, rows, columns]` to float8_e4m3fn values and one float32 scale per
+//! block of the result, DeepSeek-V3's 1 x 128, 128 x 128 and 128 x 1 blocks;
+//! the quantization of `x` as it is, of each batch element's transpose (read
+//! from `x` as it is: the weight gradient's K-major operands), or both from
+//! one read of `x`. `x` is a float array, or FP8 values and their 1 x 128
+//! scales, dequantized as they are read (requantization).
 //!
 //! [`cpu`] is the executable specification, [`cuda`] runs
 //! `kernels/quantize.cu` with the same semantics. Both take a call decoded
@@ -14,7 +16,7 @@ pub mod cuda;
 pub mod handlers;
 mod ops;
 
-pub use ops::{Output, Quantize};
+pub use ops::{Input, Output, Quantize};
 
 use crate::ffi::Result;
 use crate::invalid;
