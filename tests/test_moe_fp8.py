@@ -182,10 +182,11 @@ def _equations(jaxpr):
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
-def test_the_fp8_step_quantizes_what_two_products_take_both_ways_from_one_read(chunks):
+def test_the_fp8_step_quantizes_each_tensor_from_one_read(chunks):
     # The experts' weights (the forward's products take them [E, N, K], the backward's [E, K, N])
     # and each chunk's up-projection gradient rows (d lhs per row, the up weight's gradient
-    # transposed) are quantized both ways at once; XLA transposes no FP8 values.
+    # transposed) are quantized both ways at once; each chunk's output gradient, which travelled
+    # per row, is requantized transposed from its FP8 values; XLA transposes no FP8 values.
     config = config_of("softmax_top2", dtype=BF16, token_chunks=chunks)
     mesh = jax.make_mesh((2,), ("expert",), devices=devices.cpu_devices()[:2])
     params = moe.init_params(jax.random.key(0), config, HIDDEN, FFN)
@@ -196,12 +197,13 @@ def test_the_fp8_step_quantizes_what_two_products_take_both_ways_from_one_read(c
         return jnp.sum(y.astype(F32)) + aux.load_balancing_loss
 
     eqns = list(_equations(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, params).jaxpr))
-    orientations = collections.Counter(e.params["orientation"] for e in eqns
-                                       if e.primitive.name == "oxmoe_fp8_quantize")
-    # Both ways: up, down, each chunk's gradient rows. Transposed: each chunk's three other weight-gradient
-    # operands (its rows, hidden activations and output gradient). As they are: each chunk's tokens, hidden
-    # activations and output gradient.
-    assert orientations == {"both": 2 + chunks, "transposed": 3 * chunks, "as_is": 3 * chunks}, orientations
+    kinds = collections.Counter(("requantized " if "dequantized_dtype" in e.params else "") + e.params["orientation"]
+                                for e in eqns if e.primitive.name == "oxmoe_fp8_quantize")
+    # Both ways: up, down, each chunk's gradient rows. Transposed: each chunk's rows and hidden activations
+    # for the weight gradients, and requantized its output gradient. As they are: each chunk's tokens,
+    # hidden activations and output gradient.
+    assert kinds == {"both": 2 + chunks, "transposed": 2 * chunks, "requantized transposed": chunks,
+                     "as_is": 3 * chunks}, kinds
     fp8_transposes = [e for e in eqns
                       if e.primitive.name == "transpose" and e.invars[0].aval.dtype == jnp.float8_e4m3fn]
     assert not fp8_transposes, fp8_transposes

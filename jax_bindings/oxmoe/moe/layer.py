@@ -363,9 +363,13 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     up_operands: tuple = (rows, grad_up_rows)
     product: Callable = grouped_gemm.transposed_ragged_dot
     if config.fp8 is not None:
-        # Rows that travelled quantized per row are quantized again per 128 rows (DeepSeek-V3's way).
+        # Rows that travelled quantized per row (the output gradient) are quantized again per 128
+        # rows (DeepSeek-V3's way), read as their FP8 values and scales: no 16-bit copy of them.
         def quantize(rows):
-            return fp8.quantize(_dequantized(rows, config), fp8.ACTIVATION_BLOCK, transpose=True,
+            if isinstance(rows, fp8.BlockQuantized):
+                return fp8.requantize(rows, fp8.ACTIVATION_BLOCK, dtype=config.dtype, transpose=True,
+                                      power_of_two_scales=config.fp8.power_of_two_scales)
+            return fp8.quantize(rows, fp8.ACTIVATION_BLOCK, transpose=True,
                                 power_of_two_scales=config.fp8.power_of_two_scales)
         down_operands = tuple([quantize(r) for r in chunks] for chunks in down_operands)
         up_operands = ([quantize(r) for r in rows], grad_up_rows)
