@@ -11,11 +11,18 @@ GEMMs of a layer step:
   operands, as Hopper's FP8 wgmma reads them, from the dispatched rows [T k, H] and from the
   hidden activations [T k, F] (values [H, T k] and [F, T k]);
 - one GPU's expert weights (E_local experts of ``[H, 2F]``) in 128 x 128 blocks, as they are
-  and transposed (the forward's ``[E, 2F, H]``).
+  and transposed (the forward's ``[E, 2F, H]``);
+- both ways from one read (``oxmoe.fp8.quantize_with_transpose``): the experts' up weights
+  (the forward's ``[E, 2F, H]`` and the backward's ``[E, H, 2F]``) and the up projection's
+  gradient rows ``[T k, 2F]`` (per row for d lhs, transposed for the up weight's gradient),
+  also timed as the two ``quantize`` calls they replace;
+- requantized from FP8 rows in 1 x 128 blocks (``oxmoe.fp8.requantize``, dequantized to bf16
+  as they are read): the output gradient's rows ``[T k, H]`` transposed for the down weight's
+  gradient, also timed as the ``dequantize`` and ``quantize`` it replaces.
 
-Bytes are the fewest the op moves: the bf16 input read once, the e4m3 values (1 byte) and
-float32 scales written once. Each case's result is checked bit for bit against the plain-JAX
-reference on the same device.
+Bytes are the fewest the op moves: the bf16 input (or the FP8 values and their scales) read
+once, the e4m3 values (1 byte) and float32 scales written once (both ways: twice). Each
+case's result is checked bit for bit against the plain-JAX reference on the same device.
 
     PYTHONPATH=jax_bindings python3 bench/fp8_quantize.py [--smoke] [--out results.json]
 """
@@ -27,6 +34,7 @@ import datetime
 import json
 import math
 import pathlib
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -41,22 +49,45 @@ from oxmoe.reference import fp8 as fp8_reference
 GOAL, AIM = 0.75, 0.85
 DTYPE = jnp.bfloat16
 
-#: (name, shape, block, transpose): Qwen3 (T 16384, k 8, H 2048, F 768, 128 experts) and
-#: DeepSeek-V3 on one GPU (T 8192, k 8, H 7168, F 2048, 32 experts).
+
+class Case(NamedTuple):
+    """x of ``shape`` quantized in ``block`` blocks."""
+
+    name: str
+    shape: tuple[int, ...]
+    block: tuple[int, int]
+    orientation: str
+    """The results: x's quantization ("as_is"), its transpose's ("transposed"), or both from
+    one read ("both": quantize_with_transpose)."""
+    fp8_input: bool = False
+    """x given as its FP8 values and 1 x 128 scales (requantize, to bf16)."""
+
+
+#: At Qwen3 (T 16384, k 8, H 2048, F 768, 128 experts) and DeepSeek-V3 on one GPU (T 8192,
+#: k 8, H 7168, F 2048, 32 experts).
 CASES = (
-    ("qwen3 dispatched rows [T k, H]", (16384 * 8, 2048), fp8.ACTIVATION_BLOCK, False),
-    ("qwen3 dispatched rows, weight-gradient blocks", (16384 * 8, 2048), fp8.TRANSPOSED_ACTIVATION_BLOCK, False),
-    ("qwen3 dispatched rows transposed [H, T k]", (16384 * 8, 2048), fp8.ACTIVATION_BLOCK, True),
-    ("qwen3 hidden rows transposed [F, T k]", (16384 * 8, 768), fp8.ACTIVATION_BLOCK, True),
-    ("qwen3 expert up weights [E, H, 2F]", (128, 2048, 2 * 768), fp8.WEIGHT_BLOCK, False),
-    ("qwen3 expert up weights transposed [E, 2F, H]", (128, 2048, 2 * 768), fp8.WEIGHT_BLOCK, True),
-    ("deepseek_v3 dispatched rows [T k, H]", (8192 * 8, 7168), fp8.ACTIVATION_BLOCK, False),
-    ("deepseek_v3 dispatched rows, weight-gradient blocks", (8192 * 8, 7168), fp8.TRANSPOSED_ACTIVATION_BLOCK,
-     False),
-    ("deepseek_v3 dispatched rows transposed [H, T k]", (8192 * 8, 7168), fp8.ACTIVATION_BLOCK, True),
-    ("deepseek_v3 hidden rows transposed [F, T k]", (8192 * 8, 2048), fp8.ACTIVATION_BLOCK, True),
-    ("deepseek_v3 expert up weights [E, H, 2F]", (32, 7168, 2 * 2048), fp8.WEIGHT_BLOCK, False),
-    ("deepseek_v3 expert up weights transposed [E, 2F, H]", (32, 7168, 2 * 2048), fp8.WEIGHT_BLOCK, True),
+    Case("qwen3 dispatched rows [T k, H]", (16384 * 8, 2048), fp8.ACTIVATION_BLOCK, "as_is"),
+    Case("qwen3 dispatched rows, weight-gradient blocks", (16384 * 8, 2048), fp8.TRANSPOSED_ACTIVATION_BLOCK, "as_is"),
+    Case("qwen3 dispatched rows transposed [H, T k]", (16384 * 8, 2048), fp8.ACTIVATION_BLOCK, "transposed"),
+    Case("qwen3 hidden rows transposed [F, T k]", (16384 * 8, 768), fp8.ACTIVATION_BLOCK, "transposed"),
+    Case("qwen3 expert up weights [E, H, 2F]", (128, 2048, 2 * 768), fp8.WEIGHT_BLOCK, "as_is"),
+    Case("qwen3 expert up weights transposed [E, 2F, H]", (128, 2048, 2 * 768), fp8.WEIGHT_BLOCK, "transposed"),
+    Case("qwen3 expert up weights both ways", (128, 2048, 2 * 768), fp8.WEIGHT_BLOCK, "both"),
+    Case("qwen3 up-projection gradient rows [T k, 2F] both ways", (16384 * 8, 2 * 768), fp8.ACTIVATION_BLOCK, "both"),
+    Case("qwen3 output-gradient rows requantized transposed [H, T k]", (16384 * 8, 2048), fp8.ACTIVATION_BLOCK,
+         "transposed", fp8_input=True),
+    Case("deepseek_v3 dispatched rows [T k, H]", (8192 * 8, 7168), fp8.ACTIVATION_BLOCK, "as_is"),
+    Case("deepseek_v3 dispatched rows, weight-gradient blocks", (8192 * 8, 7168), fp8.TRANSPOSED_ACTIVATION_BLOCK,
+         "as_is"),
+    Case("deepseek_v3 dispatched rows transposed [H, T k]", (8192 * 8, 7168), fp8.ACTIVATION_BLOCK, "transposed"),
+    Case("deepseek_v3 hidden rows transposed [F, T k]", (8192 * 8, 2048), fp8.ACTIVATION_BLOCK, "transposed"),
+    Case("deepseek_v3 expert up weights [E, H, 2F]", (32, 7168, 2 * 2048), fp8.WEIGHT_BLOCK, "as_is"),
+    Case("deepseek_v3 expert up weights transposed [E, 2F, H]", (32, 7168, 2 * 2048), fp8.WEIGHT_BLOCK, "transposed"),
+    Case("deepseek_v3 expert up weights both ways", (32, 7168, 2 * 2048), fp8.WEIGHT_BLOCK, "both"),
+    Case("deepseek_v3 up-projection gradient rows [T k, 2F] both ways", (8192 * 8, 2 * 2048), fp8.ACTIVATION_BLOCK,
+         "both"),
+    Case("deepseek_v3 output-gradient rows requantized transposed [H, T k]", (8192 * 8, 7168), fp8.ACTIVATION_BLOCK,
+         "transposed", fp8_input=True),
 )
 #: A smoke run's rows, and its experts.
 SMOKE_ROWS, SMOKE_EXPERTS = 256, 2
@@ -67,28 +98,58 @@ def smoke_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
     return (*lead, SMOKE_ROWS, shape[-1])
 
 
-def moved_bytes(shape, block) -> int:
+def moved_bytes(shape, block, orientation="as_is", fp8_input=False) -> int:
+    """x read once (bf16, or FP8 values and their 1 x 128 scales); each result's values (1
+    byte an element) and scales written once."""
     elements = math.prod(shape)
     blocks = elements // (block[0] * block[1])
-    return elements * (jnp.dtype(DTYPE).itemsize + 1) + 4 * blocks
+    results = 2 if orientation == "both" else 1
+    read = elements + 4 * (elements // 128) if fp8_input else elements * jnp.dtype(DTYPE).itemsize
+    return read + results * (elements + 4 * blocks)
 
 
-def same_bits(q: fp8.BlockQuantized, want: fp8.BlockQuantized) -> bool:
-    """Equal values (NaN where NaN) and scales."""
+def same_bits(q, want) -> bool:
+    """Equal values (NaN where NaN) and scales, of one BlockQuantized or a tuple of them."""
+    if isinstance(q, tuple):
+        return len(q) == len(want) and all(same_bits(a, b) for a, b in zip(q, want))
     values, want_values = (np.asarray(v.astype(jnp.float32)) for v in (q.values, want.values))
     return (values.shape == want_values.shape and np.array_equal(values, want_values, equal_nan=True)
             and np.array_equal(np.asarray(q.scales), np.asarray(want.scales), equal_nan=True))
 
 
-def run_case(name, shape, block, transpose, settings, ceiling) -> dict:
-    random = timing.RandomArrays(0, len(name))
-    arg_sets = [(random.normal(shape, DTYPE),) for _ in range(settings.num_sets(moved_bytes(shape, block)))]
-    ours = lambda x: fp8.quantize(x, block, transpose=transpose)  # noqa: E731
-    xla = lambda x: fp8_reference.quantize(x, block, transpose=transpose)  # noqa: E731
+def quantizations(module, case: Case):
+    """``x ->`` the case's quantization by ``module`` (oxmoe.fp8 or oxmoe.reference.fp8)."""
+    transpose = case.orientation == "transposed"
+    if case.fp8_input:
+        return lambda q: module.requantize(q, case.block, dtype=DTYPE, transpose=transpose)
+    if case.orientation == "both":
+        return lambda x: module.quantize_with_transpose(x, case.block)
+    return lambda x: module.quantize(x, case.block, transpose=transpose)
+
+
+def replaced(case: Case):
+    """``x ->`` what the case's one call replaces, or None: for both ways, two ``quantize``
+    calls, each reading ``x``; for FP8 input, its ``dequantize`` to bf16, then ``quantize``."""
+    if case.fp8_input:
+        return lambda q: fp8.quantize(fp8.dequantize(q, DTYPE), case.block, transpose=case.orientation == "transposed")
+    if case.orientation == "both":
+        return lambda x: (fp8.quantize(x, case.block), fp8.quantize(x, case.block, transpose=True))
+    return None
+
+
+def run_case(case: Case, shape, settings, ceiling) -> dict:
+    random = timing.RandomArrays(0, len(case.name))
+    moved = moved_bytes(shape, case.block, case.orientation, case.fp8_input)
+    arg_sets = [(random.normal(shape, DTYPE),) for _ in range(settings.num_sets(moved))]
+    if case.fp8_input:  # rows quantized per row, as the layer's output gradient travels
+        arg_sets = [(jax.jit(fp8.quantize)(x),) for (x,) in arg_sets]
+    ours, xla = quantizations(fp8, case), quantizations(fp8_reference, case)
     x = arg_sets[0][0]
-    row = dict(name=name, shape=list(shape), block=list(block), transpose=transpose, dtype=jnp.dtype(DTYPE).name,
-               bytes=moved_bytes(shape, block), matches_reference=same_bits(jax.jit(ours)(x), jax.jit(xla)(x)))
-    for key, fn in (("oxmoe", ours), ("xla", xla)):
+    row = dict(name=case.name, shape=list(shape), block=list(case.block), orientation=case.orientation,
+               fp8_input=case.fp8_input, dtype=jnp.dtype(DTYPE).name, bytes=moved,
+               matches_reference=same_bits(jax.jit(ours)(x), jax.jit(xla)(x)))
+    timed = [("oxmoe", ours), ("xla", xla)] + ([("replaced", replaced(case))] if replaced(case) else [])
+    for key, fn in timed:
         t = timing.measure(timing.rotated(fn), arg_sets, settings)
         rate = row["bytes"] / t.median_s
         row[key] = dict(median_us=t.median_s * 1e6, gb_per_s=rate / 1e9, fraction_of_copy=rate / ceiling.bytes_per_s)
@@ -110,18 +171,22 @@ def main(argv=None) -> None:
                   goal_fraction_of_copy=GOAL, aim_fraction_of_copy=AIM, copy=ceiling.to_json(), rows=[])
     print(f"{report['device']}: copy {ceiling.bytes_per_s / 1e9:.0f} GB/s; oxmoe's kernel against XLA's fusions "
           f"of the plain-JAX semantics (goal {GOAL:.0%} of copy, aim {AIM:.0%})")
-    print(f"{'case':54s} {'shape':22s} {'block':10s} {'oxmoe us':>9s} {'GB/s':>6s} {'copy':>5s}   "
-          f"{'XLA us':>9s} {'copy':>5s}  bits")
-    for name, shape, block, transpose in CASES:
-        if args.only and args.only not in name:
+    print("'replaced' times what one call replaces: both ways, the two quantize calls; requantized, the "
+          "dequantize to bf16 and the quantize")
+    print(f"{'case':65s} {'shape':22s} {'block':10s} {'oxmoe us':>9s} {'GB/s':>6s} {'copy':>5s}   "
+          f"{'XLA us':>9s} {'copy':>5s}  {'replaced us':>11s}  bits")
+    for case in CASES:
+        if args.only and args.only not in case.name:
             continue
-        shape = smoke_shape(shape) if args.smoke else shape
-        row = run_case(name, shape, block, transpose, settings, ceiling)
+        shape = smoke_shape(case.shape) if args.smoke else case.shape
+        row = run_case(case, shape, settings, ceiling)
         report["rows"].append(row)
         ours, xla = row["oxmoe"], row["xla"]
-        print(f"{name:54s} {str(shape):22s} {str(block):10s} {ours['median_us']:9.1f} {ours['gb_per_s']:6.0f} "
-              f"{ours['fraction_of_copy']:5.0%}   {xla['median_us']:9.1f} {xla['fraction_of_copy']:5.0%}  "
-              f"{'same' if row['matches_reference'] else 'DIFFER'}", flush=True)
+        before = f"{row['replaced']['median_us']:11.1f}" if "replaced" in row else " " * 11
+        print(f"{case.name:65s} {str(shape):22s} {str(case.block):10s} {ours['median_us']:9.1f} "
+              f"{ours['gb_per_s']:6.0f} {ours['fraction_of_copy']:5.0%}   {xla['median_us']:9.1f} "
+              f"{xla['fraction_of_copy']:5.0%}  {before}  {'same' if row['matches_reference'] else 'DIFFER'}",
+              flush=True)
         if args.out:
             args.out.write_text(json.dumps(report, indent=1))
     if not args.smoke and report["rows"]:

@@ -1,14 +1,17 @@
-// Block-scaled FP8 quantization (oxmoe.fp8.quantize): x [batch, rows, cols]
-// (float, bf16 or f16) to float8_e4m3fn values and one float32 scale per block
-// of the result, whose blocks are BLOCK_ROWS x BLOCK_COLS (1 x 128, 128 x 128 or
-// 128 x 1). With TRANSPOSE, the result is the quantization of each batch
-// element's transpose, values [batch, cols, rows], read from x as it is.
-// src/quantize/cpu.rs states the semantics; each step below says which of it
-// it computes.
+// Block-scaled FP8 quantization (oxmoe.fp8.quantize, quantize_with_transpose,
+// requantize): x [batch, rows, cols] (float, bf16 or f16) to float8_e4m3fn values and
+// one float32 scale per block of a result, whose blocks are BLOCK_ROWS x BLOCK_COLS
+// (1 x 128, 128 x 128 or 128 x 1). Two results, either or both from one read of x:
+// AS_IS, x's quantization (values [batch, rows, cols]); TRANSPOSED, the quantization
+// of each batch element's transpose (values [batch, cols, rows]), read from x as it
+// is. With FP8_INPUT, x is FP8 values and their 1 x 128 blocks' scales, dequantized
+// to T as they are read (no copy of x in T). src/quantize/cpu.rs states the
+// semantics; each step below says which of it it computes.
 //
 // Layout, and why. The op moves bytes: 2 (or 4) read and 1 written per
-// element, a few integer and float operations each. So everything is arranged
-// for whole 32-byte sectors at both ends and for enough bytes in flight.
+// element and result, a few integer and float operations each. So everything
+// is arranged for whole 32-byte sectors at both ends and for enough bytes in
+// flight.
 //
 // - One block of 256 threads per 128 x 128 tile of one batch element. 128 is
 //   the largest block side, so every block lies in one tile and a tile's
@@ -23,24 +26,33 @@
 //   and the transposed bytes below) and several blocks fit an SM: at 2 blocks
 //   of 32-64 KiB of loads each, an SM has 64-128 KiB in flight, past what an
 //   H100/H200 needs to keep its memory busy (about 30 KB per SM).
-// - Block maxima: a 1 x 128 block of x is one row of the tile, reduced over
-//   the 16 (or 32) lanes holding that row with shuffles; a 128 x 1 block is a
-//   column, reduced over each thread's rows, then across the warps through
-//   shared memory; a 128 x 128 block is the whole tile. Magnitudes are compared
-//   as their bits (the same order for non-negative floats; a NaN's bits lie
-//   above infinity's, so one comparison keeps the largest and finds NaNs).
-// - Values without TRANSPOSE: each thread writes its piece of each row (8 or
-//   4 bytes), a warp 128 contiguous bytes per row.
-// - With TRANSPOSE, the result's row is a column of the tile. Each thread
-//   holds, for each of its columns, ROWS consecutive bytes of that result
-//   row, and stores them as one 8- or 16-byte unit into a 128 x 128-byte
-//   staging tile in shared memory (16 KiB), row = the tile's column. Units
-//   are swizzled: unit k of staged row c sits at k ^ (c / VEC % UNITS), so
-//   that the lanes of one store, whose columns are VEC apart, hit distinct
+// - Block maxima, per result: a block of x that is one row of the tile (1 x
+//   128 in x) is reduced over the 16 (or 32) lanes holding that row with
+//   shuffles; a column (128 x 1 in x), over each thread's rows, then across
+//   the warps through shared memory; a 128 x 128 block is the whole tile.
+//   Magnitudes are compared as their bits (the same order for non-negative
+//   floats; a NaN's bits lie above infinity's, so one comparison keeps the
+//   largest and finds NaNs). A 1 x 128 result's blocks are rows of x and its
+//   transpose's columns of x (128 x 1 the other way round); 128 x 128 blocks
+//   are the same for both results, reduced once.
+// - The as-is values: each thread writes its piece of each row (8 or 4
+//   bytes), a warp 128 contiguous bytes per row.
+// - The transposed values: the result's row is a column of the tile. Each
+//   thread holds, for each of its columns, ROWS consecutive bytes of that
+//   result row, and stores them as one 8- or 16-byte unit into a 128 x
+//   128-byte staging tile in shared memory (16 KiB), row = the tile's column.
+//   Units are swizzled: unit k of staged row c sits at k ^ (c / VEC % UNITS),
+//   so that the lanes of one store, whose columns are VEC apart, hit distinct
 //   banks (without it, all 16 lanes of a half-warp would hit the same bank
 //   pair: their rows are 8 x 128 bytes apart). Then each result row leaves
 //   as 8 threads' 16-byte stores (128 contiguous bytes), read from shared
 //   memory unswizzled, 8 lanes on 8 distinct 16-byte slots.
+// - Both results: the tile is read once and held; the as-is values are
+//   stored first, then the transposed ones are reduced, staged and stored.
+// - FP8 input: each thread loads the same elements, VEC bytes a row (a warp
+//   128 contiguous bytes of a row or two), and its rows' scales (one a row:
+//   its piece lies in one 1 x 128 block), and holds them dequantized in T,
+//   the layout above from there on.
 #include "common.cuh"
 
 constexpr int QUANTIZE_TILE = 128;
@@ -67,12 +79,13 @@ __device__ __forceinline__ float block_scale(unsigned amax_bits) {
   return (bits & 0x7fffffu) == 0 ? ratio : __uint_as_float((bits & 0x7f800000u) + 0x800000u);
 }
 
-// x / scale as the CPU computes it: x times the reciprocal, with float32
-// subnormals (of x, and of the product, which rounds to zero in FP8 anyway)
-// flushed to zeros of their sign.
-__device__ __forceinline__ float scaled(float x, float inverse) {
+// a * b in float32 with subnormal operands and results flushed to zeros of
+// their sign: x / scale as the CPU computes it (x times the reciprocal; a
+// subnormal product rounds to zero in FP8 anyway), and an FP8 value times its
+// scale as cpu.rs's dequantized.
+__device__ __forceinline__ float flushed_product(float a, float b) {
   float product;
-  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(product) : "f"(x), "f"(inverse));
+  asm("mul.rn.ftz.f32 %0, %1, %2;" : "=f"(product) : "f"(a), "f"(b));
   return product;
 }
 
@@ -88,183 +101,340 @@ __device__ __forceinline__ float element(const uint4& piece, int e) {
 // where the swizzle is odd.
 __device__ __forceinline__ uint4 swap_halves(uint4 v) { return make_uint4(v.z, v.w, v.x, v.y); }
 
-template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool TRANSPOSE, bool POWER_OF_TWO, int THREADS>
-__global__ void __launch_bounds__(THREADS, 2)
-quantize(const T* __restrict__ x, int batch, int rows, int cols, unsigned char* __restrict__ values,
-         float* __restrict__ scales) {
-  static_assert(THREADS == QUANTIZE_THREADS, "the launch's threads are the layout's (src/quantize/cuda.rs)");
-  constexpr int TILE = QUANTIZE_TILE;
-  // The block in x's rows and columns.
-  constexpr int IN_ROWS = TRANSPOSE ? BLOCK_COLS : BLOCK_ROWS, IN_COLS = TRANSPOSE ? BLOCK_ROWS : BLOCK_COLS;
-  constexpr bool ROW_BLOCKS = IN_ROWS == 1 && IN_COLS == TILE, COLUMN_BLOCKS = IN_ROWS == TILE && IN_COLS == 1;
-  static_assert(ROW_BLOCKS || COLUMN_BLOCKS || (IN_ROWS == TILE && IN_COLS == TILE), "the FP8 recipe's blocks");
-  constexpr int VEC = 16 / sizeof(T);       // elements of a 16-byte piece
-  constexpr int LANES = TILE / VEC;         // threads sharing a row of the tile: 16 or 32
-  constexpr int GROUPS = THREADS / LANES;   // groups of rows
-  constexpr int ROWS = TILE / GROUPS;       // consecutive rows per thread: 8 or 16
-  constexpr int WARPS = THREADS / 32;
+// How a thread holds its part of a tile of T.
+template <typename T>
+struct TileLayout {
+  static constexpr int VEC = 16 / sizeof(T);               // elements of a 16-byte piece
+  static constexpr int LANES = QUANTIZE_TILE / VEC;        // threads sharing a row of the tile: 16 or 32
+  static constexpr int GROUPS = QUANTIZE_THREADS / LANES;  // groups of rows
+  static constexpr int ROWS = QUANTIZE_TILE / GROUPS;      // consecutive rows per thread: 8 or 16
+  static constexpr int WARPS = QUANTIZE_THREADS / 32;
   static_assert(32 % LANES == 0 && ROWS % 2 == 0 && (ROWS == 8 || ROWS == 16), "a row within a warp; 8- or 16-byte units");
+};
 
-  const int tiles_r = (rows + TILE - 1) / TILE, tiles_c = (cols + TILE - 1) / TILE;
-  const int tile = blockIdx.x;
-  const int b = tile / (tiles_r * tiles_c), r0 = tile / tiles_c % tiles_r * TILE, c0 = tile % tiles_c * TILE;
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const int piece = threadIdx.x % LANES, group = threadIdx.x / LANES;
-  const int r_first = r0 + group * ROWS, c = c0 + piece * VEC;  // the thread's first row and column
-  const T* in = x + static_cast<long long>(b) * rows * cols;
-  // 16-byte pieces are aligned and wholly in or out of x when rows are whole pieces.
-  const bool whole_pieces = cols % VEC == 0;
+// Where a block of threads' tile lies and where a thread's part of it does:
+// batch element b's x [rows, cols] from (r0, c0); the thread's ROWS rows from
+// r_first, its piece's VEC columns from c.
+struct TilePlace {
+  int b, rows, cols, r0, c0, r_first, c, piece, group, lane, warp;
+};
 
-  uint4 tile_piece[ROWS];
-#pragma unroll
-  for (int i = 0; i < ROWS; ++i) {
-    const int r = r_first + i;
-    const T* src = in + static_cast<long long>(r) * cols + c;
-    if (whole_pieces) {
-      tile_piece[i] = r < rows && c < cols ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
-    } else {
-      Pack<T, 16> pack;
-#pragma unroll
-      for (int e = 0; e < VEC; ++e) pack.elems[e] = r < rows && c + e < cols ? src[e] : T{};
-      tile_piece[i] = pack.raw;
-    }
+// How a result's blocks lie in x's tile: each one row of it (1 x 128 in x),
+// one column (128 x 1 in x), or the whole tile.
+enum class Blocks { ROWS, COLUMNS, TILE };
+
+// The blocks of x [IN_ROWS, IN_COLS] of a result.
+template <int IN_ROWS, int IN_COLS>
+constexpr Blocks blocks_in_x() {
+  static_assert((IN_ROWS == 1 && IN_COLS == QUANTIZE_TILE) || (IN_ROWS == QUANTIZE_TILE && IN_COLS == 1) ||
+                (IN_ROWS == QUANTIZE_TILE && IN_COLS == QUANTIZE_TILE), "the FP8 recipe's blocks");
+  return IN_ROWS == 1 ? Blocks::ROWS : IN_COLS == 1 ? Blocks::COLUMNS : Blocks::TILE;
+}
+
+// A thread's elements' reciprocal scales in one result's blocks: one per row of
+// the thread's, one per column, or one for the tile.
+template <Blocks BLOCKS, typename T>
+struct Inverses {
+  using L = TileLayout<T>;
+  float of[BLOCKS == Blocks::ROWS ? L::ROWS : BLOCKS == Blocks::COLUMNS ? L::VEC : 1];
+
+  // Of the thread's element e of its row i.
+  __device__ __forceinline__ float operator()(int i, int e) const {
+    if constexpr (BLOCKS == Blocks::ROWS) return of[i];
+    else if constexpr (BLOCKS == Blocks::COLUMNS) return of[e];
+    else return of[0];
   }
+};
 
-  // The scale index of x's element (r, c)'s block.
-  const auto scale_index = [&](int r, int c) {
-    return TRANSPOSE ? (static_cast<long long>(b) * (cols / IN_COLS) + c / IN_COLS) * (rows / IN_ROWS) + r / IN_ROWS
-                     : (static_cast<long long>(b) * (rows / IN_ROWS) + r / IN_ROWS) * (cols / IN_COLS) + c / IN_COLS;
-  };
-
-  // Each element's reciprocal scale: per row, per column or per tile.
-  float row_inverse[ROW_BLOCKS ? ROWS : 1], column_inverse[COLUMN_BLOCKS ? VEC : 1], tile_inverse = 0.f;
-  if constexpr (ROW_BLOCKS) {
+// The reciprocal scales of one result's blocks in the tile (cpu.rs's
+// block_scale, then its reciprocal correctly rounded); each block's scale is
+// handed once to put_scale(r, c, scale), (r, c) an element of the block in x.
+template <Blocks BLOCKS, bool POWER_OF_TWO, typename T, typename PutScale>
+__device__ __forceinline__ Inverses<BLOCKS, T> block_inverses(const uint4 (&tile)[TileLayout<T>::ROWS],
+                                                              const TilePlace& at, PutScale put_scale) {
+  using L = TileLayout<T>;
+  Inverses<BLOCKS, T> inverses;
+  if constexpr (BLOCKS == Blocks::ROWS) {
     // Every lane of a row ends with its block's maximum; lane `piece` of the row's
     // LANES takes row `piece`'s scale and reciprocal (a dozen instructions each, which
     // all LANES computing all ROWS of them made a fifth of the kernel's work) and
     // hands the reciprocals round.
     unsigned mine = 0;
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
+    for (int i = 0; i < L::ROWS; ++i) {
       unsigned amax = 0;
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) amax = max(amax, magnitude_bits(element<T>(tile_piece[i], e)));
+      for (int e = 0; e < L::VEC; ++e) amax = max(amax, magnitude_bits(element<T>(tile[i], e)));
 #pragma unroll
-      for (int d = LANES / 2; d > 0; d /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-      if (piece == i) mine = amax;
+      for (int d = L::LANES / 2; d > 0; d /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+      if (at.piece == i) mine = amax;
     }
-    static_assert(ROWS <= LANES, "a lane per row of a thread's rows");
+    static_assert(L::ROWS <= L::LANES, "a lane per row of a thread's rows");
     const float scale = block_scale<POWER_OF_TWO>(mine), inverse_scale = __frcp_rn(scale);
-    if (piece < ROWS && r_first + piece < rows) scales[scale_index(r_first + piece, c0)] = scale;
+    if (at.piece < L::ROWS && at.r_first + at.piece < at.rows) put_scale(at.r_first + at.piece, at.c0, scale);
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i) row_inverse[i] = __shfl_sync(0xffffffffu, inverse_scale, i, LANES);
-  } else if constexpr (COLUMN_BLOCKS) {
-    __shared__ unsigned warp_column_max[WARPS][TILE];
-    __shared__ float column_inverses[TILE];
-    unsigned amax[VEC];
+    for (int i = 0; i < L::ROWS; ++i) inverses.of[i] = __shfl_sync(0xffffffffu, inverse_scale, i, L::LANES);
+  } else if constexpr (BLOCKS == Blocks::COLUMNS) {
+    __shared__ unsigned warp_column_max[L::WARPS][QUANTIZE_TILE];
+    __shared__ float column_inverses[QUANTIZE_TILE];
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      amax[e] = 0;
+    for (int e = 0; e < L::VEC; ++e) {
+      unsigned amax = 0;
 #pragma unroll
-      for (int i = 0; i < ROWS; ++i) amax[e] = max(amax[e], magnitude_bits(element<T>(tile_piece[i], e)));
+      for (int i = 0; i < L::ROWS; ++i) amax = max(amax, magnitude_bits(element<T>(tile[i], e)));
 #pragma unroll
-      for (int d = LANES; d < 32; d *= 2) amax[e] = max(amax[e], __shfl_xor_sync(0xffffffffu, amax[e], d));
-      if (lane < LANES) warp_column_max[warp][piece * VEC + e] = amax[e];
+      for (int d = L::LANES; d < 32; d *= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+      if (at.lane < L::LANES) warp_column_max[at.warp][at.piece * L::VEC + e] = amax;
     }
     __syncthreads();
-    if (threadIdx.x < TILE) {
+    if (threadIdx.x < QUANTIZE_TILE) {
       unsigned column_max = 0;
 #pragma unroll
-      for (int w = 0; w < WARPS; ++w) column_max = max(column_max, warp_column_max[w][threadIdx.x]);
+      for (int w = 0; w < L::WARPS; ++w) column_max = max(column_max, warp_column_max[w][threadIdx.x]);
       const float scale = block_scale<POWER_OF_TWO>(column_max);
       column_inverses[threadIdx.x] = __frcp_rn(scale);
-      if (c0 + static_cast<int>(threadIdx.x) < cols) scales[scale_index(r0, c0 + threadIdx.x)] = scale;
+      if (at.c0 + static_cast<int>(threadIdx.x) < at.cols) put_scale(at.r0, at.c0 + threadIdx.x, scale);
     }
     __syncthreads();
 #pragma unroll
-    for (int e = 0; e < VEC; ++e) column_inverse[e] = column_inverses[piece * VEC + e];
+    for (int e = 0; e < L::VEC; ++e) inverses.of[e] = column_inverses[at.piece * L::VEC + e];
   } else {
-    __shared__ unsigned warp_max[WARPS];
+    __shared__ unsigned warp_max[L::WARPS];
     unsigned amax = 0;
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i)
+    for (int i = 0; i < L::ROWS; ++i)
 #pragma unroll
-      for (int e = 0; e < VEC; ++e) amax = max(amax, magnitude_bits(element<T>(tile_piece[i], e)));
+      for (int e = 0; e < L::VEC; ++e) amax = max(amax, magnitude_bits(element<T>(tile[i], e)));
 #pragma unroll
     for (int d = 16; d > 0; d /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-    if (lane == 0) warp_max[warp] = amax;
+    if (at.lane == 0) warp_max[at.warp] = amax;
     __syncthreads();
 #pragma unroll
-    for (int w = 0; w < WARPS; ++w) amax = max(amax, warp_max[w]);
+    for (int w = 0; w < L::WARPS; ++w) amax = max(amax, warp_max[w]);
     const float scale = block_scale<POWER_OF_TWO>(amax);
-    tile_inverse = __frcp_rn(scale);
-    if (threadIdx.x == 0) scales[scale_index(r0, c0)] = scale;
+    inverses.of[0] = __frcp_rn(scale);
+    if (threadIdx.x == 0) put_scale(at.r0, at.c0, scale);
   }
-  const auto inverse = [&](int i, int e) {
-    if constexpr (ROW_BLOCKS) return row_inverse[i];
-    else if constexpr (COLUMN_BLOCKS) return column_inverse[e];
-    else return tile_inverse;
-  };
-  // Element (i, e)'s value as FP8 beside element (i2, e2)'s, in the low byte.
-  const auto fp8_pair = [&](int i, int e, int i2, int e2) {
-    return floats_to_e4m3x2(scaled(element<T>(tile_piece[i], e), inverse(i, e)),
-                            scaled(element<T>(tile_piece[i2], e2), inverse(i2, e2)));
-  };
+  return inverses;
+}
 
-  if constexpr (!TRANSPOSE) {
-    unsigned char* out = values + static_cast<long long>(b) * rows * cols;
+// The thread's element (i, e) as FP8 beside its element (i2, e2), in the low byte.
+template <typename T, typename Inverse>
+__device__ __forceinline__ unsigned fp8_pair(const uint4 (&tile)[TileLayout<T>::ROWS], const Inverse& inverse, int i,
+                                             int e, int i2, int e2) {
+  return floats_to_e4m3x2(flushed_product(element<T>(tile[i], e), inverse(i, e)),
+                          flushed_product(element<T>(tile[i2], e2), inverse(i2, e2)));
+}
+
+// The as-is values of the thread's elements: its piece of each of its rows.
+template <typename T, typename Inverse>
+__device__ __forceinline__ void store_rows(const uint4 (&tile)[TileLayout<T>::ROWS], const Inverse& inverse,
+                                           const TilePlace& at, unsigned char* __restrict__ values) {
+  using L = TileLayout<T>;
+  unsigned char* out = values + static_cast<long long>(at.b) * at.rows * at.cols;
+  const bool whole_pieces = at.cols % L::VEC == 0;
 #pragma unroll
-    for (int i = 0; i < ROWS; ++i) {
-      const int r = r_first + i;
-      Pack<unsigned, VEC> bytes;  // VEC bytes: VEC / 4 words
+  for (int i = 0; i < L::ROWS; ++i) {
+    const int r = at.r_first + i;
+    Pack<unsigned, L::VEC> bytes;  // VEC bytes: VEC / 4 words
 #pragma unroll
-      for (int w = 0; w < VEC / 4; ++w) bytes.elems[w] = fp8_pair(i, 4 * w, i, 4 * w + 1) | fp8_pair(i, 4 * w + 2, i, 4 * w + 3) << 16;
-      unsigned char* dst = out + static_cast<long long>(r) * cols + c;
-      if (r >= rows) continue;
-      if (whole_pieces) {
-        if (c < cols) *reinterpret_cast<typename VectorOf<VEC>::type*>(dst) = bytes.raw;
-      } else {
+    for (int w = 0; w < L::VEC / 4; ++w)
+      bytes.elems[w] = fp8_pair<T>(tile, inverse, i, 4 * w, i, 4 * w + 1) |
+                       fp8_pair<T>(tile, inverse, i, 4 * w + 2, i, 4 * w + 3) << 16;
+    unsigned char* dst = out + static_cast<long long>(r) * at.cols + at.c;
+    if (r >= at.rows) continue;
+    if (whole_pieces) {
+      if (at.c < at.cols) *reinterpret_cast<typename VectorOf<L::VEC>::type*>(dst) = bytes.raw;
+    } else {
 #pragma unroll
-        for (int e = 0; e < VEC; ++e)
-          if (c + e < cols) dst[e] = bytes.elems[e / 4] >> 8 * (e % 4) & 0xff;
-      }
+      for (int e = 0; e < L::VEC; ++e)
+        if (at.c + e < at.cols) dst[e] = bytes.elems[e / 4] >> 8 * (e % 4) & 0xff;
     }
+  }
+}
+
+// The transposed values of the thread's elements into the staging tile: staged
+// row s (the tile's column s) holds the result row's 128 bytes in UNITS units of
+// ROWS bytes; unit k sits at k ^ swizzle(s).
+template <typename T, typename Inverse>
+__device__ __forceinline__ void stage_columns(const uint4 (&tile)[TileLayout<T>::ROWS], const Inverse& inverse,
+                                              const TilePlace& at, unsigned char* stage) {
+  using L = TileLayout<T>;
+  constexpr int UNITS = QUANTIZE_TILE / L::ROWS;
+#pragma unroll
+  for (int e = 0; e < L::VEC; ++e) {
+    const int s = at.piece * L::VEC + e;  // so s / VEC % UNITS == piece % UNITS
+    Pack<unsigned, L::ROWS> bytes;
+#pragma unroll
+    for (int w = 0; w < L::ROWS / 4; ++w)
+      bytes.elems[w] = fp8_pair<T>(tile, inverse, 4 * w, e, 4 * w + 1, e) |
+                       fp8_pair<T>(tile, inverse, 4 * w + 2, e, 4 * w + 3, e) << 16;
+    const int unit = at.group ^ at.piece % UNITS;
+    *reinterpret_cast<typename VectorOf<L::ROWS>::type*>(stage + s * QUANTIZE_TILE + unit * L::ROWS) = bytes.raw;
+  }
+}
+
+// The staging tile's rows to the transposed values, 16 bytes a thread.
+template <typename T>
+__device__ __forceinline__ void store_staged(const unsigned char* stage, const TilePlace& at,
+                                             unsigned char* __restrict__ values) {
+  using L = TileLayout<T>;
+  constexpr int UNITS = QUANTIZE_TILE / L::ROWS;
+  constexpr int PIECES = QUANTIZE_TILE / 16;     // 16-byte pieces of a result row
+  constexpr int UNITS_PER_PIECE = 16 / L::ROWS;  // 2 or 1
+  const bool whole_out_pieces = at.rows % 16 == 0;
+#pragma unroll
+  for (int pass = 0; pass < QUANTIZE_TILE * PIECES / QUANTIZE_THREADS; ++pass) {
+    const int p = threadIdx.x % PIECES, s = threadIdx.x / PIECES + pass * (QUANTIZE_THREADS / PIECES);
+    const int swizzle = s / L::VEC % UNITS;
+    uint4 v = *reinterpret_cast<const uint4*>(stage + s * QUANTIZE_TILE + 16 * (p ^ swizzle / UNITS_PER_PIECE));
+    if (UNITS_PER_PIECE == 2 && swizzle % 2 == 1) v = swap_halves(v);
+    const int out_row = at.c0 + s, out_col = at.r0 + 16 * p;
+    if (out_row >= at.cols) continue;
+    unsigned char* dst = values + (static_cast<long long>(at.b) * at.cols + out_row) * at.rows + out_col;
+    if (whole_out_pieces) {
+      if (out_col < at.rows) *reinterpret_cast<uint4*>(dst) = v;
+    } else {
+      const unsigned words[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int j = 0; j < 16; ++j)
+        if (out_col + j < at.rows) dst[j] = words[j / 4] >> 8 * (j % 4) & 0xff;
+    }
+  }
+}
+
+// The thread's ROWS rows of its piece of x, zeros past x's edges.
+template <typename T>
+__device__ __forceinline__ void load_tile(const T* __restrict__ x, const TilePlace& at,
+                                          uint4 (&tile)[TileLayout<T>::ROWS]) {
+  using L = TileLayout<T>;
+  const T* in = x + static_cast<long long>(at.b) * at.rows * at.cols;
+  // 16-byte pieces are aligned and wholly in or out of x when rows are whole pieces.
+  const bool whole_pieces = at.cols % L::VEC == 0;
+#pragma unroll
+  for (int i = 0; i < L::ROWS; ++i) {
+    const int r = at.r_first + i;
+    const T* src = in + static_cast<long long>(r) * at.cols + at.c;
+    if (whole_pieces) {
+      tile[i] = r < at.rows && at.c < at.cols ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+    } else {
+      Pack<T, 16> pack;
+#pragma unroll
+      for (int e = 0; e < L::VEC; ++e) pack.elems[e] = r < at.rows && at.c + e < at.cols ? src[e] : T{};
+      tile[i] = pack.raw;
+    }
+  }
+}
+
+// Two float8_e4m3fn (lo in the low byte) as floats, exactly: one conversion to
+// f16x2 from sm_89 on (every e4m3 value is an f16), common.cuh's decoding before.
+__device__ __forceinline__ float2 e4m3x2_to_floats(unsigned short pair) {
+#if __CUDA_ARCH__ >= 890
+  unsigned halves;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(halves) : "h"(pair));
+  return make_float2(to_float(f16{static_cast<unsigned short>(halves & 0xffff)}),
+                     to_float(f16{static_cast<unsigned short>(halves >> 16)}));
+#else
+  return make_float2(e4m3_to_float(pair & 0xff), e4m3_to_float(pair >> 8));
+#endif
+}
+
+// load_tile of x dequantized: x's FP8 values [rows, cols] times their 1 x 128
+// blocks' scales [rows, cols / 128] (one float32 product, subnormal operands and
+// results flushed to zeros of their sign, as cpu.rs's dequantized), rounded to T.
+// Rows are whole 1 x 128 blocks, so whole pieces.
+template <typename T>
+__device__ __forceinline__ void load_dequantized(const unsigned char* __restrict__ x,
+                                                 const float* __restrict__ x_scales, const TilePlace& at,
+                                                 uint4 (&tile)[TileLayout<T>::ROWS]) {
+  using L = TileLayout<T>;
+  const long long first_row = static_cast<long long>(at.b) * at.rows;
+  const int blocks = at.cols / QUANTIZE_TILE;
+#pragma unroll
+  for (int i = 0; i < L::ROWS; ++i) {
+    const int r = at.r_first + i;
+    Pack<T, 16> pack;
+    if (r < at.rows) {
+      Pack<unsigned short, L::VEC> bytes;  // VEC FP8 values, two a pair
+      bytes.raw = *reinterpret_cast<const typename VectorOf<L::VEC>::type*>(x + (first_row + r) * at.cols + at.c);
+      const float scale = x_scales[(first_row + r) * blocks + at.c0 / QUANTIZE_TILE];
+#pragma unroll
+      for (int e = 0; e < L::VEC; e += 2) {
+        const float2 pair = e4m3x2_to_floats(bytes.elems[e / 2]);
+        pack.elems[e] = from_float<T>(flushed_product(pair.x, scale));
+        pack.elems[e + 1] = from_float<T>(flushed_product(pair.y, scale));
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < L::VEC; ++e) pack.elems[e] = T{};
+    }
+    tile[i] = pack.raw;
+  }
+}
+
+template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO, bool FP8_INPUT,
+          int THREADS>
+__global__ void __launch_bounds__(THREADS, 2)
+quantize(const void* __restrict__ x, const float* __restrict__ x_scales, int batch, int rows, int cols,
+         unsigned char* __restrict__ values, float* __restrict__ scales, unsigned char* __restrict__ transposed_values,
+         float* __restrict__ transposed_scales) {
+  static_assert(THREADS == QUANTIZE_THREADS, "the launch's threads are the layout's (src/quantize/cuda.rs)");
+  static_assert(AS_IS || TRANSPOSED, "a result to write");
+  using L = TileLayout<T>;
+  constexpr int TILE = QUANTIZE_TILE;
+  // Each result's blocks in x: the transposed result's are its blocks the other way round.
+  constexpr Blocks AS_IS_BLOCKS = blocks_in_x<BLOCK_ROWS, BLOCK_COLS>();
+  constexpr Blocks TRANSPOSED_BLOCKS = blocks_in_x<BLOCK_COLS, BLOCK_ROWS>();
+
+  const int tiles_r = (rows + TILE - 1) / TILE, tiles_c = (cols + TILE - 1) / TILE;
+  const int tile_index = blockIdx.x;
+  TilePlace at;
+  at.b = tile_index / (tiles_r * tiles_c), at.rows = rows, at.cols = cols;
+  at.r0 = tile_index / tiles_c % tiles_r * TILE, at.c0 = tile_index % tiles_c * TILE;
+  at.lane = threadIdx.x % 32, at.warp = threadIdx.x / 32;
+  at.piece = threadIdx.x % L::LANES, at.group = threadIdx.x / L::LANES;
+  at.r_first = at.r0 + at.group * L::ROWS, at.c = at.c0 + at.piece * L::VEC;
+  uint4 tile[L::ROWS];
+  if constexpr (FP8_INPUT) {
+    load_dequantized<T>(static_cast<const unsigned char*>(x), x_scales, at, tile);
   } else {
-    // Staged row s (the tile's column s) holds the result row's 128 bytes in
-    // UNITS units of ROWS bytes; unit k sits at k ^ swizzle(s).
-    constexpr int UNITS = TILE / ROWS;
+    load_tile<T>(static_cast<const T*>(x), at, tile);
+  }
+
+  // Each result's scale of x's element (r, c)'s block.
+  const auto as_is_scale = [&](int r, int c) -> float& {
+    return scales[(static_cast<long long>(at.b) * (rows / BLOCK_ROWS) + r / BLOCK_ROWS) * (cols / BLOCK_COLS) +
+                  c / BLOCK_COLS];
+  };
+  const auto transposed_scale = [&](int r, int c) -> float& {
+    return transposed_scales[(static_cast<long long>(at.b) * (cols / BLOCK_ROWS) + c / BLOCK_ROWS) *
+                             (rows / BLOCK_COLS) + r / BLOCK_COLS];
+  };
+  // Each result's reciprocal scales, its scales written on the way, then its
+  // values: the as-is ones first, so that their stores are in flight while the
+  // transposed ones' maxima are reduced and their bytes staged, and the as-is
+  // reciprocals are dead by then (registers: the float tile takes 64). When
+  // both results' blocks are 128 x 128, the tile's one reduction serves both.
+  constexpr bool ONE_REDUCTION = AS_IS && TRANSPOSED && AS_IS_BLOCKS == TRANSPOSED_BLOCKS;
+  Inverses<AS_IS_BLOCKS, T> as_is_inverse;
+  if constexpr (AS_IS) {
+    as_is_inverse = block_inverses<AS_IS_BLOCKS, POWER_OF_TWO, T>(tile, at, [&](int r, int c, float scale) {
+      as_is_scale(r, c) = scale;
+      if constexpr (ONE_REDUCTION) transposed_scale(r, c) = scale;
+    });
+    store_rows<T>(tile, as_is_inverse, at, values);
+  }
+  if constexpr (TRANSPOSED) {
+    Inverses<TRANSPOSED_BLOCKS, T> transposed_inverse;
+    if constexpr (ONE_REDUCTION) {
+      transposed_inverse = as_is_inverse;
+    } else {
+      transposed_inverse = block_inverses<TRANSPOSED_BLOCKS, POWER_OF_TWO, T>(
+          tile, at, [&](int r, int c, float scale) { transposed_scale(r, c) = scale; });
+    }
     __shared__ __align__(16) unsigned char stage[TILE * TILE];
-#pragma unroll
-    for (int e = 0; e < VEC; ++e) {
-      const int s = piece * VEC + e;  // so s / VEC % UNITS == piece % UNITS
-      Pack<unsigned, ROWS> bytes;
-#pragma unroll
-      for (int w = 0; w < ROWS / 4; ++w)
-        bytes.elems[w] = fp8_pair(4 * w, e, 4 * w + 1, e) | fp8_pair(4 * w + 2, e, 4 * w + 3, e) << 16;
-      const int unit = group ^ piece % UNITS;
-      *reinterpret_cast<typename VectorOf<ROWS>::type*>(stage + s * TILE + unit * ROWS) = bytes.raw;
-    }
+    stage_columns<T>(tile, transposed_inverse, at, stage);
     __syncthreads();
-    const bool whole_out_pieces = rows % 16 == 0;
-    constexpr int PIECES = TILE / 16;             // 16-byte pieces of a result row
-    constexpr int UNITS_PER_PIECE = 16 / ROWS;    // 2 or 1
-#pragma unroll
-    for (int pass = 0; pass < TILE * PIECES / THREADS; ++pass) {
-      const int p = threadIdx.x % PIECES, s = threadIdx.x / PIECES + pass * (THREADS / PIECES);
-      const int swizzle = s / VEC % UNITS;
-      uint4 v = *reinterpret_cast<const uint4*>(stage + s * TILE + 16 * (p ^ swizzle / UNITS_PER_PIECE));
-      if (UNITS_PER_PIECE == 2 && swizzle % 2 == 1) v = swap_halves(v);
-      const int out_row = c0 + s, out_col = r0 + 16 * p;
-      if (out_row >= cols) continue;
-      unsigned char* dst = values + (static_cast<long long>(b) * cols + out_row) * rows + out_col;
-      if (whole_out_pieces) {
-        if (out_col < rows) *reinterpret_cast<uint4*>(dst) = v;
-      } else {
-        const unsigned words[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int j = 0; j < 16; ++j)
-          if (out_col + j < rows) dst[j] = words[j / 4] >> 8 * (j % 4) & 0xff;
-      }
-    }
+    store_staged<T>(stage, at, transposed_values);
   }
 }

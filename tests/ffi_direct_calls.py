@@ -170,16 +170,35 @@ def dispatch_fwd(tokens, routing_map, rows, **attrs):
     return _call("oxmoe_dispatch_fwd", rets, tokens, routing_map, **attrs)
 
 
-def quantize(x, values_shape=None, scales_dtype=jnp.float32, **changes):
-    """oxmoe_fp8_quantize of x [B, R, C], in (1, 128) blocks unless `changes` say otherwise."""
+def quantize(x, values_shape=None, scales_dtype=jnp.float32, results=None, **changes):
+    """oxmoe_fp8_quantize of x [B, R, C], in (1, 128) blocks and orientation "as_is" unless
+    `changes` say otherwise; with orientation "both", the transposed values and scales too
+    (the first `results` of them, if given)."""
     attrs = dict(block_rows=np.int64(1), block_cols=np.int64(128), power_of_two_scales=np.bool_(False),
-                 transpose=np.bool_(False))
+                 orientation="as_is")
     attrs.update(changes)
     b, r, c = (x.shape if x.ndim == 3 else (1, *x.shape))
-    rows, cols = (c, r) if attrs["transpose"] else (r, c)
-    rets = (_spec(values_shape or (b, rows, cols), jnp.float8_e4m3fn),
-            _spec((b, max(rows // int(attrs["block_rows"]), 1), max(cols // int(attrs["block_cols"]), 1)), scales_dtype))
-    return _call("oxmoe_fp8_quantize", rets, x, **attrs)
+    block = int(attrs["block_rows"]), int(attrs["block_cols"])
+
+    def quantization(rows, cols, values_shape=None):
+        return (_spec(values_shape or (b, rows, cols), jnp.float8_e4m3fn),
+                _spec((b, max(rows // block[0], 1), max(cols // block[1], 1)), scales_dtype))
+    orientation = attrs["orientation"]
+    rets = quantization(c, r, values_shape) if orientation == "transposed" else quantization(r, c, values_shape)
+    if orientation == "both":
+        rets += quantization(c, r)
+    return _call("oxmoe_fp8_quantize", rets[:results], x, **attrs)
+
+
+def requantize(values, scales, dequantized_dtype="bfloat16", **changes):
+    """oxmoe_fp8_quantize of FP8 values [B, R, C] and their scales, as quantize's call (a
+    `dequantized_dtype` of None: the attribute left out)."""
+    attrs = dict(block_rows=np.int64(1), block_cols=np.int64(128), power_of_two_scales=np.bool_(False),
+                 orientation="as_is", dequantized_dtype=dequantized_dtype)
+    attrs.update(changes)
+    b, r, c = values.shape
+    rets = (_spec((b, r, c), jnp.float8_e4m3fn), _spec((b, r, max(c // 128, 1)), jnp.float32))
+    return _call("oxmoe_fp8_quantize", rets, values, scales, **{k: v for k, v in attrs.items() if v is not None})
 
 
 CASES.update({
@@ -225,7 +244,7 @@ CASES.update({
         lambda: quantize(np.zeros((1, 100, 128), np.float32), block_rows=np.int64(128)), "oxmoe_fp8_quantize",
         [r"x's rows \(100\) must be a multiple of the block's rows \(128\)"]),
     "fp8_quantize_transposed_columns_not_a_multiple_of_the_block": (
-        lambda: quantize(np.zeros((1, 256, 100), np.float32), block_rows=np.int64(128), transpose=np.bool_(True)),
+        lambda: quantize(np.zeros((1, 256, 100), np.float32), block_rows=np.int64(128), orientation="transposed"),
         "oxmoe_fp8_quantize",
         [r"x's columns \(100\), the transposed result's rows, must be a multiple of the block's rows \(128\)"]),
     "fp8_quantize_matrix_x": (
@@ -234,14 +253,49 @@ CASES.update({
     "fp8_quantize_int32_x": (
         lambda: quantize(np.zeros((1, 128, 128), np.int32)), "oxmoe_fp8_quantize", [r"x has dtype int32"]),
     "fp8_quantize_untransposed_values": (
-        lambda: quantize(np.zeros((1, 128, 256), np.float32), transpose=np.bool_(True), values_shape=(1, 128, 256)),
+        lambda: quantize(np.zeros((1, 128, 256), np.float32), orientation="transposed", values_shape=(1, 128, 256)),
         "oxmoe_fp8_quantize", [r"values has shape float8_e4m3fn\[1, 128, 256\], expected \[1, 256, 128\]"]),
     "fp8_quantize_bf16_scales": (
         lambda: quantize(np.zeros((1, 128, 128), np.float32), scales_dtype=jnp.bfloat16), "oxmoe_fp8_quantize",
         [r"scales has dtype bfloat16, expected float32"]),
-    "fp8_quantize_transpose_as_an_integer": (
-        lambda: quantize(np.zeros((1, 128, 128), np.float32), transpose=np.int64(1)), "oxmoe_fp8_quantize",
-        [r"attribute `transpose` has type int64, expected a bool"]),
+    "fp8_quantize_orientation_unknown": (
+        lambda: quantize(np.zeros((1, 128, 128), np.float32), orientation="sideways"), "oxmoe_fp8_quantize",
+        [r"orientation is \"sideways\", expected \"as_is\", \"transposed\" or \"both\""]),
+    "fp8_quantize_orientation_as_a_bool": (
+        lambda: quantize(np.zeros((1, 128, 128), np.float32), orientation=np.bool_(True)), "oxmoe_fp8_quantize",
+        [r"attribute `orientation` is not a string"]),
+    "fp8_quantize_both_of_rows_not_a_multiple_of_128": (
+        lambda: quantize(np.zeros((1, 100, 128), np.float32), orientation="both"), "oxmoe_fp8_quantize",
+        [r"x's rows \(100\), the transposed result's columns, must be a multiple of the block's columns \(128\)"]),
+    "fp8_quantize_both_without_the_transposed_scales": (
+        lambda: quantize(np.zeros((1, 128, 128), np.float32), orientation="both", results=3), "oxmoe_fp8_quantize",
+        [r"result 3 \(transposed_scales\) is missing: the call has 3 results"]),
+    "fp8_quantize_both_with_untransposed_values": (
+        lambda: _call("oxmoe_fp8_quantize", (_spec((1, 128, 256), jnp.float8_e4m3fn), _spec((1, 128, 2), jnp.float32),
+                                             _spec((1, 128, 256), jnp.float8_e4m3fn), _spec((1, 256, 1), jnp.float32)),
+                      np.zeros((1, 128, 256), np.float32), block_rows=np.int64(1), block_cols=np.int64(128),
+                      power_of_two_scales=np.bool_(False), orientation="both"),
+        "oxmoe_fp8_quantize", [r"transposed_values has shape float8_e4m3fn\[1, 128, 256\], expected \[1, 256, 128\]"]),
+    "fp8_requantize_values_of_100_columns": (
+        lambda: requantize(np.zeros((1, 128, 100), jnp.float8_e4m3fn), np.ones((1, 128, 1), np.float32)),
+        "oxmoe_fp8_quantize", [r"values has 100 columns, expected a multiple of 128"]),
+    "fp8_requantize_scales_per_column": (
+        lambda: requantize(np.zeros((1, 128, 256), jnp.float8_e4m3fn), np.ones((1, 128, 256), np.float32)),
+        "oxmoe_fp8_quantize", [r"scales has shape float32\[1, 128, 256\], expected \[1, 128, 2\]"]),
+    "fp8_requantize_bf16_values": (
+        lambda: requantize(np.zeros((1, 128, 256), jnp.bfloat16), np.ones((1, 128, 2), np.float32)),
+        "oxmoe_fp8_quantize", [r"values has dtype bfloat16", r"float8_e4m3fn"]),
+    "fp8_requantize_to_int32": (
+        lambda: requantize(np.zeros((1, 128, 256), jnp.float8_e4m3fn), np.ones((1, 128, 2), np.float32),
+                           dequantized_dtype="int32"),
+        "oxmoe_fp8_quantize", [r"dequantized_dtype is \"int32\", expected \"float32\", \"bfloat16\" or \"float16\""]),
+    "fp8_requantize_without_its_dtype": (
+        lambda: requantize(np.zeros((1, 128, 256), jnp.float8_e4m3fn), np.ones((1, 128, 2), np.float32),
+                           dequantized_dtype=None),
+        "oxmoe_fp8_quantize", [r"attribute `dequantized_dtype` \(a string\) is missing"]),
+    "fp8_quantize_float_x_with_a_dequantized_dtype": (
+        lambda: quantize(np.zeros((1, 128, 128), np.float32), dequantized_dtype="bfloat16"), "oxmoe_fp8_quantize",
+        [r"unknown attribute `dequantized_dtype`"]),
     "sort_chunks_result_aliasing_tokens": (
         lambda: aliased("oxmoe_sort_chunks", _spec(ROWS.shape, jnp.float32), ROWS, SPLITS, ORDER,
                         inverse=np.bool_(False)),

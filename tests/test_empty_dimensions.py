@@ -294,6 +294,65 @@ def quantize_transposed_of_no_columns(rng):
     return _check_quantize((3, 256, 0), (1, 128), True)
 
 
+def _check_quantize_with_transpose(shape, block):
+    """oxmoe.fp8.quantize_with_transpose of zeros of `shape`: both quantizations' values and
+    scales, each with a dimension of 0."""
+    import jax.numpy as jnp
+    from oxmoe import fp8
+
+    q, qt = fp8.quantize_with_transpose(jnp.zeros(shape, jnp.bfloat16), block)
+    *lead, rows, cols = shape
+    checks = []
+    for name, got, (r, c) in (("", q, (rows, cols)), ("transposed ", qt, (cols, rows))):
+        checks += [(f"{name}values", got.values.astype(jnp.float32), np.zeros((*lead, r, c), np.float32)),
+                   (f"{name}scales", got.scales, np.zeros((*lead, r // block[0], c // block[1]), np.float32))]
+    return checks
+
+
+@case
+def quantize_with_transpose_of_no_rows(rng):
+    return _check_quantize_with_transpose((0, 256), (1, 128))
+
+
+@case
+def quantize_with_transpose_of_no_columns(rng):
+    return _check_quantize_with_transpose((256, 0), (128, 1))
+
+
+@case
+def quantize_with_transpose_of_no_batch(rng):
+    return _check_quantize_with_transpose((0, 128, 256), (128, 128))
+
+
+def _check_requantize(shape, block, transpose):
+    """oxmoe.fp8.requantize of FP8 zeros of `shape` in 1 x 128 blocks: values and scales, each
+    with a dimension of 0."""
+    import jax.numpy as jnp
+    from oxmoe import fp8
+
+    *lead, rows, cols = shape
+    q = fp8.BlockQuantized(jnp.zeros(shape, jnp.float8_e4m3fn), jnp.ones((*lead, rows, cols // 128)), (1, 128))
+    got = fp8.requantize(q, block, dtype=jnp.bfloat16, transpose=transpose)
+    rows, cols = (cols, rows) if transpose else (rows, cols)
+    return [("values", got.values.astype(jnp.float32), np.zeros((*lead, rows, cols), np.float32)),
+            ("scales", got.scales, np.zeros((*lead, rows // block[0], cols // block[1]), np.float32))]
+
+
+@case
+def requantize_of_no_rows(rng):
+    return _check_requantize((0, 256), (1, 128), True)
+
+
+@case
+def requantize_of_no_columns(rng):
+    return _check_requantize((256, 0), (128, 1), False)
+
+
+@case
+def requantize_of_no_batch(rng):
+    return _check_requantize((0, 128, 256), (128, 128), True)
+
+
 # -- the child process ---------------------------------------------------------------
 
 

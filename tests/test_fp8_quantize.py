@@ -4,7 +4,10 @@ and rounds to the nearest (ties to the even pattern), and against the plain-JAX 
 semantics (oxmoe.reference.fp8.quantize), bit for bit: on the activation, weight and
 transposed-activation blocks at real models' widths, transposed or not, from float32, bfloat16
 and float16, on fresh random data; its special cases (zero, NaN, infinite, subnormal and tiny
-blocks, power-of-two scales); vmap, jit and sharding; and its errors.
+blocks, power-of-two scales); vmap, jit and sharding; and its errors. The same for
+oxmoe.fp8.quantize_with_transpose, both quantizations from one read of x: each bit for bit the
+reference's and the separate quantize call's; and for oxmoe.fp8.requantize, the quantization of
+FP8 values and scales dequantized as they are read: bit for bit quantize(dequantize(q, dtype)).
 """
 
 from __future__ import annotations
@@ -179,6 +182,162 @@ def test_the_transposed_quantization_is_that_of_the_transpose(block, rng, seed):
         assert_same(as_float64(transposed), (np.swapaxes(values, -1, -2), np.swapaxes(scales, -1, -2)), "(128, 1)")
 
 
+# (x's shape, dtype, block) of tensors the layer quantizes both ways: the up projection's
+# gradient rows [R, 2F] and the dispatched rows [R, H] in 1 x 128 blocks, the experts' weights
+# [E, K, N] in 128 x 128 blocks, and rows per 128 tokens per channel.
+BOTH_CASES = {
+    "grad_up_rows_qwen3_bf16": ((256, 2 * F_QWEN3), jnp.bfloat16, ACT),
+    "grad_up_rows_deepseek_v3_bf16": ((128, 2 * F_DEEPSEEK), jnp.bfloat16, ACT),
+    "dispatched_rows_qwen3_f32": ((384, H_QWEN3), jnp.float32, ACT),
+    "dispatched_rows_deepseek_v3_f16": ((128, H_DEEPSEEK), jnp.float16, ACT),
+    "rows_batched_f16": ((3, 128, 256), jnp.float16, ACT),
+    "weights_qwen3_up_bf16": ((2, H_QWEN3, 2 * F_QWEN3), jnp.bfloat16, WEIGHT),
+    "weights_qwen3_down_f32": ((2, F_QWEN3, H_QWEN3), jnp.float32, WEIGHT),
+    "weights_deepseek_v3_down_bf16": ((1, F_DEEPSEEK, H_DEEPSEEK), jnp.bfloat16, WEIGHT),
+    "transposed_activations_qwen3_bf16": ((256, H_QWEN3), jnp.bfloat16, TACT),
+}
+
+_quantize_with_transpose = jax.jit(fp8.quantize_with_transpose, static_argnums=1,
+                                   static_argnames="power_of_two_scales")
+
+
+def assert_both_match(x, block, context, power_of_two=False):
+    """quantize_with_transpose's two results: each the NumPy reference's, and bit for bit
+    quantize's of x and of x transposed."""
+    q, qt = _quantize_with_transpose(x, block, power_of_two_scales=power_of_two)
+    x64 = np.asarray(x.astype(jnp.float32))
+    for got, transpose in ((q, False), (qt, True)):
+        where = f"{context}, {'transposed' if transpose else 'as is'}"
+        shape = (*x.shape[:-2], x.shape[-1], x.shape[-2]) if transpose else x.shape
+        assert got.block == block and got.shape == shape and got.values.dtype == jnp.float8_e4m3fn, where
+        assert_same(as_float64(got), reference(x64, block, power_of_two, transpose), where)
+        alone = _quantize(x, block, power_of_two_scales=power_of_two, transpose=transpose)
+        np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(alone.values).view(np.uint8),
+                                      err_msg=f"{where}: the values' bits against quantize's")
+        np.testing.assert_array_equal(np.asarray(got.scales).view(np.uint32),
+                                      np.asarray(alone.scales).view(np.uint32),
+                                      err_msg=f"{where}: the scales' bits against quantize's")
+
+
+@pytest.mark.parametrize("case", BOTH_CASES)
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["float32_scales", "power_of_two_scales"])
+def test_quantize_with_transpose_is_both_quantizations(case, power_of_two, rng, seed):
+    shape, dtype, block = BOTH_CASES[case]
+    assert_both_match(draw(rng, shape, dtype), block, f"{case}, power_of_two={power_of_two}, seed={seed}",
+                      power_of_two)
+
+
+def test_quantize_with_transpose_equals_the_plain_jax_reference(rng, seed):
+    for block in (ACT, WEIGHT, TACT):
+        x = draw(rng, (2, 256, 384), jnp.bfloat16)
+        got = _quantize_with_transpose(x, block, power_of_two_scales=True)
+        want = fp8_reference.quantize_with_transpose(x, block, power_of_two_scales=True)
+        for g, w, what in zip(got, want, ("as is", "transposed")):
+            assert g.block == w.block
+            assert_same(as_float64(g), as_float64(w), f"{block}, {what}, seed={seed}")
+
+
+def dequantized_reference(q: fp8.BlockQuantized, dtype) -> np.ndarray:
+    """q's values times their 1 x 128 blocks' scales (float32 subnormal scales and products
+    below 2^-126 zeros of their sign; the product exact in float64, rounded once to float32),
+    rounded to dtype, as float32."""
+    values = np.asarray(q.values.astype(jnp.float32), np.float64)
+    scales = np.asarray(q.scales, np.float64)
+    scales = np.where(np.abs(scales) < TINY, np.copysign(0.0, scales), scales)
+    exact = values * np.repeat(scales, 128, axis=-1)
+    with np.errstate(over="ignore", invalid="ignore"):  # float16 overflows to infinity, as specified
+        product = np.where(np.abs(exact) < TINY, np.copysign(0.0, exact), exact).astype(np.float32)
+        return product.astype(dtype).astype(np.float32)
+
+
+_requantize = jax.jit(fp8.requantize, static_argnums=1, static_argnames=("dtype", "power_of_two_scales", "transpose"))
+
+
+def assert_requantize_matches(q, block, dtype, context, power_of_two=False, transpose=False, dequantize_on=None):
+    """requantize's result: the NumPy reference's and bit for bit quantize(dequantize(q, dtype))'s
+    (computed on `dequantize_on`, a device whose dequantize flushes subnormal products alike)."""
+    got = _requantize(q, block, dtype=dtype, power_of_two_scales=power_of_two, transpose=transpose)
+    shape = (*q.shape[:-2], q.shape[-1], q.shape[-2]) if transpose else q.shape
+    assert got.block == block and got.shape == shape and got.values.dtype == jnp.float8_e4m3fn, context
+    assert_same(as_float64(got), reference(dequantized_reference(q, dtype), block, power_of_two, transpose), context)
+    if dequantize_on is not None:
+        q = jax.device_put(q, dequantize_on)
+    want = _quantize(fp8.dequantize(q, dtype), block, power_of_two_scales=power_of_two, transpose=transpose)
+    np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8),
+                                  err_msg=f"{context}: the values' bits against quantize(dequantize(q))'s")
+    np.testing.assert_array_equal(np.asarray(got.scales).view(np.uint32), np.asarray(want.scales).view(np.uint32),
+                                  err_msg=f"{context}: the scales' bits against quantize(dequantize(q))'s")
+
+
+# (the quantized tensor's shape, the dequantized dtype, the new block, transpose): the layer's
+# output gradient rows [R, H] (quantized per row, requantized transposed for the down weight's
+# gradient), and the other blocks.
+REQUANTIZE_CASES = {
+    "grad_out_rows_qwen3_bf16": ((256, H_QWEN3), jnp.bfloat16, ACT, True),
+    "grad_out_rows_deepseek_v3_bf16": ((128, H_DEEPSEEK), jnp.bfloat16, ACT, True),
+    "grad_out_rows_qwen3_f32": ((384, H_QWEN3), jnp.float32, ACT, True),
+    "rows_f16_batched": ((3, 128, 256), jnp.float16, ACT, True),
+    "rows_per_row_again_bf16": ((200, F_QWEN3), jnp.bfloat16, ACT, False),
+    "rows_per_128_rows_f32": ((256, 384), jnp.float32, TACT, False),
+    "rows_per_128_x_128_transposed_bf16": ((2, 256, 384), jnp.bfloat16, WEIGHT, True),
+}
+
+
+@pytest.mark.parametrize("case", REQUANTIZE_CASES)
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["float32_scales", "power_of_two_scales"])
+def test_requantize_is_the_quantization_of_the_dequantized_tensor(case, power_of_two, rng, seed):
+    shape, dtype, block, transpose = REQUANTIZE_CASES[case]
+    q = fp8.quantize(draw(rng, shape, jnp.float32), ACT, power_of_two_scales=power_of_two)
+    assert_requantize_matches(q, block, dtype, f"{case}, power_of_two={power_of_two}, seed={seed}", power_of_two,
+                              transpose)
+
+
+def test_requantize_equals_the_plain_jax_reference(rng, seed):
+    q = fp8.quantize(draw(rng, (2, 256, 384), jnp.bfloat16))
+    for dtype, block, transpose in ((jnp.bfloat16, ACT, True), (jnp.float16, TACT, False), (jnp.float32, WEIGHT, True)):
+        got = _requantize(q, block, dtype=dtype, power_of_two_scales=True, transpose=transpose)
+        want = fp8_reference.requantize(q, block, dtype=dtype, power_of_two_scales=True, transpose=transpose)
+        assert got.block == want.block
+        assert_same(as_float64(got), as_float64(want), f"{jnp.dtype(dtype).name}, {block}, seed={seed}")
+
+
+def special_fp8_rows() -> fp8.BlockQuantized:
+    """[256, 256] FP8 rows in 1 x 128 blocks whose products with their scales are special: a
+    NaN value, a NaN scale, a subnormal scale, zeros, values near float16's largest (past it,
+    rounded to float16: infinite), and 0.5 times (2 - 2^-23) * 2^-126, a product below 2^-126
+    that IEEE rounding would make 2^-126 (flushed, it is zero: with 448 * 2^-118 in the same
+    column and nothing else there, 2^-126 would quantize to the nonzero 2^-8)."""
+    rng = np.random.default_rng(11)
+    values = jnp.asarray(rng.standard_normal((256, 256)) * 100, jnp.float32).astype(jnp.float8_e4m3fn)
+    scales = np.exp2(rng.integers(-20, 20, (256, 2))).astype(np.float32)
+    values = values.at[3, 7].set(jnp.nan).at[5:9, :128].set(0)
+    scales[10, 1] = np.nan
+    scales[11, 0] = TINY / 4
+    values = values.at[12, 128:].set(448)
+    scales[12, 1] = 300.0  # 448 * 300 = 134400: past float16's 65504
+    values = values.at[:128, 0].set(0).at[20, 0].set(0.5).at[21, 0].set(448)
+    scales[20, 0], scales[21, 0] = np.uint32(0x00FFFFFF).view(np.float32), 2.0 ** -118
+    return fp8.BlockQuantized(values, jnp.asarray(scales), ACT)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16], ids=["f32", "bf16", "f16"])
+@pytest.mark.parametrize("block, transpose", [(ACT, True), (ACT, False), (WEIGHT, False), (TACT, True)],
+                         ids=["transposed", "rows", "weight", "transposed_columns"])
+def test_requantize_special_products_match_the_reference(block, transpose, dtype, cpu):
+    q = special_fp8_rows()
+    context = f"{jnp.dtype(dtype).name}, {block}, transpose={transpose}"
+    for power_of_two in (False, True):
+        # XLA:CPU's dequantize flushes subnormal products as requantize does.
+        assert_requantize_matches(q, block, dtype, context, power_of_two, transpose, dequantize_on=cpu)
+        want = fp8_reference.requantize(q, block, dtype=dtype, power_of_two_scales=power_of_two, transpose=transpose)
+        got = _requantize(q, block, dtype=dtype, power_of_two_scales=power_of_two, transpose=transpose)
+        assert_same(as_float64(got), as_float64(want), f"{context}: the plain-JAX reference")
+    # The flushed product: zero, where 2^-126 would give 2^-8 (in float16, 448 * 2^-118 is zero too).
+    if block == ACT and transpose and dtype != jnp.float16:
+        values, _ = as_float64(_requantize(q, block, dtype=dtype, transpose=True))
+        assert values[0, 20] == 0 and values[0, 21] == 448
+
+
 def special_blocks(dtype) -> np.ndarray:
     """[256, 384] in 128 x 128 tiles, each a kind of block (whatever the block shape, every
     block of a tile is of the tile's kind, except the first row or column of a tile where
@@ -211,6 +370,14 @@ def test_special_blocks_match_the_reference(block, transpose, dtype):
         assert_same(as_float64(q), as_float64(want), f"{context}: the plain-JAX reference")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("block", [ACT, WEIGHT, TACT], ids=["activation", "weight", "transposed_activation"])
+def test_special_blocks_quantized_both_ways_match_the_reference(block, dtype):
+    x = jnp.asarray(special_blocks(dtype), dtype)
+    for power_of_two in (False, True):
+        assert_both_match(x, block, f"{block}, {jnp.dtype(dtype).name}, power_of_two={power_of_two}", power_of_two)
+
+
 def test_tiny_blocks_and_subnormals():
     # Float32 subnormals count as zeros (of their sign) beside normal values: without that,
     # -2^-127 in a block of largest magnitude 2^-110 would be -2^-17 * 448 ~ -0.0034 in FP8.
@@ -238,6 +405,27 @@ def test_vmap_quantizes_each_element(block, transpose, rng, seed):
         assert_same(as_float64(mapped), as_float64(whole), f"{block}, transpose={transpose}, seed={seed}")
 
 
+@pytest.mark.parametrize("block", [ACT, WEIGHT, TACT], ids=["activation", "weight", "transposed_activation"])
+def test_vmap_quantizes_each_element_both_ways(block, rng, seed):
+    x = draw(rng, (3, 2, 128, 256), jnp.bfloat16)
+    quantize = lambda x: fp8.quantize_with_transpose(x, block)  # noqa: E731
+    whole = quantize(x)
+    for mapped in (jax.vmap(quantize)(x), jax.jit(jax.vmap(jax.vmap(quantize)))(x),
+                   jax.vmap(quantize, in_axes=1, out_axes=1)(x)):
+        for got, want in zip(mapped, whole):
+            assert_same(as_float64(got), as_float64(want), f"{block}, seed={seed}")
+
+
+@pytest.mark.parametrize("block, transpose", [(ACT, True), (WEIGHT, False)], ids=["transposed", "weight"])
+def test_vmap_requantizes_each_element(block, transpose, rng, seed):
+    q = fp8.quantize(draw(rng, (3, 2, 128, 256), jnp.bfloat16))
+    requantize = lambda q: fp8.requantize(q, block, dtype=jnp.bfloat16, transpose=transpose)  # noqa: E731
+    whole = requantize(q)
+    for mapped in (jax.vmap(requantize)(q), jax.jit(jax.vmap(jax.vmap(requantize)))(q),
+                   jax.vmap(requantize, in_axes=1, out_axes=1)(q)):
+        assert_same(as_float64(mapped), as_float64(whole), f"{block}, transpose={transpose}, seed={seed}")
+
+
 def test_sharded_inputs_give_the_unsharded_result(rng, seed):
     mesh = jax.make_mesh((4,), ("data",), devices=devices.mesh_devices(4))
     tokens = draw(rng, (512, H_QWEN3), jnp.bfloat16)
@@ -252,6 +440,11 @@ def test_sharded_inputs_give_the_unsharded_result(rng, seed):
         assert_same(as_float64(q), as_float64(want), f"{spec}, {block}, transpose={transpose}, seed={seed}")
         if not transpose and block == ACT:  # rows quantized where they are
             assert q.values.sharding.spec[0] == "data" and q.scales.sharding.spec[0] == "data"
+    # Both ways: the experts' weights split over the mesh, quantized where they are.
+    both = _quantize_with_transpose(on_mesh(weights, P("data", None, None)), WEIGHT)
+    for got, want in zip(both, _quantize_with_transpose(jax.device_put(weights, whole_device), WEIGHT)):
+        assert_same(as_float64(got), as_float64(want), f"both ways, seed={seed}")
+        assert got.values.sharding.spec[0] == "data" and got.scales.sharding.spec[0] == "data"
 
 
 def test_halfway_values_round_to_the_even_pattern():
@@ -342,6 +535,55 @@ RECIPE = r"\(ACTIVATION_BLOCK \(1, 128\), WEIGHT_BLOCK \(128, 128\), TRANSPOSED_
 def test_bad_input_is_named(x, block, kwargs, error, message):
     with pytest.raises(error, match=message):
         fp8.quantize(x, block, **kwargs)
+
+
+@pytest.mark.parametrize("x, block, kwargs, error, message", [
+    (jnp.zeros((100, 256)), ACT, {}, ValueError,
+     r"x's last two dimensions \(100, 256\), transposed \(256, 100\), must be multiples of the block \(1, 128\)"),
+    (jnp.zeros((256, 100)), ACT, {}, ValueError, r"x's last two dimensions \(256, 100\) must be multiples of the "
+                                                 r"block \(1, 128\)"),
+    (jnp.zeros((128, 100)), TACT, {}, ValueError,
+     r"\(128, 100\), transposed \(100, 128\), must be multiples of the block \(128, 1\)"),
+    (jnp.zeros((2, 128, 192)), WEIGHT, {}, ValueError, r"\(128, 192\) must be multiples of the block \(128, 128\)"),
+    (jnp.zeros((128,)), ACT, {}, ValueError, r"x must have at least two dimensions .* got shape \(128,\)"),
+    (jnp.zeros((128, 128), jnp.int8), ACT, {}, TypeError, r"x must be float32, bfloat16 or float16, got int8"),
+    (jnp.zeros((128, 128)), (1, 1), {}, ValueError, r"block must be one of .* got \(1, 1\)"),
+    (jnp.zeros((128, 128)), ACT, {"power_of_two_scales": "no"}, ValueError,
+     r"power_of_two_scales must be a bool, got 'no'"),
+    (jnp.zeros((128, 128)), ACT, {"transpose": True}, TypeError, r"unexpected keyword argument 'transpose'"),
+], ids=["rows", "columns", "transposed_columns", "weight_columns", "rank", "dtype", "block", "power_of_two_not_a_bool",
+        "transpose"])
+def test_bad_input_to_quantize_with_transpose_is_named(x, block, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        fp8.quantize_with_transpose(x, block, **kwargs)
+
+
+_Q = fp8.BlockQuantized(jnp.zeros((100, 256), jnp.float8_e4m3fn), jnp.ones((100, 2)), ACT)
+
+
+@pytest.mark.parametrize("q, block, kwargs, error, message", [
+    (jnp.zeros((128, 256)), ACT, {}, TypeError, r"q must be an oxmoe.fp8.BlockQuantized .* got ArrayImpl"),
+    (fp8.BlockQuantized(jnp.zeros((128, 256), jnp.float8_e4m3fn), jnp.ones((1, 2)), WEIGHT), ACT, {}, ValueError,
+     r"q must be \[..., R, C\] quantized in \(1, 128\) blocks, got shape \[128, 256\] in \(128, 128\) blocks"),
+    (fp8.BlockQuantized(jnp.zeros((256,), jnp.float8_e4m3fn), jnp.ones((2,)), ACT), ACT, {}, ValueError,
+     r"q must be \[..., R, C\] quantized in \(1, 128\) blocks, got shape \[256\]"),
+    (fp8.BlockQuantized(jnp.zeros((4, 256)), jnp.ones((4, 2)), ACT), ACT, {}, TypeError,
+     r"q.values must be float8_e4m3fn, got float32"),
+    (fp8.BlockQuantized(jnp.zeros((4, 256), jnp.float8_e4m3fn), jnp.ones((4, 3)), ACT), ACT, {}, ValueError,
+     r"q.scales must be float32 \[4, 2\]"),
+    (_Q, ACT, {"transpose": True}, ValueError,
+     r"q's last two dimensions \(100, 256\), transposed \(256, 100\), must be multiples of the block \(1, 128\)"),
+    (_Q, WEIGHT, {}, ValueError, r"q's last two dimensions \(100, 256\) must be multiples of the block \(128, 128\)"),
+    (_Q, (2, 128), {}, ValueError, r"block must be one of .* got \(2, 128\)"),
+    (_Q, ACT, {"dtype": jnp.int32}, TypeError, r"dtype must be float32, bfloat16 or float16, got int32"),
+    (_Q, ACT, {"dtype": jnp.float8_e4m3fn}, TypeError, r"dtype must be float32, bfloat16 or float16, got float8_e4m3fn"),
+    (_Q, ACT, {"power_of_two_scales": None}, ValueError, r"power_of_two_scales must be a bool, got None"),
+    (_Q, ACT, {"transpose": 0}, ValueError, r"transpose must be a bool, got 0"),
+], ids=["array", "weight_blocks", "rank", "values_dtype", "scales_shape", "transposed_rows", "weight_rows", "block",
+        "int_dtype", "fp8_dtype", "power_of_two_not_a_bool", "transpose_not_a_bool"])
+def test_bad_input_to_requantize_is_named(q, block, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        fp8.requantize(q, block, **kwargs)
 
 
 def test_dequantize_takes_only_a_quantized_tensor():

@@ -1,7 +1,9 @@
 """bench/fp8_quantize.py (issue 18's quantization benchmark), its smoke run on the default
 device: every case (dispatched rows per row and per 128 tokens, transposed for the weight
-gradient, weights as they are and transposed) timed for oxmoe's primitive and for XLA's
-fusions of the plain-JAX semantics, and bit for bit the plain-JAX reference's result.
+gradient, weights as they are and transposed, weights and gradient rows both ways, FP8 rows
+requantized) timed for oxmoe's primitive and for XLA's fusions of the plain-JAX semantics (both
+ways and requantized, also as the calls they replace), and bit for bit the plain-JAX
+reference's result.
 """
 
 import json
@@ -24,12 +26,16 @@ def test_smoke_run_times_every_case_and_matches_the_reference(report):
     assert report["smoke"] is True and report["goal_fraction_of_copy"] == 0.75
     cases = BENCH["CASES"]
     assert [r["name"] for r in report["rows"]] == [name for name, *_ in cases]
-    assert any(r["transpose"] for r in report["rows"]) and not all(r["transpose"] for r in report["rows"])
-    for row, (_, shape, block, transpose) in zip(report["rows"], cases):
-        assert row["shape"] == list(BENCH["smoke_shape"](shape)) and row["shape"][-2] == BENCH["SMOKE_ROWS"]
-        assert row["block"] == list(block) and row["transpose"] == transpose
-        assert row["bytes"] == BENCH["moved_bytes"](tuple(row["shape"]), block)
+    assert {r["orientation"] for r in report["rows"]} == {"as_is", "transposed", "both"}
+    assert any(r["fp8_input"] for r in report["rows"])
+    for row, case in zip(report["rows"], cases):
+        assert row["shape"] == list(BENCH["smoke_shape"](case.shape)) and row["shape"][-2] == BENCH["SMOKE_ROWS"]
+        assert row["block"] == list(case.block) and row["orientation"] == case.orientation
+        assert row["fp8_input"] == case.fp8_input
+        assert row["bytes"] == BENCH["moved_bytes"](tuple(row["shape"]), case.block, case.orientation, case.fp8_input)
         assert row["matches_reference"], row["name"]
-        for key in ("oxmoe", "xla"):
+        replaces = case.orientation == "both" or case.fp8_input
+        assert ("replaced" in row) == replaces, row["name"]
+        for key in ("oxmoe", "xla", "replaced") if replaces else ("oxmoe", "xla"):
             assert row[key]["median_us"] > 0
             assert row[key]["gb_per_s"] == pytest.approx(row["bytes"] / row[key]["median_us"] / 1e3)

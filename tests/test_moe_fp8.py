@@ -26,6 +26,7 @@ counts are the reference's to float32 precision.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
@@ -167,6 +168,45 @@ def test_the_fp8_step_holds_only_fp8_expert_products(chunks):
                "oxmoe_transposed_ragged_dot")}
     assert counts == {"oxmoe_fp8_ragged_dot": 4 * chunks, "oxmoe_fp8_transposed_ragged_dot": 2,
                       "oxmoe_ragged_dot": 0, "oxmoe_transposed_ragged_dot": 0}, counts
+
+
+def _equations(jaxpr):
+    """Every equation of ``jaxpr`` and of the jaxprs nested in its equations."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for item in value if isinstance(value, (tuple, list)) else (value,):
+                inner = item if hasattr(item, "eqns") else getattr(item, "jaxpr", None)
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_the_fp8_step_quantizes_each_tensor_from_one_read(chunks):
+    # The experts' weights (the forward's products take them [E, N, K], the backward's [E, K, N])
+    # and each chunk's up-projection gradient rows (d lhs per row, the up weight's gradient
+    # transposed) are quantized both ways at once; each chunk's output gradient, which travelled
+    # per row, is requantized transposed from its FP8 values; XLA transposes no FP8 values.
+    config = config_of("softmax_top2", dtype=BF16, token_chunks=chunks)
+    mesh = jax.make_mesh((2,), ("expert",), devices=devices.cpu_devices()[:2])
+    params = moe.init_params(jax.random.key(0), config, HIDDEN, FFN)
+    x = jnp.zeros((TOKENS, HIDDEN), BF16)
+
+    def loss(x, params):
+        y, aux = moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert")
+        return jnp.sum(y.astype(F32)) + aux.load_balancing_loss
+
+    eqns = list(_equations(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, params).jaxpr))
+    kinds = collections.Counter(("requantized " if "dequantized_dtype" in e.params else "") + e.params["orientation"]
+                                for e in eqns if e.primitive.name == "oxmoe_fp8_quantize")
+    # Both ways: up, down, each chunk's gradient rows. Transposed: each chunk's rows and hidden activations
+    # for the weight gradients, and requantized its output gradient. As they are: each chunk's tokens,
+    # hidden activations and output gradient.
+    assert kinds == {"both": 2 + chunks, "transposed": 2 * chunks, "requantized transposed": chunks,
+                     "as_is": 3 * chunks}, kinds
+    fp8_transposes = [e for e in eqns
+                      if e.primitive.name == "transpose" and e.invars[0].aval.dtype == jnp.float8_e4m3fn]
+    assert not fp8_transposes, fp8_transposes
 
 
 def test_sizes_fp8_cannot_block_are_named():

@@ -122,6 +122,27 @@ def fp8_quantize(block, transpose):
     return of(fp8.quantize), of(reference.fp8.quantize)
 
 
+def fp8_quantize_with_transpose(block):
+    """oxmoe.fp8.quantize_with_transpose's values (as float32) and scales, both ways, and the
+    same of the plain-JAX reference."""
+    def of(quantize_with_transpose):
+        def values_and_scales(x):
+            return tuple((q.values.astype(jnp.float32), q.scales) for q in quantize_with_transpose(x, block))
+        return values_and_scales
+    return of(fp8.quantize_with_transpose), of(reference.fp8.quantize_with_transpose)
+
+
+def fp8_requantize(block, transpose):
+    """oxmoe.fp8.requantize's values (as float32) and scales of x quantized per row, and the
+    same of the plain-JAX reference."""
+    def of(requantize):
+        def values_and_scales(x):
+            q = requantize(fp8.quantize(x), block, dtype=jnp.bfloat16, transpose=transpose)
+            return q.values.astype(jnp.float32), q.scales
+        return values_and_scales
+    return of(fp8.requantize), of(reference.fp8.requantize)
+
+
 # ---------------------------------------------------------------------------- cases
 
 # name: (oxmoe function, plain-JAX function, (rng, batch) -> (args, in_axes))
@@ -142,6 +163,10 @@ CASES = {
                                   lambda rng, b: ((normal(rng, 128, b, 256),), 1)),
     "fp8_quantize_transposed": (*fp8_quantize(fp8.WEIGHT_BLOCK, True),
                                 lambda rng, b: ((normal(rng, b, 128, 256),), 0)),
+    "fp8_quantize_with_transpose": (*fp8_quantize_with_transpose(fp8.ACTIVATION_BLOCK),
+                                    lambda rng, b: ((normal(rng, b, 128, 256),), 0)),
+    "fp8_requantize_transposed": (*fp8_requantize(fp8.ACTIVATION_BLOCK, True),
+                                  lambda rng, b: ((normal(rng, b, 128, 256),), 0)),
     # the lax.map over the batch
     "aux_loss": (functools.partial(router.aux_loss, **AUX), plain_aux_loss,
                  lambda rng, b: ((normal(rng, b, T, E), jnp.asarray(rng.integers(0, T, E), jnp.int32)), (0, None))),

@@ -15,7 +15,10 @@ DeepSeek-V3's recipe are the three uses:
 ``quantize(x, block, transpose=True)`` quantizes ``x``'s transpose instead, read from ``x`` as
 it is: ``quantize(rows, ACTIVATION_BLOCK, transpose=True)`` is the ``(128, 1)`` quantization
 of ``rows`` with its values written token-contiguous (``[channels, tokens]``), as Hopper's FP8
-``wgmma`` reads the weight gradient's operands.
+``wgmma`` reads the weight gradient's operands. ``quantize_with_transpose(x, block)`` returns
+both quantizations, ``x``'s and its transpose's, from one read of ``x``, and
+``requantize(q, block, dtype=...)`` quantizes ``dequantize(q, dtype)`` again (in other blocks,
+or transposed) from ``q``'s FP8 values and scales.
 
 The result is a :class:`BlockQuantized` pytree: the values (the input's shape, or with
 ``transpose`` its transpose's), the scales and the block shape. ``values * scales`` (each
@@ -43,8 +46,8 @@ in Rust, is the specification, CUDA kernels compute the same, and
   non-finite ``amax`` says nothing about the block's other elements; nothing is silently
   clipped to a finite number).
 
-On a GPU, a CUDA kernel reads ``x`` once and writes the values and scales once (transposed
-or not) from the same pass. The quantization is not differentiated: the FP8 GEMMs that
+On a GPU, a CUDA kernel reads ``x`` once and writes the values and scales once (``x``'s,
+its transpose's, or both) from the same pass. The quantization is not differentiated: the FP8 GEMMs that
 consume it define their own gradients.
 
 The grouped products on quantized operands (the expert GEMMs of an FP8 training step, as
@@ -92,7 +95,8 @@ from oxmoe._pytree import pytree_dataclass
 from oxmoe.grouped_gemm import _check_groups, _check_num_groups, _chunks_of
 
 __all__ = ["E4M3_MAX", "ACTIVATION_BLOCK", "WEIGHT_BLOCK", "TRANSPOSED_ACTIVATION_BLOCK", "BlockQuantized",
-           "BlockScaling", "quantize", "dequantize", "ragged_dot", "transposed_ragged_dot"]
+           "BlockScaling", "quantize", "quantize_with_transpose", "requantize", "dequantize", "ragged_dot",
+           "transposed_ragged_dot"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = 448.0
@@ -148,7 +152,7 @@ _RECIPE_BLOCKS = {ACTIVATION_BLOCK: "ACTIVATION_BLOCK", WEIGHT_BLOCK: "WEIGHT_BL
                   TRANSPOSED_ACTIVATION_BLOCK: "TRANSPOSED_ACTIVATION_BLOCK"}
 
 
-def _check_quantize_input(x, block, transpose: bool) -> None:
+def _check_quantize_input(x, block, transpose: bool, name: str = "x") -> None:
     ints = isinstance(block, tuple) and all(isinstance(b, int) and not isinstance(b, bool) for b in block)
     if not ints or block not in _RECIPE_BLOCKS:
         names = ", ".join(f"{name} {b}" for b, name in _RECIPE_BLOCKS.items())
@@ -158,7 +162,8 @@ def _check_quantize_input(x, block, transpose: bool) -> None:
     blocked = (cols, rows) if transpose else (rows, cols)
     if blocked[0] % block[0] or blocked[1] % block[1]:
         transposed = f", transposed {blocked}," if transpose else ""
-        raise ValueError(f"x's last two dimensions ({rows}, {cols}){transposed} must be multiples of the block {block}")
+        raise ValueError(f"{name}'s last two dimensions ({rows}, {cols}){transposed} must be multiples of the block "
+                         f"{block}")
 
 
 def _check_float_blocks(x) -> None:
@@ -172,19 +177,41 @@ def _check_float_blocks(x) -> None:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-def _quantize_results(x, *, block_rows, block_cols, transpose, **_):
+def _quantize_results(x, *_, block_rows, block_cols, orientation, **__):
     batch, rows, cols = x.shape
-    if transpose:
-        rows, cols = cols, rows
-    return [jax.ShapeDtypeStruct((batch, rows, cols), E4M3),
-            jax.ShapeDtypeStruct((batch, rows // block_rows, cols // block_cols), jnp.float32)]
+
+    def quantization(rows, cols):
+        return [jax.ShapeDtypeStruct((batch, rows, cols), E4M3),
+                jax.ShapeDtypeStruct((batch, rows // block_rows, cols // block_cols), jnp.float32)]
+
+    as_is, transposed = quantization(rows, cols), quantization(cols, rows)
+    return {"as_is": as_is, "transposed": transposed, "both": as_is + transposed}[orientation]
 
 
-# x [B, R, C] -> values, scales, each [B, ...]: the batch elements are quantized apart, so
+# x [B, R, C] -> values, scales (x's quantization as it is, or its transpose's, by the
+# attribute `orientation`), each [B, ...]: the batch elements are quantized apart, so
 # dimension 0 is independent rows whichever way the last two are laid out (transposed
 # too), and batching folds into it and sharding splits it as the router's tokens.
-_quantize_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.ROWS,), results=(Layout.ROWS, Layout.ROWS),
+_quantize_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.ROWS,), results=(Layout.ROWS,) * 2,
                            result_specs=_quantize_results)
+# The same target with orientation "both": x's values and scales, then its transpose's.
+_quantize_with_transpose_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.ROWS,),
+                                          results=(Layout.ROWS,) * 4, result_specs=_quantize_results)
+# The same target on x's FP8 values [B, R, C] and their 1 x 128 blocks' scales [B, R, C / 128],
+# dequantized to the attribute `dequantized_dtype` as they are read.
+_requantize_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.ROWS,) * 2, results=(Layout.ROWS,) * 2,
+                             result_specs=_quantize_results)
+
+
+def _block_attrs(block: tuple[int, int], power_of_two_scales: bool) -> dict:
+    return dict(block_rows=np.int64(block[0]), block_cols=np.int64(block[1]),
+                power_of_two_scales=np.bool_(power_of_two_scales))
+
+
+def _quantized(values, scales, shape: tuple[int, ...], block: tuple[int, int]) -> BlockQuantized:
+    """The primitive's values and scales as the quantization of a tensor of ``shape``."""
+    *lead, rows, cols = shape
+    return BlockQuantized(values.reshape(shape), scales.reshape(*lead, rows // block[0], cols // block[1]), block)
 
 
 def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scales: bool = False,
@@ -202,22 +229,88 @@ def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scale
         transposed copy): values ``[..., C, R]``, scales ``[..., C / block[0], R /
         block[1]]``, bit for bit ``quantize(jnp.swapaxes(x, -1, -2), block)``. The weight
         gradient's operands, token-contiguous as Hopper's FP8 ``wgmma`` reads them, are
-        ``quantize(rows, ACTIVATION_BLOCK, transpose=True)``.
+        ``quantize(rows, ACTIVATION_BLOCK, transpose=True)``. For both quantizations of
+        one ``x``, :func:`quantize_with_transpose` reads it once.
     """
     power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
     transpose = check_bool("transpose", transpose)
     _check_quantize_input(x, block, transpose)
     *lead, rows, cols = x.shape
     batch = math.prod(lead)
-    result = (cols, rows) if transpose else (rows, cols)
     # Rows of 1 x 128 blocks are quantized apart: each its own batch element, so that a
     # mesh splits them as it splits tokens.
     view = (batch * rows, 1, cols) if block[0] == 1 and not transpose else (batch, rows, cols)
-    values, scales = _quantize_p(
-        jax.lax.stop_gradient(x).reshape(view), block_rows=np.int64(block[0]), block_cols=np.int64(block[1]),
-        power_of_two_scales=np.bool_(power_of_two_scales), transpose=np.bool_(transpose))
-    return BlockQuantized(values.reshape(*lead, *result),
-                          scales.reshape(*lead, result[0] // block[0], result[1] // block[1]), block)
+    values, scales = _quantize_p(jax.lax.stop_gradient(x).reshape(view), **_block_attrs(block, power_of_two_scales),
+                                 orientation="transposed" if transpose else "as_is")
+    return _quantized(values, scales, (*lead, cols, rows) if transpose else x.shape, block)
+
+
+def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *,
+                            power_of_two_scales: bool = False) -> tuple[BlockQuantized, BlockQuantized]:
+    """``(quantize(x, block), quantize(x, block, transpose=True))``, bit for bit, from one
+    read of ``x``: for a tensor that two products take, one in each layout (the layer's
+    expert weights, whose forward products read them ``[E, N, K]`` and whose backward
+    ones ``[E, K, N]``; the rows of the up projection's gradient, the d lhs product's
+    operand in 1 x 128 blocks and, transposed, the up weight gradient's).
+
+    Args:
+      x: ``[..., R, C]`` float32, bfloat16 or float16.
+      block: :data:`ACTIVATION_BLOCK`, :data:`WEIGHT_BLOCK` or
+        :data:`TRANSPOSED_ACTIVATION_BLOCK`, the block of each result; it must divide
+        ``R`` and ``C`` both ways round (for the recipe's blocks: both multiples of 128).
+      power_of_two_scales: round each scale up to a power of two.
+
+    Returns:
+      ``(q, qt)``: ``q`` the values ``[..., R, C]`` and their scales, ``qt`` those of
+      ``swapaxes(x, -1, -2)``, values ``[..., C, R]``.
+    """
+    power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
+    _check_quantize_input(x, block, False)
+    _check_quantize_input(x, block, True)
+    *lead, rows, cols = x.shape
+    values, scales, transposed_values, transposed_scales = _quantize_with_transpose_p(
+        jax.lax.stop_gradient(x).reshape(math.prod(lead), rows, cols), **_block_attrs(block, power_of_two_scales),
+        orientation="both")
+    return (_quantized(values, scales, x.shape, block),
+            _quantized(transposed_values, transposed_scales, (*lead, cols, rows), block))
+
+
+def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, dtype=jnp.float32,
+               power_of_two_scales: bool = False, transpose: bool = False) -> BlockQuantized:
+    """``quantize(dequantize(q, dtype), block, ...)``, bit for bit, read from ``q``'s FP8
+    values and scales: the tensor ``q`` stands for, in ``dtype``, quantized in other blocks
+    (or transposed) without a copy of it in ``dtype`` (the layer's output gradient, which
+    travels per row in 1 x 128 blocks, for the down weight's gradient per 128 rows).
+
+    Args:
+      q: ``[..., R, C]`` in :data:`ACTIVATION_BLOCK` blocks (:func:`quantize`'s result, or
+        values and scales of that form).
+      block: as for :func:`quantize`.
+      dtype: float32 (default, as :func:`dequantize`), bfloat16 or float16: each value
+        times its scale is rounded to it before its quantization. The product is
+        float32's with subnormal operands and results zeros of their sign, as XLA:CPU
+        computes :func:`dequantize` (another backend's :func:`dequantize` may keep a
+        subnormal product, which the quantization then counts as a zero unless it rounds
+        up to ``2**-126`` in ``dtype``).
+      power_of_two_scales: round each scale up to a power of two.
+      transpose: quantize the transpose (values ``[..., C, R]``), as :func:`quantize`.
+    """
+    _check_quantized("q", q, ACTIVATION_BLOCK, "[..., R, C]")
+    dtype = jnp.dtype(dtype)
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+    power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
+    transpose = check_bool("transpose", transpose)
+    _check_quantize_input(jax.ShapeDtypeStruct(q.shape, dtype), block, transpose, name="q")
+    *lead, rows, cols = q.shape
+    batch = math.prod(lead)
+    view = (batch * rows, 1) if block[0] == 1 and not transpose else (batch, rows)  # as quantize's
+    values, scales = _requantize_p(
+        jax.lax.stop_gradient(q.values).reshape(*view, cols),
+        jax.lax.stop_gradient(q.scales).reshape(*view, cols // 128),
+        **_block_attrs(block, power_of_two_scales), orientation="transposed" if transpose else "as_is",
+        dequantized_dtype=dtype.name)
+    return _quantized(values, scales, (*lead, cols, rows) if transpose else q.shape, block)
 
 
 def _blocks(x, block: tuple[int, int]):
@@ -263,13 +356,15 @@ _transposed_ragged_dot_p(1)  # registers the target at import, as every other pr
 
 
 def _check_quantized(name: str, q, block: tuple[int, int], layout: str) -> None:
-    """``q`` is a :class:`BlockQuantized` of ``len(layout)`` dimensions in ``block`` blocks,
-    its values float8_e4m3fn and its scales float32 of the blocks' shape."""
+    """``q`` is a :class:`BlockQuantized` of ``len(layout)`` dimensions (at least two for a
+    layout ``[..., R, C]``) in ``block`` blocks, its values float8_e4m3fn and its scales
+    float32 of the blocks' shape."""
     if not isinstance(q, BlockQuantized):
         raise TypeError(f"{name} must be an oxmoe.fp8.BlockQuantized (oxmoe.fp8.quantize's result), "
                         f"got {type(q).__name__}")
     rank = len(layout.split(","))
-    if q.block != block or len(q.shape) != rank:
+    ranks = range(2, 1 << 30) if layout.startswith("[...") else (rank,)
+    if q.block != block or len(q.shape) not in ranks:
         raise ValueError(f"{name} must be {layout} quantized in {block} blocks, got shape {list(q.shape)} in "
                          f"{q.block} blocks")
     check_array(f"{name}.values", q.values)

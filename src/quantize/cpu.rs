@@ -14,6 +14,9 @@
 //!   the scale would not be a normal float32) has scale 1, its values zero;
 //! - `value = e4m3(clamp(x * (1 / scale), -448, 448))`: the reciprocal
 //!   correctly rounded, one float32 product, rounded to nearest even.
+//!
+//! An FP8 input (requantization: values and their 1 x 128 blocks' scales) is
+//! [`dequantized`] first, as `oxmoe.fp8.dequantize` computes it on XLA:CPU.
 
 use super::Quantization;
 use crate::real::{Real, E4m3};
@@ -32,6 +35,29 @@ fn flushed(value: f32) -> f32 {
     } else {
         value
     }
+}
+
+/// `a * b` in float32 as flush-to-zero arithmetic computes it (XLA:CPU's
+/// threads, CUDA's `mul.ftz`): subnormal operands count as zeros of their
+/// sign, and so does a product below 2^-126 in magnitude. The product is
+/// exact in float64 and rounded once; it is decided tiny before rounding,
+/// which for an FP8 value times a float32 (whose exact product has at most 28
+/// significant bits, none within 2^-24 below a power of two) is the same as
+/// after rounding, whichever the hardware does.
+fn flushed_product(a: f32, b: f32) -> f32 {
+    let exact = f64::from(flushed(a)) * f64::from(flushed(b));
+    if exact.abs() < f64::from(f32::MIN_POSITIVE) {
+        0f32.copysign(exact as f32)
+    } else {
+        exact as f32
+    }
+}
+
+/// FP8 values `[..., C]` times their 1 x 128 blocks' `scales` (`[..., C /
+/// 128]`: element `i`'s is `scales[i / 128]`), each product rounded to `T`:
+/// `oxmoe.fp8.dequantize(q, T)`.
+pub fn dequantized<T: Real>(values: &[E4m3], scales: &[f32]) -> Vec<T> {
+    values.par_iter().enumerate().map(|(i, v)| T::from_f32(flushed_product(v.to_f32(), scales[i / 128]))).collect()
 }
 
 /// The smallest power of two at least `r`, a positive normal float32 (below
@@ -174,6 +200,27 @@ mod tests {
             assert_eq!(scales[1], INVERSE_E4M3_MAX);
             assert!(values[128..].iter().all(|&v| v == 0x7E), "{special}");
         }
+    }
+
+    #[test]
+    fn dequantized_products_flush_below_the_normal_floats() {
+        let scale = f32::from_bits(0x00FF_FFFF); // (2 - 2^-23) * 2^-126
+        // 0.5 times it is (2 - 2^-23) * 2^-127: subnormal, though IEEE rounding would give 2^-126.
+        assert_eq!(flushed_product(0.5, scale).to_bits(), 0);
+        assert_eq!(flushed_product(-0.5, scale).to_bits(), 0x8000_0000);
+        assert_eq!(flushed_product(1.0, scale), scale);
+        assert_eq!(flushed_product(448.0, f32::MIN_POSITIVE / 2.0), 0.0); // a subnormal scale
+        assert!(flushed_product(f32::NAN, 1.0).is_nan());
+        let values = [E4m3::from_f32(2.0), E4m3::from_f32(-3.0), E4m3(0x7F)];
+        let mut scales = vec![0.25f32, 1.0];
+        let mut all = [values[0]; 256];
+        (all[1], all[127], all[128]) = (values[1], values[2], values[1]);
+        let got: Vec<f32> = dequantized(&all, &scales);
+        assert_eq!((got[0], got[1], got[128], got[129]), (0.5, -0.75, -3.0, 2.0));
+        assert!(got[127].is_nan());
+        scales[1] = 1.0 / 3.0;
+        let got: Vec<half::bf16> = dequantized(&all, &scales);
+        assert_eq!(got[128], half::bf16::from_f32(-3.0 * (1.0f32 / 3.0)));
     }
 
     #[test]

@@ -1,7 +1,9 @@
 //! The CUDA quantization: `kernels/quantize.cu`'s `quantize`, one block of
-//! threads per 128 x 128 tile of `x` (see the kernel for its layout and why).
+//! threads per 128 x 128 tile of `x` (see the kernel for its layout and why),
+//! which writes a call's quantizations (as it is, transposed, or both) from one
+//! read of the tile (of x, or of FP8 values dequantized as they are read).
 
-use super::{Block, Quantize};
+use super::{Block, Input, Orientation, Output, Quantize};
 use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, LaunchContext, QUANTIZE};
 use crate::ffi::{DataType, Result};
 
@@ -10,26 +12,42 @@ use crate::ffi::{DataType, Result};
 const THREADS: u32 = 256;
 const TILE: usize = 128;
 
-pub fn quantize_instance(dtype: DataType, block: Block, transpose: bool, power_of_two_scales: bool) -> Result<String> {
+/// The kernel for x of `dtype` (with `fp8_input`: FP8 values dequantized to it).
+pub fn quantize_instance(dtype: DataType, block: Block, orientation: Orientation, power_of_two_scales: bool, fp8_input: bool) -> Result<String> {
     let instance = Instance::new("quantize").dtype(dtype).int(block.rows).int(block.cols);
-    instance.flag(transpose).flag(power_of_two_scales).int(THREADS).build()
+    let instance = instance.flag(orientation.as_is()).flag(orientation.transposed()).flag(power_of_two_scales);
+    instance.flag(fp8_input).int(THREADS).build()
 }
 
 pub fn quantize(ctx: &LaunchContext, op: &Quantize) -> Result<()> {
-    let q = &op.shape;
-    if op.values.is_empty() {
+    // Both quantizations of a call share x's shape, the block and the options.
+    let (orientation, first) = match (&op.as_is, &op.transposed) {
+        (Some(out), None) => (Orientation::AsIs, out),
+        (None, Some(out)) => (Orientation::Transposed, out),
+        (Some(out), Some(_)) => (Orientation::Both, out),
+        (None, None) => return Ok(()),
+    };
+    if first.values.is_empty() {
         return Ok(());
     }
+    let q = &first.shape;
     // Without a transpose, no block straddles two batch elements (their rows
     // are a multiple of the block's): the kernel sees one matrix of all rows.
-    let (batch, rows) = if q.transpose { (q.batch, q.rows) } else { (1, q.batch * q.rows) };
+    let (batch, rows) = if orientation.transposed() { (q.batch, q.rows) } else { (1, q.batch * q.rows) };
     let tiles = batch * rows.div_ceil(TILE) * q.cols.div_ceil(TILE);
-    let instance = quantize_instance(op.x.dtype(), q.block, q.transpose, q.power_of_two_scales)?;
+    let (x, x_scales, fp8_input) = match &op.x {
+        Input::Float(x) => (x.device_ptr(), 0, false),
+        Input::Fp8 { values, scales, .. } => (values.device_ptr(), scales.device_ptr(), true),
+    };
+    let instance = quantize_instance(op.x.dtype(), q.block, orientation, q.power_of_two_scales, fp8_input)?;
     let kernel = Kernel::get(ctx.stream, &QUANTIZE, &instance)?;
     let (batch, rows, cols) = (int(batch)?, int(rows)?, int(q.cols)?);
-    let (x, values, scales) = (op.x.device_ptr(), op.values.device_ptr(), op.scales.device_ptr());
+    // A result the call does not write is a null pointer the kernel never follows.
+    let pointers = |out: &Option<Output>| out.as_ref().map_or((0, 0), |o| (o.values.device_ptr(), o.scales.device_ptr()));
+    let ((values, scales), (transposed_values, transposed_scales)) = (pointers(&op.as_is), pointers(&op.transposed));
     launch(ctx.stream, kernel, LaunchConfig { grid: grid(tiles)?, block: THREADS, shared_bytes: 0 }, &mut [
-        arg(&x), arg(&batch), arg(&rows), arg(&cols), arg(&values), arg(&scales),
+        arg(&x), arg(&x_scales), arg(&batch), arg(&rows), arg(&cols), arg(&values), arg(&scales), arg(&transposed_values),
+        arg(&transposed_scales),
     ])
 }
 
@@ -43,9 +61,11 @@ mod tests {
         let mut instances = Vec::new();
         for dtype in [DataType::F32, DataType::BF16, DataType::F16] {
             for block in RECIPE_BLOCKS {
-                for transpose in [false, true] {
+                for orientation in [Orientation::AsIs, Orientation::Transposed, Orientation::Both] {
                     for power_of_two in [false, true] {
-                        instances.push(quantize_instance(dtype, block, transpose, power_of_two).unwrap());
+                        for fp8_input in [false, true] {
+                            instances.push(quantize_instance(dtype, block, orientation, power_of_two, fp8_input).unwrap());
+                        }
                     }
                 }
             }
@@ -66,7 +86,7 @@ mod tests {
     /// The kernel checks the launch's threads against its layout.
     #[test]
     fn a_launch_of_other_threads_does_not_compile() {
-        let instance = Instance::new("quantize").dtype(DataType::BF16).int(1).int(128).flag(false).flag(false).int(128);
+        let instance = Instance::new("quantize").dtype(DataType::BF16).int(1).int(128).flag(true).flag(false).flag(false).flag(false).int(128);
         let error = compile_check(&QUANTIZE, &[&instance.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
         assert!(error.message().contains("the launch's threads"), "{}", error.message());
     }

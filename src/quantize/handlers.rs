@@ -1,9 +1,10 @@
 //! XLA FFI handlers of the quantization. Each decodes its call into
-//! [`Quantize`]; the CPU handler then runs `cpu` on its slices, the CUDA
-//! handler (`oxmoe_fp8_quantize_cuda`, registered for the CUDA platform under
-//! the same target name) hands it to `cuda` with the call's [`LaunchContext`].
+//! [`Quantize`]; the CPU handler then runs `cpu` on its slices (an FP8 input
+//! dequantized first), once per quantization the call writes, the CUDA handler (`oxmoe_fp8_quantize_cuda`,
+//! registered for the CUDA platform under the same target name) hands it to
+//! `cuda` with the call's [`LaunchContext`].
 
-use super::{cpu, cuda, Quantize};
+use super::{cpu, cuda, Input, Quantize};
 use crate::cuda::LaunchContext;
 use crate::ffi::Result;
 use crate::{export_handler, with_real_type};
@@ -14,7 +15,17 @@ export_handler!(oxmoe_fp8_quantize_cuda, Quantize, |call, op| cuda::quantize(&La
 
 fn quantize_cpu(op: Quantize) -> Result<()> {
     with_real_type!(op.x.dtype(), T => {
-        cpu::quantize::<T>(&op.shape, op.x.slice()?, op.values.slice_mut()?, op.scales.slice_mut()?);
+        let dequantized: Vec<T>;
+        let x = match &op.x {
+            Input::Float(x) => x.slice()?,
+            Input::Fp8 { values, scales, .. } => {
+                dequantized = cpu::dequantized(values.slice()?, scales.slice()?);
+                &dequantized
+            }
+        };
+        for out in op.as_is.into_iter().chain(op.transposed) {
+            cpu::quantize::<T>(&out.shape, x, out.values.slice_mut()?, out.scales.slice_mut()?);
+        }
     });
     Ok(())
 }

@@ -1,53 +1,122 @@
 //! The quantization's call, decoded (and checked) once into the typed struct
 //! that the CPU and CUDA backends both take.
 
-use super::{Block, Quantization, RECIPE_BLOCKS};
+use super::{Block, Orientation, Quantization, RECIPE_BLOCKS};
 use crate::ffi::{Arg, Call, DataType, Result, Ret};
 use crate::invalid;
 use crate::real::FLOAT_TYPES;
 
-/// `oxmoe_fp8_quantize`: x [B, R, C] float32, bfloat16 or float16
-/// (attributes `block_rows`, `block_cols`, `power_of_two_scales`,
-/// `transpose`) -> values float8_e4m3fn [B, R, C] and scales float32
-/// [B, R / block_rows, C / block_cols]; with `transpose`, values [B, C, R]
-/// and scales [B, C / block_rows, R / block_cols].
+/// `oxmoe_fp8_quantize`: x [B, R, C] float32, bfloat16 or float16, or x's
+/// FP8 values and their scales ([`Input`]; attributes `block_rows`,
+/// `block_cols`, `power_of_two_scales`, `orientation`) -> with `orientation`
+/// `"as_is"`, values float8_e4m3fn [B, R, C] and scales float32 [B, R /
+/// block_rows, C / block_cols]; with `"transposed"`, those of each batch
+/// element's transpose, values [B, C, R] and scales [B, C / block_rows, R /
+/// block_cols]; with `"both"`, the two pairs in that order, from one read of x.
 pub struct Quantize<'a> {
+    pub x: Input<'a>,
+    /// x's quantization as it is, if the call writes it.
+    pub as_is: Option<Output<'a>>,
+    /// The quantization of x's transpose, if the call writes it.
+    pub transposed: Option<Output<'a>>,
+}
+
+/// What a call quantizes: x [B, R, C].
+pub enum Input<'a> {
+    /// x itself, float32, bfloat16 or float16 (one argument).
+    Float(Arg<'a>),
+    /// x as FP8 values [B, R, C] and their 1 x 128 blocks' float32 scales
+    /// [B, R, C / 128] (two arguments; `requantize`): each element their
+    /// product rounded to `dtype` (attribute `dequantized_dtype`: float32,
+    /// bfloat16 or float16), as `oxmoe.fp8.dequantize(q, dtype)` gives it.
+    Fp8 { values: Arg<'a>, scales: Arg<'a>, dtype: DataType },
+}
+
+impl Input<'_> {
+    /// The type of x's elements: the FP8 values' dequantized type.
+    pub fn dtype(&self) -> DataType {
+        match self {
+            Self::Float(x) => x.dtype(),
+            Self::Fp8 { dtype, .. } => *dtype,
+        }
+    }
+}
+
+/// One quantization of a call and the results it writes.
+pub struct Output<'a> {
     pub shape: Quantization,
-    pub x: Arg<'a>,
     pub values: Ret<'a>,
     pub scales: Ret<'a>,
 }
 
 impl<'a> Quantize<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(1, 1)?;
-        let x = call.arg(0, "x")?;
-        x.expect_dtype(&FLOAT_TYPES)?;
-        let &[batch, rows, cols] = x.dims() else {
-            invalid!("x has shape {:?}, expected [batch, rows, columns]", x.dims())
-        };
-        let (batch, rows, cols) = (batch.max(0) as usize, rows.max(0) as usize, cols.max(0) as usize);
+        call.expect_num_args(1, 2)?;
+        let (x, [batch, rows, cols]) = Input::decode(call)?;
         let block = Block { rows: call.count("block_rows")?, cols: call.count("block_cols")? };
         if !RECIPE_BLOCKS.contains(&block) {
             invalid!("the block is ({}, {}) (attributes `block_rows`, `block_cols`), expected one of the FP8 recipe's: (1, 128), (128, 128) or (128, 1)",
                      block.rows, block.cols)
         }
-        let shape = Quantization {
-            batch,
-            rows,
-            cols,
-            block,
-            power_of_two_scales: call.attr("power_of_two_scales")?,
-            transpose: call.attr("transpose")?,
+        let power_of_two_scales = call.attr("power_of_two_scales")?;
+        let orientation = Orientation::parse(call.attr("orientation")?)?;
+        let shape = |transpose| Quantization { batch, rows, cols, block, power_of_two_scales, transpose };
+        // Results 0 and 1 are the first quantization the call writes, 2 and 3 the second.
+        let as_is = if orientation.as_is() { Some(Output::decode(call, shape(false), 0, ["values", "scales"])?) } else { None };
+        let transposed = if orientation.transposed() {
+            let (first, names) = if as_is.is_some() { (2, ["transposed_values", "transposed_scales"]) } else { (0, ["values", "scales"]) };
+            Some(Output::decode(call, shape(true), first, names)?)
+        } else {
+            None
         };
+        Ok(Self { x, as_is, transposed })
+    }
+}
+
+impl<'a> Input<'a> {
+    /// The call's x and its dimensions.
+    fn decode(call: &Call<'a>) -> Result<(Self, [usize; 3])> {
+        if call.num_args() == 1 {
+            let x = call.arg(0, "x")?;
+            x.expect_dtype(&FLOAT_TYPES)?;
+            let dims = matrices("x", &x)?;
+            return Ok((Self::Float(x), dims));
+        }
+        let values = call.arg(0, "values")?;
+        values.expect_dtype(&[DataType::F8E4M3FN])?;
+        let dims @ [batch, rows, cols] = matrices("values", &values)?;
+        if !cols.is_multiple_of(128) {
+            invalid!("values has {cols} columns, expected a multiple of 128 (the FP8 input's 1 x 128 blocks)")
+        }
+        let scales = call.arg(1, "scales")?;
+        scales.expect(&[DataType::F32], &[batch, rows, cols / 128])?;
+        let name: &str = call.attr("dequantized_dtype")?;
+        let Some(&dtype) = FLOAT_TYPES.iter().find(|t| t.name() == name) else {
+            invalid!("dequantized_dtype is {name:?}, expected \"float32\", \"bfloat16\" or \"float16\"")
+        };
+        Ok((Self::Fp8 { values, scales, dtype }, dims))
+    }
+}
+
+/// The dimensions of `arg`, `[batch, rows, columns]`.
+fn matrices(name: &str, arg: &Arg) -> Result<[usize; 3]> {
+    let &[batch, rows, cols] = arg.dims() else {
+        invalid!("{name} has shape {:?}, expected [batch, rows, columns]", arg.dims())
+    };
+    Ok([batch, rows, cols].map(|d| d.max(0) as usize))
+}
+
+impl<'a> Output<'a> {
+    /// The quantization `shape`, whose values and scales are results `first` and `first + 1`.
+    fn decode(call: &Call<'a>, shape: Quantization, first: usize, names: [&'static str; 2]) -> Result<Self> {
         check_tiled(&shape)?;
-        let values = call.ret(0, "values")?;
+        let values = call.ret(first, names[0])?;
         let (result_rows, result_cols) = shape.result_matrix();
-        values.expect(&[DataType::F8E4M3FN], &[batch, result_rows, result_cols])?;
-        let scales = call.ret(1, "scales")?;
+        values.expect(&[DataType::F8E4M3FN], &[shape.batch, result_rows, result_cols])?;
+        let scales = call.ret(first + 1, names[1])?;
         let (scale_rows, scale_cols) = shape.scales_matrix();
-        scales.expect(&[DataType::F32], &[batch, scale_rows, scale_cols])?;
-        Ok(Self { shape, x, values, scales })
+        scales.expect(&[DataType::F32], &[shape.batch, scale_rows, scale_cols])?;
+        Ok(Self { shape, values, scales })
     }
 }
 

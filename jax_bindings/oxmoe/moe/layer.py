@@ -276,17 +276,25 @@ def expert_ffn(dispatched: ExpertInput, params: MoEParams, config: MoEConfig) ->
       params: :class:`MoEParams` whose ``up``/``down`` are the local experts.
       config: the layer's :class:`MoEConfig`.
     """
-    return _expert_ffn(dispatched, _forward_weights(_expert_weights(params, config), config), config)
+    forward_weights, _ = _expert_weights(params, config)
+    return _expert_ffn(dispatched, forward_weights, config)
 
 
-def _expert_weights(params: MoEParams, config: MoEConfig) -> tuple:
-    """``(up, down)`` as the experts' products take them: in ``config.dtype``, or
-    with ``config.fp8`` quantized in 128 x 128 blocks."""
+def _expert_weights(params: MoEParams, config: MoEConfig) -> tuple[tuple, tuple]:
+    """``(forward, backward)``: ``(up, down)`` as the forward's products take them and as
+    the backward's do. In ``config.dtype``, the same arrays for both; with ``config.fp8``
+    quantized in 128 x 128 blocks, from one read of each weight, into both layouts: the
+    forward's transposed (``[E, N, K]``, the form whose operands are both K-major, which
+    Hopper's tensor cores multiply in FP8), the backward's as they are (``[E, K, N]``, which
+    its d lhs products read transposed). Square blocks make them the same values and
+    scales, each block where the transpose puts it."""
     if config.fp8 is None:
-        return params.up.astype(config.dtype), params.down.astype(config.dtype)
-    quantize = functools.partial(fp8.quantize, block=fp8.WEIGHT_BLOCK,
+        weights = params.up.astype(config.dtype), params.down.astype(config.dtype)
+        return weights, weights
+    quantize = functools.partial(fp8.quantize_with_transpose, block=fp8.WEIGHT_BLOCK,
                                  power_of_two_scales=config.fp8.power_of_two_scales)
-    return quantize(params.up), quantize(params.down)
+    (up, transposed_up), (down, transposed_down) = quantize(params.up), quantize(params.down)
+    return (transposed_up, transposed_down), (up, down)
 
 
 def _expert_product(rows, weight, sizes, config: MoEConfig, *, rhs_transposed: bool = False):
@@ -300,23 +308,8 @@ def _expert_product(rows, weight, sizes, config: MoEConfig, *, rhs_transposed: b
     return fp8.ragged_dot(rows, weight, sizes, rhs_transposed=rhs_transposed, preferred_element_type=config.dtype)
 
 
-def _transposed_weight(q: fp8.BlockQuantized) -> fp8.BlockQuantized:
-    """Expert weights ``[E, K, N]`` quantized in square blocks as ``[E, N, K]``: the
-    same values and scales, each block where the transpose puts it."""
-    return fp8.BlockQuantized(jnp.swapaxes(q.values, -1, -2), jnp.swapaxes(q.scales, -1, -2), q.block)
-
-
-def _forward_weights(weights: tuple, config: MoEConfig) -> tuple:
-    """:func:`_expert_weights`' ``(up, down)`` as the forward's products take them: with
-    ``config.fp8`` transposed (``[E, N, K]``, 1 byte an element: the form whose operands
-    are both K-major, which Hopper's tensor cores multiply in FP8), else as they are."""
-    if config.fp8 is None:
-        return weights
-    return tuple(_transposed_weight(w) for w in weights)
-
-
 def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> ExpertOutput:
-    """:func:`expert_ffn` with the weights of :func:`_forward_weights`."""
+    """:func:`expert_ffn` with the forward's weights of :func:`_expert_weights`."""
     up_weight, down_weight = weights
     sizes, transposed = dispatched.group_sizes, config.fp8 is not None
     up = _expert_product(dispatched.rows, up_weight, sizes, config, rhs_transposed=transposed)
@@ -329,19 +322,27 @@ def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config
     ``(grad_in, weighted_hidden, grad_up_rows, grad_row_probs)``: the gradient of the
     dispatched rows, the activation's output times each row's weight and the up
     projection's gradient (what the weight gradients, :func:`_expert_weight_grads`,
-    take besides the rows), and each row's weight's gradient, ``<row output,
-    its gradient> = <hidden, its gradient times downᵀ>``: from values the backward
-    computes anyway, so the forward keeps neither the rows nor their outputs (as
-    SonicMoE does). ``weights``: :func:`_expert_weights`'."""
+    take besides the rows; with ``config.fp8`` the up projection's gradient as that
+    product takes it, quantized transposed in the same pass as the d lhs product's
+    operand), and each row's weight's gradient, ``<row output, its gradient> = <hidden,
+    its gradient times downᵀ>``: from values the backward computes anyway, so the
+    forward keeps neither the rows nor their outputs (as SonicMoE does). ``weights``: the
+    backward's of :func:`_expert_weights`."""
     up_weight, down_weight = weights
     sizes, row_probs = kept.group_sizes, kept.row_probs[:, None]
     hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), kept.up_rows)
     grad_hidden = _expert_product(grad_out_rows, down_weight, sizes, config, rhs_transposed=True).astype(_F32)
     grad_row_probs = jnp.sum(hidden.astype(_F32) * grad_hidden, axis=-1)
     (grad_up_rows,) = activation_vjp((grad_hidden * row_probs).astype(config.dtype))
-    grad_in = _expert_product(grad_up_rows, up_weight, sizes, config, rhs_transposed=True)
+    # The d lhs product's operand and the up weight gradient's: with FP8, quantized per row
+    # and transposed from one read.
+    lhs_rows, weight_grad_rows = grad_up_rows, grad_up_rows
+    if config.fp8 is not None:
+        lhs_rows, weight_grad_rows = fp8.quantize_with_transpose(
+            grad_up_rows, fp8.ACTIVATION_BLOCK, power_of_two_scales=config.fp8.power_of_two_scales)
+    grad_in = _expert_product(lhs_rows, up_weight, sizes, config, rhs_transposed=True)
     weighted_hidden = (hidden.astype(_F32) * row_probs).astype(config.dtype)
-    return grad_in, weighted_hidden, grad_up_rows, grad_row_probs
+    return grad_in, weighted_hidden, weight_grad_rows, grad_row_probs
 
 
 def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: list, grad_out_rows: list,
@@ -350,7 +351,8 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     weight-gradient product per weight, its rows kept in their chunks' buffers
     (with ``config.fp8``, each quantized in 128 x 1 blocks, one scale per 128 rows
     of a column, and transposed: each column's rows contiguous, as the FP8 product
-    takes them). The dispatched rows are permuted again from their tokens."""
+    takes them; ``grad_up_rows`` come so from :func:`_expert_ffn_bwd`). The
+    dispatched rows are permuted again from their tokens."""
     sizes = jnp.stack([chunk.group_sizes for chunk in kept])  # [C, El]
     groups = sizes.shape[1]
     # FP8 tokens are dequantized before they are permuted again: the permutation kernel moves
@@ -361,12 +363,16 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     up_operands: tuple = (rows, grad_up_rows)
     product: Callable = grouped_gemm.transposed_ragged_dot
     if config.fp8 is not None:
-        # Rows that travelled quantized per row are quantized again per 128 rows (DeepSeek-V3's way).
+        # Rows that travelled quantized per row (the output gradient) are quantized again per 128
+        # rows (DeepSeek-V3's way), read as their FP8 values and scales: no 16-bit copy of them.
         def quantize(rows):
-            return fp8.quantize(_dequantized(rows, config), fp8.ACTIVATION_BLOCK, transpose=True,
+            if isinstance(rows, fp8.BlockQuantized):
+                return fp8.requantize(rows, fp8.ACTIVATION_BLOCK, dtype=config.dtype, transpose=True,
+                                      power_of_two_scales=config.fp8.power_of_two_scales)
+            return fp8.quantize(rows, fp8.ACTIVATION_BLOCK, transpose=True,
                                 power_of_two_scales=config.fp8.power_of_two_scales)
-        down_operands, up_operands = (tuple([quantize(r) for r in chunks] for chunks in operands)
-                                      for operands in (down_operands, up_operands))
+        down_operands = tuple([quantize(r) for r in chunks] for chunks in down_operands)
+        up_operands = ([quantize(r) for r in rows], grad_up_rows)
         product = fp8.transposed_ragged_dot
     grad_down = product(*down_operands, sizes, num_groups=groups,
                         preferred_element_type=_weight_grad_dtype(params.down, config))
@@ -533,8 +539,8 @@ class Residuals:
     """Each token chunk's (one without ``MoEConfig.token_chunks``)."""
     fp8_weights: tuple[fp8.BlockQuantized, fp8.BlockQuantized] | None
     """With ``MoEConfig.fp8``: ``(up, down)`` as the forward quantized them, in their
-    own layout (the backward's products take them so; the forward's read them
-    transposed); else None."""
+    own layout (the backward's products take them so; the forward's took them
+    transposed, quantized from the same read); else None."""
     x_shape: tuple[int, ...]
     """The layer input's shape, to give its gradient."""
     x_dtype: Any
@@ -685,8 +691,7 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     routing_map, probs = routing.dispatched()
     tokens = flat.astype(config.dtype)
     capacity = config.expert_capacity(len(flat) * axes.expert_shards)
-    weights = _expert_weights(_gather_weights(params, axes), config)
-    forward_weights = _forward_weights(weights, config)
+    forward_weights, backward_weights = _expert_weights(_gather_weights(params, axes), config)
     # The shared experts need only this shard's tokens: nothing ties them to the exchange.
     shared = shared_expert_ffn(flat, params, config) if config.shared_ffn is not None else None
     # Each chunk's tokens travel, meet their experts and come back on their own, so that one
@@ -702,7 +707,7 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams):
     if shared is not None:
         y = shared.added_to(y)
     aux = MoEAux(routing.load_balancing_loss, routing.z_loss, routing.tokens_per_expert, routing.dropped_copies)
-    fp8_weights = weights if config.fp8 is not None else None
+    fp8_weights = backward_weights if config.fp8 is not None else None
     kept = tuple(ExpertResiduals.of(d, out) for d, out in zip(dispatched, outputs))
     if shared is not None and shared.gate is None:
         shared = dataclasses.replace(shared, rows=None)
@@ -723,7 +728,7 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     grad_y, grad_aux = cotangents
     params = res.params
     # The FP8 weights are the forward's; others are cast (and gathered) again rather than kept.
-    weights = res.fp8_weights or _expert_weights(_gather_weights(params, axes), config)
+    weights = res.fp8_weights or _expert_weights(_gather_weights(params, axes), config)[1]
     grad_y = grad_y.reshape(-1, grad_y.shape[-1]).astype(config.dtype)
     shared_grads = None
     if res.shared is not None:  # independent of the exchange below

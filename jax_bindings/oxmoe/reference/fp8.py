@@ -1,6 +1,8 @@
-"""Block-scaled FP8 in plain JAX: the semantics of :func:`oxmoe.fp8.quantize` and of the
-grouped products :func:`oxmoe.fp8.ragged_dot` and :func:`oxmoe.fp8.transposed_ragged_dot`
-(DeepSeek-V3's recipe), written without oxmoe's kernels.
+"""Block-scaled FP8 in plain JAX: the semantics of :func:`oxmoe.fp8.quantize` (and
+:func:`oxmoe.fp8.quantize_with_transpose`, :func:`oxmoe.fp8.requantize`) and of the grouped
+products
+:func:`oxmoe.fp8.ragged_dot` and :func:`oxmoe.fp8.transposed_ragged_dot` (DeepSeek-V3's
+recipe), written without oxmoe's kernels.
 
 :func:`quantize` states :mod:`oxmoe.fp8`'s quantization semantics step by step in float32
 (for any block shape, not only the recipe's three): float32 subnormals flushed to zeros of
@@ -44,9 +46,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe._checks import check_array, check_bool
-from oxmoe.fp8 import ACTIVATION_BLOCK, E4M3_MAX, WEIGHT_BLOCK, BlockQuantized, _check_float_blocks
+from oxmoe.fp8 import ACTIVATION_BLOCK, E4M3_MAX, WEIGHT_BLOCK, BlockQuantized, _check_float_blocks, _check_quantized
 
-__all__ = ["quantize", "ragged_dot", "transposed_ragged_dot"]
+__all__ = ["quantize", "quantize_with_transpose", "requantize", "ragged_dot", "transposed_ragged_dot"]
 
 _BLOCK = 128
 _E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -153,6 +155,40 @@ def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scale
     inverse = _reciprocal(scales)
     scaled = jnp.clip(blocks * inverse[..., :, None, :, None], -E4M3_MAX, E4M3_MAX)
     return BlockQuantized(scaled.astype(_E4M3).reshape(x.shape), scales, block)
+
+
+def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *,
+                            power_of_two_scales: bool = False) -> tuple[BlockQuantized, BlockQuantized]:
+    """``(quantize(x, block), quantize(x, block, transpose=True))``: the two results of
+    :func:`oxmoe.fp8.quantize_with_transpose`, by the module's semantics (any block that
+    divides the last two dimensions both ways round)."""
+    return (quantize(x, block, power_of_two_scales=power_of_two_scales),
+            quantize(x, block, power_of_two_scales=power_of_two_scales, transpose=True))
+
+
+def _flushed(x):
+    """``x`` with float32 subnormals replaced by zeros of their sign."""
+    return jnp.where(jnp.abs(x) < _TINY, jnp.copysign(jnp.float32(0), x), x)
+
+
+def _dequantized(q: BlockQuantized, dtype):
+    """``q``'s values times their 1 x 128 blocks' scales rounded to ``dtype``, as
+    flush-to-zero float32 arithmetic (XLA:CPU's) computes :func:`oxmoe.fp8.dequantize`, on
+    any backend: a subnormal scale counts as zero, and so does a product below ``2**-126``,
+    decided on the product times ``2**64`` (a normal float32, rounded alike)."""
+    values = q.values.astype(jnp.float32)
+    scales = jnp.repeat(_flushed(q.scales), _BLOCK, axis=-1)
+    product = values * scales
+    tiny = jnp.abs((values * jnp.float32(2.0 ** 64)) * scales) < jnp.float32(_TINY * 2.0 ** 64)
+    return jnp.where(tiny, jnp.copysign(jnp.float32(0), product), product).astype(dtype)
+
+
+def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, dtype=jnp.float32,
+               power_of_two_scales: bool = False, transpose: bool = False) -> BlockQuantized:
+    """:func:`oxmoe.fp8.requantize`: :func:`quantize` of ``q`` (``[..., R, C]`` in 1 x 128
+    blocks) dequantized to ``dtype`` by flush-to-zero float32 products."""
+    _check_quantized("q", q, ACTIVATION_BLOCK, "[..., R, C]")
+    return quantize(_dequantized(q, dtype), block, power_of_two_scales=power_of_two_scales, transpose=transpose)
 
 
 def _check(name: str, q, block: tuple[int, int], layout: str) -> None:
