@@ -175,12 +175,16 @@ def _dequantized(q: BlockQuantized, dtype):
     """``q``'s values times their 1 x 128 blocks' scales rounded to ``dtype``, as
     flush-to-zero float32 arithmetic (XLA:CPU's) computes :func:`oxmoe.fp8.dequantize`, on
     any backend: a subnormal scale counts as zero, and so does a product below ``2**-126``,
-    decided on the product times ``2**64`` (a normal float32, rounded alike)."""
+    decided on the product times ``2**64`` (a normal float32, rounded alike). Materialised
+    in ``dtype`` behind an optimization barrier: XLA:GPU's excess precision (on by default)
+    otherwise skipped the rounding to bf16 inside its fusion with the quantization that
+    follows (on an H200, at 16384 x 2048: up to 0.9% of the values and 35% of the scales off
+    the CPU's)."""
     values = q.values.astype(jnp.float32)
     scales = jnp.repeat(_flushed(q.scales), _BLOCK, axis=-1)
     product = values * scales
     tiny = jnp.abs((values * jnp.float32(2.0 ** 64)) * scales) < jnp.float32(_TINY * 2.0 ** 64)
-    return jnp.where(tiny, jnp.copysign(jnp.float32(0), product), product).astype(dtype)
+    return jax.lax.optimization_barrier(jnp.where(tiny, jnp.copysign(jnp.float32(0), product), product).astype(dtype))
 
 
 def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, dtype=jnp.float32,
