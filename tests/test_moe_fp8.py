@@ -41,6 +41,7 @@ import moe_checks as checks
 import moe_reference as ref
 from oxmoe import fp8, model_shapes, moe
 from oxmoe.moe import MoEConfig, MoEParams
+from oxmoe.moe.exchange import rows_of
 from oxmoe.reference import fp8 as fp8_reference
 
 F32, BF16 = jnp.float32, jnp.bfloat16
@@ -92,6 +93,20 @@ def test_expert_ffn_is_the_fp8_reference_products(seed, rng):
     # on Hopper's tensor cores (14-bit block sums: 3.6e-3 of the norm on an H200, and single
     # elements up to 0.024 of the largest |row| off).
     checks.assert_close(got.rows, rows, F32, what="rows", context=context, tolerance=(1e-2, 5e-2))
+
+
+def test_float8_rows_follow_the_row_map_byte_for_byte(rng):
+    """The dispatched rows' FP8 values are their tokens' bytes, every bit pattern kept (NaNs
+    included), and zero bytes on rows of no token, as gathered four bytes a word."""
+    config = config_of("softmax_top2", dtype=F32, align_size=128)
+    x, params, _ = checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams)
+    row_map = moe.dispatch(x, moe.route(x, params, config), config).row_id_map
+    bits = rng.integers(0, 256, (TOKENS, HIDDEN), dtype=np.uint8)
+    got = jax.jit(rows_of)(jax.lax.bitcast_convert_type(jnp.asarray(bits), jnp.float8_e4m3fn), row_map)
+    source = np.asarray(row_map.source_tokens)
+    assert (source < 0).any(), "the draw has rows of no token (each expert's padded to 128)"
+    want = np.where((source >= 0)[:, None], bits[np.maximum(source, 0)], 0)
+    np.testing.assert_array_equal(np.asarray(jax.lax.bitcast_convert_type(got, jnp.uint8)), want)
 
 
 # (data shards, expert shards or None: no shard_map, exchange, align_size, routing, dtype, extra config)
