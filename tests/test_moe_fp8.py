@@ -166,8 +166,9 @@ def test_fp8_layer_matches_the_reference_within_fp8_error(case, cpu, seed, rng):
         np.testing.assert_array_equal(aux.tokens_per_expert, aux_ref.tokens_per_expert, err_msg=where)
 
 
-@pytest.mark.parametrize("chunks", [1, 2])
-def test_the_fp8_step_holds_only_fp8_expert_products(chunks):
+def fp8_step_jaxpr(chunks: int):
+    """The jaxpr of the FP8 layer's training step (the gradients of x and the parameters)
+    on 2 expert shards with ``chunks`` token chunks."""
     config = config_of("softmax_top2", dtype=BF16, token_chunks=chunks)
     mesh = jax.make_mesh((2,), ("expert",), devices=devices.cpu_devices()[:2])
     params = moe.init_params(jax.random.key(0), config, HIDDEN, FFN)
@@ -177,7 +178,12 @@ def test_the_fp8_step_holds_only_fp8_expert_products(chunks):
         y, aux = moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert")
         return jnp.sum(y.astype(F32)) + aux.load_balancing_loss
 
-    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, params))
+    return jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, params)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_the_fp8_step_holds_only_fp8_expert_products(chunks):
+    jaxpr = str(fp8_step_jaxpr(chunks))
     counts = {name: jaxpr.count(f"{name}[") for name in
               ("oxmoe_fp8_ragged_dot", "oxmoe_fp8_transposed_ragged_dot", "oxmoe_ragged_dot",
                "oxmoe_transposed_ragged_dot")}
@@ -202,16 +208,7 @@ def test_the_fp8_step_quantizes_each_tensor_from_one_read(chunks):
     # and each chunk's up-projection gradient rows (d lhs per row, the up weight's gradient
     # transposed) are quantized both ways at once; each chunk's output gradient, which travelled
     # per row, is requantized transposed from its FP8 values; XLA transposes no FP8 values.
-    config = config_of("softmax_top2", dtype=BF16, token_chunks=chunks)
-    mesh = jax.make_mesh((2,), ("expert",), devices=devices.cpu_devices()[:2])
-    params = moe.init_params(jax.random.key(0), config, HIDDEN, FFN)
-    x = jnp.zeros((TOKENS, HIDDEN), BF16)
-
-    def loss(x, params):
-        y, aux = moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert")
-        return jnp.sum(y.astype(F32)) + aux.load_balancing_loss
-
-    eqns = list(_equations(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, params).jaxpr))
+    eqns = list(_equations(fp8_step_jaxpr(chunks).jaxpr))
     kinds = collections.Counter(("requantized " if "dequantized_dtype" in e.params else "") + e.params["orientation"]
                                 for e in eqns if e.primitive.name == "oxmoe_fp8_quantize")
     # Both ways: up, down, each chunk's gradient rows. Transposed: each chunk's rows and hidden activations
