@@ -262,11 +262,19 @@ def _check_quantize(shape, block, transpose):
     import jax.numpy as jnp
     from oxmoe import fp8
 
-    q = fp8.quantize(jnp.zeros(shape, jnp.bfloat16), block, transpose=transpose)
+    return _zero_quantization("", fp8.quantize(jnp.zeros(shape, jnp.bfloat16), block, transpose=transpose), shape,
+                              block, transpose)
+
+
+def _zero_quantization(name, q, shape, block, transpose):
+    """The checks that ``q`` quantizes zeros of ``shape`` (transposed or not) in ``block``
+    blocks: its values and scales zeros of the right shapes."""
+    import jax.numpy as jnp
+
     *lead, rows, cols = shape
     rows, cols = (cols, rows) if transpose else (rows, cols)
-    return [("values", q.values.astype(jnp.float32), np.zeros((*lead, rows, cols), np.float32)),
-            ("scales", q.scales, np.zeros((*lead, rows // block[0], cols // block[1]), np.float32))]
+    return [(f"{name}values", q.values.astype(jnp.float32), np.zeros((*lead, rows, cols), np.float32)),
+            (f"{name}scales", q.scales, np.zeros((*lead, rows // block[0], cols // block[1]), np.float32))]
 
 
 @case
@@ -301,12 +309,7 @@ def _check_quantize_with_transpose(shape, block):
     from oxmoe import fp8
 
     q, qt = fp8.quantize_with_transpose(jnp.zeros(shape, jnp.bfloat16), block)
-    *lead, rows, cols = shape
-    checks = []
-    for name, got, (r, c) in (("", q, (rows, cols)), ("transposed ", qt, (cols, rows))):
-        checks += [(f"{name}values", got.values.astype(jnp.float32), np.zeros((*lead, r, c), np.float32)),
-                   (f"{name}scales", got.scales, np.zeros((*lead, r // block[0], c // block[1]), np.float32))]
-    return checks
+    return _zero_quantization("", q, shape, block, False) + _zero_quantization("transposed ", qt, shape, block, True)
 
 
 @case
@@ -332,10 +335,8 @@ def _check_requantize(shape, block, transpose):
 
     *lead, rows, cols = shape
     q = fp8.BlockQuantized(jnp.zeros(shape, jnp.float8_e4m3fn), jnp.ones((*lead, rows, cols // 128)), (1, 128))
-    got = fp8.requantize(q, block, dtype=jnp.bfloat16, transpose=transpose)
-    rows, cols = (cols, rows) if transpose else (rows, cols)
-    return [("values", got.values.astype(jnp.float32), np.zeros((*lead, rows, cols), np.float32)),
-            ("scales", got.scales, np.zeros((*lead, rows // block[0], cols // block[1]), np.float32))]
+    return _zero_quantization("", fp8.requantize(q, block, dtype=jnp.bfloat16, transpose=transpose), shape, block,
+                              transpose)
 
 
 @case
