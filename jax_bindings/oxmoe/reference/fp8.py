@@ -122,6 +122,11 @@ def _reciprocal(s):
     return jnp.where(jnp.isnan(s), s, _nearest_reciprocal(m, 1 / m) * power)
 
 
+def _flushed(x):
+    """``x`` with float32 subnormals replaced by zeros of their sign."""
+    return jnp.where(jnp.abs(x) < _TINY, jnp.copysign(jnp.float32(0), x), x)
+
+
 def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scales: bool = False,
              transpose: bool = False) -> BlockQuantized:
     """``x`` (or with ``transpose`` ``swapaxes(x, -1, -2)``) as ``float8_e4m3fn`` values with
@@ -141,8 +146,7 @@ def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scale
     if transpose and x.ndim >= 2:
         x = jnp.swapaxes(x, -1, -2)
     _check_block(x, block)
-    x = x.astype(jnp.float32)
-    x = jnp.where(jnp.abs(x) < _TINY, jnp.copysign(jnp.float32(0), x), x)  # subnormals: zeros of their sign
+    x = _flushed(x.astype(jnp.float32))
     *lead, rows, cols = x.shape
     blocks = x.reshape(*lead, rows // block[0], block[0], cols // block[1], block[1])
     amax = jnp.max(jnp.abs(blocks), axis=(-3, -1))
@@ -164,11 +168,6 @@ def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *,
     divides the last two dimensions both ways round)."""
     return (quantize(x, block, power_of_two_scales=power_of_two_scales),
             quantize(x, block, power_of_two_scales=power_of_two_scales, transpose=True))
-
-
-def _flushed(x):
-    """``x`` with float32 subnormals replaced by zeros of their sign."""
-    return jnp.where(jnp.abs(x) < _TINY, jnp.copysign(jnp.float32(0), x), x)
 
 
 def _dequantized(q: BlockQuantized, dtype):
