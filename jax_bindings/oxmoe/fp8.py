@@ -208,6 +208,15 @@ def _block_attrs(block: tuple[int, int], power_of_two_scales: bool) -> dict:
                 power_of_two_scales=np.bool_(power_of_two_scales))
 
 
+def _matrices(shape: tuple[int, ...], block: tuple[int, int], transpose: bool) -> tuple[int, int]:
+    """``(batch, rows)``: the primitive's view of ``[..., R, C]`` as matrices of rows. Rows
+    of 1 x 128 blocks are quantized apart, each its own batch element, so that a mesh
+    splits them as it splits tokens; other blocks span rows, one matrix a batch element."""
+    *lead, rows, _ = shape
+    batch = math.prod(lead)
+    return (batch * rows, 1) if block[0] == 1 and not transpose else (batch, rows)
+
+
 def _quantized(values, scales, shape: tuple[int, ...], block: tuple[int, int]) -> BlockQuantized:
     """The primitive's values and scales as the quantization of a tensor of ``shape``."""
     *lead, rows, cols = shape
@@ -236,11 +245,8 @@ def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scale
     transpose = check_bool("transpose", transpose)
     _check_quantize_input(x, block, transpose)
     *lead, rows, cols = x.shape
-    batch = math.prod(lead)
-    # Rows of 1 x 128 blocks are quantized apart: each its own batch element, so that a
-    # mesh splits them as it splits tokens.
-    view = (batch * rows, 1, cols) if block[0] == 1 and not transpose else (batch, rows, cols)
-    values, scales = _quantize_p(jax.lax.stop_gradient(x).reshape(view), **_block_attrs(block, power_of_two_scales),
+    values, scales = _quantize_p(jax.lax.stop_gradient(x).reshape(*_matrices(x.shape, block, transpose), cols),
+                                 **_block_attrs(block, power_of_two_scales),
                                  orientation="transposed" if transpose else "as_is")
     return _quantized(values, scales, (*lead, cols, rows) if transpose else x.shape, block)
 
@@ -269,8 +275,8 @@ def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *,
     _check_quantize_input(x, block, True)
     *lead, rows, cols = x.shape
     values, scales, transposed_values, transposed_scales = _quantize_with_transpose_p(
-        jax.lax.stop_gradient(x).reshape(math.prod(lead), rows, cols), **_block_attrs(block, power_of_two_scales),
-        orientation="both")
+        jax.lax.stop_gradient(x).reshape(*_matrices(x.shape, block, transpose=True), cols),
+        **_block_attrs(block, power_of_two_scales), orientation="both")
     return (_quantized(values, scales, x.shape, block),
             _quantized(transposed_values, transposed_scales, (*lead, cols, rows), block))
 
@@ -303,8 +309,7 @@ def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, 
     transpose = check_bool("transpose", transpose)
     _check_quantize_input(jax.ShapeDtypeStruct(q.shape, dtype), block, transpose, name="q")
     *lead, rows, cols = q.shape
-    batch = math.prod(lead)
-    view = (batch * rows, 1) if block[0] == 1 and not transpose else (batch, rows)  # as quantize's
+    view = _matrices(q.shape, block, transpose)
     values, scales = _requantize_p(
         jax.lax.stop_gradient(q.values).reshape(*view, cols),
         jax.lax.stop_gradient(q.scales).reshape(*view, cols // 128),
@@ -363,8 +368,8 @@ def _check_quantized(name: str, q, block: tuple[int, int], layout: str) -> None:
         raise TypeError(f"{name} must be an oxmoe.fp8.BlockQuantized (oxmoe.fp8.quantize's result), "
                         f"got {type(q).__name__}")
     rank = len(layout.split(","))
-    ranks = range(2, 1 << 30) if layout.startswith("[...") else (rank,)
-    if q.block != block or len(q.shape) not in ranks:
+    ranked = len(q.shape) >= 2 if layout.startswith("[...") else len(q.shape) == rank
+    if q.block != block or not ranked:
         raise ValueError(f"{name} must be {layout} quantized in {block} blocks, got shape {list(q.shape)} in "
                          f"{q.block} blocks")
     check_array(f"{name}.values", q.values)
