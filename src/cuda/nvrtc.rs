@@ -155,10 +155,11 @@ pub fn compile_check(source: &Source, instances: &[&str], arch: &Architecture) -
     compile_program(source, instances, arch).map(|_| ())
 }
 
-/// [`compile_check`] of each `(architecture, instances)` pair, a thread each:
-/// the messages of the programs that failed (none: every one compiled).
-pub fn compile_failures(source: &Source, checks: &[(&str, &[String])]) -> Vec<String> {
-    std::thread::scope(|scope| {
+/// [`compile_check`] of each `(architecture, instances)` pair, a thread each;
+/// panics with the messages of the programs that failed. The kernel families'
+/// CI tests: no GPU, but NVRTC.
+pub fn assert_compiles(source: &Source, checks: &[(&str, &[String])]) {
+    let failures: Vec<String> = std::thread::scope(|scope| {
         let runs: Vec<_> = checks
             .iter()
             .map(|&(arch, instances)| {
@@ -169,7 +170,8 @@ pub fn compile_failures(source: &Source, checks: &[(&str, &[String])]) -> Vec<St
             })
             .collect();
         runs.into_iter().filter_map(|run| run.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
-    })
+    });
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
 /// Where compiled kernels are kept between processes: `$OXMOE_CACHE_DIR`,
