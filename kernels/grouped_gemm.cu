@@ -845,28 +845,94 @@ struct TensorTurns {
   }
 };
 
-// One 128-deep block's partial into `partial`: four wgmmas over a stage's
-// K-major tiles (this warpgroup's 64 rows at a, 128 rows at b), committed and
-// not yet waited for.
-__device__ __forceinline__ void fp8_block_product(float (&partial)[FP8_BN / 2], const unsigned char* a,
-                                                  const unsigned char* b) {
+// The wgmma descriptors of a warpgroup's operands in stage 0 of the ring: its
+// 64 rows of the A tiles and the 128 rows of the B tiles, K-major. A stage's
+// are these plus its offset (descriptors count 16-byte units), so the loop
+// adds instead of rebuilding them from addresses.
+struct Fp8StageDescriptors {
+  unsigned long long a, b;
+  template <typename Config>
+  __device__ static Fp8StageDescriptors of(const Shared<Config>& s, int half) {
+    Fp8StageDescriptors d{matrix_descriptor(s.a + half * 64 * FP8_BLOCK, 16), matrix_descriptor(s.b, 16)};
+    // Opaque to the compiler, which would otherwise rebuild them from the
+    // shared-memory address in every stage, ahead of its first wgmma.
+    asm volatile("" : "+l"(d.a), "+l"(d.b));
+    return d;
+  }
+};
+
+// This thread's consumer warpgroup, 0 or 1, as a value the compiler knows
+// is the same across the warp (so that descriptors live in uniform registers).
+__device__ __forceinline__ int consumer_half() { return __shfl_sync(0xffffffff, threadIdx.x / 128, 0) - 1; }
+
+// One 128-deep block's partial into `partial`: four wgmmas over stage
+// `stage`'s K-major tiles, committed and not yet waited for.
+template <typename Config>
+__device__ __forceinline__ void fp8_block_product(float (&partial)[FP8_BN / 2], Fp8StageDescriptors descriptors,
+                                                  int stage) {
+  const unsigned long long a = descriptors.a + stage * (Config::A_BYTES >> 4);
+  const unsigned long long b = descriptors.b + stage * (Config::B_BYTES >> 4);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < FP8_BLOCK / 32; ++kk)
-    wgmma_e4m3(partial, matrix_descriptor(a + kk * 32, 16), matrix_descriptor(b + kk * 32, 16), kk > 0);
+  for (int kk = 0; kk < FP8_BLOCK / 32; ++kk) wgmma_e4m3(partial, a + kk * (32 >> 4), b + kk * (32 >> 4), kk > 0);
   wgmma_commit();
+}
+
+// Stores a consumer warpgroup's 64 x 128 sums of an FP8 tile at (row0, col0)
+// of out: rows below row_end. When all 64 rows are the tile's (none shared
+// with another group's tile), the warpgroup writes them into `staging` as two
+// 64 x 64 boxes laid out as the output map's 128-byte swizzle wants, and one
+// thread stores them with TMA: the consumers go on to the next tile without
+// waiting for it. Otherwise (and for float32 outputs) through `store_tile`.
+// Either path writes `staging` only once the previous bulk store has read it.
+template <typename O, typename Config>
+__device__ __forceinline__ void store_fp8_tile(const float (&sums)[FP8_BN / 2], unsigned short* staging,
+                                               const TensorMap* out_map, O* out, int row0, int row_end, int col0,
+                                               int n) {
+  static_assert(64 * Config::OUT_PITCH * 2 % 1024 == 0, "each warpgroup's staging 1024-byte aligned, as the swizzle wants");
+  const bool leader = threadIdx.x % 128 == 0;
+  if (leader) bulk_wait_read();
+  if (sizeof(O) == 4 || row0 + 64 > row_end) {
+    store_tile<O, Config>(sums, staging, out, row0, row_end, col0, n);
+    return;
+  }
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+  const int barrier = 2 + threadIdx.x / 128;  // this warpgroup's named barrier
+  unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
+  asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
+#pragma unroll
+  for (int i = 0; i < FP8_BN / 8; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // Columns 8i + 2 (lane % 4) and + 1 of row r: in box i / 8, 16-byte
+      // piece i % 8 of the row's 128 bytes, which the swizzle puts at i % 8 ^ r % 8.
+      const int r = warp * 16 + lane / 4 + 8 * half;
+      Pack<O, 4> pack;
+      pack.elems[0] = from_float<O>(sums[4 * i + 2 * half]);
+      pack.elems[1] = from_float<O>(sums[4 * i + 2 * half + 1]);
+      *reinterpret_cast<unsigned*>(boxes + i / 8 * 8192 + r * 128 + (i % 8 ^ r % 8) * 16 + lane % 4 * 4) = pack.raw;
+    }
+  }
+  fence_async_shared();
+  asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
+  if (leader) {
+    tma_store(out_map, boxes, col0, row0);
+    tma_store(out_map, boxes + 8192, col0 + 64, row0);
+    bulk_commit();
+  }
 }
 
 // out[r] for the rows r of local group i: for each 128 of K, the partial of
 // lhs[r] · rhs[i][col] times lhs_scales[r, b] rhs_scales[i, col / 128, b];
 // zero for rows outside the window. lhs_map: lhs, box 128 x 128 rows;
-// rhs_map: rhs, box 128 x 128 rows x 1. K and N are multiples of FP8_BLOCK.
+// rhs_map: rhs, box 128 x 128 rows x 1; out_map: out, 64 x 64 boxes (16-bit
+// outputs). K (not 0) and N are multiples of FP8_BLOCK.
 template <typename O, int STAGES, int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
 __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const float* __restrict__ lhs_scales,
     const __grid_constant__ TensorMap rhs_map, const float* __restrict__ rhs_scales,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
-    int k, int n, O* __restrict__ out) {
+    int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map) {
   using Config = Fp8HopperConfig<STAGES, MAX_LOCAL_GROUPS, 0>;
   constexpr int BN = Config::BN;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
@@ -894,7 +960,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
   }
 
   consumer_registers();
-  const int half = threadIdx.x / 128 - 1;  // this warpgroup's 64 rows of the tile
+  const int half = consumer_half();  // this warpgroup's 64 rows of the tile
+  const auto descriptors = Fp8StageDescriptors::of(s, half);
   // The tile rows of this thread's accumulators: row and row + 8.
   const int row = half * 64 + threadIdx.x / 32 % 4 * 16 + threadIdx.x % 32 / 4;
   float partial[BN / 2], sums[BN / 2];
@@ -910,13 +977,15 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
     const float* row_scales = lhs_scales + static_cast<size_t>(min(tile.row0 + row, m - 1)) * k_blocks;
     const float* row8_scales = lhs_scales + static_cast<size_t>(min(tile.row0 + row + 8, m - 1)) * k_blocks;
     const float* block_scales = rhs_scales + (static_cast<size_t>(tile.group) * n_blocks + tile.col0 / FP8_BLOCK) * k_blocks;
+    // Each block's scales are loaded a block ahead: loaded with the block's
+    // wgmmas, their L2 latency outlasted them (ncu on an H200).
+    float block_scale = block_scales[0], row_scale = row_scales[0], row8_scale = row8_scales[0];
     for (int kb = 0; kb < k_blocks; ++kb, ring.advance<STAGES>()) {
+      const float scale = row_scale * block_scale, scale8 = row8_scale * block_scale;
+      const int next = min(kb + 1, k_blocks - 1);
+      block_scale = block_scales[next], row_scale = row_scales[next], row8_scale = row8_scales[next];
       barrier_wait(&s.full[ring.stage], ring.phase);
-      const unsigned char* a = s.a + ring.stage * Config::A_BYTES + half * 64 * FP8_BLOCK;
-      const unsigned char* b = s.b + ring.stage * Config::B_BYTES;
-      fp8_block_product(partial, a, b);
-      const float block_scale = block_scales[kb];
-      const float scale = row_scales[kb] * block_scale, scale8 = row8_scales[kb] * block_scale;
+      fp8_block_product<Config>(partial, descriptors, ring.stage);
       wgmma_wait<0>();
       keep_in_registers(partial);
       release_stage(s.empty, ring.stage);
@@ -928,9 +997,10 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
         sums[4 * i + 3] += partial[4 * i + 3] * scale8;
       }
     }
-    store_tile<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, out, tile.row0 + half * 64, tile.row_end,
-                          tile.col0, n);
+    store_fp8_tile<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
+                              tile.row_end, tile.col0, n);
   }
+  if (threadIdx.x % 128 == 0) bulk_wait();
 }
 
 // Each chunk's K-major FP8 operands of the weight gradient: lhsᵀ [k, m_c] and
@@ -971,10 +1041,12 @@ __device__ __forceinline__ void zero_columns_outside(unsigned char* a, unsigned 
 // carries its block's scales of the tile's rows and columns (2 x 512 bytes,
 // contiguous in global memory): loaded by the consumers, their L2 latency
 // outlasted the block's four wgmmas (ncu on an H200: a third of the stalls).
+// out_map: out's local groups as one [groups x k, n] matrix, 64 x 64 boxes
+// (16-bit outputs).
 template <typename O, int STAGES, int THREADS, int SHARED_BYTES>
 __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
     const __grid_constant__ Fp8ChunkMaps operands, int chunks, const ChunkBounds rows, int k, int n,
-    O* __restrict__ out) {
+    O* __restrict__ out, const __grid_constant__ TensorMap out_map) {
   using Config = Fp8HopperConfig<STAGES, 0, 2 * FP8_BLOCK * 4>;
   constexpr int BN = Config::BN;
   static_assert((Config::STAGES * Config::STAGE_BYTES + Config::OUT_BYTES + 2 * Config::STAGES * 8) % 16 == 0,
@@ -1009,7 +1081,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
   }
 
   consumer_registers();
-  const int half = threadIdx.x / 128 - 1;  // this warpgroup's 64 rows of the tile
+  const int half = consumer_half();  // this warpgroup's 64 rows of the tile
+  const auto descriptors = Fp8StageDescriptors::of(s, half);
   // The tile rows of this thread's accumulators (row and row + 8) and their
   // first column (then + 1, and 8 columns apart).
   const int row = half * 64 + threadIdx.x / 32 % 4 * 16 + threadIdx.x % 32 / 4, col = 2 * (threadIdx.x % 4);
@@ -1031,7 +1104,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
           consumers_publish_shared();
         }
         turns.wait();
-        fp8_block_product(partial, a + half * 64 * FP8_BLOCK, w);
+        fp8_block_product<Config>(partial, descriptors, ring.stage);
         const float* row_scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
         const float* column_scales = row_scales + FP8_BLOCK + col;
         const float row_scale = row_scales[row], row8_scale = row_scales[row + 8];
@@ -1051,10 +1124,12 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
         }
       }
     }
-    store_tile<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, out + static_cast<size_t>(g) * k * n,
-                          out_row0 + half * 64, k, col0, n);
+    // out's local groups are one [groups x k, n] matrix to the map.
+    store_fp8_tile<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, g * k + out_row0 + half * 64,
+                              (g + 1) * k, col0, n);
   }
   turns.finish();
+  if (threadIdx.x % 128 == 0) bulk_wait();
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -72,6 +72,22 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
                : "memory");
 }
 
+// Stores the box at (c0, c1) of `map` from shared memory at src, in this
+// thread's current bulk group. The shared-memory writes it reads must be
+// made visible to the async proxy first (`fence_async_shared`).
+__device__ __forceinline__ void tma_store(const TensorMap* map, const void* src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(map),
+               "r"(shared_address(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+
+__device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Waits until this thread's bulk stores have read their shared memory.
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// Waits until this thread's bulk stores have completed.
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 // A wgmma shared-memory matrix descriptor for a 128-byte-swizzled tile:
 // K-major (leading offset unused), or MN-major with 64-element columns
 // `leading_bytes` apart. Rows of 8 x 128 bytes are 1024 bytes apart.

@@ -74,6 +74,16 @@ fn fp8_hopper_shared_bytes(max_local_groups: usize, scale_bytes: u32) -> u32 {
         + 2 * (max_local_groups as u32 + 1) * 4
 }
 
+/// The tensor map an FP8 Hopper kernel stores its 16-bit output `[rows, n]`
+/// through, in 64 x 64 boxes (`store_fp8_tile`); float32 outputs are stored
+/// from registers and have none.
+fn fp8_out_map(dtype: DataType, out: u64, n: u64, rows: u64) -> Result<TensorMap> {
+    match dtype {
+        DataType::F32 => Ok(TensorMap::unused()),
+        _ => TensorMap::tiled_16bit(out, &[n, rows], &[64, 64]),
+    }
+}
+
 /// The FP8 weight gradient's stages carry their block's scales of the tile's
 /// 128 rows and 128 columns (float32).
 const FP8_TRANSPOSED_SCALE_BYTES: u32 = 2 * FP8_BLOCK * 4;
@@ -319,9 +329,10 @@ pub fn fp8_ragged_dot(ctx: &LaunchContext, a: &Fp8RaggedDot) -> Result<()> {
         let lhs_map = TensorMap::tiled_8bit(a.lhs.device_ptr(), &[k64, m64], &[FP8_BLOCK, BLOCK_M])?;
         let rhs_map = TensorMap::tiled_8bit(a.rhs.device_ptr(), &[k64, n64, gl], &[FP8_BLOCK, FP8_BLOCK, 1])?;
         let (lhs_scales, rhs_scales, out) = (a.lhs_scales.device_ptr(), a.rhs_scales.device_ptr(), a.out.device_ptr());
+        let out_map = fp8_out_map(a.out.dtype(), out, n64, m64)?;
         return launch_persistent(stream, &device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), &mut [
             arg(&lhs_map), arg(&lhs_scales), arg(&rhs_map), arg(&rhs_scales), arg(&g.sizes), arg(&g.groups), arg(&g.offset),
-            arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out),
+            arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
     }
     let (scratch, rows) = chunk_bounds(ctx, shape, g.sizes, g.offset, &[shape.m])?;
@@ -377,8 +388,10 @@ pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot
             maps.rhs[c] = TensorMap::tiled_8bit(chunk.rhs.device_ptr(), &[m64, shape.n as u64], &[FP8_BLOCK, FP8_BLOCK])?;
         }
         let out = a.out.device_ptr();
+        let out_rows = (shape.local_groups * shape.k) as u64;
+        let out_map = fp8_out_map(a.out.dtype(), out, shape.n as u64, out_rows)?;
         let result = launch_persistent(stream, &device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), &mut [
-            arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out),
+            arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
         drop(scratch);
         return result;
