@@ -93,6 +93,16 @@ def test_expert_ffn_is_the_fp8_reference_products(seed, rng):
     # on Hopper's tensor cores (14-bit block sums: 3.6e-3 of the norm on an H200, and single
     # elements up to 0.024 of the largest |row| off).
     checks.assert_close(got.rows, rows, F32, what="rows", context=context, tolerance=(1e-2, 5e-2))
+    # Its weights as the forward takes them, bit for bit the layer's (which also quantizes
+    # the backward's layout, from the same read), and only that layout written.
+    eqns = _equations(jax.make_jaxpr(moe.expert_ffn, static_argnums=2)(dispatched, params, config).jaxpr)
+    orientations = [e.params["orientation"] for e in eqns if e.primitive.name == "oxmoe_fp8_quantize"]
+    assert orientations == ["transposed", "transposed", "as_is"], orientations  # up, down, the hidden rows
+    both_ways = fp8.quantize_with_transpose(params.up, fp8.WEIGHT_BLOCK)[1]
+    forward = fp8.quantize(params.up, fp8.WEIGHT_BLOCK, transpose=True)
+    np.testing.assert_array_equal(np.asarray(forward.values.view(jnp.uint8)),
+                                  np.asarray(both_ways.values.view(jnp.uint8)))
+    np.testing.assert_array_equal(forward.scales, both_ways.scales)
 
 
 def test_float8_rows_follow_the_row_map_byte_for_byte(rng):

@@ -276,8 +276,18 @@ def expert_ffn(dispatched: ExpertInput, params: MoEParams, config: MoEConfig) ->
       params: :class:`MoEParams` whose ``up``/``down`` are the local experts.
       config: the layer's :class:`MoEConfig`.
     """
-    forward_weights, _ = _expert_weights(params, config)
-    return _expert_ffn(dispatched, forward_weights, config)
+    return _expert_ffn(dispatched, _forward_weights(params, config), config)
+
+
+def _forward_weights(params: MoEParams, config: MoEConfig) -> tuple:
+    """``(up, down)`` as the forward's products take them, the first of
+    :func:`_expert_weights` without the backward's layout: in ``config.dtype``, or with
+    ``config.fp8`` each weight's transpose quantized in 128 x 128 blocks."""
+    if config.fp8 is None:
+        return params.up.astype(config.dtype), params.down.astype(config.dtype)
+    quantize = functools.partial(fp8.quantize, block=fp8.WEIGHT_BLOCK, transpose=True,
+                                 power_of_two_scales=config.fp8.power_of_two_scales)
+    return quantize(params.up), quantize(params.down)
 
 
 def _expert_weights(params: MoEParams, config: MoEConfig) -> tuple[tuple, tuple]:
@@ -289,7 +299,7 @@ def _expert_weights(params: MoEParams, config: MoEConfig) -> tuple[tuple, tuple]
     its d lhs products read transposed). Square blocks make them the same values and
     scales, each block where the transpose puts it."""
     if config.fp8 is None:
-        weights = params.up.astype(config.dtype), params.down.astype(config.dtype)
+        weights = _forward_weights(params, config)
         return weights, weights
     quantize = functools.partial(fp8.quantize_with_transpose, block=fp8.WEIGHT_BLOCK,
                                  power_of_two_scales=config.fp8.power_of_two_scales)
