@@ -801,9 +801,10 @@ __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
 // scales and add it to their float32 sums (DeepSeek-V3's promotion). The two
 // consumer warpgroups issue their blocks at once: made to take turns (one
 // issuing once the other's block had completed, so that each promotion ran
-// under the other's wgmmas), the forward measured 10% slower on an H200 and
-// the weight gradient 3-7% slower once the stage's other instructions were
-// trimmed, though 9% faster before.
+// under the other's wgmmas), the forward measured 10% slower on an H200; the
+// weight gradient, 9% faster before the stage's other instructions were
+// trimmed, was then 3-7% slower at two of three shapes and the same at the
+// third.
 
 constexpr int FP8_BN = 128;  // the partial and the sums: 2 x 64 registers a thread
 
