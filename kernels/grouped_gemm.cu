@@ -443,6 +443,21 @@ __device__ __forceinline__ void release_previous_stage(unsigned long long* empty
   if (has_previous) release_stage(empty, (ring.stage + stages - 1) % stages);
 }
 
+// Waits for the rest of this consumer warpgroup at its named barrier over
+// its output staging (3 or 4).
+__device__ __forceinline__ void staging_sync() {
+  asm volatile("bar.sync %0, 128;" ::"r"(2 + threadIdx.x / 128) : "memory");
+}
+
+// Two adjacent columns' accumulators as 16-bit O, packed into one word.
+template <typename O>
+__device__ __forceinline__ unsigned packed_pair(float lo, float hi) {
+  Pack<O, 4> pack;
+  pack.elems[0] = from_float<O>(lo);
+  pack.elems[1] = from_float<O>(hi);
+  return pack.raw;
+}
+
 // Stores a consumer warpgroup's 64 x BN accumulators at out (row stride n):
 // rows below row_end, columns below n (a multiple of 8). 16-bit outputs go
 // through the warpgroup's rows in shared memory (`staging`), so that global
@@ -468,20 +483,15 @@ __device__ __forceinline__ void store_tile(const float (&d)[Config::BN / 2], uns
     }
   } else {
     constexpr int PITCH = Config::OUT_PITCH;
-    const int barrier = 2 + threadIdx.x / 128;  // this warpgroup's named barrier
-    // The previous tile's rows have left.
-    asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
+    staging_sync();  // the previous tile's rows have left
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i) {
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        Pack<O, 4> pack;
-        pack.elems[0] = from_float<O>(d[4 * i + 2 * half]);
-        pack.elems[1] = from_float<O>(d[4 * i + 2 * half + 1]);
-        *reinterpret_cast<unsigned*>(staging + (row + 8 * half) * PITCH + 8 * i + 2 * (lane % 4)) = pack.raw;
-      }
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<unsigned*>(staging + (row + 8 * half) * PITCH + 8 * i + 2 * (lane % 4)) =
+            packed_pair<O>(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
     }
-    asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
+    staging_sync();
     constexpr int VECTORS = BN / 8;  // 16-byte vectors of a row
     for (int e = threadIdx.x % 128; e < 64 * VECTORS; e += 128) {
       const int r = e / VECTORS, c = e % VECTORS * 8;
@@ -703,7 +713,7 @@ __device__ __forceinline__ void zero_rows_from(unsigned char* boxes, int chunks,
 // Makes the consumers' shared-memory stores visible to the tensor cores
 // before any consumer warpgroup issues its wgmma.
 __device__ __forceinline__ void consumers_publish_shared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  fence_async_shared();
   asm volatile("bar.sync 1, 256;" ::: "memory");
 }
 
@@ -871,34 +881,33 @@ __device__ __forceinline__ void store_fp8_tile(const float (&sums)[FP8_BN / 2], 
   static_assert(64 * Config::OUT_PITCH * 2 % 1024 == 0, "each warpgroup's staging 1024-byte aligned, as the swizzle wants");
   const bool leader = threadIdx.x % 128 == 0;
   if (leader) bulk_wait_read();
-  if (sizeof(O) == 4 || row0 + 64 > row_end) {
-    store_tile<O, Config>(sums, staging, out, row0, row_end, col0, n);
-    return;
-  }
-  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-  const int barrier = 2 + threadIdx.x / 128;  // this warpgroup's named barrier
-  unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
-  asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
+  if constexpr (sizeof(O) == 2) {
+    if (row0 + 64 <= row_end) {
+      const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+      unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
+      staging_sync();
 #pragma unroll
-  for (int i = 0; i < FP8_BN / 8; ++i) {
+      for (int i = 0; i < FP8_BN / 8; ++i) {
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      // Columns 8i + 2 (lane % 4) and + 1 of row r: in box i / 8, 16-byte
-      // piece i % 8 of the row's 128 bytes, which the swizzle puts at i % 8 ^ r % 8.
-      const int r = warp * 16 + lane / 4 + 8 * half;
-      Pack<O, 4> pack;
-      pack.elems[0] = from_float<O>(sums[4 * i + 2 * half]);
-      pack.elems[1] = from_float<O>(sums[4 * i + 2 * half + 1]);
-      *reinterpret_cast<unsigned*>(boxes + i / 8 * 8192 + r * 128 + (i % 8 ^ r % 8) * 16 + lane % 4 * 4) = pack.raw;
+        for (int half = 0; half < 2; ++half) {
+          // Columns 8i + 2 (lane % 4) and + 1 of row r: in box i / 8, 16-byte
+          // piece i % 8 of the row's 128 bytes, which the swizzle puts at i % 8 ^ r % 8.
+          const int r = warp * 16 + lane / 4 + 8 * half;
+          *reinterpret_cast<unsigned*>(boxes + i / 8 * 8192 + r * 128 + (i % 8 ^ r % 8) * 16 + lane % 4 * 4) =
+              packed_pair<O>(sums[4 * i + 2 * half], sums[4 * i + 2 * half + 1]);
+        }
+      }
+      fence_async_shared();
+      staging_sync();
+      if (leader) {
+        tma_store(out_map, boxes, col0, row0);
+        tma_store(out_map, boxes + 8192, col0 + 64, row0);
+        bulk_commit();
+      }
+      return;
     }
   }
-  fence_async_shared();
-  asm volatile("bar.sync %0, 128;" ::"r"(barrier) : "memory");
-  if (leader) {
-    tma_store(out_map, boxes, col0, row0);
-    tma_store(out_map, boxes + 8192, col0 + 64, row0);
-    bulk_commit();
-  }
+  store_tile<O, Config>(sums, staging, out, row0, row_end, col0, n);
 }
 
 // out[r] for the rows r of local group i: for each 128 of K, the partial of
