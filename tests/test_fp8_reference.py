@@ -72,10 +72,11 @@ def test_fp8_ragged_dot_errors_name_the_operand():
     lhs = fp8.quantize(jnp.ones((4, 256)))
     rhs = fp8.quantize(jnp.ones((2, 256, 128)), fp8.WEIGHT_BLOCK)
     sizes = jnp.array([2, 2], jnp.int32)
-    with pytest.raises(TypeError, match=r"lhs must be an oxmoe.fp8.BlockQuantized, got ArrayImpl"):
+    with pytest.raises(TypeError,
+                       match=r"lhs must be an oxmoe.fp8.BlockQuantized \(oxmoe.fp8.quantize's result\), got ArrayImpl"):
         fp8_reference.ragged_dot(jnp.ones((4, 256)), rhs, sizes)
     with pytest.raises(ValueError, match=r"lhs must be \[M, K\] quantized in \(1, 128\) blocks, got shape "
-                                         r"\(128, 256\) in \(128, 128\) blocks"):
+                                         r"\[128, 256\] in \(128, 128\) blocks"):
         fp8_reference.ragged_dot(fp8.quantize(jnp.ones((128, 256)), fp8.WEIGHT_BLOCK), rhs, sizes)
     with pytest.raises(ValueError, match=r"rhs must be \[G, K, N\] quantized in \(128, 128\) blocks"):
         fp8_reference.ragged_dot(lhs, fp8.quantize(jnp.ones((2, 256, 128))), sizes)

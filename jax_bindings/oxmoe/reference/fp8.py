@@ -194,14 +194,6 @@ def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, 
     return quantize(_dequantized(q, dtype), block, power_of_two_scales=power_of_two_scales, transpose=transpose)
 
 
-def _check(name: str, q, block: tuple[int, int], layout: str) -> None:
-    if not isinstance(q, BlockQuantized):
-        raise TypeError(f"{name} must be an oxmoe.fp8.BlockQuantized, got {type(q).__name__}")
-    if q.block != block or len(q.shape) != len(layout.split(",")):
-        raise ValueError(f"{name} must be {layout} quantized in {block} blocks, got shape {q.shape} in {q.block} "
-                         "blocks")
-
-
 def _window(group_sizes, group_offset, local_groups: int, rows: int):
     """``(local, sizes)``: each row's local group (``-1`` outside the window) and the
     ``[1 + local_groups]`` sizes of the rows before the window, then of each local group,
@@ -230,8 +222,8 @@ def ragged_dot(lhs: BlockQuantized, rhs: BlockQuantized, group_sizes, *, group_o
       rhs_transposed: ``rhs[g]ᵀ`` multiplies.
       preferred_element_type: the result's dtype (the sums are float32 either way).
     """
-    _check("lhs", lhs, ACTIVATION_BLOCK, "[M, K]")
-    _check("rhs", rhs, WEIGHT_BLOCK, "[G, N, K]" if rhs_transposed else "[G, K, N]")
+    _check_quantized("lhs", lhs, ACTIVATION_BLOCK, "[M, K]")
+    _check_quantized("rhs", rhs, WEIGHT_BLOCK, "[G, N, K]" if rhs_transposed else "[G, K, N]")
     values, scales = rhs.values, rhs.scales
     if rhs_transposed:
         values, scales = jnp.swapaxes(values, 1, 2), jnp.swapaxes(scales, 1, 2)
@@ -280,8 +272,8 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     k, n = lhs_chunks[0].shape[0], rhs_chunks[0].shape[0]
     out = jnp.zeros((groups, k, n), jnp.float32)
     for a, c, chunk_sizes in zip(lhs_chunks, rhs_chunks, sizes):
-        _check("lhs", a, ACTIVATION_BLOCK, "[K, M]")
-        _check("rhs", c, ACTIVATION_BLOCK, "[N, M]")
+        _check_quantized("lhs", a, ACTIVATION_BLOCK, "[K, M]")
+        _check_quantized("rhs", c, ACTIVATION_BLOCK, "[N, M]")
         rows = a.shape[1]
         if rows == 0:
             continue
