@@ -170,13 +170,18 @@ def dispatch_fwd(tokens, routing_map, rows, **attrs):
     return _call("oxmoe_dispatch_fwd", rets, tokens, routing_map, **attrs)
 
 
+def _quantize_attrs(**changes):
+    """oxmoe_fp8_quantize's attributes: (1, 128) blocks, orientation "as_is", unless `changes`
+    say otherwise."""
+    return dict(block_rows=np.int64(1), block_cols=np.int64(128), power_of_two_scales=np.bool_(False),
+                orientation="as_is") | changes
+
+
 def quantize(x, values_shape=None, scales_dtype=jnp.float32, results=None, **changes):
-    """oxmoe_fp8_quantize of x [B, R, C], in (1, 128) blocks and orientation "as_is" unless
-    `changes` say otherwise; with orientation "both", the transposed values and scales too
-    (the first `results` of them, if given)."""
-    attrs = dict(block_rows=np.int64(1), block_cols=np.int64(128), power_of_two_scales=np.bool_(False),
-                 orientation="as_is")
-    attrs.update(changes)
+    """oxmoe_fp8_quantize of x [B, R, C], its attributes :func:`_quantize_attrs`'; with
+    orientation "both", the transposed values and scales too (the first `results` of them,
+    if given)."""
+    attrs = _quantize_attrs(**changes)
     b, r, c = (x.shape if x.ndim == 3 else (1, *x.shape))
     block = int(attrs["block_rows"]), int(attrs["block_cols"])
 
@@ -193,9 +198,7 @@ def quantize(x, values_shape=None, scales_dtype=jnp.float32, results=None, **cha
 def requantize(values, scales, dequantized_dtype="bfloat16", **changes):
     """oxmoe_fp8_quantize of FP8 values [B, R, C] and their scales, as quantize's call (a
     `dequantized_dtype` of None: the attribute left out)."""
-    attrs = dict(block_rows=np.int64(1), block_cols=np.int64(128), power_of_two_scales=np.bool_(False),
-                 orientation="as_is", dequantized_dtype=dequantized_dtype)
-    attrs.update(changes)
+    attrs = _quantize_attrs(dequantized_dtype=dequantized_dtype, **changes)
     b, r, c = values.shape
     rets = (_spec((b, r, c), jnp.float8_e4m3fn), _spec((b, r, max(c // 128, 1)), jnp.float32))
     return _call("oxmoe_fp8_quantize", rets, values, scales, **{k: v for k, v in attrs.items() if v is not None})
