@@ -8,7 +8,8 @@ kernels that take the most time. Nsight Systems' summary, from the trace JAX wri
         [--exchange all_to_all] [--token-chunks 2] [--steps 5] [--out trace-out] [--smoke]
         [--data-parallel] [--fp8]
 
-The case is one of the benchmark's layers (oxmoe.bench.moe.LAYERS); an EP case is traced
+The case is one of the benchmark's layers (oxmoe.bench.moe.LAYERS) or of bench/fp8_gemm.py's
+("deepseek_v3 1 device E=32": one rank of DeepSeek-V3's EP = 8 on one GPU); an EP case is traced
 over its devices, then the same per-device work on one device (E / devices experts). With
 --data-parallel, that one-device layer is traced data-parallel over the EP case's devices
 instead, its expert weights replicated, then sharded over the data axis (issue 17). With
@@ -30,6 +31,8 @@ from jax.sharding import Mesh
 from oxmoe import fp8
 from oxmoe.bench import moe as bench_moe
 from oxmoe.bench import timing
+
+import fp8_gemm
 
 #: An idle stretch of a GPU at least this long is listed with its neighbours.
 GAP_US = 50.0
@@ -139,8 +142,12 @@ def main() -> None:
                         help="the EP case's one-device layer data-parallel, weights replicated and sharded")
     parser.add_argument("--fp8", action="store_true", help="the one-device layer with FP8 expert GEMMs too")
     args = parser.parse_args()
-    layers = bench_moe.SMOKE_LAYERS if args.smoke else bench_moe.LAYERS
-    (layer,) = [layer for layer in layers if layer.name == args.case]
+    # The benchmark's layers and the FP8 benchmark's (DeepSeek-V3 on one GPU: one rank of EP = 8).
+    layers = {layer.name: layer for layer in (*fp8_gemm.layers(args.smoke),
+                                              *(bench_moe.SMOKE_LAYERS if args.smoke else bench_moe.LAYERS))}
+    if args.case not in layers:
+        parser.error(f"--case must be one of {', '.join(repr(name) for name in layers)}")
+    layer = layers[args.case]
     layer = dataclasses.replace(layer, config=dataclasses.replace(layer.config, exchange=args.exchange,
                                                                   token_chunks=args.token_chunks))
     seed = (0, zlib.crc32(layer.name.encode()))
