@@ -9,6 +9,9 @@ CPU devices, on fresh random data:
   (documented below), on one device and inside shard_map with 2 and 4 expert shards, each
   exchange the CPU runs, with alignment, token chunks, data shards, power-of-two scales,
   float32 and bfloat16 compute;
+- with align_size=128 (each expert's rows whole 128-row blocks) its output, losses and gradients
+  of x and gate are the unaligned layer's bit for bit, and only the weight gradients round
+  otherwise;
 - its training step holds the FP8 products only (four grouped and two weight-gradient
   products a chunk), none of the 16-bit ones;
 - the errors for sizes FP8 cannot block and for a recipe that is not one.
@@ -174,6 +177,32 @@ def test_fp8_layer_matches_the_reference_within_fp8_error(case, cpu, seed, rng):
             checks.assert_close(getattr(aux, loss), getattr(aux_ref, loss), F32, what=loss, context=where,
                                 tolerance=checks.LOSS_TOLERANCE)
         np.testing.assert_array_equal(aux.tokens_per_expert, aux_ref.tokens_per_expert, err_msg=where)
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_aligning_experts_to_128_rows_changes_only_the_weight_gradients(routing, cpu, seed, rng):
+    """MoEConfig's documented effect of align_size=128 with FP8: per-row quantization and products do not
+    see the padding, so the output, the losses and the gradients of x and gate are the unaligned layer's bit
+    for bit; the weight gradients' 128 x 1 blocks hold other rows, so d up and d down round differently."""
+    config = config_of(routing, dtype=BF16)
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
+
+    def run(c):
+        return jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe.moe(x, p, c), x, p, w))(
+            x, params, y_weight)
+
+    (y, aux), (dx, dparams) = run(config)
+    (y_aligned, aux_aligned), (dx_aligned, dparams_aligned) = run(dataclasses.replace(config, align_size=128))
+    context = f"{routing}, seed={seed}"
+    for what, a, b in (("y", y, y_aligned), ("d x", dx, dx_aligned), ("d gate", dparams.gate, dparams_aligned.gate),
+                       ("load-balancing loss", aux.load_balancing_loss, aux_aligned.load_balancing_loss),
+                       ("z-loss", aux.z_loss, aux_aligned.z_loss)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=f"{what}, {context}")
+    for weight in ("up", "down"):
+        checks.assert_close(getattr(dparams_aligned, weight), getattr(dparams, weight), BF16, what=f"d {weight}",
+                            context=context, tolerance=FP8_TOLERANCE)
+        assert not np.array_equal(np.asarray(getattr(dparams_aligned, weight), np.float32),
+                                  np.asarray(getattr(dparams, weight), np.float32)), f"d {weight}, {context}"
 
 
 def fp8_step_jaxpr(chunks: int):

@@ -77,7 +77,14 @@ class MoEConfig:
     ``dtype``. The router, the
     activation, the combine and the shared experts are not quantized, and the
     master weights are untouched. The hidden and the experts' FFN sizes must be
-    multiples of 128; the row buffers are padded to multiples of 128.
+    multiples of 128; the row buffers are padded to multiples of 128. With
+    ``align_size=128`` as well, each expert's rows are whole 128-row blocks, as
+    DeepSeek-V3 lays them out: no 128 x 1 block of the weight gradients' operands
+    holds two experts' rows, so the weight-gradient products have no block to
+    take twice, and the training step measured 2.5-3.6% faster on an H200
+    (DeepSeek-V3 on one GPU and Qwen3-30B-A3B, ``bench/NOTES.md``). The weight
+    gradients then round differently (their blocks are other rows); the
+    output and the input's gradient are the same.
 
     ``token_chunks`` (MaxText's ``num_moe_token_chunks``; default 1, at most
     :data:`oxmoe.grouped_gemm.MAX_CHUNKS`): with expert shards, each shard's
