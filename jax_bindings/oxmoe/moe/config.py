@@ -81,8 +81,9 @@ class MoEConfig:
     ``align_size=128`` as well, each expert's rows are whole 128-row blocks, as
     DeepSeek-V3 lays them out: no 128 x 1 block of the weight gradients' operands
     holds two experts' rows, so the weight-gradient products have no block to
-    take twice, and the training step measured 2.5-3.6% faster on an H200
-    (DeepSeek-V3 on one GPU and Qwen3-30B-A3B, ``bench/NOTES.md``). The weight
+    take twice, and the training step measured 3-5% faster on an H200 at
+    DeepSeek-V3 on one GPU and 0-4% at Qwen3-30B-A3B (three runs each,
+    ``bench/NOTES.md``). The weight
     gradients then round differently (their blocks are other rows); the
     output and the input's gradient are the same.
 
