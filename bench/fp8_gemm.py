@@ -76,6 +76,10 @@ E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 #: The goals: the FP8 product against oxmoe's bf16 one (speed) and the dense FP8 GEMM (TFLOP/s),
 #: the FP8 layer step against the bf16 one (speed).
 MIN_SPEEDUP_OVER_BF16, MIN_FRACTION_OF_DENSE_FP8, MIN_LAYER_SPEEDUP = 1.75, 0.75, 1.4
+#: The FP8 step is also timed with each expert's rows padded to whole blocks of this many
+#: (``MoEConfig.align_size``): no 128-row block of the weight gradients' operands then holds two
+#: experts' rows (the FP8 weight gradient takes such a block once for each).
+ALIGNED_ROWS = 128
 #: Largest error of an FP8 output element against the reference, relative to the element or,
 #: where that is far smaller (a sum that cancels), to the output's RMS (:func:`max_rel_err`):
 #: the same semantics, float32 sums in another order, each rounded once to bf16, differ by
@@ -307,11 +311,6 @@ def run_layer(row: dict, layer: moe_bench.Layer, settings: timing.Settings, seed
         row[name] = t.to_json()
     row["fp8_vs_bf16"] = {name: float(value) for name, value in moe_bench.compare(outs["fp8"], outs["bf16"]).items()}
 
-
-#: The FP8 step is also timed with each expert's rows padded to whole blocks of this many
-#: (``MoEConfig.align_size``): no 128-row block of the weight gradients' operands then holds two
-#: experts' rows (the FP8 weight gradient takes such a block once for each).
-ALIGNED_ROWS = 128
 
 #: The step's outputs whose distance from the bf16 step's the table shows (the worst).
 LAYER_OUTPUTS = ("y_rel_err", "dx_rel_err", "dgate_rel_err", "dup_rel_err", "ddown_rel_err")

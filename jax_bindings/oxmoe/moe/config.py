@@ -83,9 +83,8 @@ class MoEConfig:
     holds two experts' rows, so the weight-gradient products have no block to
     take twice, and the training step measured 3-5% faster on an H200 at
     DeepSeek-V3 on one GPU and 0-4% at Qwen3-30B-A3B (three runs each,
-    ``bench/NOTES.md``). The weight
-    gradients then round differently (their blocks are other rows); the
-    output and the input's gradient are the same.
+    ``bench/NOTES.md``). The weight gradients then round differently (their
+    blocks are other rows); the output and the input's gradient are the same.
 
     ``token_chunks`` (MaxText's ``num_moe_token_chunks``; default 1, at most
     :data:`oxmoe.grouped_gemm.MAX_CHUNKS`): with expert shards, each shard's
