@@ -4,8 +4,9 @@ DeepSeek-V3 on one GPU, Qwen3-30B-A3B), for the up and the down projection, with
 layer's router makes (each expert's tokens in the layer's forward on the benchmark's inputs)
 and with equal groups of the same total: what ragged groups cost each kernel. A group boundary
 inside a 128-row block makes that block a stage of both groups in the FP8 kernel (its other
-group's rows zeroed in shared memory); bf16's kernel has no such blocks. Medians of 5 timings of
-10 calls, after a warm-up; the operands are random (normal), quantized outside the timing.
+group's rows zeroed in shared memory); bf16's kernel has no such blocks. Timed as the FP8
+benchmark times its products (oxmoe.bench.timing, fp8_gemm.FULL's samples); the operands are
+random (normal), quantized outside the timing.
 With --once, each product runs twice and is not timed (for a profiler):
 
     python3 bench/profile_fp8_weight_grad.py [--smoke]
@@ -14,7 +15,6 @@ With --once, each product runs twice and is not timed (for a profiler):
 """
 
 import argparse
-import time
 import zlib
 
 import jax
@@ -24,18 +24,7 @@ import numpy as np
 import fp8_gemm
 from oxmoe import fp8, grouped_gemm, moe
 from oxmoe.bench import moe as bench_moe
-
-
-def median_s(fn, *args, calls: int = 10, samples: int = 5) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return float(np.median(times))
+from oxmoe.bench import timing
 
 
 def layer_group_sizes(layer: bench_moe.Layer) -> np.ndarray:
@@ -51,9 +40,10 @@ def main() -> None:
     parser.add_argument("--once", action="store_true", help="run each product twice, untimed (for a profiler)")
     parser.add_argument("--smoke", action="store_true", help="the benchmark's tiny layers (a check of this script)")
     args = parser.parse_args()
-    fp8_product = jax.jit(lambda a, b, sizes: fp8.transposed_ragged_dot(a, b, sizes,
-                                                                        preferred_element_type=jnp.bfloat16))
-    bf16_product = jax.jit(grouped_gemm.transposed_ragged_dot)
+    settings = timing.SMOKE if args.smoke else fp8_gemm.FULL
+    fp8_product = timing.rotated(lambda a, b, sizes: fp8.transposed_ragged_dot(a, b, sizes,
+                                                                             preferred_element_type=jnp.bfloat16))
+    bf16_product = timing.rotated(grouped_gemm.transposed_ragged_dot)
     rng = np.random.default_rng(0)
     for layer in fp8_gemm.layers(smoke=args.smoke):
         sizes = layer_group_sizes(layer)
@@ -69,14 +59,15 @@ def main() -> None:
             lhs_q, rhs_q = fp8.quantize(lhs, transpose=True), fp8.quantize(rhs, transpose=True)
             for label, group_sizes in (("the layer's groups", sizes), ("equal groups", equal)):
                 group_sizes = jnp.asarray(group_sizes)
+                fp8_args, bf16_args = [(lhs_q, rhs_q, group_sizes)], [(lhs, rhs, group_sizes)]
                 if args.once:
                     for _ in range(2):
-                        jax.block_until_ready(fp8_product(lhs_q, rhs_q, group_sizes))
-                        jax.block_until_ready(bf16_product(lhs, rhs, group_sizes))
+                        jax.block_until_ready(fp8_product(fp8_args))
+                        jax.block_until_ready(bf16_product(bf16_args))
                     continue
                 flops = 2 * rows * k * n
-                t8 = median_s(fp8_product, lhs_q, rhs_q, group_sizes)
-                t16 = median_s(bf16_product, lhs, rhs, group_sizes)
+                t8 = timing.measure(fp8_product, fp8_args, settings).median_s
+                t16 = timing.measure(bf16_product, bf16_args, settings).median_s
                 print(f"  {name} ({k} x {n}), {label}: FP8 {t8 * 1e6:.0f} us {flops / t8 / 1e12:.0f} TFLOP/s, "
                       f"bf16 {t16 * 1e6:.0f} us {flops / t16 / 1e12:.0f} TFLOP/s ({t16 / t8:.2f}x)", flush=True)
 
