@@ -874,12 +874,15 @@ __device__ __forceinline__ void fp8_block_product(float (&partial)[FP8_BN / 2], 
 // thread stores them with TMA: the consumers go on to the next tile without
 // waiting for it. Otherwise (and for float32 outputs) through `store_tile`.
 // Either path writes `staging` only once the previous bulk store has read it.
+// The thread of a consumer warpgroup that issues its tiles' bulk stores.
+__device__ __forceinline__ bool stores_fp8_tiles() { return threadIdx.x % 128 == 0; }
+
 template <typename O, typename Config>
 __device__ __forceinline__ void store_fp8_tile(const float (&sums)[FP8_BN / 2], unsigned short* staging,
                                                const TensorMap* out_map, O* out, int row0, int row_end, int col0,
                                                int n) {
   static_assert(64 * Config::OUT_PITCH * 2 % 1024 == 0, "each warpgroup's staging 1024-byte aligned, as the swizzle wants");
-  const bool leader = threadIdx.x % 128 == 0;
+  const bool leader = stores_fp8_tiles();
   if (leader) bulk_wait_read();
   if constexpr (sizeof(O) == 2) {
     if (row0 + 64 <= row_end) {
@@ -908,6 +911,11 @@ __device__ __forceinline__ void store_fp8_tile(const float (&sums)[FP8_BN / 2], 
     }
   }
   store_tile<O, Config>(sums, staging, out, row0, row_end, col0, n);
+}
+
+// Before a consumer warpgroup exits: its last tiles' bulk stores have completed.
+__device__ __forceinline__ void finish_fp8_tile_stores() {
+  if (stores_fp8_tiles()) bulk_wait();
 }
 
 // out[r] for the rows r of local group i: for each 128 of K, the partial of
@@ -988,7 +996,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
     store_fp8_tile<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
                               tile.row_end, tile.col0, n);
   }
-  if (threadIdx.x % 128 == 0) bulk_wait();
+  finish_fp8_tile_stores();
 }
 
 // Each chunk's K-major FP8 operands of the weight gradient: lhsᵀ [k, m_c] and
@@ -1113,7 +1121,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
     store_fp8_tile<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, g * k + out_row0 + half * 64,
                               (g + 1) * k, col0, n);
   }
-  if (threadIdx.x % 128 == 0) bulk_wait();
+  finish_fp8_tile_stores();
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
