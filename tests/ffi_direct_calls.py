@@ -206,8 +206,8 @@ def requantize(values, scales, dequantized_dtype="bfloat16", **changes):
 
 CASES.update({
     "ragged_dot_fwd_result_aliasing_lhs": (
-        lambda: aliased("oxmoe_ragged_dot", _spec(ROWS.shape, jnp.float32), ROWS, np.ones((2, E, E), np.float32),
-                        SIZES, OFFSET, rhs_transposed=np.bool_(False)),
+        lambda: aliased("oxmoe_ragged_dot", (_spec(ROWS.shape, jnp.float32), _spec((12,), jnp.uint8)), ROWS,
+                        np.ones((2, E, E), np.float32), SIZES, OFFSET, rhs_transposed=np.bool_(False)),
         "oxmoe_ragged_dot", [r"result 0 shares memory with argument 0", r"in place"]),
     "transposed_ragged_dot_a_chunk_without_rhs": (
         lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS, ROWS, ROWS,
@@ -319,6 +319,13 @@ CASES.update({
         lambda: _call("oxmoe_combine_fwd", _spec((T, 3), jnp.float32), np.ones((2, 3), np.float32),
                       np.zeros((T, 0), np.int32)),
         "oxmoe_combine_fwd", [r"dest_rows", r"no experts"]),
+    "aux_loss_fwd_without_its_workspace": (
+        lambda: aux_fwd(LOGITS, COUNTS), "oxmoe_aux_loss_fwd",
+        [r"result 1 \(workspace\) is missing: the call has 1 results"]),
+    "ragged_dot_workspace_of_another_size": (
+        lambda: _call("oxmoe_ragged_dot", (_spec(ROWS.shape, jnp.float32), _spec((4,), jnp.uint8)), ROWS,
+                      np.ones((2, E, E), np.float32), SIZES, OFFSET, rhs_transposed=np.bool_(False)),
+        "oxmoe_ragged_dot", [r"the workspace \(result 1\) is uint8\[4\], but this call needs uint8\[12\]"]),
     "combine_bwd_no_experts": (
         lambda: _call("oxmoe_combine_bwd", _spec((2, 3), jnp.float32), np.ones((T, 3), np.float32),
                       np.zeros((T, 0), np.int32), np.zeros((2,), np.int32)),

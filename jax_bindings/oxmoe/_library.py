@@ -57,8 +57,26 @@ def build_id() -> str:
 @functools.cache
 def register(target: str) -> str:
     """Registers the handlers of ``target``: the symbol ``target`` for XLA:CPU and
-    ``<target>_cuda`` for CUDA, under the one target name; returns ``target``."""
+    ``<target>_cuda`` for CUDA, under the one target name; returns ``target``.
+
+    The CUDA handler runs at two stages: at XLA's initialize stage it loads (and
+    at first compiles) the kernels it will launch, and at the execute stage it
+    launches them. It reports itself compatible with XLA's command buffers, so
+    XLA may capture the execute stage in a CUDA graph, which then holds only
+    kernel launches."""
     lib = library()
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, target)), platform="cpu")
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, f"{target}_cuda")), platform="CUDA")
+    cuda = jax.ffi.pycapsule(getattr(lib, f"{target}_cuda"))
+    jax.ffi.register_ffi_target(target, {"initialize": cuda, "execute": cuda}, platform="CUDA")
     return target
+
+
+def workspace_bytes(function: str, *sizes: int) -> int:
+    """The bytes of a call's workspace, as the library's ``<function>_workspace_bytes``
+    counts them for ``sizes``: device memory the kernels use during the call, which
+    the call takes as its last result (XLA assigns it, so a CUDA graph that captures
+    the call may replay it)."""
+    count = getattr(library(), f"{function}_workspace_bytes")
+    count.restype = ctypes.c_uint64
+    count.argtypes = [ctypes.c_uint64] * len(sizes)
+    return int(count(*sizes))

@@ -102,15 +102,22 @@ class FfiPrimitive:
         the result's type sharding (otherwise derived from the operands').
       shape_params: the names of params that only shape the results; every
         other param is passed to the handler as an FFI attribute.
+      workspace: ``(*operand avals, **params) -> bytes`` for a target that takes a
+        workspace (``uint8[bytes]``, its last result, which the handler's
+        kernels use during the call; see :func:`oxmoe._library.workspace_bytes`),
+        computed from each shard's operands. The primitive's results do not
+        include it.
     """
 
     def __init__(self, target: str, *, operands: Sequence[Layout], results: Sequence[Layout],
-                 result_specs: ResultSpecs, shape_params: Sequence[str] = ()):
+                 result_specs: ResultSpecs, shape_params: Sequence[str] = (),
+                 workspace: Callable[..., int] | None = None):
         self.target = _library.register(target)
         self.operands = tuple(operands)
         self.results = tuple(results)
         self.result_specs = result_specs
         self.shape_params = frozenset(shape_params)
+        self.workspace = workspace
         self._splits_tokens = Layout.DISPATCHED not in self.operands + self.results
 
         self._primitive = Primitive(target)
@@ -154,7 +161,11 @@ class FfiPrimitive:
 
     def _call_ffi(self, params: dict[str, Any], result_specs, *operands):
         attrs = {k: v for k, v in params.items() if k not in self.shape_params}
-        return jax.ffi.ffi_call(self.target, list(result_specs))(*operands, **attrs)
+        if self.workspace is None:
+            return jax.ffi.ffi_call(self.target, list(result_specs))(*operands, **attrs)
+        workspace = self.workspace(*(jax.typeof(x) for x in operands), **params)
+        specs = [*result_specs, jax.ShapeDtypeStruct((workspace,), jnp.uint8)]
+        return jax.ffi.ffi_call(self.target, specs)(*operands, **attrs)[:-1]
 
     # -- sharding ---------------------------------------------------------------
 

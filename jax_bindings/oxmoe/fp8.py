@@ -92,7 +92,7 @@ import numpy as np
 from oxmoe._checks import FLOAT_DTYPES, check_array, check_bool
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 from oxmoe._pytree import pytree_dataclass
-from oxmoe.grouped_gemm import _check_groups, _check_num_groups, _chunks_of
+from oxmoe.grouped_gemm import _check_groups, _check_num_groups, _chunks_of, _workspace_bytes
 
 __all__ = ["E4M3_MAX", "ACTIVATION_BLOCK", "WEIGHT_BLOCK", "TRANSPOSED_ACTIVATION_BLOCK", "BlockQuantized",
            "BlockScaling", "quantize", "quantize_with_transpose", "requantize", "dequantize", "ragged_dot",
@@ -342,7 +342,7 @@ _OUT_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float1
 _ragged_dot_p = FfiPrimitive(
     "oxmoe_fp8_ragged_dot", operands=(DISPATCHED, DISPATCHED, WHOLE, WHOLE, WHOLE, WHOLE), results=(DISPATCHED,),
     result_specs=lambda lhs, *_, n, out_dtype, **__: [jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)],
-    shape_params=("n", "out_dtype"))
+    shape_params=("n", "out_dtype"), workspace=lambda lhs, lhs_scales, rhs, *_, **__: _workspace_bytes(1, rhs.shape[0]))
 
 
 @functools.cache
@@ -354,7 +354,7 @@ def _transposed_ragged_dot_p(chunks: int) -> FfiPrimitive:
         "oxmoe_fp8_transposed_ragged_dot", operands=(DISPATCHED,) * (4 * chunks) + (WHOLE, WHOLE), results=(WHOLE,),
         result_specs=lambda *operands, groups, out_dtype, **_: [
             jax.ShapeDtypeStruct((groups, operands[0].shape[0], operands[2 * chunks].shape[0]), out_dtype)],
-        shape_params=("groups", "out_dtype"))
+        shape_params=("groups", "out_dtype"), workspace=lambda *_, groups, **__: _workspace_bytes(chunks, groups))
 
 
 _transposed_ragged_dot_p(1)  # registers the target at import, as every other primitive's is

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oxmoe import _library
 from oxmoe._checks import FLOAT_DTYPES, called_eagerly, check_array, check_bool, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 
@@ -45,10 +46,18 @@ MAX_CHUNKS = 8
 """The most chunks of rows :func:`transposed_ragged_dot` takes (the CUDA kernels
 take each chunk's operands as launch arguments)."""
 
+
+
+def _workspace_bytes(chunks: int, local_groups: int) -> int:
+    """The workspace of a grouped product (FP8 or not) of ``chunks`` chunks of rows
+    and ``local_groups`` groups (see :class:`oxmoe._primitive.FfiPrimitive`)."""
+    return _library.workspace_bytes("oxmoe_grouped_gemm", chunks, local_groups)
+
+
 _ragged_dot_p = FfiPrimitive(
     "oxmoe_ragged_dot", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE), results=(DISPATCHED,),
     result_specs=lambda lhs, rhs, *_, n, out_dtype, **__: [jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)],
-    shape_params=("n", "out_dtype"))
+    shape_params=("n", "out_dtype"), workspace=lambda lhs, rhs, *_, **__: _workspace_bytes(1, rhs.shape[0]))
 
 
 @functools.cache
@@ -59,7 +68,7 @@ def _transposed_ragged_dot_p(chunks: int) -> FfiPrimitive:
         "oxmoe_transposed_ragged_dot", operands=(DISPATCHED,) * (2 * chunks) + (WHOLE, WHOLE), results=(WHOLE,),
         result_specs=lambda *operands, groups, out_dtype, **_: [
             jax.ShapeDtypeStruct((groups, operands[0].shape[1], operands[chunks].shape[1]), out_dtype)],
-        shape_params=("groups", "out_dtype"))
+        shape_params=("groups", "out_dtype"), workspace=lambda *_, groups, **__: _workspace_bytes(chunks, groups))
 
 
 _transposed_ragged_dot_p(1)  # registers the target at import, as every other primitive's is

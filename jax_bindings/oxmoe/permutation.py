@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oxmoe import _library
 from oxmoe._checks import MAX_ROWS, called_eagerly, check_array, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout
 
@@ -67,7 +68,8 @@ def _combine_bwd_specs(grad_out, dest_rows, source_tokens, *weighted, **_):
 _dispatch_fwd_p = FfiPrimitive(
     "oxmoe_dispatch_fwd", operands=(ROWS, ROWS, ROWS),
     results=(DISPATCHED, ROWS, DISPATCHED, WHOLE, WHOLE, WHOLE, DISPATCHED),
-    result_specs=_dispatch_specs, shape_params=("num_rows",))
+    result_specs=_dispatch_specs, shape_params=("num_rows",),
+    workspace=lambda tokens, routing_map, *_, **__: _library.workspace_bytes("oxmoe_dispatch_fwd", *routing_map.shape))
 _combine_fwd_p = FfiPrimitive(
     "oxmoe_combine_fwd", operands=(DISPATCHED, ROWS, ROWS), results=(ROWS,),
     result_specs=lambda x, dest_rows, *w, **_: [jax.ShapeDtypeStruct((dest_rows.shape[0], x.shape[1]), x.dtype)])

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from oxmoe import _library
 from oxmoe._checks import FLOAT_DTYPES, check_bool, check_count, check_float_matrix, check_real
 from oxmoe._primitive import FfiPrimitive, Layout
 
@@ -53,7 +54,8 @@ _scores_bwd_p = FfiPrimitive(
     result_specs=lambda grad, logits, **_: [_like(logits)])
 _aux_loss_fwd_p = FfiPrimitive(
     "oxmoe_aux_loss_fwd", operands=(ROWS, WHOLE), results=(SUM_OVER_ROWS,),
-    result_specs=lambda probs, counts, **_: [jax.ShapeDtypeStruct((), jnp.float32)])
+    result_specs=lambda probs, counts, **_: [jax.ShapeDtypeStruct((), jnp.float32)],
+    workspace=lambda *_, **__: _library.workspace_bytes("oxmoe_aux_loss_fwd"))
 _aux_loss_bwd_p = FfiPrimitive(
     "oxmoe_aux_loss_bwd", operands=(WHOLE, WHOLE), results=(ROWS,),
     result_specs=lambda grad, counts, *, probs_type, **_: [probs_type],

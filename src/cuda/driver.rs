@@ -58,32 +58,32 @@ impl Drop for ContextGuard {
 }
 
 /// A CUDA stream that XLA handed a handler (valid for the handler's call).
+/// At the initialize stage it launches nothing: the call only loads the
+/// kernels its execute stage will launch, so that a CUDA graph capturing that
+/// stage records launches and nothing else (no compilation, no module load).
 #[derive(Clone, Copy)]
-pub struct Stream(CUstream);
+pub struct Stream {
+    raw: CUstream,
+    launches: bool,
+}
 
 impl Stream {
     /// The stream XLA hands a CUDA handler's call, which its work goes on.
     /// When results are poisoned (`OXMOE_POISON_RESULTS=1`, for tests), fills
     /// each result with its poison byte on the stream first.
     pub(super) fn begin(call: &crate::ffi::Call) -> Result<Self> {
-        // SAFETY: CUDA handlers run on the CUDA platform, where XLA's stream is a CUstream.
-        let stream = unsafe { Self::from_raw(call.stream()?) };
-        if poisons_results() {
+        // CUDA handlers run on the CUDA platform, where XLA's stream is a CUstream.
+        let stream = Self { raw: call.stream()?.cast(), launches: !call.initializes() };
+        if poisons_results() && stream.launches {
             for (_, result) in call.result_buffers() {
                 let Some(bytes) = byte_range(result) else { continue };
                 let byte = poison_byte(DataType(result.dtype));
                 let _current = ContextGuard::push(stream.context()?)?;
                 // SAFETY: the result's device memory, `bytes.len()` bytes, on XLA's stream.
-                check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(bytes.start as u64, byte, bytes.len(), stream.0) })?;
+                check("cuMemsetD8Async", unsafe { sys::cuMemsetD8Async(bytes.start as u64, byte, bytes.len(), stream.raw) })?;
             }
         }
         Ok(stream)
-    }
-
-    /// # Safety
-    /// `raw` must be a live `CUstream`, e.g. from `Call::stream` on the CUDA platform.
-    pub unsafe fn from_raw(raw: *mut c_void) -> Self {
-        Self(raw.cast())
     }
 }
 
@@ -108,7 +108,8 @@ pub struct LaunchConfig {
 
 type KernelSlot = Arc<OnceLock<std::result::Result<Kernel, Error>>>;
 /// (context, source) -> instance -> slot: a call that finds its kernel
-/// allocates nothing.
+/// allocates nothing. An instance launches with one dynamic shared memory
+/// size (a template argument of the Hopper kernels), set when it loads.
 type KernelCache = Mutex<HashMap<(usize, &'static str), HashMap<String, KernelSlot>>>;
 
 impl Kernel {
@@ -116,6 +117,12 @@ impl Kernel {
     /// context of `stream`: compiled for that device's architecture at first
     /// use (concurrent first callers wait for one load) and kept.
     pub fn get(stream: Stream, source: &'static Source, instance: &str) -> Result<Self> {
+        Self::get_with_shared_bytes(stream, source, instance, 0)
+    }
+
+    /// [`Kernel::get`] for an instance that launches with `shared_bytes` of
+    /// dynamic shared memory (beyond 48 KiB needs allowing, done at its load).
+    pub fn get_with_shared_bytes(stream: Stream, source: &'static Source, instance: &str, shared_bytes: u32) -> Result<Self> {
         static CACHE: OnceLock<KernelCache> = OnceLock::new();
         let context = stream.context()?;
         let slot = {
@@ -126,10 +133,10 @@ impl Kernel {
                 None => instances.entry(instance.to_owned()).or_default().clone(),
             }
         };
-        slot.get_or_init(|| Self::load(context, source, instance)).clone()
+        slot.get_or_init(|| Self::load(context, source, instance, shared_bytes)).clone()
     }
 
-    fn load(context: CUcontext, source: &'static Source, instance: &str) -> Result<Self> {
+    fn load(context: CUcontext, source: &'static Source, instance: &str, shared_bytes: u32) -> Result<Self> {
         let _current = ContextGuard::push(context)?;
         let arch = current_architecture()?;
         let cubin = cubin(source, instance, &arch)?;
@@ -140,22 +147,17 @@ impl Kernel {
         // SAFETY: the lowered name NVRTC gave for this instance. The module
         // stays loaded for the life of the process, like the kernel cache.
         check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut function, module, cubin.lowered_name.as_ptr()) })?;
+        if shared_bytes > 0 {
+            // SAFETY: a loaded function and a valid attribute.
+            check("cuFuncSetAttribute", unsafe {
+                sys::cuFuncSetAttribute(
+                    function,
+                    sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared_bytes as i32,
+                )
+            })?;
+        }
         Ok(Self { context, function })
-    }
-
-    /// Lets launches of this kernel use `bytes` of dynamic shared memory
-    /// (beyond 48 KiB needs asking).
-    pub fn allow_shared_bytes(self, bytes: u32) -> Result<Self> {
-        let _current = ContextGuard::push(self.context)?;
-        // SAFETY: a loaded function and a valid attribute.
-        check("cuFuncSetAttribute", unsafe {
-            sys::cuFuncSetAttribute(
-                self.function,
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                bytes as i32,
-            )
-        })?;
-        Ok(self)
     }
 }
 
@@ -207,7 +209,7 @@ impl Stream {
         init_driver()?;
         let mut context = std::ptr::null_mut();
         // SAFETY: `self` is XLA's live stream.
-        check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(self.0, &mut context) })?;
+        check("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(self.raw, &mut context) })?;
         Ok(context)
     }
 }
@@ -267,9 +269,10 @@ impl TensorMap {
 }
 
 /// Launches `kernel` on `stream` with `args` (pointers to each argument's
-/// value, in the kernel's order). Asynchronous: nothing waits for it.
+/// value, in the kernel's order). Asynchronous: nothing waits for it. At the
+/// initialize stage (see [`Stream`]) it launches nothing.
 pub fn launch(stream: Stream, kernel: Kernel, config: LaunchConfig, args: &mut [*mut c_void]) -> Result<()> {
-    if config.grid == 0 {
+    if config.grid == 0 || !stream.launches {
         return Ok(());
     }
     let _current = ContextGuard::push(kernel.context)?;
@@ -285,7 +288,7 @@ pub fn launch(stream: Stream, kernel: Kernel, config: LaunchConfig, args: &mut [
             1,
             1,
             config.shared_bytes,
-            stream.0,
+            stream.raw,
             args.as_mut_ptr(),
             std::ptr::null_mut(),
         )

@@ -2,25 +2,21 @@
 //! launch makes.
 
 use super::Stream;
-use crate::ffi::{Call, DeviceMemory, Error, Result, Scratch};
+use crate::ffi::{Call, Error, Result};
 
 /// What a CUDA backend needs of its handler's call: the stream its work goes
-/// on and XLA's allocator for scratch memory. The handler builds it, so the
-/// backend never sees the call frame.
-pub struct LaunchContext<'a> {
+/// on. The handler builds it, so the backend never sees the call frame; memory
+/// of the kernels' own comes as the call's workspace result
+/// ([`Call::workspace`]), never allocated during the call, so that XLA may
+/// capture the call in a CUDA graph.
+pub struct LaunchContext {
     pub stream: Stream,
-    memory: DeviceMemory<'a>,
 }
 
-impl<'a> LaunchContext<'a> {
-    /// The call's stream (see [`Stream::begin`]) and allocator.
-    pub fn begin(call: &Call<'a>) -> Result<Self> {
-        Ok(Self { stream: Stream::begin(call)?, memory: call.device_memory()? })
-    }
-
-    /// `bytes` of device memory (see [`DeviceMemory::scratch`]).
-    pub fn scratch(&self, bytes: usize) -> Result<Scratch<'a>> {
-        self.memory.scratch(bytes)
+impl LaunchContext {
+    /// The call's stream (see [`Stream::begin`]).
+    pub fn begin(call: &Call) -> Result<Self> {
+        Ok(Self { stream: Stream::begin(call)? })
     }
 }
 

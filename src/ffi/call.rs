@@ -1,5 +1,5 @@
 use super::buffer::byte_range;
-use super::{Arg, Attr, Error, Result, Ret};
+use super::{Arg, Attr, DataType, Error, Result, Ret};
 use crate::invalid;
 use std::cell::Cell;
 use std::ffi::{c_void, CString};
@@ -18,11 +18,14 @@ impl Traits {
     pub const COMMAND_BUFFER_COMPATIBLE: Self = Self(sys::XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 }
 
-/// One call of a handler at the execute stage: its arguments, results and attributes.
+/// One call of a handler: its arguments, results and attributes, at the
+/// execute stage or (a command-buffer-compatible handler's) initialize stage.
 pub struct Call<'a> {
     frame: &'a sys::XLA_FFI_CallFrame,
     /// Bit `i`: result `i` was handed out.
     rets_taken: Cell<u64>,
+    /// The result that [`Call::workspace`] handed out, if any.
+    workspace: Cell<Option<usize>>,
     /// Bit `i`: attribute `i` was read.
     attrs_read: Cell<u64>,
 }
@@ -87,6 +90,32 @@ impl<'a> Call<'a> {
         Ret::new(unsafe { &*ptr.cast::<sys::XLA_FFI_Buffer>() }, name)
     }
 
+    /// Result `index` as the call's workspace: `uint8[bytes]` of device memory
+    /// for its kernels' own use. XLA assigns it like any result, so its address
+    /// is fixed for the executable and a CUDA graph that captured the call
+    /// replays with it; memory allocated during the call would be freed (and
+    /// reused) while the graph still pointed at it. Not a result the caller
+    /// reads: [`Call::writes_nothing`] does not count it.
+    pub fn workspace(&self, index: usize, bytes: usize) -> Result<Ret<'a>> {
+        let workspace = self.ret(index, "workspace")?;
+        if workspace.dtype() != DataType::U8 || workspace.dims() != [bytes as i64] {
+            invalid!(
+                "the workspace (result {index}) is {}{:?}, but this call needs uint8[{bytes}]: the Python package and \
+                 the library disagree on it (install both from one build)",
+                workspace.dtype(),
+                workspace.dims()
+            )
+        }
+        self.workspace.set(Some(index));
+        Ok(workspace)
+    }
+
+    /// Whether this call runs at the initialize stage, where a device handler
+    /// loads the kernels its execute stage will launch and launches nothing.
+    pub fn initializes(&self) -> bool {
+        self.frame.stage == sys::XLA_FFI_ExecutionStage_INITIALIZE
+    }
+
     /// The platform stream (a `CUstream` on CUDA) the handler must launch on.
     pub fn stream(&self) -> Result<*mut c_void> {
         let api = self.api()?;
@@ -100,12 +129,6 @@ impl<'a> Call<'a> {
         // SAFETY: a valid argument struct for the call's execution context.
         check_api(api, "XLA_FFI_Stream_Get", unsafe { get(&mut args) })?;
         Ok(args.stream)
-    }
-
-    /// XLA's device allocator for this call, for the scratch memory of a
-    /// device handler's kernels.
-    pub fn device_memory(&self) -> Result<DeviceMemory<'a>> {
-        Ok(DeviceMemory { api: self.api()?, ctx: self.frame.ctx })
     }
 
     fn api(&self) -> Result<&'a sys::XLA_FFI_Api> {
@@ -182,9 +205,11 @@ impl<'a> Call<'a> {
         unsafe { buffers(rets.types, rets.rets, rets.size) }
     }
 
-    /// Whether no result holds an element: then the handler has nothing to write.
+    /// Whether no result but the workspace holds an element: then the handler
+    /// has nothing to write.
     pub fn writes_nothing(&self) -> bool {
-        self.result_buffers().all(|(_, result)| byte_range(result).is_none())
+        let workspace = self.workspace.get();
+        self.result_buffers().all(|(i, result)| Some(i) == workspace || byte_range(result).is_none())
     }
 }
 
@@ -209,70 +234,6 @@ unsafe fn byte_span(span: &sys::XLA_FFI_ByteSpan) -> &[u8] {
         &[]
     } else {
         std::slice::from_raw_parts(span.ptr.cast::<u8>(), span.len)
-    }
-}
-
-/// XLA's device allocator in one call's execution context.
-#[derive(Copy, Clone)]
-pub struct DeviceMemory<'a> {
-    api: &'a sys::XLA_FFI_Api,
-    ctx: *mut sys::XLA_FFI_ExecutionContext,
-}
-
-impl<'a> DeviceMemory<'a> {
-    /// `bytes` of device memory from XLA's allocator, freed when the returned
-    /// handle drops. XLA orders reuse of freed memory after the work already
-    /// launched on the call's stream, so the memory may be freed right after
-    /// the kernels that use it are launched, and not before the last of them.
-    pub fn scratch(&self, bytes: usize) -> Result<Scratch<'a>> {
-        let allocate = self
-            .api
-            .XLA_FFI_DeviceMemory_Allocate
-            .ok_or_else(|| Error::internal("XLA API has no XLA_FFI_DeviceMemory_Allocate"))?;
-        let mut args = sys::XLA_FFI_DeviceMemory_Allocate_Args {
-            struct_size: sys::XLA_FFI_DeviceMemory_Allocate_Args_STRUCT_SIZE as usize,
-            extension_start: std::ptr::null_mut(),
-            ctx: self.ctx,
-            size: bytes,
-            alignment: 16,
-            data: std::ptr::null_mut(),
-        };
-        // SAFETY: a valid argument struct for the call's execution context.
-        check_api(self.api, "XLA_FFI_DeviceMemory_Allocate", unsafe { allocate(&mut args) })?;
-        Ok(Scratch { api: self.api, ctx: self.ctx, data: args.data, bytes })
-    }
-}
-
-/// Device memory borrowed from XLA for the duration of a handler call.
-pub struct Scratch<'a> {
-    api: &'a sys::XLA_FFI_Api,
-    ctx: *mut sys::XLA_FFI_ExecutionContext,
-    data: *mut c_void,
-    bytes: usize,
-}
-
-impl Scratch<'_> {
-    /// The device address.
-    pub fn ptr(&self) -> *mut c_void {
-        self.data
-    }
-}
-
-impl Drop for Scratch<'_> {
-    fn drop(&mut self) {
-        let Some(free) = self.api.XLA_FFI_DeviceMemory_Free else { return };
-        let mut args = sys::XLA_FFI_DeviceMemory_Free_Args {
-            struct_size: sys::XLA_FFI_DeviceMemory_Free_Args_STRUCT_SIZE as usize,
-            extension_start: std::ptr::null_mut(),
-            ctx: self.ctx,
-            size: self.bytes,
-            data: self.data,
-        };
-        // SAFETY: frees what `DeviceMemory::scratch` allocated in the same context. A
-        // failure to free cannot be reported from a destructor; XLA reclaims the
-        // memory with the execution context.
-        let error = unsafe { free(&mut args) };
-        let _ = check_api(self.api, "XLA_FFI_DeviceMemory_Free", error);
     }
 }
 
@@ -311,8 +272,10 @@ fn check_api(api: &sys::XLA_FFI_Api, function: &str, error: *mut sys::XLA_FFI_Er
 
 /// Runs `body` as the handler `target` for the call frame XLA passed.
 ///
-/// Answers XLA's metadata query, refuses any stage but execute, and turns an
-/// error or a panic into an `XLA_FFI_Error` whose message starts with `target`.
+/// Answers XLA's metadata query, refuses any stage but execute (and
+/// initialize, for a handler with [`Traits::COMMAND_BUFFER_COMPATIBLE`]), and
+/// turns an error or a panic into an `XLA_FFI_Error` whose message starts with
+/// `target`.
 ///
 /// # Safety
 /// `frame` must be null or a call frame handed over by the XLA runtime.
@@ -351,10 +314,13 @@ fn dispatch(frame: &mut sys::XLA_FFI_CallFrame, traits: Traits, body: fn(&Call) 
     if let Some(metadata) = unsafe { find_metadata(frame.extension_start) } {
         return fill_metadata(metadata, traits);
     }
-    if frame.stage != sys::XLA_FFI_ExecutionStage_EXECUTE {
-        invalid!("called at execution stage {}, but oxmoe handlers run at the execute stage (3) only", frame.stage)
+    // A handler XLA may capture in a CUDA graph loads its kernels at the
+    // initialize stage, before any capture: its execute stage only launches.
+    let initializes = traits == Traits::COMMAND_BUFFER_COMPATIBLE && frame.stage == sys::XLA_FFI_ExecutionStage_INITIALIZE;
+    if frame.stage != sys::XLA_FFI_ExecutionStage_EXECUTE && !initializes {
+        invalid!("called at execution stage {}, but this oxmoe handler runs at the execute stage (3) only", frame.stage)
     }
-    body(&Call { frame, rets_taken: Cell::new(0), attrs_read: Cell::new(0) })
+    body(&Call { frame, rets_taken: Cell::new(0), workspace: Cell::new(None), attrs_read: Cell::new(0) })
 }
 
 thread_local! {

@@ -7,6 +7,7 @@ pub struct DataType(pub(crate) sys::XLA_FFI_DataType);
 
 impl DataType {
     pub const PRED: Self = Self(sys::XLA_FFI_DataType_PRED);
+    pub const U8: Self = Self(sys::XLA_FFI_DataType_U8);
     pub const S32: Self = Self(sys::XLA_FFI_DataType_S32);
     pub const S64: Self = Self(sys::XLA_FFI_DataType_S64);
     pub const F16: Self = Self(sys::XLA_FFI_DataType_F16);
@@ -18,7 +19,7 @@ impl DataType {
     /// rest, which every handler refuses.
     pub fn size(self) -> Option<usize> {
         match self {
-            Self::PRED | Self::F8E4M3FN => Some(1),
+            Self::PRED | Self::U8 | Self::F8E4M3FN => Some(1),
             Self::F16 | Self::BF16 => Some(2),
             Self::S32 | Self::F32 => Some(4),
             Self::S64 => Some(8),

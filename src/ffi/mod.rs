@@ -18,7 +18,7 @@ mod tests;
 pub use attrs::Attr;
 pub use buffer::{poison_byte, poisons_results, Arg, Element, Ret};
 pub(crate) use buffer::byte_range;
-pub use call::{run_handler, Call, DeviceMemory, Scratch, Traits};
+pub use call::{run_handler, Call, Traits};
 pub use dtype::DataType;
 pub use error::{Error, Result};
 
@@ -51,5 +51,17 @@ macro_rules! export_handler {
                 run(call, decoded)
             })
         }
+    };
+}
+
+/// [`export_handler!`](crate::export_handler) for a CUDA handler: it reports
+/// [`Traits::COMMAND_BUFFER_COMPATIBLE`], so XLA may capture its execute stage
+/// in a CUDA graph, and it runs at the initialize stage too, where it loads
+/// the kernels its execute stage launches and launches nothing (the Python
+/// package registers it for both stages).
+#[macro_export]
+macro_rules! export_cuda_handler {
+    ($symbol:ident, $decoded:ty, $run:expr) => {
+        $crate::export_handler!($symbol, $decoded, $run, $crate::ffi::Traits::COMMAND_BUFFER_COMPATIBLE);
     };
 }

@@ -204,12 +204,9 @@ fn result_of_the_wrong_shape_is_an_error() {
     assert_eq!(error.message, "oxmoe_topk_fwd: probs has shape float32[2, 3], expected [2, 4]");
 }
 
-#[test]
-fn metadata_query_reports_api_version_and_traits() {
-    let mut metadata = sys::XLA_FFI_Metadata {
-        struct_size: sys::XLA_FFI_Metadata_STRUCT_SIZE as usize,
-        ..Default::default()
-    };
+/// What `handler` answers XLA's metadata query with.
+fn metadata_of(handler: Handler) -> sys::XLA_FFI_Metadata {
+    let mut metadata = sys::XLA_FFI_Metadata { struct_size: sys::XLA_FFI_Metadata_STRUCT_SIZE as usize, ..Default::default() };
     let mut extension = sys::XLA_FFI_Metadata_Extension {
         extension_base: sys::XLA_FFI_Extension_Base {
             struct_size: sys::XLA_FFI_Metadata_Extension_STRUCT_SIZE as usize,
@@ -220,17 +217,33 @@ fn metadata_query_reports_api_version_and_traits() {
     };
     let mut frame = Frame::new(vec![], vec![], vec![]);
     frame.extension = (&mut extension as *mut sys::XLA_FFI_Metadata_Extension).cast();
-    assert!(frame.call(crate::router::handlers::oxmoe_topk_fwd as Handler).is_none());
+    assert!(frame.call(handler).is_none());
+    metadata
+}
+
+#[test]
+fn metadata_query_reports_api_version_and_traits() {
+    let metadata = metadata_of(crate::router::handlers::oxmoe_topk_fwd);
     assert_eq!((metadata.api_version.major_version, metadata.api_version.minor_version), (0, 3));
     assert_eq!(metadata.traits, 0);
+    // A CUDA handler may be captured in a CUDA graph.
+    let metadata = metadata_of(crate::router::handlers::oxmoe_topk_fwd_cuda);
+    assert_eq!(metadata.traits, sys::XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE);
 }
 
 #[test]
 fn other_stages_are_refused() {
-    let mut frame = Frame::new(vec![], vec![], vec![]);
-    frame.stage = sys::XLA_FFI_ExecutionStage_PREPARE;
-    let error = frame.call(crate::router::handlers::oxmoe_topk_fwd as Handler).unwrap();
-    assert!(error.message.contains("called at execution stage 1"), "{}", error.message);
+    // A CPU handler runs at the execute stage only; a CUDA handler at initialize too.
+    for (stage, handler) in [
+        (sys::XLA_FFI_ExecutionStage_PREPARE, crate::router::handlers::oxmoe_topk_fwd as Handler),
+        (sys::XLA_FFI_ExecutionStage_INITIALIZE, crate::router::handlers::oxmoe_topk_fwd),
+        (sys::XLA_FFI_ExecutionStage_PREPARE, crate::router::handlers::oxmoe_topk_fwd_cuda),
+    ] {
+        let mut frame = Frame::new(vec![], vec![], vec![]);
+        frame.stage = stage;
+        let error = frame.call(handler).unwrap();
+        assert!(error.message.contains(&format!("called at execution stage {stage}")), "{}", error.message);
+    }
 }
 
 /// A handler of one float32 result `[n]` and nothing else.
@@ -310,6 +323,8 @@ fn a_result_sharing_memory_with_an_argument_is_refused() {
     let (mut d0, mut d1, mut d2, mut d3) = ([2i64, 4], [1i64, 4, 4], [1i64], [1i64]);
     let lhs_buffer = buffer(DataType::F32, &mut lhs, &mut d0);
     let out_buffer = alias(&lhs_buffer);
+    let mut workspace = vec![0u8; crate::grouped_gemm::handlers::oxmoe_grouped_gemm_workspace_bytes(1, 1) as usize];
+    let mut d4 = [workspace.len() as i64];
     let mut frame = Frame::new(
         vec![
             lhs_buffer,
@@ -317,7 +332,7 @@ fn a_result_sharing_memory_with_an_argument_is_refused() {
             buffer(DataType::S32, &mut sizes, &mut d2),
             buffer(DataType::S32, &mut offset, &mut d3),
         ],
-        vec![out_buffer],
+        vec![out_buffer, buffer(DataType::U8, &mut workspace, &mut d4)],
         vec![("rhs_transposed", AttrValue::Bool(0))],
     );
     let error = frame.call(crate::grouped_gemm::handlers::oxmoe_ragged_dot as Handler).unwrap();
@@ -358,6 +373,8 @@ fn run_dispatch(experts: usize, align_size: i64) -> Option<FakeError> {
     let (e, r) = (experts as i64, rows as i64);
     let (mut d0, mut d1, mut d2, mut d3, mut d4) = ([t as i64, h as i64], [t as i64, e], [r, h as i64], [t as i64, e], [r]);
     let (mut d5, mut d6, mut d7) = ([e], [e], [e]);
+    let mut workspace = vec![0u8; crate::permutation::handlers::oxmoe_dispatch_fwd_workspace_bytes(t as u64, e as u64) as usize];
+    let mut d8 = [workspace.len() as i64];
     let mut frame = Frame::new(
         vec![buffer(DataType::F32, &mut tokens, &mut d0), buffer(DataType::PRED, &mut map, &mut d1)],
         vec![
@@ -367,6 +384,7 @@ fn run_dispatch(experts: usize, align_size: i64) -> Option<FakeError> {
             buffer(DataType::S32, &mut per_expert, &mut d5),
             buffer(DataType::S32, &mut real, &mut d6),
             buffer(DataType::S32, &mut pads, &mut d7),
+            buffer(DataType::U8, &mut workspace, &mut d8),
         ],
         vec![("align_size", AttrValue::I64(align_size))],
     );

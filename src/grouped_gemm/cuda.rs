@@ -9,7 +9,7 @@
 use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, MAX_CHUNKS};
 use super::{GroupedShape, RaggedDot, TransposedRaggedDot};
 use crate::cuda::{arg, grid, int, launch, Device, Instance, Kernel, LaunchConfig, LaunchContext, Stream, TensorMap, GROUPED_GEMM};
-use crate::ffi::{DataType, Result, Scratch};
+use crate::ffi::{DataType, Result};
 use std::ffi::c_void;
 
 // Each kernel takes the constants of its launch below as template arguments
@@ -110,7 +110,7 @@ fn launch_hopper(stream: Stream, device: &Device, instance: &str, block_n: u32, 
 /// Launches a persistent Hopper kernel, one block per multiprocessor, with
 /// `shared` bytes of dynamic shared memory.
 fn launch_persistent(stream: Stream, device: &Device, instance: &str, shared: u32, args: &mut [*mut c_void]) -> Result<()> {
-    let kernel = Kernel::get(stream, &GROUPED_GEMM, instance)?.allow_shared_bytes(shared)?;
+    let kernel = Kernel::get_with_shared_bytes(stream, &GROUPED_GEMM, instance, shared)?;
     let config = LaunchConfig { grid: device.multiprocessors, block: HOPPER_THREADS, shared_bytes: shared };
     launch(stream, kernel, config, args)
 }
@@ -181,25 +181,22 @@ impl Groups {
 }
 
 /// Each chunk's row bounds of the window's groups (`group_bounds` launched
-/// once per chunk, on chunk `c`'s sizes `sizes[c]` and rows `rows[c]`), in
-/// scratch: the kernels' `ChunkBounds`. The scratch must outlive the launch of
-/// the kernel that reads them: XLA may hand freed memory to work launched
-/// after the free.
-fn chunk_bounds<'a>(ctx: &LaunchContext<'a>, shape: &GroupedShape, sizes: u64, offset: u64, rows: &[usize]) -> Result<(Scratch<'a>, ChunkBounds)> {
+/// once per chunk, on chunk `c`'s sizes `sizes[c]` and rows `rows[c]`), in the
+/// call's workspace (laid out as [`super::ops::workspace_bytes`] counts): the
+/// kernels' `ChunkBounds`.
+fn chunk_bounds(stream: Stream, shape: &GroupedShape, sizes: u64, offset: u64, rows: &[usize], workspace: u64) -> Result<ChunkBounds> {
     let (groups, local_groups) = (int(shape.groups)?, int(shape.local_groups)?);
     let per_chunk = shape.local_groups + 1;
-    let scratch = ctx.scratch(rows.len() * per_chunk * 4)?;
-    let kernel = Kernel::get(ctx.stream, &GROUPED_GEMM, "group_bounds")?;
+    let kernel = Kernel::get(stream, &GROUPED_GEMM, "group_bounds")?;
     for (c, &m) in rows.iter().enumerate() {
         let chunk_sizes = sizes + (c * shape.groups * 4) as u64;
-        let bounds = scratch.ptr() as u64 + (c * per_chunk * 4) as u64;
+        let bounds = workspace + (c * per_chunk * 4) as u64;
         let m = int(m)?;
-        launch(ctx.stream, kernel, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &mut [
+        launch(stream, kernel, LaunchConfig { grid: 1, block: 32, shared_bytes: 0 }, &mut [
             arg(&chunk_sizes), arg(&groups), arg(&offset), arg(&local_groups), arg(&m), arg(&bounds),
         ])?;
     }
-    let bounds = ChunkBounds { bounds: scratch.ptr() as u64, local_groups };
-    Ok((scratch, bounds))
+    Ok(ChunkBounds { bounds: workspace, local_groups })
 }
 
 /// The kernels' `ChunkBounds`: each chunk's `local_groups + 1` row bounds.
@@ -251,14 +248,12 @@ pub fn ragged_dot(ctx: &LaunchContext, a: &RaggedDot) -> Result<()> {
         ]);
     }
 
-    let (scratch, rows) = chunk_bounds(ctx, shape, g.sizes, g.offset, &[shape.m])?;
+    let rows = chunk_bounds(stream, shape, g.sizes, g.offset, &[shape.m], a.workspace.device_ptr())?;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &ragged_dot_simt_instance(dtype, out_dtype, a.rhs_transposed)?)?;
     let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
-    let result = launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
+    launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
         arg(&lhs), arg(&rhs), arg(&rows.bounds), arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out),
-    ]);
-    drop(scratch);
-    result
+    ])
 }
 
 pub fn transposed_ragged_dot(ctx: &LaunchContext, a: &TransposedRaggedDot) -> Result<()> {
@@ -271,10 +266,10 @@ pub fn transposed_ragged_dot(ctx: &LaunchContext, a: &TransposedRaggedDot) -> Re
     let (k, n, chunks) = (int(shape.k)?, int(shape.n)?, int(a.chunks.len())?);
     let out = a.out.device_ptr();
     let rows: Vec<usize> = a.chunks.iter().map(|c| c.rows).collect();
-    let (scratch, bounds) = chunk_bounds(ctx, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows)?;
+    let bounds = chunk_bounds(stream, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows, a.workspace.device_ptr())?;
 
     let device = stream.device()?;
-    let result = if shape.m > 0 && takes_hopper(&device, dtype, shape) {
+    if shape.m > 0 && takes_hopper(&device, dtype, shape) {
         let bn = block_n(shape.n);
         let (k64, n64) = (shape.k as u64, shape.n as u64);
         let mut maps = ChunkMaps { lhs: std::array::from_fn(|_| TensorMap::unused()), rhs: std::array::from_fn(|_| TensorMap::unused()) };
@@ -296,9 +291,7 @@ pub fn transposed_ragged_dot(ctx: &LaunchContext, a: &TransposedRaggedDot) -> Re
         launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
             arg(&operands), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out),
         ])
-    };
-    drop(scratch);
-    result
+    }
 }
 
 /// The FP8 kernels' `Fp8ChunkOperands`: each chunk's values, scales and rows
@@ -335,17 +328,15 @@ pub fn fp8_ragged_dot(ctx: &LaunchContext, a: &Fp8RaggedDot) -> Result<()> {
             arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
     }
-    let (scratch, rows) = chunk_bounds(ctx, shape, g.sizes, g.offset, &[shape.m])?;
+    let rows = chunk_bounds(stream, shape, g.sizes, g.offset, &[shape.m], a.workspace.device_ptr())?;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &fp8_ragged_dot_simt_instance(a.out.dtype(), a.rhs_transposed)?)?;
     let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
     let (lhs, lhs_scales, rhs, rhs_scales, out) =
         (a.lhs.device_ptr(), a.lhs_scales.device_ptr(), a.rhs.device_ptr(), a.rhs_scales.device_ptr(), a.out.device_ptr());
-    let result = launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
+    launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
         arg(&lhs), arg(&lhs_scales), arg(&rhs), arg(&rhs_scales), arg(&rows.bounds), arg(&g.local_groups), arg(&m),
         arg(&k), arg(&n), arg(&out),
-    ]);
-    drop(scratch);
-    result
+    ])
 }
 
 /// The Hopper kernel's `Fp8ChunkMaps`: each chunk's K-major values (tensor maps) and scales.
@@ -368,7 +359,7 @@ pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot
     }
     let (k, n, chunks) = (int(shape.k)?, int(shape.n)?, int(a.chunks.len())?);
     let rows: Vec<usize> = a.chunks.iter().map(|c| c.rows).collect();
-    let (scratch, bounds) = chunk_bounds(ctx, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows)?;
+    let bounds = chunk_bounds(stream, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows, a.workspace.device_ptr())?;
     let device = stream.device()?;
     if shape.m > 0 && on_hopper(&device, shape) {
         let mut maps = Fp8ChunkMaps {
@@ -390,11 +381,9 @@ pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot
         let out = a.out.device_ptr();
         let out_rows = (shape.local_groups * shape.k) as u64;
         let out_map = fp8_out_map(a.out.dtype(), out, shape.n as u64, out_rows)?;
-        let result = launch_persistent(stream, &device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), &mut [
+        return launch_persistent(stream, &device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
-        drop(scratch);
-        return result;
     }
     let mut operands = Fp8ChunkOperands {
         lhs: [0; MAX_CHUNKS], lhs_scales: [0; MAX_CHUNKS], rhs: [0; MAX_CHUNKS], rhs_scales: [0; MAX_CHUNKS],
@@ -410,11 +399,9 @@ pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &fp8_transposed_simt_instance(a.out.dtype())?)?;
     let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
     let out = a.out.device_ptr();
-    let result = launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
+    launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
         arg(&operands), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out),
-    ]);
-    drop(scratch);
-    result
+    ])
 }
 
 #[cfg(test)]

@@ -9,17 +9,27 @@ use super::{cpu, cuda, RaggedDot, TransposedRaggedDot};
 use crate::cuda::LaunchContext;
 use crate::ffi::{DataType, Result};
 use crate::real::E4m3;
-use crate::{export_handler, with_real_type};
+use crate::{export_cuda_handler, export_handler, with_real_type};
 
 export_handler!(oxmoe_ragged_dot, RaggedDot, |_, op| ragged_dot_cpu(op));
 export_handler!(oxmoe_transposed_ragged_dot, TransposedRaggedDot, |_, op| transposed_ragged_dot_cpu(op));
 export_handler!(oxmoe_fp8_ragged_dot, Fp8RaggedDot, |_, op| fp8_ragged_dot_cpu(op));
 export_handler!(oxmoe_fp8_transposed_ragged_dot, Fp8TransposedRaggedDot, |_, op| fp8_transposed_ragged_dot_cpu(op));
 
-export_handler!(oxmoe_ragged_dot_cuda, RaggedDot, |call, op| cuda::ragged_dot(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_transposed_ragged_dot_cuda, TransposedRaggedDot, |call, op| cuda::transposed_ragged_dot(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_fp8_ragged_dot_cuda, Fp8RaggedDot, |call, op| cuda::fp8_ragged_dot(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_fp8_transposed_ragged_dot_cuda, Fp8TransposedRaggedDot, |call, op| cuda::fp8_transposed_ragged_dot(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_ragged_dot_cuda, RaggedDot, |call, op| cuda::ragged_dot(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_transposed_ragged_dot_cuda, TransposedRaggedDot, |call, op| cuda::transposed_ragged_dot(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_fp8_ragged_dot_cuda, Fp8RaggedDot, |call, op| cuda::fp8_ragged_dot(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_fp8_transposed_ragged_dot_cuda, Fp8TransposedRaggedDot, |call, op| cuda::fp8_transposed_ragged_dot(&LaunchContext::begin(call)?, &op));
+
+
+/// Bytes of the workspace, `uint8[bytes]`, that the grouped products take as
+/// their last result, for `chunks` chunks of rows (1 for the `ragged_dot`
+/// targets) and `local_groups` groups (the Python package asks when it builds
+/// the call).
+#[no_mangle]
+pub extern "C" fn oxmoe_grouped_gemm_workspace_bytes(chunks: u64, local_groups: u64) -> u64 {
+    super::ops::workspace_bytes(chunks as usize, local_groups as usize) as u64
+}
 
 fn ragged_dot_cpu(op: RaggedDot) -> Result<()> {
     let (sizes, offset) = (op.group_sizes.slice::<i32>()?, op.group_offset.slice::<i32>()?[0]);

@@ -31,6 +31,15 @@ fn check_window(local_groups: usize, groups: usize) -> Result<()> {
     Ok(())
 }
 
+/// Bytes of a grouped product's workspace (its last result, see
+/// [`Call::workspace`]) for `chunks` chunks of rows (1 for `ragged_dot`) and a
+/// window of `local_groups` groups: each chunk's int32 row bounds of the
+/// window's groups, which the CUDA kernels other than the Hopper `ragged_dot`
+/// read (the CPU handlers leave it alone).
+pub fn workspace_bytes(chunks: usize, local_groups: usize) -> usize {
+    chunks.saturating_mul(local_groups.saturating_add(1)).saturating_mul(4)
+}
+
 /// A ragged product's weights at argument `index`: `[Gl, K, N]`, or with the
 /// attribute `rhs_transposed` `[Gl, N, K]`, of `dtype`. Returns them, the
 /// attribute, `Gl` and `N`.
@@ -67,6 +76,7 @@ pub struct RaggedDot<'a> {
     pub group_sizes: Arg<'a>,
     pub group_offset: Arg<'a>,
     pub out: Ret<'a>,
+    pub workspace: Ret<'a>,
 }
 
 impl<'a> RaggedDot<'a> {
@@ -79,8 +89,9 @@ impl<'a> RaggedDot<'a> {
         let (group_sizes, group_offset, groups) = decode_ragged_groups(call, 2, local_groups)?;
         let out = call.ret(0, "out")?;
         check_out(&out, dtype, &[m, n])?;
+        let workspace = call.workspace(1, workspace_bytes(1, local_groups))?;
         let shape = GroupedShape { m, k, n, groups, local_groups };
-        Ok(Self { shape, rhs_transposed, lhs, rhs, group_sizes, group_offset, out })
+        Ok(Self { shape, rhs_transposed, lhs, rhs, group_sizes, group_offset, out, workspace })
     }
 }
 
@@ -107,6 +118,7 @@ pub struct TransposedRaggedDot<'a> {
     pub group_sizes: Arg<'a>,
     pub group_offset: Arg<'a>,
     pub out: Ret<'a>,
+    pub workspace: Ret<'a>,
 }
 
 impl<'a> TransposedRaggedDot<'a> {
@@ -131,9 +143,10 @@ impl<'a> TransposedRaggedDot<'a> {
         let local_groups = out_groups(&out, k, n)?;
         check_out(&out, dtype, &[local_groups, k, n])?;
         check_window(local_groups, groups)?;
+        let workspace = call.workspace(1, workspace_bytes(count, local_groups))?;
         let m = chunks.iter().map(|c| c.rows).sum();
         let shape = GroupedShape { m, k, n, groups, local_groups };
-        Ok(Self { shape, chunks, group_sizes, group_offset, out })
+        Ok(Self { shape, chunks, group_sizes, group_offset, out, workspace })
     }
 }
 
@@ -220,6 +233,7 @@ pub struct Fp8RaggedDot<'a> {
     pub group_sizes: Arg<'a>,
     pub group_offset: Arg<'a>,
     pub out: Ret<'a>,
+    pub workspace: Ret<'a>,
 }
 
 impl<'a> Fp8RaggedDot<'a> {
@@ -239,8 +253,9 @@ impl<'a> Fp8RaggedDot<'a> {
         let (group_sizes, group_offset, groups) = decode_ragged_groups(call, 4, local_groups)?;
         let out = call.ret(0, "out")?;
         out.expect(&FP8_OUT_TYPES, &[m, n])?;
+        let workspace = call.workspace(1, workspace_bytes(1, local_groups))?;
         let shape = GroupedShape { m, k, n, groups, local_groups };
-        Ok(Self { shape, rhs_transposed, lhs, lhs_scales, rhs, rhs_scales, group_sizes, group_offset, out })
+        Ok(Self { shape, rhs_transposed, lhs, lhs_scales, rhs, rhs_scales, group_sizes, group_offset, out, workspace })
     }
 }
 
@@ -268,6 +283,7 @@ pub struct Fp8TransposedRaggedDot<'a> {
     pub group_sizes: Arg<'a>,
     pub group_offset: Arg<'a>,
     pub out: Ret<'a>,
+    pub workspace: Ret<'a>,
 }
 
 impl<'a> Fp8TransposedRaggedDot<'a> {
@@ -296,8 +312,9 @@ impl<'a> Fp8TransposedRaggedDot<'a> {
         let local_groups = out_groups(&out, k, n)?;
         out.expect(&FP8_OUT_TYPES, &[local_groups, k, n])?;
         check_window(local_groups, groups)?;
+        let workspace = call.workspace(1, workspace_bytes(count, local_groups))?;
         let m = chunks.iter().map(|c| c.rows).sum();
         let shape = GroupedShape { m, k, n, groups, local_groups };
-        Ok(Self { shape, chunks, group_sizes, group_offset, out })
+        Ok(Self { shape, chunks, group_sizes, group_offset, out, workspace })
     }
 }

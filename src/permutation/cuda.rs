@@ -107,6 +107,32 @@ fn token_and_zero_blocks(tokens: usize, experts: usize, rows: usize) -> Result<L
     Ok(LaunchConfig { grid: grid(blocks)?, block: ROW_BLOCK, shared_bytes: 0 })
 }
 
+/// How the dispatch's map passes split the tokens: chunks of `chunk_tokens`,
+/// a thread per (chunk, expert), at least `MAP_THREADS` of them when there
+/// are tokens enough; each (expert, chunk)'s count, then first rank, takes
+/// `ranks_bytes` of the workspace, each expert's routed count the rest.
+struct MapChunks {
+    chunk_tokens: usize,
+    num_chunks: usize,
+    ranks_bytes: usize,
+}
+
+impl MapChunks {
+    fn of(tokens: usize, experts: usize) -> Self {
+        let chunk_tokens = tokens.saturating_mul(experts).div_ceil(MAP_THREADS).clamp(MIN_CHUNK_TOKENS, tokens.max(MIN_CHUNK_TOKENS));
+        let num_chunks = tokens.div_ceil(chunk_tokens);
+        let ranks_bytes = experts.saturating_mul(num_chunks).saturating_mul(4).next_multiple_of(16);
+        Self { chunk_tokens, num_chunks, ranks_bytes }
+    }
+}
+
+/// Bytes of `oxmoe_dispatch_fwd`'s workspace (its last result, see
+/// [`crate::ffi::Call::workspace`]) for `tokens` tokens and `experts` experts:
+/// the map passes' ranks and routed counts.
+pub fn dispatch_workspace_bytes(tokens: usize, experts: usize) -> usize {
+    MapChunks::of(tokens, experts).ranks_bytes.saturating_add(experts.saturating_mul(4))
+}
+
 pub fn dispatch_fwd(ctx: &LaunchContext, a: &DispatchFwd) -> Result<()> {
     let stream = ctx.stream;
     let layout = &a.layout;
@@ -117,15 +143,8 @@ pub fn dispatch_fwd(ctx: &LaunchContext, a: &DispatchFwd) -> Result<()> {
     let rank = Kernel::get(stream, &PERMUTATION, &rank)?;
     let assign = Kernel::get(stream, &PERMUTATION, &assign)?;
 
-    // Chunks of tokens: a map pass has a thread per (chunk, expert), at least
-    // MAP_THREADS of them when there are tokens enough.
-    let chunk_tokens = (t * e).div_ceil(MAP_THREADS).clamp(MIN_CHUNK_TOKENS, t.max(MIN_CHUNK_TOKENS));
-    let num_chunks = t.div_ceil(chunk_tokens);
-    // Scratch: each (expert, chunk)'s count, then first rank; each expert's routed count.
-    // (At most MAX_EXPERTS × 2^31 chunks: no overflow.)
-    let ranks_bytes = (e * num_chunks * 4).next_multiple_of(16);
-    let scratch = ctx.scratch(ranks_bytes + e * 4)?;
-    let ranks = scratch.ptr() as u64;
+    let MapChunks { chunk_tokens, num_chunks, ranks_bytes } = MapChunks::of(t, e);
+    let ranks = a.workspace.device_ptr();
     let routed = ranks + ranks_bytes as u64;
 
     let (map, probs) = (a.routing_map.device_ptr(), a.probs.as_ref().map_or(0, |p| p.device_ptr()));

@@ -8,17 +8,26 @@ use super::cpu::{self, CombineGrads, ExpertCounts};
 use super::{cuda, CombineBwd, CombineFwd, DispatchFwd, SortChunks};
 use crate::cuda::LaunchContext;
 use crate::ffi::Result;
-use crate::{export_handler, with_real_type};
+use crate::{export_cuda_handler, export_handler, with_real_type};
 
 export_handler!(oxmoe_dispatch_fwd, DispatchFwd, |_, op| dispatch_fwd_cpu(op));
 export_handler!(oxmoe_combine_fwd, CombineFwd, |_, op| combine_fwd_cpu(op));
 export_handler!(oxmoe_combine_bwd, CombineBwd, |_, op| combine_bwd_cpu(op));
 export_handler!(oxmoe_sort_chunks, SortChunks, |_, op| sort_chunks_cpu(op));
 
-export_handler!(oxmoe_dispatch_fwd_cuda, DispatchFwd, |call, op| cuda::dispatch_fwd(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_combine_fwd_cuda, CombineFwd, |call, op| cuda::combine_fwd(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_combine_bwd_cuda, CombineBwd, |call, op| cuda::combine_bwd(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_sort_chunks_cuda, SortChunks, |call, op| cuda::sort_chunks(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_dispatch_fwd_cuda, DispatchFwd, |call, op| cuda::dispatch_fwd(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_combine_fwd_cuda, CombineFwd, |call, op| cuda::combine_fwd(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_combine_bwd_cuda, CombineBwd, |call, op| cuda::combine_bwd(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_sort_chunks_cuda, SortChunks, |call, op| cuda::sort_chunks(&LaunchContext::begin(call)?, &op));
+
+
+/// Bytes of the workspace, `uint8[bytes]`, that `oxmoe_dispatch_fwd` takes as
+/// its last result for `tokens` tokens and `experts` experts (the Python
+/// package asks when it builds the call).
+#[no_mangle]
+pub extern "C" fn oxmoe_dispatch_fwd_workspace_bytes(tokens: u64, experts: u64) -> u64 {
+    cuda::dispatch_workspace_bytes(tokens as usize, experts as usize) as u64
+}
 
 fn dispatch_fwd_cpu(op: DispatchFwd) -> Result<()> {
     let source_tokens = op.source_tokens.slice_mut::<i32>()?;

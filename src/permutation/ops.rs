@@ -29,7 +29,8 @@ fn token_expert_map(map: &Arg, name: &str) -> Result<(usize, usize)> {
 /// `oxmoe_dispatch_fwd`: tokens [T, H], routing_map [T, E] bool, optional
 /// probs [T, E] f32 (attribute `align_size`) -> tokens [R, H], dest_rows
 /// [T, E] s32, source_tokens [R] s32, tokens_per_expert, real_tokens_per_expert,
-/// pad_offsets [E] s32, and with probs, probs [R] f32.
+/// pad_offsets [E] s32, with probs, probs [R] f32, and last the workspace
+/// (see [`super::cuda::dispatch_workspace_bytes`]).
 pub struct DispatchFwd<'a> {
     pub layout: DispatchLayout,
     pub hidden: usize,
@@ -43,6 +44,7 @@ pub struct DispatchFwd<'a> {
     pub real_tokens_per_expert: Ret<'a>,
     pub pad_offsets: Ret<'a>,
     pub out_probs: Option<Ret<'a>>,
+    pub workspace: Ret<'a>,
 }
 
 impl<'a> DispatchFwd<'a> {
@@ -85,6 +87,7 @@ impl<'a> DispatchFwd<'a> {
             }
             None => None,
         };
+        let workspace = call.workspace(6 + usize::from(out_probs.is_some()), super::cuda::dispatch_workspace_bytes(num_tokens, experts))?;
         Ok(Self {
             layout: DispatchLayout { tokens: num_tokens, experts, rows, align },
             hidden,
@@ -98,6 +101,7 @@ impl<'a> DispatchFwd<'a> {
             real_tokens_per_expert,
             pad_offsets,
             out_probs,
+            workspace,
         })
     }
 }

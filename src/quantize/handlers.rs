@@ -7,11 +7,11 @@
 use super::{cpu, cuda, Input, Quantize};
 use crate::cuda::LaunchContext;
 use crate::ffi::Result;
-use crate::{export_handler, with_real_type};
+use crate::{export_cuda_handler, export_handler, with_real_type};
 
 export_handler!(oxmoe_fp8_quantize, Quantize, |_, op| quantize_cpu(op));
 
-export_handler!(oxmoe_fp8_quantize_cuda, Quantize, |call, op| cuda::quantize(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_fp8_quantize_cuda, Quantize, |call, op| cuda::quantize(&LaunchContext::begin(call)?, &op));
 
 fn quantize_cpu(op: Quantize) -> Result<()> {
     with_real_type!(op.x.dtype(), T => {

@@ -14,6 +14,10 @@ const ROUTER_BLOCK: u32 = 128;
 /// of the loss's other kernels (their `BLOCK`).
 const AUX_PARTIALS: u32 = 1024;
 const AUX_BLOCK: u32 = 256;
+
+/// Bytes of `oxmoe_aux_loss_fwd`'s workspace (its last result, see
+/// [`crate::ffi::Call::workspace`]): the float32 partial sums of its blocks.
+pub const AUX_LOSS_WORKSPACE_BYTES: usize = AUX_PARTIALS as usize * std::mem::size_of::<f32>();
 /// A lane holds at most 64 experts of a row, so rows of up to 32 * 64.
 pub const MAX_EXPERTS: usize = 2048;
 
@@ -150,8 +154,7 @@ pub fn aux_loss_fwd(ctx: &LaunchContext, a: &AuxLossFwd) -> Result<()> {
     let [partials_instance, _] = aux_loss_instances(a.config.num_experts, a.probs.dtype(), a.counts.dtype())?;
     let partials_kernel = Kernel::get(stream, &ROUTER, &partials_instance)?;
     let total_kernel = Kernel::get(stream, &ROUTER, &aux_loss_total_instance()?)?;
-    let scratch = ctx.scratch(AUX_PARTIALS as usize * std::mem::size_of::<f32>())?;
-    let (probs, counts, partials, loss) = (a.probs.device_ptr(), a.counts.device_ptr(), scratch.ptr() as u64, a.loss.device_ptr());
+    let (probs, counts, partials, loss) = (a.probs.device_ptr(), a.counts.device_ptr(), a.workspace.device_ptr(), a.loss.device_ptr());
     let (tokens, scale) = (int(a.tokens)?, a.config.scale());
     let blocks = LaunchConfig { grid: AUX_PARTIALS, block: AUX_BLOCK, shared_bytes: 0 };
     launch(stream, partials_kernel, blocks, &mut [arg(&probs), arg(&counts), arg(&partials), arg(&tokens)])?;

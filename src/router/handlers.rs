@@ -8,7 +8,7 @@ use super::{cpu, cuda, AuxLossBwd, AuxLossFwd, ScoresBwd, ScoresFwd, TopkBwd, To
 use crate::cuda::LaunchContext;
 use crate::ffi::{Arg, DataType, Result};
 use crate::real::Real;
-use crate::{export_handler, with_real_type};
+use crate::{export_cuda_handler, export_handler, with_real_type};
 
 export_handler!(oxmoe_topk_fwd, TopkFwd, |_, op| topk_fwd_cpu(op));
 export_handler!(oxmoe_topk_bwd, TopkBwd, |_, op| topk_bwd_cpu(op));
@@ -17,12 +17,20 @@ export_handler!(oxmoe_aux_loss_scores_bwd, ScoresBwd, |_, op| scores_bwd_cpu(op)
 export_handler!(oxmoe_aux_loss_fwd, AuxLossFwd, |_, op| aux_loss_fwd_cpu(op));
 export_handler!(oxmoe_aux_loss_bwd, AuxLossBwd, |_, op| aux_loss_bwd_cpu(op));
 
-export_handler!(oxmoe_topk_fwd_cuda, TopkFwd, |call, op| cuda::topk_fwd(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_topk_bwd_cuda, TopkBwd, |call, op| cuda::topk_bwd(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_aux_loss_scores_fwd_cuda, ScoresFwd, |call, op| cuda::scores_fwd(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_aux_loss_scores_bwd_cuda, ScoresBwd, |call, op| cuda::scores_bwd(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_aux_loss_fwd_cuda, AuxLossFwd, |call, op| cuda::aux_loss_fwd(&LaunchContext::begin(call)?, &op));
-export_handler!(oxmoe_aux_loss_bwd_cuda, AuxLossBwd, |call, op| cuda::aux_loss_bwd(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_topk_fwd_cuda, TopkFwd, |call, op| cuda::topk_fwd(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_topk_bwd_cuda, TopkBwd, |call, op| cuda::topk_bwd(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_aux_loss_scores_fwd_cuda, ScoresFwd, |call, op| cuda::scores_fwd(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_aux_loss_scores_bwd_cuda, ScoresBwd, |call, op| cuda::scores_bwd(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_aux_loss_fwd_cuda, AuxLossFwd, |call, op| cuda::aux_loss_fwd(&LaunchContext::begin(call)?, &op));
+export_cuda_handler!(oxmoe_aux_loss_bwd_cuda, AuxLossBwd, |call, op| cuda::aux_loss_bwd(&LaunchContext::begin(call)?, &op));
+
+
+/// Bytes of the workspace, `uint8[bytes]`, that `oxmoe_aux_loss_fwd` takes as
+/// its last result (the Python package asks when it builds the call).
+#[no_mangle]
+pub extern "C" fn oxmoe_aux_loss_fwd_workspace_bytes() -> u64 {
+    cuda::AUX_LOSS_WORKSPACE_BYTES as u64
+}
 
 fn topk_fwd_cpu(op: TopkFwd) -> Result<()> {
     let bias = op.bias.map(|b| b.slice::<f32>()).transpose()?;

@@ -158,13 +158,15 @@ fn tokens_per_expert<'a>(call: &Call<'a>, index: usize, num_experts: usize) -> R
     Ok(counts)
 }
 
-/// `oxmoe_aux_loss_fwd`: probs [T, E], tokens_per_expert [E] -> loss [] f32.
+/// `oxmoe_aux_loss_fwd`: probs [T, E], tokens_per_expert [E] -> loss [] f32
+/// and the workspace (see [`super::cuda::AUX_LOSS_WORKSPACE_BYTES`]).
 pub struct AuxLossFwd<'a> {
     pub config: AuxLossConfig,
     pub tokens: usize,
     pub probs: Arg<'a>,
     pub counts: Arg<'a>,
     pub loss: Ret<'a>,
+    pub workspace: Ret<'a>,
 }
 
 impl<'a> AuxLossFwd<'a> {
@@ -176,7 +178,8 @@ impl<'a> AuxLossFwd<'a> {
         let counts = tokens_per_expert(call, 1, experts)?;
         let loss = call.ret(0, "loss")?;
         loss.expect(&[DataType::F32], &[])?;
-        Ok(Self { config, tokens, probs, counts, loss })
+        let workspace = call.workspace(1, super::cuda::AUX_LOSS_WORKSPACE_BYTES)?;
+        Ok(Self { config, tokens, probs, counts, loss, workspace })
     }
 }
 
