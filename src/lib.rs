@@ -16,8 +16,9 @@ pub mod router;
 
 use std::ffi::c_char;
 
-/// The library's version and the commit it was built from, e.g. `0.1.0+1a2b3c4`,
-/// so the Python package can tell a stale library from the one it expects.
+/// The library's version and the commit it was built from, e.g. `0.1.0+1a2b3c4`
+/// (`0.1.0+1a2b3c4-dirty` when its sources differed from that commit's), so the
+/// Python package can tell a stale library from the one it expects.
 #[no_mangle]
 pub extern "C" fn oxmoe_build_id() -> *const c_char {
     concat!(env!("CARGO_PKG_VERSION"), "+", env!("OXMOE_GIT_COMMIT"), "\0").as_ptr().cast()

@@ -50,7 +50,8 @@ def library() -> ctypes.CDLL:
 
 
 def build_id() -> str:
-    """``<version>+<git commit>`` of the loaded library, for reports."""
+    """``<version>+<git commit>`` of the loaded library (``-dirty`` appended when its
+    sources differed from the commit's), for reports."""
     return library().oxmoe_build_id().decode()
 
 
