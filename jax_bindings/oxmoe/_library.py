@@ -77,7 +77,13 @@ def workspace_bytes(function: str, *sizes: int) -> int:
     counts them for ``sizes``: device memory the kernels use during the call, which
     the call takes as its last result (XLA assigns it, so a CUDA graph that captures
     the call may replay it)."""
+    return int(_workspace_counter(function, len(sizes))(*sizes))
+
+
+@functools.cache
+def _workspace_counter(function: str, num_sizes: int):
+    """The library's ``<function>_workspace_bytes``, typed for ctypes once."""
     count = getattr(library(), f"{function}_workspace_bytes")
     count.restype = ctypes.c_uint64
-    count.argtypes = [ctypes.c_uint64] * len(sizes)
-    return int(count(*sizes))
+    count.argtypes = [ctypes.c_uint64] * num_sizes
+    return count

@@ -47,7 +47,6 @@ MAX_CHUNKS = 8
 take each chunk's operands as launch arguments)."""
 
 
-
 def _workspace_bytes(chunks: int, local_groups: int) -> int:
     """The workspace of a grouped product (FP8 or not) of ``chunks`` chunks of rows
     and ``local_groups`` groups (see :class:`oxmoe._primitive.FfiPrimitive`)."""

@@ -68,10 +68,13 @@ pub struct Stream {
 }
 
 impl Stream {
-    /// The stream XLA hands a CUDA handler's call, which its work goes on.
+    /// The stream XLA hands a CUDA handler's call, which its work goes on: all
+    /// a CUDA backend takes of the call besides its decoded buffers (memory of
+    /// the kernels' own comes as the call's workspace result, never allocated
+    /// during the call, so that XLA may capture the call in a CUDA graph).
     /// When results are poisoned (`OXMOE_POISON_RESULTS=1`, for tests), fills
     /// each result with its poison byte on the stream first.
-    pub(super) fn begin(call: &crate::ffi::Call) -> Result<Self> {
+    pub fn begin(call: &crate::ffi::Call) -> Result<Self> {
         // CUDA handlers run on the CUDA platform, where XLA's stream is a CUstream.
         let stream = Self { raw: call.stream()?.cast(), launches: !call.initializes() };
         if poisons_results() && stream.launches {

@@ -1,24 +1,6 @@
-//! What a family's CUDA backend launches with, and the conversions every
-//! launch makes.
+//! The conversions every launch makes.
 
-use super::Stream;
-use crate::ffi::{Call, Error, Result};
-
-/// What a CUDA backend needs of its handler's call: the stream its work goes
-/// on. The handler builds it, so the backend never sees the call frame; memory
-/// of the kernels' own comes as the call's workspace result
-/// ([`Call::workspace`]), never allocated during the call, so that XLA may
-/// capture the call in a CUDA graph.
-pub struct LaunchContext {
-    pub stream: Stream,
-}
-
-impl LaunchContext {
-    /// The call's stream (see [`Stream::begin`]).
-    pub fn begin(call: &Call) -> Result<Self> {
-        Ok(Self { stream: Stream::begin(call)? })
-    }
-}
+use crate::ffi::{Error, Result};
 
 /// A size or index as the kernels take it, an `int`. The handlers bound what
 /// they decode; a value past 2^31 - 1 is an error, never a wrapped index.

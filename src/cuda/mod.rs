@@ -16,7 +16,7 @@ mod nvrtc;
 
 pub use driver::{arg, launch, Device, Kernel, LaunchConfig, Stream, TensorMap};
 pub use instance::Instance;
-pub use launch::{grid, int, LaunchContext};
+pub use launch::{grid, int};
 pub use nvrtc::{assert_compiles, compile_check, Architecture};
 
 use crate::ffi::{DataType, Error, Result};

@@ -8,7 +8,7 @@
 
 use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, MAX_CHUNKS};
 use super::{GroupedShape, RaggedDot, TransposedRaggedDot};
-use crate::cuda::{arg, grid, int, launch, Device, Instance, Kernel, LaunchConfig, LaunchContext, Stream, TensorMap, GROUPED_GEMM};
+use crate::cuda::{arg, grid, int, launch, Device, Instance, Kernel, LaunchConfig, Stream, TensorMap, GROUPED_GEMM};
 use crate::ffi::{DataType, Result};
 use std::ffi::c_void;
 
@@ -220,8 +220,7 @@ struct ChunkMaps {
     rhs: [TensorMap; MAX_CHUNKS],
 }
 
-pub fn ragged_dot(ctx: &LaunchContext, a: &RaggedDot) -> Result<()> {
-    let stream = ctx.stream;
+pub fn ragged_dot(stream: Stream, a: &RaggedDot) -> Result<()> {
     let shape = &a.shape;
     if shape.m == 0 || shape.n == 0 {
         return Ok(());
@@ -256,8 +255,7 @@ pub fn ragged_dot(ctx: &LaunchContext, a: &RaggedDot) -> Result<()> {
     ])
 }
 
-pub fn transposed_ragged_dot(ctx: &LaunchContext, a: &TransposedRaggedDot) -> Result<()> {
-    let stream = ctx.stream;
+pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<()> {
     let shape = &a.shape;
     if shape.local_groups == 0 || shape.k == 0 || shape.n == 0 {
         return Ok(());
@@ -308,8 +306,7 @@ struct Fp8ChunkOperands {
 /// On Hopper, the FP8 product whose operands are both K-major (the
 /// `rhs_transposed` form: 8-bit `wgmma` reads no other layout) runs on the
 /// tensor cores; the other form, and every other GPU, on the SIMT kernels.
-pub fn fp8_ragged_dot(ctx: &LaunchContext, a: &Fp8RaggedDot) -> Result<()> {
-    let stream = ctx.stream;
+pub fn fp8_ragged_dot(stream: Stream, a: &Fp8RaggedDot) -> Result<()> {
     let shape = &a.shape;
     if shape.m == 0 || shape.n == 0 {
         return Ok(());
@@ -351,8 +348,7 @@ struct Fp8ChunkMaps {
 /// On Hopper, the weight gradient runs on the tensor cores (its operands come
 /// K-major, each column's tokens contiguous, as 8-bit `wgmma` reads them);
 /// elsewhere on the SIMT kernel.
-pub fn fp8_transposed_ragged_dot(ctx: &LaunchContext, a: &Fp8TransposedRaggedDot) -> Result<()> {
-    let stream = ctx.stream;
+pub fn fp8_transposed_ragged_dot(stream: Stream, a: &Fp8TransposedRaggedDot) -> Result<()> {
     let shape = &a.shape;
     if shape.local_groups == 0 || shape.k == 0 || shape.n == 0 {
         return Ok(());

@@ -3,7 +3,7 @@
 //! hidden size, experts as template arguments) and its launches.
 
 use super::{CombineBwd, CombineFwd, DispatchFwd, SortChunks};
-use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, LaunchContext, PERMUTATION};
+use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, PERMUTATION};
 use crate::ffi::{DataType, Result};
 use crate::invalid;
 
@@ -133,8 +133,7 @@ pub fn dispatch_workspace_bytes(tokens: usize, experts: usize) -> usize {
     MapChunks::of(tokens, experts).ranks_bytes.saturating_add(experts.saturating_mul(4))
 }
 
-pub fn dispatch_fwd(ctx: &LaunchContext, a: &DispatchFwd) -> Result<()> {
-    let stream = ctx.stream;
+pub fn dispatch_fwd(stream: Stream, a: &DispatchFwd) -> Result<()> {
     let layout = &a.layout;
     let (t, e, rows) = (layout.tokens, layout.experts, layout.rows);
     check_experts(e)?;
@@ -181,8 +180,7 @@ pub fn dispatch_fwd(ctx: &LaunchContext, a: &DispatchFwd) -> Result<()> {
     ])
 }
 
-pub fn combine_fwd(ctx: &LaunchContext, a: &CombineFwd) -> Result<()> {
-    let stream = ctx.stream;
+pub fn combine_fwd(stream: Stream, a: &CombineFwd) -> Result<()> {
     let weighted = a.merging_probs.is_some();
     let kernel = Kernel::get(stream, &PERMUTATION, &gather_instance(a.expert_tokens.dtype(), a.hidden, a.experts, weighted)?)?;
     let (src, dest_rows, out) = (a.expert_tokens.device_ptr(), a.dest_rows.device_ptr(), a.out.device_ptr());
@@ -192,8 +190,7 @@ pub fn combine_fwd(ctx: &LaunchContext, a: &CombineFwd) -> Result<()> {
     launch(stream, kernel, config, &mut [arg(&src), arg(&dest_rows), arg(&weights), arg(&out), arg(&tokens), arg(&rows)])
 }
 
-pub fn combine_bwd(ctx: &LaunchContext, a: &CombineBwd) -> Result<()> {
-    let stream = ctx.stream;
+pub fn combine_bwd(stream: Stream, a: &CombineBwd) -> Result<()> {
     let scatter = Scatter::CombineBackward { weighted: a.weighted.is_some() };
     let kernel = Kernel::get(stream, &PERMUTATION, &scatter_instance(a.grad_out.dtype(), a.hidden, a.experts, scatter)?)?;
     let (grad, dest_rows, source_tokens, out) =
@@ -209,11 +206,10 @@ pub fn combine_bwd(ctx: &LaunchContext, a: &CombineBwd) -> Result<()> {
     ])
 }
 
-pub fn sort_chunks(ctx: &LaunchContext, a: &SortChunks) -> Result<()> {
+pub fn sort_chunks(stream: Stream, a: &SortChunks) -> Result<()> {
     if a.chunks > MAX_CHUNKS {
         invalid!("{} chunks: the CUDA chunk sort takes at most {MAX_CHUNKS}", a.chunks)
     }
-    let stream = ctx.stream;
     let kernel = Kernel::get(stream, &PERMUTATION, &sort_instance(a.tokens.dtype(), a.hidden, a.inverse)?)?;
     let (src, sizes, order, out) =
         (a.tokens.device_ptr(), a.split_sizes.device_ptr(), a.sorted_indices.device_ptr(), a.out.device_ptr());

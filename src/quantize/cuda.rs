@@ -4,7 +4,7 @@
 //! read of the tile (of x, or of FP8 values dequantized as they are read).
 
 use super::{Block, Input, Orientation, Output, Quantize};
-use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, LaunchContext, QUANTIZE};
+use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, QUANTIZE};
 use crate::ffi::{DataType, Result};
 
 /// Threads of a block, and the edge of the tile it quantizes (the kernel's
@@ -19,7 +19,7 @@ pub fn quantize_instance(dtype: DataType, block: Block, orientation: Orientation
     instance.flag(fp8_input).int(THREADS).build()
 }
 
-pub fn quantize(ctx: &LaunchContext, op: &Quantize) -> Result<()> {
+pub fn quantize(stream: Stream, op: &Quantize) -> Result<()> {
     // Both quantizations of a call share x's shape, the block and the options.
     let (orientation, first) = match (&op.as_is, &op.transposed) {
         (Some(out), None) => (Orientation::AsIs, out),
@@ -40,12 +40,12 @@ pub fn quantize(ctx: &LaunchContext, op: &Quantize) -> Result<()> {
         Input::Fp8 { values, scales, .. } => (values.device_ptr(), scales.device_ptr(), true),
     };
     let instance = quantize_instance(op.x.dtype(), q.block, orientation, q.power_of_two_scales, fp8_input)?;
-    let kernel = Kernel::get(ctx.stream, &QUANTIZE, &instance)?;
+    let kernel = Kernel::get(stream, &QUANTIZE, &instance)?;
     let (batch, rows, cols) = (int(batch)?, int(rows)?, int(q.cols)?);
     // A result the call does not write is a null pointer the kernel never follows.
     let pointers = |out: &Option<Output>| out.as_ref().map_or((0, 0), |o| (o.values.device_ptr(), o.scales.device_ptr()));
     let ((values, scales), (transposed_values, transposed_scales)) = (pointers(&op.as_is), pointers(&op.transposed));
-    launch(ctx.stream, kernel, LaunchConfig { grid: grid(tiles)?, block: THREADS, shared_bytes: 0 }, &mut [
+    launch(stream, kernel, LaunchConfig { grid: grid(tiles)?, block: THREADS, shared_bytes: 0 }, &mut [
         arg(&x), arg(&x_scales), arg(&batch), arg(&rows), arg(&cols), arg(&values), arg(&scales), arg(&transposed_values),
         arg(&transposed_scales),
     ])

@@ -3,7 +3,7 @@
 //! top-k, groups and score function as template arguments) and its launch.
 
 use super::{AuxLossBwd, AuxLossFwd, ScoreFunction, ScoresBwd, ScoresFwd, TopkBwd, TopkConfig, TopkFwd};
-use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, LaunchContext, ROUTER};
+use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, ROUTER};
 use crate::ffi::{DataType, Result};
 use crate::invalid;
 
@@ -112,8 +112,7 @@ fn per_token(tokens: usize, experts: usize) -> Result<LaunchConfig> {
     Ok(LaunchConfig { grid: grid(tokens.div_ceil(rows_per_block(experts)))?, block: ROUTER_BLOCK, shared_bytes: 0 })
 }
 
-pub fn topk_fwd(ctx: &LaunchContext, a: &TopkFwd) -> Result<()> {
-    let stream = ctx.stream;
+pub fn topk_fwd(stream: Stream, a: &TopkFwd) -> Result<()> {
     let kernel = Kernel::get(stream, &ROUTER, &topk_fwd_instance(&a.config, a.logits.dtype(), a.bias.is_some())?)?;
     let (logits, probs, map) = (a.logits.device_ptr(), a.probs.device_ptr(), a.routing_map.device_ptr());
     let bias = a.bias.as_ref().map_or(0, |b| b.device_ptr());
@@ -122,8 +121,7 @@ pub fn topk_fwd(ctx: &LaunchContext, a: &TopkFwd) -> Result<()> {
     launch(stream, kernel, config, &mut [arg(&logits), arg(&bias), arg(&probs), arg(&map), arg(&tokens), arg(&scaling)])
 }
 
-pub fn topk_bwd(ctx: &LaunchContext, a: &TopkBwd) -> Result<()> {
-    let stream = ctx.stream;
+pub fn topk_bwd(stream: Stream, a: &TopkBwd) -> Result<()> {
     let kernel = Kernel::get(stream, &ROUTER, &topk_bwd_instance(&a.config, a.logits.dtype())?)?;
     let (grad, logits, map, out) =
         (a.grad_probs.device_ptr(), a.logits.device_ptr(), a.routing_map.device_ptr(), a.grad_logits.device_ptr());
@@ -132,8 +130,7 @@ pub fn topk_bwd(ctx: &LaunchContext, a: &TopkBwd) -> Result<()> {
     launch(stream, kernel, config, &mut [arg(&grad), arg(&logits), arg(&map), arg(&out), arg(&tokens), arg(&scaling)])
 }
 
-pub fn scores_fwd(ctx: &LaunchContext, a: &ScoresFwd) -> Result<()> {
-    let stream = ctx.stream;
+pub fn scores_fwd(stream: Stream, a: &ScoresFwd) -> Result<()> {
     let instance = scores_fwd_instance(a.score_function, a.topk, a.experts, a.logits.dtype())?;
     let kernel = Kernel::get(stream, &ROUTER, &instance)?;
     let (logits, map, scores) = (a.logits.device_ptr(), a.routing_map.device_ptr(), a.scores.device_ptr());
@@ -141,16 +138,14 @@ pub fn scores_fwd(ctx: &LaunchContext, a: &ScoresFwd) -> Result<()> {
     launch(stream, kernel, per_token(a.tokens, a.experts)?, &mut [arg(&logits), arg(&map), arg(&scores), arg(&tokens)])
 }
 
-pub fn scores_bwd(ctx: &LaunchContext, a: &ScoresBwd) -> Result<()> {
-    let stream = ctx.stream;
+pub fn scores_bwd(stream: Stream, a: &ScoresBwd) -> Result<()> {
     let kernel = Kernel::get(stream, &ROUTER, &scores_bwd_instance(a.score_function, a.experts, a.logits.dtype())?)?;
     let (grad, logits, out) = (a.grad_scores.device_ptr(), a.logits.device_ptr(), a.grad_logits.device_ptr());
     let tokens = int(a.tokens)?;
     launch(stream, kernel, per_token(a.tokens, a.experts)?, &mut [arg(&grad), arg(&logits), arg(&out), arg(&tokens)])
 }
 
-pub fn aux_loss_fwd(ctx: &LaunchContext, a: &AuxLossFwd) -> Result<()> {
-    let stream = ctx.stream;
+pub fn aux_loss_fwd(stream: Stream, a: &AuxLossFwd) -> Result<()> {
     let [partials_instance, _] = aux_loss_instances(a.config.num_experts, a.probs.dtype(), a.counts.dtype())?;
     let partials_kernel = Kernel::get(stream, &ROUTER, &partials_instance)?;
     let total_kernel = Kernel::get(stream, &ROUTER, &aux_loss_total_instance()?)?;
@@ -162,8 +157,7 @@ pub fn aux_loss_fwd(ctx: &LaunchContext, a: &AuxLossFwd) -> Result<()> {
     launch(stream, total_kernel, one_block, &mut [arg(&partials), arg(&loss), arg(&scale)])
 }
 
-pub fn aux_loss_bwd(ctx: &LaunchContext, a: &AuxLossBwd) -> Result<()> {
-    let stream = ctx.stream;
+pub fn aux_loss_bwd(stream: Stream, a: &AuxLossBwd) -> Result<()> {
     let [_, instance] = aux_loss_instances(a.config.num_experts, a.grad_probs.dtype(), a.counts.dtype())?;
     let kernel = Kernel::get(stream, &ROUTER, &instance)?;
     let (grad, counts, out) = (a.grad_loss.device_ptr(), a.counts.device_ptr(), a.grad_probs.device_ptr());
