@@ -2,10 +2,11 @@
 //!
 //! Layers, each only calling down: [`ffi`] (a safe view of XLA's call frame),
 //! [`cuda`] (NVRTC compilation, module cache, launches), and the primitive
-//! families ([`router`], [`permutation`], [`grouped_gemm`], [`quantize`]): CPU implementations as the executable
+//! families ([`router`], [`permutation`], [`grouped_gemm`], [`activation`], [`quantize`]): CPU implementations as the executable
 //! specification, CUDA ones checked against them, and the `extern "C"`
 //! handlers registered by the Python package `oxmoe`.
 
+pub mod activation;
 pub mod cuda;
 pub mod ffi;
 pub mod grouped_gemm;

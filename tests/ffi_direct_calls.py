@@ -195,6 +195,16 @@ def quantize(x, values_shape=None, scales_dtype=jnp.float32, results=None, **cha
     return _call("oxmoe_fp8_quantize", rets[:results], x, **attrs)
 
 
+def activation_bwd(grad_hidden, pre_activation, row_probs=None, activation="swiglu"):
+    """oxmoe_activation_bwd of grad_hidden [R, F] and pre_activation, its results shaped
+    as a valid call's would be for those arguments."""
+    rows = grad_hidden.shape[0]
+    row_probs = np.ones((rows,), np.float32) if row_probs is None else row_probs
+    rets = (_spec(pre_activation.shape, pre_activation.dtype), _spec(grad_hidden.shape, grad_hidden.dtype),
+            _spec((rows,), jnp.float32))
+    return _call("oxmoe_activation_bwd", rets, grad_hidden, pre_activation, row_probs, activation=activation)
+
+
 def requantize(values, scales, dequantized_dtype="bfloat16", **changes):
     """oxmoe_fp8_quantize of FP8 values [B, R, C] and their scales, as quantize's call (a
     `dequantized_dtype` of None: the attribute left out)."""
@@ -326,6 +336,19 @@ CASES.update({
         lambda: _call("oxmoe_ragged_dot", (_spec(ROWS.shape, jnp.float32), _spec((4,), jnp.uint8)), ROWS,
                       np.ones((2, E, E), np.float32), SIZES, OFFSET, rhs_transposed=np.bool_(False)),
         "oxmoe_ragged_dot", [r"the workspace \(result 1\) is uint8\[4\], but this call needs uint8\[12\]"]),
+    "activation_bwd_unknown_activation": (
+        lambda: activation_bwd(np.zeros((4, 16), np.float32), np.zeros((4, 32), np.float32), activation="relu"),
+        "oxmoe_activation_bwd", [r"activation is \"relu\", expected \"swiglu\", \"geglu\", \"gelu\" or \"silu\""]),
+    "activation_bwd_ungated_width_for_swiglu": (
+        lambda: activation_bwd(np.zeros((4, 16), np.float32), np.zeros((4, 16), np.float32)),
+        "oxmoe_activation_bwd", [r"pre_activation has shape float32\[4, 16\], expected \[4, 32\]"]),
+    "activation_bwd_mixed_dtypes": (
+        lambda: activation_bwd(np.zeros((4, 16), np.float32), np.zeros((4, 32), jnp.bfloat16)),
+        "oxmoe_activation_bwd", [r"pre_activation has dtype bfloat16", r"float32"]),
+    "activation_bwd_row_probs_per_column": (
+        lambda: activation_bwd(np.zeros((4, 16), np.float32), np.zeros((4, 32), np.float32),
+                               row_probs=np.ones((4, 16), np.float32)),
+        "oxmoe_activation_bwd", [r"row_probs has shape float32\[4, 16\], expected \[4\]"]),
     "combine_bwd_no_experts": (
         lambda: _call("oxmoe_combine_bwd", _spec((2, 3), jnp.float32), np.ones((T, 3), np.float32),
                       np.zeros((T, 0), np.int32), np.zeros((2,), np.int32)),

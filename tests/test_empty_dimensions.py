@@ -4,7 +4,7 @@ results, 0x80808080 in int32 ones): whatever a dimension of 0 leaves of a result
 still be written, and equal the float64 reference (the loss of no tokens is 0, the
 merging weights' gradient of rows of no elements is 0, a product over no rows is 0,
 a dispatch of no tokens lays out no rows, a quantization of no elements has no scales,
-...).
+the activation's weight gradient of rows of no features is 0, ...).
 
 The poison is set when the library loads, so the cases run in a child process: this
 file is also that child's script (``python tests/test_empty_dimensions.py --platform
@@ -352,6 +352,34 @@ def requantize_of_no_columns(rng):
 @case
 def requantize_of_no_batch(rng):
     return _check_requantize((0, 128, 256), (128, 128), True)
+
+
+# -- the activation backward: rows or features can be 0 ------------------------------
+
+
+def _check_activation_bwd(rows, features):
+    """oxmoe.activation.activation_bwd (SwiGLU) of `rows` x `features`: every result whatever
+    is left of it (a row of no features has a weight gradient of 0)."""
+    import jax.numpy as jnp
+
+    from oxmoe import activation
+
+    grads = activation.activation_bwd(jnp.zeros((rows, features), jnp.bfloat16),
+                                      jnp.zeros((rows, 2 * features), jnp.bfloat16), jnp.ones((rows,), jnp.float32))
+    return [("grad_pre_activation", grads.grad_pre_activation.astype(jnp.float32), np.zeros((rows, 2 * features),
+                                                                                            np.float32)),
+            ("weighted_hidden", grads.weighted_hidden.astype(jnp.float32), np.zeros((rows, features), np.float32)),
+            ("grad_row_probs", grads.grad_row_probs, np.zeros((rows,), np.float32))]
+
+
+@case
+def activation_bwd_of_no_rows(rng):
+    return _check_activation_bwd(0, 768)
+
+
+@case
+def activation_bwd_of_no_features(rng):
+    return _check_activation_bwd(5, 0)
 
 
 # -- the child process ---------------------------------------------------------------

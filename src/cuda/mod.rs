@@ -43,6 +43,9 @@ pub const PERMUTATION: Source = Source { name: "permutation.cu", text: include_s
 /// The grouped GEMM kernels.
 pub const GROUPED_GEMM: Source = Source { name: "grouped_gemm.cu", text: include_str!("../../kernels/grouped_gemm.cu") };
 
+/// The expert activation's backward.
+pub const ACTIVATION: Source = Source { name: "activation.cu", text: include_str!("../../kernels/activation.cu") };
+
 /// The FP8 quantization kernel.
 pub const QUANTIZE: Source = Source { name: "quantize.cu", text: include_str!("../../kernels/quantize.cu") };
 

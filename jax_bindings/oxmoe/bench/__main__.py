@@ -3,7 +3,7 @@
     python -m oxmoe.bench [--smoke] [--out DIR] [--only NAME ...] [--list]
 
 Measures, in one run on one device: the copy bandwidth (the ceiling), then per
-case of each family (router, permutation) oxmoe's time and plain JAX's, per
+case of each family (router, permutation, activation) oxmoe's time and plain JAX's, per
 case of the grouped GEMM family oxmoe's TFLOP/s, a dense GEMM's and
 jax.lax.ragged_dot's, and per case of the MoE layer family (moe_layer) a training
 step's TFLOP/s, the dense GEMMs' and the plain-JAX layer's (its expert-parallel
@@ -37,11 +37,11 @@ import jaxlib
 
 import oxmoe
 from oxmoe.bench import cases as bench_cases
-from oxmoe.bench import chart, grouped_gemm, moe, permutation, router, timing
+from oxmoe.bench import activation, chart, grouped_gemm, moe, permutation, router, timing
 from oxmoe._progress import Progress
 
 #: The benchmark families, in the order they run.
-FAMILIES = (router.FAMILY, permutation.FAMILY, grouped_gemm.FAMILY, moe.FAMILY)
+FAMILIES = (router.FAMILY, permutation.FAMILY, activation.FAMILY, grouped_gemm.FAMILY, moe.FAMILY)
 #: What a run writes to its --out folder.
 RESULTS_FILE, CHART_FILE = "results.json", "chart.png"
 

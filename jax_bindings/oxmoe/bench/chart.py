@@ -2,10 +2,10 @@
 
 One panel per family of a report (the dict of ``results.json``), one pair of bars per case:
 oxmoe and its plain-JAX baseline, each as ``ceiling time / its time``, where the ceiling is
-measured in the same run: the byte floor at the copy bandwidth (router, permutation) or the
-dense bf16 GEMM of the same FLOPs (grouped_gemm, moe_layer). A dashed line marks the family's
-goal. :func:`chart_rows` gives the numbers the chart plots; :func:`write_chart` draws them
-with matplotlib (imported only here: ``pip install 'oxmoe[tools]'``).
+measured in the same run: the byte floor at the copy bandwidth (router, permutation,
+activation) or the dense bf16 GEMM of the same FLOPs (grouped_gemm, moe_layer). A dashed line
+marks the family's goal. :func:`chart_rows` gives the numbers the chart plots;
+:func:`write_chart` draws them with matplotlib (imported only here: ``pip install 'oxmoe[tools]'``).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Panel:
 PANELS = {
     "router": Panel(True, "plain_jax", "plain JAX"),
     "permutation": Panel(True, "plain_jax", "plain JAX"),
+    "activation": Panel(True, "plain_jax", "plain JAX"),
     "grouped_gemm": Panel(False, "ragged_dot", "jax.lax.ragged_dot"),
     "moe_layer": Panel(False, "plain_jax", "the plain-JAX layer"),
 }

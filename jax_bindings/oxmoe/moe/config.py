@@ -13,12 +13,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe import router
+from oxmoe.activation import ACTIVATIONS, gated
 from oxmoe._checks import FLOAT_DTYPES, MAX_ROWS, check_array, check_bool, check_count, check_real
 from oxmoe._pytree import pytree_dataclass
 from oxmoe.fp8 import BlockScaling
 from oxmoe.grouped_gemm import MAX_CHUNKS
 
-ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
 EXCHANGES = ("auto", "ragged_all_to_all", "all_to_all", "ring")
 _F32 = jnp.float32
 
@@ -208,7 +208,7 @@ class MoEConfig:
     @property
     def glu(self) -> bool:
         """Whether the activation is gated (the up weight holds gate and up halves)."""
-        return self.activation in ("swiglu", "geglu")
+        return gated(self.activation)
 
 
 @pytree_dataclass(("gate", "up", "down", "expert_bias", "shared_up", "shared_down", "shared_gate"))

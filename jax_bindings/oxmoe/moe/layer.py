@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from oxmoe import fp8, grouped_gemm, permutation, router
+from oxmoe import activation, fp8, grouped_gemm, permutation, router
 from oxmoe._checks import FLOAT_DTYPES, check_array
 from oxmoe._pytree import pytree_dataclass
 from oxmoe.moe.config import (Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, as_weight_axes, check_weight_shards,
@@ -336,22 +336,21 @@ def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config
     product takes it, quantized transposed in the same pass as the d lhs product's
     operand), and each row's weight's gradient, ``<row output, its gradient> = <hidden,
     its gradient times downᵀ>``: from values the backward computes anyway, so the
-    forward keeps neither the rows nor their outputs (as SonicMoE does). ``weights``: the
-    backward's of :func:`_expert_weights`."""
+    forward keeps neither the rows nor their outputs (as SonicMoE does). The last three
+    from one pass over the rows, :func:`oxmoe.activation.activation_bwd`. ``weights``:
+    the backward's of :func:`_expert_weights`."""
     up_weight, down_weight = weights
-    sizes, row_probs = kept.group_sizes, kept.row_probs[:, None]
-    hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), kept.up_rows)
-    grad_hidden = _expert_product(grad_out_rows, down_weight, sizes, config, rhs_transposed=True).astype(_F32)
-    grad_row_probs = jnp.sum(hidden.astype(_F32) * grad_hidden, axis=-1)
-    (grad_up_rows,) = activation_vjp((grad_hidden * row_probs).astype(config.dtype))
+    grad_hidden = _expert_product(grad_out_rows, down_weight, kept.group_sizes, config, rhs_transposed=True)
+    grad_up_rows, weighted_hidden, grad_row_probs = activation.activation_bwd(
+        grad_hidden, kept.up_rows, kept.row_probs, config.activation)
     # The d lhs product's operand and the up weight gradient's: with FP8, quantized per row
     # and transposed from one read.
-    lhs_rows, weight_grad_rows = grad_up_rows, grad_up_rows
+    lhs_rows: jax.Array | fp8.BlockQuantized = grad_up_rows
+    weight_grad_rows: jax.Array | fp8.BlockQuantized = grad_up_rows
     if config.fp8 is not None:
         lhs_rows, weight_grad_rows = fp8.quantize_with_transpose(
             grad_up_rows, fp8.ACTIVATION_BLOCK, power_of_two_scales=config.fp8.power_of_two_scales)
-    grad_in = _expert_product(lhs_rows, up_weight, sizes, config, rhs_transposed=True)
-    weighted_hidden = (hidden.astype(_F32) * row_probs).astype(config.dtype)
+    grad_in = _expert_product(lhs_rows, up_weight, kept.group_sizes, config, rhs_transposed=True)
     return grad_in, weighted_hidden, weight_grad_rows, grad_row_probs
 
 

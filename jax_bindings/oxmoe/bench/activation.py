@@ -1,0 +1,94 @@
+"""The activation benchmark: oxmoe's activation backward against plain JAX's.
+
+Cases: ``<model> bf16 swiglu bwd``, :func:`oxmoe.activation.activation_bwd` of
+the MoE layer's backward at each benchmark layer's rows (``R = T * k`` routed
+rows; the expert width ``F``): ``grad_hidden [R, F]``, the pre-activation
+``[R, 2F]`` (bf16) and the rows' weights ``[R]`` (float32) to the pre-activation's
+gradient ``[R, 2F]``, the weighted hidden activation ``[R, F]`` and the weights'
+gradient ``[R]``. The smoke run takes R=256 and F=128.
+
+Plain JAX is the formula the layer's backward used before: ``jax.vjp`` of the
+activation (``silu(gate) * up`` in float32, rounded to bf16) applied to the
+gradient after the weight, the weighted hidden activation and the row dot products
+written with ``jnp`` (XLA fuses them into passes of its own). Each case compares
+the two on every input set before timing (relative error of each result).
+
+Byte floor: each input read once, each output written once: ``R * (12 F + 8)``
+bytes (bf16 ``[R, F]`` read and written once each, ``[R, 2F]`` read and written once
+each, float32 ``[R]`` read and written).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from oxmoe import activation
+from oxmoe.bench.cases import Case, Family, Goals, rel_err
+from oxmoe.model_shapes import LAYER_SHAPES, LayerShape
+
+SMOKE_ROWS, SMOKE_FEATURES = 256, 128
+ACTIVATION = "swiglu"
+
+#: Goals: at least 75% of the copy bandwidth (the house goal of a kernel that moves bytes) ...
+MIN_FRACTION_OF_COPY = 0.75
+#: ... and faster than plain JAX by most of the bytes it saves: XLA's passes move 18 F bytes a
+#: row (the pre-activation and grad_hidden read twice), oxmoe's 12 F.
+MIN_SPEEDUP = 1.3
+GOALS = Goals(max_x_floor=1 / MIN_FRACTION_OF_COPY, min_speedup=MIN_SPEEDUP,
+              floor_text=(f"time <= {1 / MIN_FRACTION_OF_COPY:.3g}x byte floor "
+                          f"(>= {100 * MIN_FRACTION_OF_COPY:g}% of copy bandwidth)"),
+              speedup_text=f">= {MIN_SPEEDUP:g}x faster than plain JAX",
+              floor_column=f">={100 * MIN_FRACTION_OF_COPY:g}% copy")
+
+#: Largest ||oxmoe - plain|| / ||plain|| of each result: bf16 values (a few differ by an ulp
+#: where an intermediate rounds the other way), float32 sums.
+MAX_REL_ERR = {"grad_pre_activation": 1e-2, "weighted_hidden": 1e-2, "grad_row_probs": 1e-4}
+
+
+def plain_activation_bwd(grad_hidden, pre_activation, row_probs):
+    """The layer's former backward of its SwiGLU, in plain JAX."""
+    def forward(u):
+        gate, up = jnp.split(u.astype(jnp.float32), 2, axis=-1)
+        return (jax.nn.silu(gate) * up).astype(u.dtype)
+
+    hidden, vjp = jax.vjp(forward, pre_activation)
+    grad = grad_hidden.astype(jnp.float32)
+    (grad_pre,) = vjp((grad * row_probs[:, None]).astype(grad_hidden.dtype))
+    weighted = (hidden.astype(jnp.float32) * row_probs[:, None]).astype(grad_hidden.dtype)
+    return grad_pre, weighted, jnp.sum(hidden.astype(jnp.float32) * grad, axis=-1)
+
+
+def oxmoe_activation_bwd(grad_hidden, pre_activation, row_probs):
+    return tuple(activation.activation_bwd(grad_hidden, pre_activation, row_probs, ACTIVATION))
+
+
+@jax.jit
+def _compare(ox, plain, context):
+    del context
+    return {f"{name}_rel_err": rel_err(a, b) for name, a, b in zip(activation.ActivationGrads._fields, ox, plain)}
+
+
+def swiglu_bwd_case(model: LayerShape, rows: int, features: int) -> Case:
+    def draw(random):
+        return (random.normal((rows, features), jnp.bfloat16), random.normal((rows, 2 * features), jnp.bfloat16, 2.0),
+                jnp.abs(random.normal((rows,), jnp.float32, 0.5)))
+
+    return Case(
+        name=f"{model.name} bf16 {ACTIVATION} bwd",
+        bytes=rows * (12 * features + 8),
+        draw=draw, prepare=None, oxmoe=oxmoe_activation_bwd, plain=plain_activation_bwd, compare=_compare,
+        limits={f"{name}_rel_err": limit for name, limit in MAX_REL_ERR.items()},
+        primitive="oxmoe_activation_bwd",
+        info=dict(op=ACTIVATION, direction="bwd", dtype="bfloat16", rows=rows, features=features, model=model.name))
+
+
+def cases(smoke: bool) -> list[Case]:
+    """One case per benchmark layer shape, in the order of :data:`oxmoe.model_shapes.LAYER_SHAPES`."""
+    return [swiglu_bwd_case(m, SMOKE_ROWS, SMOKE_FEATURES) if smoke else swiglu_bwd_case(m, m.tokens * m.topk, m.ffn)
+            for m in LAYER_SHAPES]
+
+
+FAMILY = Family(name="activation", goals=GOALS, cases=cases,
+                sizes=lambda smoke: (f"R={SMOKE_ROWS}, F={SMOKE_FEATURES}" if smoke
+                                     else "R = T * k, F of each layer shape"))

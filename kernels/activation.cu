@@ -1,0 +1,84 @@
+// The expert MLP's activation backward (oxmoe.activation.activation_bwd), one
+// pass over each dispatched row: grad_hidden [rows, F] and the pre-activation
+// [rows, 2F] ([gate, up], GATED) or [rows, F] in T, the rows' weights [rows]
+// float32 -> the pre-activation's gradient (its shape), the weighted hidden
+// activation [rows, F] in T, and each weight's gradient [rows] float32.
+// src/activation/cpu.rs states the semantics, step for step what each thread
+// computes here.
+//
+// Layout, and why. The op moves bytes: 6 (gated; 4 otherwise) elements read
+// or written per hidden column, a few dozen float operations each. One warp
+// per row: its lanes read 16 contiguous bytes each (a warp 512 bytes of a
+// row, whole sectors) of grad_hidden, gate and up, and write the same of the
+// three results, so every access is whole sectors; the weight's gradient, the
+// row's sum, is reduced over the warp with shuffles in a fixed order (the
+// same result on every run) and written by lane 0. Rows whose bytes are not a
+// multiple of 16 (VECTOR_BYTES 0) go one element a lane.
+#include "common.cuh"
+
+constexpr int ACTIVATION_THREADS = 256;
+// sqrt(2 / pi) and the cubic coefficient of GELU's tanh approximation (cpu.rs's).
+constexpr float GELU_SCALE = 0.7978846f;
+constexpr float GELU_CUBIC = 0.044715f;
+
+// act(x) and act'(x): cpu.rs's value_and_slope, step for step.
+template <bool GELU>
+__device__ __forceinline__ void value_and_slope(float x, float& value, float& slope) {
+  if constexpr (GELU) {
+    const float t = tanhf(GELU_SCALE * (x + GELU_CUBIC * x * x * x));
+    value = 0.5f * x * (1.f + t);
+    slope = 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * GELU_SCALE * (1.f + 3.f * GELU_CUBIC * x * x);
+  } else {
+    // __frcp_rn is the correctly rounded reciprocal, 1.f / y; 1 - s = e^-x * s, at most 1 (NaN
+    // where e^-x overflows and s is 0: fminf takes the 1).
+    const float e = expf(-x), s = __frcp_rn(1.f + e);
+    value = x * s;
+    slope = s * (1.f + x * fminf(e * s, 1.f));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
+
+template <typename T, bool GATED, bool GELU, int VECTOR_BYTES, int THREADS>
+__global__ void __launch_bounds__(THREADS) activation_bwd(
+    const T* __restrict__ grad_hidden, const T* __restrict__ pre_activation, const float* __restrict__ row_probs,
+    int rows, int features, T* __restrict__ grad_pre_activation, T* __restrict__ weighted_hidden,
+    float* __restrict__ grad_row_probs) {
+  static_assert(THREADS == ACTIVATION_THREADS, "the launch's threads are the layout's (src/activation/cuda.rs)");
+  constexpr int PER = VECTOR_BYTES > 0 ? VECTOR_BYTES / static_cast<int>(sizeof(T)) : 1;
+  const int row = blockIdx.x * (THREADS / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const float p = row_probs[row];
+  const size_t width = GATED ? 2 * static_cast<size_t>(features) : features;
+  const T* grad = grad_hidden + row * static_cast<size_t>(features);
+  const T* pre = pre_activation + row * width;
+  T* grad_pre = grad_pre_activation + row * width;
+  T* weighted = weighted_hidden + row * static_cast<size_t>(features);
+  float sum = 0.f;
+  for (int j = lane * PER; j < features; j += 32 * PER) {
+    const int count = min(PER, features - j);
+    float g[PER], x[PER], u[PER];
+    load_floats<T, PER, VECTOR_BYTES>(grad + j, count, g);
+    load_floats<T, PER, VECTOR_BYTES>(pre + j, count, x);
+    if constexpr (GATED) load_floats<T, PER, VECTOR_BYTES>(pre + features + j, count, u);
+    float grad_x[PER], grad_u[PER], out[PER];
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      float value, slope;
+      value_and_slope<GELU>(x[i], value, slope);
+      const float hidden = rounded<T>(GATED ? value * u[i] : value);
+      sum += hidden * g[i];
+      const float c = rounded<T>(g[i] * p);
+      grad_x[i] = GATED ? c * u[i] * slope : c * slope;
+      grad_u[i] = c * value;
+      out[i] = hidden * p;
+    }
+    store_floats<T, PER, VECTOR_BYTES>(grad_pre + j, count, grad_x);
+    if constexpr (GATED) store_floats<T, PER, VECTOR_BYTES>(grad_pre + features + j, count, grad_u);
+    store_floats<T, PER, VECTOR_BYTES>(weighted + j, count, out);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if (lane == 0) grad_row_probs[row] = sum;
+}

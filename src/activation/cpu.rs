@@ -1,0 +1,114 @@
+//! The CPU activation backward: the executable specification of
+//! `oxmoe.activation.activation_bwd`, one row at a time.
+//!
+//! For row `r` of weight `p` and columns `j < F`, everything in float32 and
+//! `round` the rounding to the arrays' type `T` (the identity for float32):
+//!
+//! - gated: `x = gate[r, j]`, `u = up[r, j]` (columns `j` and `F + j` of the
+//!   pre-activation), `h = round(act(x) * u)`; otherwise `x` is column `j`
+//!   and `h = round(act(x))`: the forward's hidden activation, as the layer's
+//!   forward rounds it;
+//! - `grad_row_probs[r] = Σ_j h * grad_hidden[r, j]` (in column order here;
+//!   the CUDA kernel sums in another order, within float32 rounding);
+//! - `c = round(grad_hidden[r, j] * p)`: the hidden activation's gradient
+//!   after the routing weight, rounded as the layer rounds it;
+//! - gated: `grad_gate = round(c * u * act'(x))`, `grad_up = round(c *
+//!   act(x))`; otherwise `grad_x = round(c * act'(x))`;
+//! - `weighted_hidden[r, j] = round(h * p)`.
+//!
+//! `act` is SiLU, `x * sigmoid(x)`, or GELU's tanh approximation, `x * (1 +
+//! tanh(sqrt(2 / pi) * (x + 0.044715 x^3))) / 2`, with [`value_and_slope`]'s
+//! formulas for the value and the derivative.
+
+use super::Activation;
+use crate::real::Real;
+use rayon::prelude::*;
+
+/// `sqrt(2 / pi)` and the cubic coefficient of GELU's tanh approximation.
+const GELU_SCALE: f32 = 0.797_884_6;
+const GELU_CUBIC: f32 = 0.044_715;
+
+/// `(act(x), act'(x))` in float32: SiLU's `x s` and `s (1 + x min(e s, 1))`
+/// with `e = e^-x` and `s = 1 / (1 + e)` (`e s` is `1 - s` without its
+/// cancellation near `s = 1`; where `e` overflows, `s` is 0 and the `min`
+/// takes 1), or GELU's `x (1 + t) / 2` and `(1 + t) / 2 + x (1 -
+/// t^2) sqrt(2 / pi) (1 + 3 * 0.044715 x^2) / 2` with `t = tanh(sqrt(2 / pi)
+/// (x + 0.044715 x^3))`. `kernels/activation.cu` computes the same.
+pub fn value_and_slope(gelu: bool, x: f32) -> (f32, f32) {
+    if gelu {
+        let t = (GELU_SCALE * (x + GELU_CUBIC * x * x * x)).tanh();
+        let value = 0.5 * x * (1.0 + t);
+        let slope = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_SCALE * (1.0 + 3.0 * GELU_CUBIC * x * x);
+        (value, slope)
+    } else {
+        let e = (-x).exp();
+        let s = 1.0 / (1.0 + e);
+        (x * s, s * (1.0 + x * (e * s).min(1.0)))
+    }
+}
+
+fn round<T: Real>(value: f32) -> f32 {
+    T::from_f32(value).to_f32()
+}
+
+/// The activation backward of `rows = row_probs.len()` rows (see the module's
+/// semantics): `grad_hidden [rows, features]`, `pre_activation [rows,
+/// activation.input_columns(features)]`, into `grad_pre_activation` (shaped as
+/// `pre_activation`), `weighted_hidden [rows, features]` and `grad_row_probs
+/// [rows]`.
+#[allow(clippy::too_many_arguments)]
+pub fn activation_bwd<T: Real>(activation: Activation, features: usize, grad_hidden: &[T], pre_activation: &[T],
+                               row_probs: &[f32], grad_pre_activation: &mut [T], weighted_hidden: &mut [T],
+                               grad_row_probs: &mut [f32]) {
+    if features == 0 {
+        grad_row_probs.fill(0.0);
+        return;
+    }
+    let (gated, gelu) = (activation.gated(), activation.gelu());
+    let width = activation.input_columns(features);
+    grad_row_probs
+        .par_iter_mut()
+        .zip(grad_pre_activation.par_chunks_mut(width))
+        .zip(weighted_hidden.par_chunks_mut(features))
+        .zip(grad_hidden.par_chunks(features).zip(pre_activation.par_chunks(width)).zip(row_probs.par_iter()))
+        .for_each(|(((grad_prob, grad_pre), weighted), ((grad, pre), &p))| {
+            let mut sum = 0f32;
+            for j in 0..features {
+                let (value, slope) = value_and_slope(gelu, pre[j].to_f32());
+                let up = if gated { pre[features + j].to_f32() } else { 1.0 };
+                let hidden = round::<T>(if gated { value * up } else { value });
+                let g = grad[j].to_f32();
+                sum += hidden * g;
+                let c = round::<T>(g * p);
+                if gated {
+                    grad_pre[j] = T::from_f32(c * up * slope);
+                    grad_pre[features + j] = T::from_f32(c * value);
+                } else {
+                    grad_pre[j] = T::from_f32(c * slope);
+                }
+                weighted[j] = T::from_f32(hidden * p);
+            }
+            *grad_prob = sum;
+        });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::value_and_slope;
+
+    /// The derivative formulas against central differences of the values in
+    /// float64 arithmetic.
+    #[test]
+    fn slopes_are_the_derivatives_of_the_values() {
+        for gelu in [false, true] {
+            for &x in &[-6.0f32, -2.5, -1.0, -0.3, 0.0, 0.4, 1.0, 2.2, 5.0] {
+                let h = 1e-3f32;
+                let (up, _) = value_and_slope(gelu, x + h);
+                let (down, _) = value_and_slope(gelu, x - h);
+                let numeric = (f64::from(up) - f64::from(down)) / (2.0 * f64::from(h));
+                let (_, slope) = value_and_slope(gelu, x);
+                assert!((numeric - f64::from(slope)).abs() < 2e-3, "gelu {gelu}, x {x}: {numeric} vs {slope}");
+            }
+        }
+    }
+}

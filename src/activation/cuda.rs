@@ -1,0 +1,69 @@
+//! The CUDA activation backward: `kernels/activation.cu`'s `activation_bwd`,
+//! one warp per row (see the kernel for its layout and why).
+
+use super::{ActivationBwd, Activation};
+use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, ACTIVATION};
+use crate::ffi::{DataType, Result};
+
+/// Threads of a block, a row a warp (the kernel's `ACTIVATION_THREADS`).
+const THREADS: u32 = 256;
+const ROWS_PER_BLOCK: usize = THREADS as usize / 32;
+
+/// The kernel for rows of `features` columns of `dtype`: 16-byte loads and
+/// stores when a row's bytes are a multiple of 16 (every row then starts
+/// aligned), else one element at a time.
+pub fn activation_bwd_instance(dtype: DataType, activation: Activation, features: usize) -> Result<String> {
+    let element_bytes = dtype.size().unwrap_or(1);
+    let vector_bytes = if (features * element_bytes).is_multiple_of(16) { 16 } else { 0 };
+    Instance::new("activation_bwd").dtype(dtype).flag(activation.gated()).flag(activation.gelu()).int(vector_bytes)
+        .int(THREADS).build()
+}
+
+pub fn activation_bwd(stream: Stream, op: &ActivationBwd) -> Result<()> {
+    if op.rows == 0 {
+        return Ok(());
+    }
+    let instance = activation_bwd_instance(op.grad_hidden.dtype(), op.activation, op.features)?;
+    let kernel = Kernel::get(stream, &ACTIVATION, &instance)?;
+    // The pre-activation is 2F columns wide when gated: its index fits an int too.
+    let (rows, features, _) = (int(op.rows)?, int(op.features)?, int(op.activation.input_columns(op.features))?);
+    launch(stream, kernel, LaunchConfig { grid: grid(op.rows.div_ceil(ROWS_PER_BLOCK))?, block: THREADS, shared_bytes: 0 }, &mut [
+        arg(&op.grad_hidden.device_ptr()), arg(&op.pre_activation.device_ptr()), arg(&op.row_probs.device_ptr()),
+        arg(&rows), arg(&features), arg(&op.grad_pre_activation.device_ptr()), arg(&op.weighted_hidden.device_ptr()),
+        arg(&op.grad_row_probs.device_ptr()),
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cuda::{assert_compiles, compile_check, Architecture};
+
+    fn instances() -> Vec<String> {
+        let mut instances = Vec::new();
+        for dtype in [DataType::F32, DataType::BF16, DataType::F16] {
+            for activation in Activation::ALL {
+                for features in [768, 100] {
+                    instances.push(activation_bwd_instance(dtype, activation, features).unwrap());
+                }
+            }
+        }
+        instances
+    }
+
+    /// CI has no GPU but has NVRTC: every instance a call can ask for
+    /// compiles for Ampere, Hopper and Blackwell.
+    #[test]
+    fn activation_kernels_compile_for_ampere_hopper_and_blackwell() {
+        let all = instances();
+        assert_compiles(&ACTIVATION, &[("sm_80", &all), ("sm_90a", &all), ("sm_100", &all)]);
+    }
+
+    /// The kernel checks the launch's threads against its layout.
+    #[test]
+    fn a_launch_of_other_threads_does_not_compile() {
+        let instance = Instance::new("activation_bwd").dtype(DataType::BF16).flag(true).flag(false).int(16).int(128);
+        let error = compile_check(&ACTIVATION, &[&instance.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
+        assert!(error.message().contains("the launch's threads"), "{}", error.message());
+    }
+}

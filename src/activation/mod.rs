@@ -1,0 +1,69 @@
+//! The expert MLP's activation backward (`oxmoe.activation.activation_bwd`),
+//! in one pass over each dispatched row: from the gradient of the row's
+//! hidden activation before its routing weight, the up projection's output
+//! before the activation and the row's weight, the up projection's gradient,
+//! the hidden activation times the weight (the down weight gradient's
+//! operand) and the weight's gradient. What three passes of XLA fusions
+//! computed, each reading the up projection's output again.
+//!
+//! [`cpu`] is the executable specification, [`cuda`] runs
+//! `kernels/activation.cu` with the same semantics. Both take a call decoded
+//! by `ops` ([`ActivationBwd`]), which [`handlers`] hands to one or the other.
+
+pub mod cpu;
+pub mod cuda;
+pub mod handlers;
+mod ops;
+
+pub use ops::ActivationBwd;
+
+use crate::ffi::Result;
+use crate::invalid;
+
+/// The expert MLP's activation (attribute `activation`): gated ones take the
+/// up projection's output as `[gate, up]` (`2F` columns) and give
+/// `act(gate) * up`, the others give `act(x)` of `F` columns.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// `silu(gate) * up` (`"swiglu"`).
+    Swiglu,
+    /// `gelu(gate) * up`, GELU's tanh approximation (`"geglu"`).
+    Geglu,
+    /// `gelu(x)`, the tanh approximation (`"gelu"`).
+    Gelu,
+    /// `silu(x)` (`"silu"`).
+    Silu,
+}
+
+impl Activation {
+    pub const ALL: [Self; 4] = [Self::Swiglu, Self::Geglu, Self::Gelu, Self::Silu];
+
+    pub fn parse(name: &str) -> Result<Self> {
+        match name {
+            "swiglu" => Ok(Self::Swiglu),
+            "geglu" => Ok(Self::Geglu),
+            "gelu" => Ok(Self::Gelu),
+            "silu" => Ok(Self::Silu),
+            other => invalid!("activation is {other:?}, expected \"swiglu\", \"geglu\", \"gelu\" or \"silu\""),
+        }
+    }
+
+    /// Whether the up projection's output is `[gate, up]`.
+    pub fn gated(self) -> bool {
+        matches!(self, Self::Swiglu | Self::Geglu)
+    }
+
+    /// Whether the nonlinearity is GELU's tanh approximation (else SiLU).
+    pub fn gelu(self) -> bool {
+        matches!(self, Self::Geglu | Self::Gelu)
+    }
+
+    /// The up projection's output columns per hidden column: 2 when gated.
+    pub fn input_columns(self, features: usize) -> usize {
+        if self.gated() {
+            2 * features
+        } else {
+            features
+        }
+    }
+}
