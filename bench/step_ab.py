@@ -1,0 +1,62 @@
+"""The oxmoe layer's training step at the benchmark's one-GPU layers (Mixtral, Qwen3-30B-A3B,
+DeepSeek-V3 with its shared expert), for comparing two builds of oxmoe run in turn.
+
+Two losses: the benchmark's, linear in the layer's output, whose gradient does not wait for the
+forward (XLA may then merge forward passes into the backward's), and a squared one, as a model's
+loss is; median of 7 x 10 steps each. Run it once per build, alternating, e.g.
+
+    for i in 1 2; do
+      OXMOE_LIBRARY=old/liboxmoe.so PYTHONPATH=old/jax_bindings python3 bench/step_ab.py before_$i
+      python3 bench/step_ab.py after_$i
+    done
+
+Prints one line per measurement and a last ``JSON {...}`` line with the label, the build id
+and every time in ms. Needs a GPU.
+"""
+
+import json
+import sys
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import oxmoe
+from oxmoe.bench import moe as bench_moe
+
+LAYERS = ("mixtral", "qwen3_30b_a3b", "deepseek_v3 shared")
+
+
+def median_seconds(step, *args, calls: int = 10, samples: int = 7) -> float:
+    jax.block_until_ready(step(*args))
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = step(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return float(np.median(times))
+
+
+def main(label: str) -> None:
+    ms = {}
+    for layer in (next(l for l in bench_moe.LAYERS if l.name == name) for name in LAYERS):
+        (x, params, w), = bench_moe._draw_sets(layer, bench_moe.Placement(None),
+                                              (0, zlib.crc32(layer.name.encode())), 1)
+        ox = bench_moe.oxmoe_layer(layer.config)
+
+        def squared(x, params, w, ox=ox):
+            y, aux = ox(x, params)
+            return jnp.sum(jnp.square(y.astype(jnp.float32) * w.astype(jnp.float32))) + aux.load_balancing_loss
+
+        for loss, step in (("linear", bench_moe.step(ox)), ("square", jax.value_and_grad(squared, argnums=(0, 1)))):
+            ms[f"{layer.name} {loss}"] = median_seconds(jax.jit(step), x, params, w) * 1e3
+            print(f"{label} {layer.name} {loss}: {ms[f'{layer.name} {loss}']:.3f} ms", flush=True)
+    print("JSON", json.dumps({"label": label, "build": oxmoe.build_id(), "ms": ms}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
