@@ -1,16 +1,15 @@
 //! XLA FFI handlers of the activation backward. Each decodes its call into
 //! [`ActivationBwd`]; the CPU handler then runs `cpu` on its slices, the CUDA
 //! handler (`oxmoe_activation_bwd_cuda`, registered for the CUDA platform
-//! under the same target name) hands it to `cuda` with the call's [`Stream`].
+//! under the same target name) hands it to `cuda` with the call's [`Stream`](crate::cuda::Stream).
 
 use super::{cpu, cuda, ActivationBwd};
-use crate::cuda::Stream;
 use crate::ffi::Result;
 use crate::{export_cuda_handler, export_handler, with_real_type};
 
 export_handler!(oxmoe_activation_bwd, ActivationBwd, |_, op| activation_bwd_cpu(op));
 
-export_cuda_handler!(oxmoe_activation_bwd_cuda, ActivationBwd, |call, op| cuda::activation_bwd(Stream::begin(call)?, &op));
+export_cuda_handler!(oxmoe_activation_bwd_cuda, ActivationBwd, |stream, op| cuda::activation_bwd(stream, &op));
 
 fn activation_bwd_cpu(op: ActivationBwd) -> Result<()> {
     with_real_type!(op.grad_hidden.dtype(), T => {

@@ -22,6 +22,27 @@ pub use nvrtc::{assert_compiles, compile_check, Architecture};
 use crate::ffi::{DataType, Error, Result};
 use crate::invalid;
 
+/// [`export_handler!`](crate::export_handler) for a CUDA handler: `$run`
+/// takes the call's [`Stream`] (see [`Stream::begin`]) and the decoded call.
+/// The handler reports [`Traits::COMMAND_BUFFER_COMPATIBLE`](crate::ffi::Traits),
+/// so XLA may capture its execute stage in a CUDA graph, and it runs at the
+/// initialize stage too, where it loads the kernels its execute stage launches
+/// and launches nothing (the Python package registers it for both stages).
+#[macro_export]
+macro_rules! export_cuda_handler {
+    ($symbol:ident, $decoded:ty, $run:expr) => {
+        $crate::export_handler!(
+            $symbol,
+            $decoded,
+            |call, op| {
+                let run: fn($crate::cuda::Stream, $decoded) -> $crate::ffi::Result<()> = $run;
+                run($crate::cuda::Stream::begin(call)?, op)
+            },
+            $crate::ffi::Traits::COMMAND_BUFFER_COMPATIBLE
+        );
+    };
+}
+
 /// A CUDA source file of `kernels/`, embedded in the library.
 pub struct Source {
     pub name: &'static str,

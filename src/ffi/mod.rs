@@ -53,15 +53,3 @@ macro_rules! export_handler {
         }
     };
 }
-
-/// [`export_handler!`](crate::export_handler) for a CUDA handler: it reports
-/// [`Traits::COMMAND_BUFFER_COMPATIBLE`], so XLA may capture its execute stage
-/// in a CUDA graph, and it runs at the initialize stage too, where it loads
-/// the kernels its execute stage launches and launches nothing (the Python
-/// package registers it for both stages).
-#[macro_export]
-macro_rules! export_cuda_handler {
-    ($symbol:ident, $decoded:ty, $run:expr) => {
-        $crate::export_handler!($symbol, $decoded, $run, $crate::ffi::Traits::COMMAND_BUFFER_COMPATIBLE);
-    };
-}

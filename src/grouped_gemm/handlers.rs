@@ -2,11 +2,10 @@
 //! typed struct of `ops`; the CPU handler then runs `cpu` on its
 //! slices, the CUDA handler (`<name>_cuda`, registered for the CUDA platform
 //! under the same target name) hands it to `cuda` with the call's
-//! [`Stream`].
+//! [`Stream`](crate::cuda::Stream).
 
 use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot};
 use super::{cpu, cuda, RaggedDot, TransposedRaggedDot};
-use crate::cuda::Stream;
 use crate::ffi::{DataType, Result};
 use crate::real::E4m3;
 use crate::{export_cuda_handler, export_handler, with_real_type};
@@ -16,11 +15,10 @@ export_handler!(oxmoe_transposed_ragged_dot, TransposedRaggedDot, |_, op| transp
 export_handler!(oxmoe_fp8_ragged_dot, Fp8RaggedDot, |_, op| fp8_ragged_dot_cpu(op));
 export_handler!(oxmoe_fp8_transposed_ragged_dot, Fp8TransposedRaggedDot, |_, op| fp8_transposed_ragged_dot_cpu(op));
 
-export_cuda_handler!(oxmoe_ragged_dot_cuda, RaggedDot, |call, op| cuda::ragged_dot(Stream::begin(call)?, &op));
-export_cuda_handler!(oxmoe_transposed_ragged_dot_cuda, TransposedRaggedDot, |call, op| cuda::transposed_ragged_dot(Stream::begin(call)?, &op));
-export_cuda_handler!(oxmoe_fp8_ragged_dot_cuda, Fp8RaggedDot, |call, op| cuda::fp8_ragged_dot(Stream::begin(call)?, &op));
-export_cuda_handler!(oxmoe_fp8_transposed_ragged_dot_cuda, Fp8TransposedRaggedDot, |call, op| cuda::fp8_transposed_ragged_dot(Stream::begin(call)?, &op));
-
+export_cuda_handler!(oxmoe_ragged_dot_cuda, RaggedDot, |stream, op| cuda::ragged_dot(stream, &op));
+export_cuda_handler!(oxmoe_transposed_ragged_dot_cuda, TransposedRaggedDot, |stream, op| cuda::transposed_ragged_dot(stream, &op));
+export_cuda_handler!(oxmoe_fp8_ragged_dot_cuda, Fp8RaggedDot, |stream, op| cuda::fp8_ragged_dot(stream, &op));
+export_cuda_handler!(oxmoe_fp8_transposed_ragged_dot_cuda, Fp8TransposedRaggedDot, |stream, op| cuda::fp8_transposed_ragged_dot(stream, &op));
 
 /// Bytes of the workspace, `uint8[bytes]`, that the grouped products take as
 /// their last result, for `chunks` chunks of rows (1 for the `ragged_dot`

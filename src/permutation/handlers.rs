@@ -2,11 +2,10 @@
 //! into the typed struct of `ops`; the CPU handler then runs `cpu` on
 //! its slices, the CUDA handler (`<name>_cuda`, registered for the CUDA
 //! platform under the same target name) hands it to `cuda` with the call's
-//! [`Stream`].
+//! [`Stream`](crate::cuda::Stream).
 
 use super::cpu::{self, CombineGrads, ExpertCounts};
 use super::{cuda, CombineBwd, CombineFwd, DispatchFwd, SortChunks};
-use crate::cuda::Stream;
 use crate::ffi::Result;
 use crate::{export_cuda_handler, export_handler, with_real_type};
 
@@ -15,11 +14,10 @@ export_handler!(oxmoe_combine_fwd, CombineFwd, |_, op| combine_fwd_cpu(op));
 export_handler!(oxmoe_combine_bwd, CombineBwd, |_, op| combine_bwd_cpu(op));
 export_handler!(oxmoe_sort_chunks, SortChunks, |_, op| sort_chunks_cpu(op));
 
-export_cuda_handler!(oxmoe_dispatch_fwd_cuda, DispatchFwd, |call, op| cuda::dispatch_fwd(Stream::begin(call)?, &op));
-export_cuda_handler!(oxmoe_combine_fwd_cuda, CombineFwd, |call, op| cuda::combine_fwd(Stream::begin(call)?, &op));
-export_cuda_handler!(oxmoe_combine_bwd_cuda, CombineBwd, |call, op| cuda::combine_bwd(Stream::begin(call)?, &op));
-export_cuda_handler!(oxmoe_sort_chunks_cuda, SortChunks, |call, op| cuda::sort_chunks(Stream::begin(call)?, &op));
-
+export_cuda_handler!(oxmoe_dispatch_fwd_cuda, DispatchFwd, |stream, op| cuda::dispatch_fwd(stream, &op));
+export_cuda_handler!(oxmoe_combine_fwd_cuda, CombineFwd, |stream, op| cuda::combine_fwd(stream, &op));
+export_cuda_handler!(oxmoe_combine_bwd_cuda, CombineBwd, |stream, op| cuda::combine_bwd(stream, &op));
+export_cuda_handler!(oxmoe_sort_chunks_cuda, SortChunks, |stream, op| cuda::sort_chunks(stream, &op));
 
 /// Bytes of the workspace, `uint8[bytes]`, that `oxmoe_dispatch_fwd` takes as
 /// its last result for `tokens` tokens and `experts` experts (the Python

@@ -2,16 +2,15 @@
 //! [`Quantize`]; the CPU handler then runs `cpu` on its slices (an FP8 input
 //! dequantized first), once per quantization the call writes, the CUDA handler (`oxmoe_fp8_quantize_cuda`,
 //! registered for the CUDA platform under the same target name) hands it to
-//! `cuda` with the call's [`Stream`].
+//! `cuda` with the call's [`Stream`](crate::cuda::Stream).
 
 use super::{cpu, cuda, Input, Quantize};
-use crate::cuda::Stream;
 use crate::ffi::Result;
 use crate::{export_cuda_handler, export_handler, with_real_type};
 
 export_handler!(oxmoe_fp8_quantize, Quantize, |_, op| quantize_cpu(op));
 
-export_cuda_handler!(oxmoe_fp8_quantize_cuda, Quantize, |call, op| cuda::quantize(Stream::begin(call)?, &op));
+export_cuda_handler!(oxmoe_fp8_quantize_cuda, Quantize, |stream, op| cuda::quantize(stream, &op));
 
 fn quantize_cpu(op: Quantize) -> Result<()> {
     with_real_type!(op.x.dtype(), T => {

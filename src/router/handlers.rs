@@ -2,10 +2,9 @@
 //! the typed struct of `ops`; the CPU handler then runs `cpu` on its
 //! slices, the CUDA handler (`<name>_cuda`, registered for the CUDA platform
 //! under the same target name) hands it to `cuda` with the call's
-//! [`Stream`].
+//! [`Stream`](crate::cuda::Stream).
 
 use super::{cpu, cuda, AuxLossBwd, AuxLossFwd, ScoresBwd, ScoresFwd, TopkBwd, TopkFwd};
-use crate::cuda::Stream;
 use crate::ffi::{Arg, DataType, Result};
 use crate::real::Real;
 use crate::{export_cuda_handler, export_handler, with_real_type};
@@ -17,13 +16,12 @@ export_handler!(oxmoe_aux_loss_scores_bwd, ScoresBwd, |_, op| scores_bwd_cpu(op)
 export_handler!(oxmoe_aux_loss_fwd, AuxLossFwd, |_, op| aux_loss_fwd_cpu(op));
 export_handler!(oxmoe_aux_loss_bwd, AuxLossBwd, |_, op| aux_loss_bwd_cpu(op));
 
-export_cuda_handler!(oxmoe_topk_fwd_cuda, TopkFwd, |call, op| cuda::topk_fwd(Stream::begin(call)?, &op));
-export_cuda_handler!(oxmoe_topk_bwd_cuda, TopkBwd, |call, op| cuda::topk_bwd(Stream::begin(call)?, &op));
-export_cuda_handler!(oxmoe_aux_loss_scores_fwd_cuda, ScoresFwd, |call, op| cuda::scores_fwd(Stream::begin(call)?, &op));
-export_cuda_handler!(oxmoe_aux_loss_scores_bwd_cuda, ScoresBwd, |call, op| cuda::scores_bwd(Stream::begin(call)?, &op));
-export_cuda_handler!(oxmoe_aux_loss_fwd_cuda, AuxLossFwd, |call, op| cuda::aux_loss_fwd(Stream::begin(call)?, &op));
-export_cuda_handler!(oxmoe_aux_loss_bwd_cuda, AuxLossBwd, |call, op| cuda::aux_loss_bwd(Stream::begin(call)?, &op));
-
+export_cuda_handler!(oxmoe_topk_fwd_cuda, TopkFwd, |stream, op| cuda::topk_fwd(stream, &op));
+export_cuda_handler!(oxmoe_topk_bwd_cuda, TopkBwd, |stream, op| cuda::topk_bwd(stream, &op));
+export_cuda_handler!(oxmoe_aux_loss_scores_fwd_cuda, ScoresFwd, |stream, op| cuda::scores_fwd(stream, &op));
+export_cuda_handler!(oxmoe_aux_loss_scores_bwd_cuda, ScoresBwd, |stream, op| cuda::scores_bwd(stream, &op));
+export_cuda_handler!(oxmoe_aux_loss_fwd_cuda, AuxLossFwd, |stream, op| cuda::aux_loss_fwd(stream, &op));
+export_cuda_handler!(oxmoe_aux_loss_bwd_cuda, AuxLossBwd, |stream, op| cuda::aux_loss_bwd(stream, &op));
 
 /// Bytes of the workspace, `uint8[bytes]`, that `oxmoe_aux_loss_fwd` takes as
 /// its last result (the Python package asks when it builds the call).
