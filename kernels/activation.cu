@@ -54,6 +54,9 @@ __global__ void __launch_bounds__(THREADS) activation_bwd(
   const T* grad = grad_hidden + row * static_cast<size_t>(features);
   const T* pre = pre_activation + row * width;
   T* grad_pre = grad_pre_activation + row * width;
+  // A gated row's up half and its gradient (pointers, so no int sum of column indices).
+  const T* up = pre + features;
+  T* grad_up = grad_pre + features;
   T* weighted = weighted_hidden + row * static_cast<size_t>(features);
   float sum = 0.f;
   for (int j = lane * PER; j < features; j += 32 * PER) {
@@ -61,7 +64,7 @@ __global__ void __launch_bounds__(THREADS) activation_bwd(
     float g[PER], x[PER], u[PER];
     load_floats<T, PER, VECTOR_BYTES>(grad + j, count, g);
     load_floats<T, PER, VECTOR_BYTES>(pre + j, count, x);
-    if constexpr (GATED) load_floats<T, PER, VECTOR_BYTES>(pre + features + j, count, u);
+    if constexpr (GATED) load_floats<T, PER, VECTOR_BYTES>(up + j, count, u);
     float grad_x[PER], grad_u[PER], out[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
@@ -75,7 +78,7 @@ __global__ void __launch_bounds__(THREADS) activation_bwd(
       out[i] = hidden * p;
     }
     store_floats<T, PER, VECTOR_BYTES>(grad_pre + j, count, grad_x);
-    if constexpr (GATED) store_floats<T, PER, VECTOR_BYTES>(grad_pre + features + j, count, grad_u);
+    if constexpr (GATED) store_floats<T, PER, VECTOR_BYTES>(grad_up + j, count, grad_u);
     store_floats<T, PER, VECTOR_BYTES>(weighted + j, count, out);
   }
 #pragma unroll

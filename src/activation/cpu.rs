@@ -75,16 +75,15 @@ pub fn activation_bwd<T: Real>(activation: Activation, features: usize, grad_hid
             let mut sum = 0f32;
             for j in 0..features {
                 let (value, slope) = value_and_slope(gelu, pre[j].to_f32());
+                // Ungated, `up` is 1: the products below are then exactly `value` and `c * slope`.
                 let up = if gated { pre[features + j].to_f32() } else { 1.0 };
-                let hidden = round::<T>(if gated { value * up } else { value });
+                let hidden = round::<T>(value * up);
                 let g = grad[j].to_f32();
                 sum += hidden * g;
                 let c = round::<T>(g * p);
+                grad_pre[j] = T::from_f32(c * up * slope);
                 if gated {
-                    grad_pre[j] = T::from_f32(c * up * slope);
                     grad_pre[features + j] = T::from_f32(c * value);
-                } else {
-                    grad_pre[j] = T::from_f32(c * slope);
                 }
                 weighted[j] = T::from_f32(hidden * p);
             }

@@ -25,8 +25,7 @@ pub fn activation_bwd(stream: Stream, op: &ActivationBwd) -> Result<()> {
     }
     let instance = activation_bwd_instance(op.grad_hidden.dtype(), op.activation, op.features)?;
     let kernel = Kernel::get(stream, &ACTIVATION, &instance)?;
-    // The pre-activation is 2F columns wide when gated: its index fits an int too.
-    let (rows, features, _) = (int(op.rows)?, int(op.features)?, int(op.activation.input_columns(op.features))?);
+    let (rows, features) = (int(op.rows)?, int(op.features)?);
     launch(stream, kernel, LaunchConfig { grid: grid(op.rows.div_ceil(ROWS_PER_BLOCK))?, block: THREADS, shared_bytes: 0 }, &mut [
         arg(&op.grad_hidden.device_ptr()), arg(&op.pre_activation.device_ptr()), arg(&op.row_probs.device_ptr()),
         arg(&rows), arg(&features), arg(&op.grad_pre_activation.device_ptr()), arg(&op.weighted_hidden.device_ptr()),
