@@ -1,13 +1,11 @@
 """oxmoe.activation.activation_bwd (the oxmoe_activation_bwd primitive: Rust on the CPU, the
 CUDA kernel on a GPU) against a NumPy float64 reference that rounds where the semantics round,
-and against the plain-JAX formula the MoE layer used before (the VJP of its activation), on
+and against the plain-JAX formula the MoE layer used before (oxmoe.reference.activation), on
 the expert widths of real models (Mixtral, Qwen3-30B-A3B, DeepSeek-V3) and odd ones, every
 activation, in float32, bfloat16 and float16, on fresh random data; vmap, jit and sharding;
 and its errors (its rows or features 0: test_empty_dimensions.py)."""
 
 from __future__ import annotations
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import devices
 from oxmoe import activation as act
 from oxmoe import model_shapes
+from oxmoe.reference import activation as reference_activation
 
 ACTIVATIONS = act.ACTIVATIONS
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -95,24 +94,6 @@ def reference(grad, pre, probs, activation: str):
     return (grad_pre, grad_pre_error), (weighted, weighted_error), (products.sum(1), sums_error)
 
 
-def plain_jax(grad, pre, probs, activation: str):
-    """The layer's former backward: the VJP of its activation in plain JAX."""
-    def forward(u):
-        v = u.astype(jnp.float32)
-        nonlinearity = jax.nn.silu if activation in ("swiglu", "silu") else functools.partial(jax.nn.gelu,
-                                                                                              approximate=True)
-        if act.gated(activation):
-            gate, up = jnp.split(v, 2, axis=-1)
-            return (nonlinearity(gate) * up).astype(u.dtype)
-        return nonlinearity(v).astype(u.dtype)
-
-    hidden, vjp = jax.vjp(forward, pre)
-    g = grad.astype(jnp.float32)
-    (grad_pre,) = vjp((g * probs[:, None]).astype(grad.dtype))
-    weighted = (hidden.astype(jnp.float32) * probs[:, None]).astype(grad.dtype)
-    return grad_pre, weighted, jnp.sum(hidden.astype(jnp.float32) * g, axis=-1)
-
-
 def assert_close(got, want_and_bound, what: str):
     want, bound = want_and_bound
     got = np.asarray(jnp.asarray(got).astype(jnp.float32), np.float64)
@@ -160,7 +141,7 @@ def test_activation_bwd_is_the_vjp_of_the_layers_former_activation(activation, r
     grad, pre, probs = draw(rng, 128, features, activation, jnp.bfloat16)
     got = act.activation_bwd(grad, pre, probs, activation)
     # Within the float64 reference's bounds of each other: both are float32 evaluations of it.
-    for name, result, former, (_, bound) in zip(got._fields, got, plain_jax(grad, pre, probs, activation),
+    for name, result, former, (_, bound) in zip(got._fields, got, reference_activation.activation_bwd(grad, pre, probs, activation),
                                                 reference(grad, pre, probs, activation)):
         assert_close(result, (np.asarray(former.astype(jnp.float32), np.float64), 2 * bound),
                      f"{name}, {activation}, seed={seed}")

@@ -38,6 +38,15 @@ class Goals:
     floor_column: str
     """The table header of the floor goal's column."""
 
+    @classmethod
+    def fraction_of_copy(cls, min_fraction: float, min_speedup: float, speedup_text: str) -> Goals:
+        """The goals of a kernel that moves bytes: at least ``min_fraction`` of the copy
+        bandwidth (time within ``1 / min_fraction`` of the byte floor), and ``min_speedup``."""
+        return cls(max_x_floor=1 / min_fraction, min_speedup=min_speedup,
+                   floor_text=(f"time <= {1 / min_fraction:.3g}x byte floor "
+                               f"(>= {100 * min_fraction:g}% of copy bandwidth)"),
+                   speedup_text=speedup_text, floor_column=f">={100 * min_fraction:g}% copy")
+
     @property
     def speedup_column(self) -> str:
         return f">={self.min_speedup:g}x jax"

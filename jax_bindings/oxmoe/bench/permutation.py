@@ -69,11 +69,8 @@ EP_RANKS = 8
 MIN_FRACTION_OF_COPY = 0.75
 #: ... and at least this much faster than plain JAX (dispatch and combine).
 MIN_SPEEDUP = 8.0
-GOALS = Goals(max_x_floor=1 / MIN_FRACTION_OF_COPY, min_speedup=MIN_SPEEDUP,
-              floor_text=(f"time <= {1 / MIN_FRACTION_OF_COPY:.3g}x byte floor "
-                          f"(>= {100 * MIN_FRACTION_OF_COPY:g}% of copy bandwidth)"),
-              speedup_text=f">= {MIN_SPEEDUP:g}x faster than plain JAX (dispatch, combine)",
-              floor_column=f">={100 * MIN_FRACTION_OF_COPY:g}% copy")
+GOALS = Goals.fraction_of_copy(MIN_FRACTION_OF_COPY, MIN_SPEEDUP,
+                               f">= {MIN_SPEEDUP:g}x faster than plain JAX (dispatch, combine)")
 
 #: Largest ||oxmoe - plain|| / ||plain|| of a sum: bf16 values (plain JAX's d tokens of
 #: dispatch are scatter-added in bf16), float32 values (dot products over H).

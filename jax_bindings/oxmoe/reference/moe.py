@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from oxmoe.moe import MoEAux, MoEConfig, MoEParams
+from oxmoe.reference.activation import activate
 from oxmoe.reference.router import top_experts
 
 __all__ = ["moe", "shared_experts", "load_balancing_loss", "z_loss"]
@@ -50,17 +51,6 @@ def z_loss(logits, config: MoEConfig):
     return config.z_loss_coeff * jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
 
 
-def _activate(u, activation: str, dtype):
-    """The activation of the up projection ``u`` in float32, rounded to ``dtype``; a gated one
-    takes ``u``'s first half as the gate."""
-    u = u.astype(_F32)
-    if activation in ("swiglu", "geglu"):
-        f = u.shape[-1] // 2
-        gate = jax.nn.silu(u[:, :f]) if activation == "swiglu" else jax.nn.gelu(u[:, :f], approximate=True)
-        return (gate * u[:, f:]).astype(dtype)
-    return (jax.nn.silu(u) if activation == "silu" else jax.nn.gelu(u, approximate=True)).astype(dtype)
-
-
 def shared_experts(xs, params: MoEParams, config: MoEConfig):
     """``[T, H]`` float32: the shared experts' MLP of the tokens ``xs`` (in ``config.dtype``),
     rounded to ``config.dtype``, times ``sigmoid(xs @ shared_gate)`` with ``config.shared_gate``."""
@@ -68,7 +58,7 @@ def shared_experts(xs, params: MoEParams, config: MoEConfig):
     up, down, gate = params.shared_up, params.shared_down, params.shared_gate
     assert up is not None and down is not None, "shared_ffn needs params.shared_up and shared_down"
     u = jnp.dot(xs, up.astype(dtype), preferred_element_type=_F32).astype(dtype)
-    out = jnp.dot(_activate(u, config.activation, dtype), down.astype(dtype),
+    out = jnp.dot(activate(u, config.activation, dtype), down.astype(dtype),
                   preferred_element_type=_F32).astype(dtype).astype(_F32)
     if config.shared_gate:
         assert gate is not None, "shared_gate needs params.shared_gate"
@@ -113,7 +103,7 @@ def moe(x, params: MoEParams, config: MoEConfig):
         weights = jnp.where(kept, weights, 0)
         dropped = (~kept).sum(dtype=jnp.int32)
     rows = jnp.take(xs, order // k, axis=0)
-    hidden = _activate(jax.lax.ragged_dot(rows, params.up.astype(dtype), group_sizes), config.activation, dtype)
+    hidden = activate(jax.lax.ragged_dot(rows, params.up.astype(dtype), group_sizes), config.activation, dtype)
     out = jax.lax.ragged_dot(hidden, params.down.astype(dtype), group_sizes)
     out = jnp.take(out, jnp.argsort(order), axis=0).reshape(t, k, h)
     # An elementwise sum, not an einsum: a float32 dot could run in TF32 on a GPU.
