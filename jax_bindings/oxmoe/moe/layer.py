@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from oxmoe import activation, fp8, grouped_gemm, permutation, router
+from oxmoe.activation import gated
 from oxmoe._checks import FLOAT_DTYPES, check_array
 from oxmoe._pytree import pytree_dataclass
 from oxmoe.moe.config import (Axes, MoEAux, MoEConfig, MoEParams, as_data_axes, as_weight_axes, check_weight_shards,
@@ -259,7 +260,7 @@ class ExpertOutput:
 def _activate(u, activation: str):
     """The activation in float32, rounded to ``u``'s dtype."""
     v = u.astype(_F32)
-    if activation in ("swiglu", "geglu"):
+    if gated(activation):
         gate, up = jnp.split(v, 2, axis=-1)
         act = jax.nn.silu(gate) if activation == "swiglu" else jax.nn.gelu(gate, approximate=True)
         return (act * up).astype(u.dtype)
@@ -462,10 +463,11 @@ def _shared_expert_ffn_bwd(grad_y, shared: SharedOutput, params: MoEParams, conf
         grad_rows = (grad_f32 * g).astype(dtype)
         grad_gate = _f32_dot(shared.tokens.astype(_F32).T, grad_logit)
         grad_x = _f32_dot(grad_logit, gate_weight.astype(dtype).astype(_F32).T)
-    hidden, activation_vjp = jax.vjp(functools.partial(_activate, activation=config.activation), shared.up_rows)
+    # Every row weighs 1: the weighted hidden activation is the hidden activation.
     grad_hidden = _f32_dot(grad_rows, down.T).astype(dtype)
+    grad_up_rows, hidden, _ = activation.activation_bwd(
+        grad_hidden, shared.up_rows, jnp.ones(grad_hidden.shape[:1], _F32), config.activation)
     grad_down = _f32_dot(hidden.T, grad_rows)
-    (grad_up_rows,) = activation_vjp(grad_hidden)
     grad_x = grad_x + _f32_dot(grad_up_rows, up.T)
     grad_up = _f32_dot(shared.tokens.T, grad_up_rows)
     return grad_x, grad_up, grad_down, grad_gate
