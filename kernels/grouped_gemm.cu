@@ -10,8 +10,9 @@
 //   warp-specialised kernel. One warp of the first warpgroup loads tiles with
 //   the tensor memory accelerator (TMA) into a ring of shared-memory stages;
 //   two consumer warpgroups multiply them with `wgmma` (64 x BN each) and
-//   store from registers. Tiles are walked group by group from the bounds
-//   computed on the device at the start of each block.
+//   store whole tiles through shared memory with TMA. Tiles are walked group
+//   by group from the bounds computed on the device at the start of each
+//   block.
 // - Everywhere else (f32, odd shapes, other GPUs): a tiled SIMT kernel.
 // Their block-scaled FP8 versions (float8_e4m3fn values, float32 scales) follow
 // the same split: on Hopper, the same ring with e4m3 wgmma for the products
@@ -502,6 +503,60 @@ __device__ __forceinline__ void store_tile(const float (&d)[Config::BN / 2], uns
   }
 }
 
+// The thread of a consumer warpgroup that issues its tiles' bulk stores.
+__device__ __forceinline__ bool stores_tiles_in_bulk() { return threadIdx.x % 128 == 0; }
+
+// Stores a consumer warpgroup's 64 x BN sums of a tile at (row0, col0) of out
+// (row stride n): rows below row_end. When all 64 rows are the tile's (none
+// of another group, none past the end), the warpgroup writes them into
+// `staging` as BN / 64 boxes of 64 x 64, laid out as the output map's
+// 128-byte swizzle wants, and one thread stores them with TMA (the map clips
+// the columns at n): the consumers go on to the next tile without waiting
+// for the stores. Otherwise (and for float32 outputs) through `store_tile`.
+// Either path writes `staging` only once the previous bulk store has read it.
+template <typename O, typename Config>
+__device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::BN / 2], unsigned short* staging,
+                                                   const TensorMap* out_map, O* out, int row0, int row_end, int col0,
+                                                   int n) {
+  constexpr int BOX_BYTES = 64 * 128;
+  static_assert(64 * Config::OUT_PITCH * 2 % 1024 == 0, "each warpgroup's staging 1024-byte aligned, as the swizzle wants");
+  static_assert(Config::BN / 64 * BOX_BYTES <= 64 * Config::OUT_PITCH * 2, "the boxes fit a warpgroup's staging");
+  const bool leader = stores_tiles_in_bulk();
+  if (leader) bulk_wait_read();
+  if constexpr (sizeof(O) == 2) {
+    if (row0 + 64 <= row_end) {
+      const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+      unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
+      staging_sync();
+#pragma unroll
+      for (int i = 0; i < Config::BN / 8; ++i) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          // Columns 8i + 2 (lane % 4) and + 1 of row r: in box i / 8, 16-byte
+          // piece i % 8 of the row's 128 bytes, which the swizzle puts at i % 8 ^ r % 8.
+          const int r = warp * 16 + lane / 4 + 8 * half;
+          *reinterpret_cast<unsigned*>(boxes + i / 8 * BOX_BYTES + r * 128 + (i % 8 ^ r % 8) * 16 + lane % 4 * 4) =
+              packed_pair<O>(sums[4 * i + 2 * half], sums[4 * i + 2 * half + 1]);
+        }
+      }
+      fence_async_shared();
+      staging_sync();
+      if (leader) {
+#pragma unroll
+        for (int box = 0; box < Config::BN / 64; ++box) tma_store(out_map, boxes + box * BOX_BYTES, col0 + 64 * box, row0);
+        bulk_commit();
+      }
+      return;
+    }
+  }
+  store_tile<O, Config>(sums, staging, out, row0, row_end, col0, n);
+}
+
+// Before a consumer warpgroup exits: its last tiles' bulk stores have completed.
+__device__ __forceinline__ void finish_bulk_stores() {
+  if (stores_tiles_in_bulk()) bulk_wait();
+}
+
 // Zeroes rows [row0, row_end) x columns [col0, col0 + BN) ∩ [0, n) of out
 // with the 256 consumer threads (n a multiple of 8).
 template <typename O, int BN>
@@ -626,13 +681,14 @@ __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.
 
 // ragged_dot on Hopper. lhs_map: lhs [m, k], box 64 x 128 rows. rhs_map:
 // rhs [groups, k, n] (box 64 columns x 64 rows x 1) or, RHS_K_MAJOR,
-// [groups, n, k] (box 64 x BN rows x 1).
+// [groups, n, k] (box 64 x BN rows x 1). out_map: out [m, n], 64 x 64 boxes
+// (16-bit outputs; float32 ones are stored from registers).
 template <typename T, typename O, bool RHS_K_MAJOR, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS,
           int SHARED_BYTES>
 __global__ void __launch_bounds__(THREADS, 1) ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
-    int k, int n, O* __restrict__ out) {
+    int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map) {
   using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
@@ -695,8 +751,10 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_dot_hopper(
     wgmma_wait<0>();
     keep_in_registers(d);
     if (k_blocks > 0) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
-    store_tile<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, out, tile.row0 + half * 64, tile.row_end, tile.col0, n);
+    store_tile_in_bulk<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
+                                  tile.row_end, tile.col0, n);
   }
+  finish_bulk_stores();
 }
 
 // Zeroes rows [valid, 64) of `chunks` consecutive 64-row boxes at `boxes`
@@ -728,9 +786,12 @@ struct ChunkMaps {
 // rows of local group i in each chunk. lhs's columns are out's rows, so A is
 // MN-major, and B is MN-major. A tile is 128 rows of out[i] by BN columns; the
 // contraction walks the group's rows 64 at a time, chunk after chunk.
+// out_map: out's local groups as one [groups x k, n] matrix, 64 x 64 boxes
+// (16-bit outputs).
 template <typename T, typename O, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
 __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
-    const __grid_constant__ ChunkMaps maps, int chunks, const ChunkBounds rows, int k, int n, O* __restrict__ out) {
+    const __grid_constant__ ChunkMaps maps, int chunks, const ChunkBounds rows, int k, int n, O* __restrict__ out,
+    const __grid_constant__ TensorMap out_map) {
   using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
@@ -797,9 +858,11 @@ __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
     wgmma_wait<0>();
     keep_in_registers(d);
     if (loaded) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
-    store_tile<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, out + static_cast<size_t>(g) * k * n,
-                      out_row0 + half * 64, k, col0, n);
+    // out's local groups are one [groups x k, n] matrix to the map.
+    store_tile_in_bulk<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, &out_map, out,
+                                  g * k + out_row0 + half * 64, (g + 1) * k, col0, n);
   }
+  finish_bulk_stores();
 }
 
 // ---------------------------------------------------------------------------
@@ -865,57 +928,6 @@ __device__ __forceinline__ void fp8_block_product(float (&partial)[FP8_BN / 2], 
 #pragma unroll
   for (int kk = 0; kk < FP8_BLOCK / 32; ++kk) wgmma_e4m3(partial, a + kk * (32 >> 4), b + kk * (32 >> 4), kk > 0);
   wgmma_commit();
-}
-
-// Stores a consumer warpgroup's 64 x 128 sums of an FP8 tile at (row0, col0)
-// of out: rows below row_end. When all 64 rows are the tile's (none shared
-// with another group's tile), the warpgroup writes them into `staging` as two
-// 64 x 64 boxes laid out as the output map's 128-byte swizzle wants, and one
-// thread stores them with TMA: the consumers go on to the next tile without
-// waiting for it. Otherwise (and for float32 outputs) through `store_tile`.
-// Either path writes `staging` only once the previous bulk store has read it.
-// The thread of a consumer warpgroup that issues its tiles' bulk stores.
-__device__ __forceinline__ bool stores_fp8_tiles() { return threadIdx.x % 128 == 0; }
-
-template <typename O, typename Config>
-__device__ __forceinline__ void store_fp8_tile(const float (&sums)[FP8_BN / 2], unsigned short* staging,
-                                               const TensorMap* out_map, O* out, int row0, int row_end, int col0,
-                                               int n) {
-  static_assert(64 * Config::OUT_PITCH * 2 % 1024 == 0, "each warpgroup's staging 1024-byte aligned, as the swizzle wants");
-  const bool leader = stores_fp8_tiles();
-  if (leader) bulk_wait_read();
-  if constexpr (sizeof(O) == 2) {
-    if (row0 + 64 <= row_end) {
-      const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
-      unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
-      staging_sync();
-#pragma unroll
-      for (int i = 0; i < FP8_BN / 8; ++i) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          // Columns 8i + 2 (lane % 4) and + 1 of row r: in box i / 8, 16-byte
-          // piece i % 8 of the row's 128 bytes, which the swizzle puts at i % 8 ^ r % 8.
-          const int r = warp * 16 + lane / 4 + 8 * half;
-          *reinterpret_cast<unsigned*>(boxes + i / 8 * 8192 + r * 128 + (i % 8 ^ r % 8) * 16 + lane % 4 * 4) =
-              packed_pair<O>(sums[4 * i + 2 * half], sums[4 * i + 2 * half + 1]);
-        }
-      }
-      fence_async_shared();
-      staging_sync();
-      if (leader) {
-        tma_store(out_map, boxes, col0, row0);
-        tma_store(out_map, boxes + 8192, col0 + 64, row0);
-        bulk_commit();
-      }
-      return;
-    }
-  }
-  store_tile<O, Config>(sums, staging, out, row0, row_end, col0, n);
-}
-
-// Before a consumer warpgroup exits: its last tiles' bulk stores have completed.
-__device__ __forceinline__ void finish_fp8_tile_stores() {
-  if (stores_fp8_tiles()) bulk_wait();
 }
 
 // out[r] for the rows r of local group i: for each 128 of K, the partial of
@@ -993,10 +1005,10 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
         sums[4 * i + 3] += partial[4 * i + 3] * scale8;
       }
     }
-    store_fp8_tile<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
+    store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
                               tile.row_end, tile.col0, n);
   }
-  finish_fp8_tile_stores();
+  finish_bulk_stores();
 }
 
 // Each chunk's K-major FP8 operands of the weight gradient: lhsᵀ [k, m_c] and
@@ -1118,10 +1130,10 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
       }
     }
     // out's local groups are one [groups x k, n] matrix to the map.
-    store_fp8_tile<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, g * k + out_row0 + half * 64,
+    store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, g * k + out_row0 + half * 64,
                               (g + 1) * k, col0, n);
   }
-  finish_fp8_tile_stores();
+  finish_bulk_stores();
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -74,14 +74,21 @@ fn fp8_hopper_shared_bytes(max_local_groups: usize, scale_bytes: u32) -> u32 {
         + 2 * (max_local_groups as u32 + 1) * 4
 }
 
-/// The tensor map an FP8 Hopper kernel stores its 16-bit output `[rows, n]`
-/// through, in 64 x 64 boxes (`store_fp8_tile`); float32 outputs are stored
-/// from registers and have none.
-fn fp8_out_map(dtype: DataType, out: u64, n: u64, rows: u64) -> Result<TensorMap> {
+/// The tensor map a Hopper kernel stores its 16-bit output `[rows, n]`
+/// through, in 64 x 64 boxes (`store_tile_in_bulk`); float32 outputs are
+/// stored from registers and have none.
+fn out_map(dtype: DataType, out: u64, n: u64, rows: u64) -> Result<TensorMap> {
     match dtype {
         DataType::F32 => Ok(TensorMap::unused()),
         _ => TensorMap::tiled_16bit(out, &[n, rows], &[64, 64]),
     }
+}
+
+/// The rows of a transposed product's output, its local groups' `[k, n]`
+/// matrices one after the other, as its Hopper kernels address them (int
+/// row coordinates).
+fn transposed_out_rows(shape: &GroupedShape) -> Result<u64> {
+    Ok(int(shape.local_groups * shape.k)? as u64)
 }
 
 /// The FP8 weight gradient's stages carry their block's scales of the tile's
@@ -240,10 +247,11 @@ pub fn ragged_dot(stream: Stream, a: &RaggedDot) -> Result<()> {
         } else {
             TensorMap::tiled_16bit(rhs, &[n64, k64, gl], &[64, BLOCK_K, 1])?
         };
+        let out_map = out_map(out_dtype, out, n64, m64)?;
         let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, bn)?;
         return launch_hopper(stream, &device, &instance, bn, &mut [
             arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
-            arg(&m), arg(&k), arg(&n), arg(&out),
+            arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
     }
 
@@ -277,8 +285,11 @@ pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<
             maps.lhs[c] = TensorMap::tiled_16bit(chunk.lhs.device_ptr(), &[k64, m64], &[64, 64])?;
             maps.rhs[c] = TensorMap::tiled_16bit(chunk.rhs.device_ptr(), &[n64, m64], &[64, 64])?;
         }
+        let out_map = out_map(out_dtype, out, n64, transposed_out_rows(shape)?)?;
         let instance = transposed_hopper_instance(dtype, out_dtype, bn)?;
-        launch_hopper(stream, &device, &instance, bn, &mut [arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out)])
+        launch_hopper(stream, &device, &instance, bn, &mut [
+            arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
+        ])
     } else {
         let mut operands = ChunkOperands { lhs: [0; MAX_CHUNKS], rhs: [0; MAX_CHUNKS] };
         for (c, chunk) in a.chunks.iter().enumerate() {
@@ -319,7 +330,7 @@ pub fn fp8_ragged_dot(stream: Stream, a: &Fp8RaggedDot) -> Result<()> {
         let lhs_map = TensorMap::tiled_8bit(a.lhs.device_ptr(), &[k64, m64], &[FP8_BLOCK, BLOCK_M])?;
         let rhs_map = TensorMap::tiled_8bit(a.rhs.device_ptr(), &[k64, n64, gl], &[FP8_BLOCK, FP8_BLOCK, 1])?;
         let (lhs_scales, rhs_scales, out) = (a.lhs_scales.device_ptr(), a.rhs_scales.device_ptr(), a.out.device_ptr());
-        let out_map = fp8_out_map(a.out.dtype(), out, n64, m64)?;
+        let out_map = out_map(a.out.dtype(), out, n64, m64)?;
         return launch_persistent(stream, &device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), &mut [
             arg(&lhs_map), arg(&lhs_scales), arg(&rhs_map), arg(&rhs_scales), arg(&g.sizes), arg(&g.groups), arg(&g.offset),
             arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map),
@@ -375,8 +386,7 @@ pub fn fp8_transposed_ragged_dot(stream: Stream, a: &Fp8TransposedRaggedDot) -> 
             maps.rhs[c] = TensorMap::tiled_8bit(chunk.rhs.device_ptr(), &[m64, shape.n as u64], &[FP8_BLOCK, FP8_BLOCK])?;
         }
         let out = a.out.device_ptr();
-        let out_rows = (shape.local_groups * shape.k) as u64;
-        let out_map = fp8_out_map(a.out.dtype(), out, shape.n as u64, out_rows)?;
+        let out_map = out_map(a.out.dtype(), out, shape.n as u64, transposed_out_rows(shape)?)?;
         return launch_persistent(stream, &device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);

@@ -1,0 +1,87 @@
+"""oxmoe's bf16 grouped GEMM at the benchmark's shapes against a dense GEMM of the same FLOPs,
+for comparing two builds of oxmoe run in turn (the benchmark's ``grouped_gemm`` family also
+times ``jax.lax.ragged_dot``, which takes minutes at these shapes).
+
+Per shape of :data:`oxmoe.model_shapes.EXPERT_GEMMS`, group sizes a Dirichlet(alpha = 4) split
+of M (the benchmark's first draw, one fixed draw), the four products of the benchmark (fwd,
+fwd with [G, N, K] weights, dlhs, drhs) and the dense ``jnp.dot`` of each: median of 5 x 20
+calls, TFLOP/s = 2 M K N / time, and a digest of each output (two builds with the same
+digests computed the same bits). Run it once per build, alternating, e.g.
+
+    for i in 1 2; do
+      OXMOE_LIBRARY=old/liboxmoe.so PYTHONPATH=old/jax_bindings python3 bench/gemm_ab.py before_$i
+      python3 bench/gemm_ab.py after_$i
+    done
+
+Prints one line per product and a last ``JSON {...}`` line with the label, the build id and
+every number. Needs a GPU.
+"""
+
+import hashlib
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import oxmoe
+from oxmoe import grouped_gemm
+from oxmoe.bench.grouped_gemm import DRAWS
+from oxmoe.model_shapes import EXPERT_GEMMS
+
+
+def median_seconds(f, *args, calls: int = 20, samples: int = 5):
+    out = f(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(samples):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = f(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / calls)
+    return float(np.median(times)), out
+
+
+def digest(x) -> str:
+    return hashlib.sha1(np.asarray(x).view(np.uint16).tobytes()).hexdigest()[:12]
+
+
+def main(label: str) -> None:
+    results = {}
+    products = {
+        "fwd": (lambda a, b, s: grouped_gemm.ragged_dot(a, b, s), lambda a, b: jnp.dot(a, b)),
+        "fwd [G,N,K]": (lambda a, b, s: grouped_gemm.ragged_dot(a, b, s, rhs_transposed=True), None),
+        "dlhs": (lambda a, b, s: grouped_gemm.ragged_dot(a, b, s, rhs_transposed=True), lambda a, b: jnp.dot(a, b.T)),
+        "drhs": (lambda a, b, s: grouped_gemm.transposed_ragged_dot(a, b, s), lambda a, b: jnp.dot(a.T, b)),
+    }
+    for shape in EXPERT_GEMMS:
+        m, k, n, g = shape.m, shape.k, shape.n, shape.groups
+        rng = np.random.default_rng(0)
+        sizes = jnp.asarray(DRAWS[0].sizes(rng, m, g))
+        bf16 = jnp.bfloat16
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32), bf16)
+        dout = jnp.asarray(rng.standard_normal((m, n), np.float32), bf16)
+        w = jnp.asarray(rng.standard_normal((g, k, n), np.float32) * k ** -0.5, bf16)
+        operands = {"fwd": (x, w), "fwd [G,N,K]": (x, jnp.swapaxes(w, 1, 2)), "dlhs": (dout, w), "drhs": (x, dout)}
+        dense_operands = {"fwd": (x, w[0]), "dlhs": (dout, w[0]), "drhs": (x, dout)}
+        flops = 2 * m * k * n
+        for product, (ours, dense) in products.items():
+            seconds, out = median_seconds(jax.jit(ours), *operands[product], sizes)
+            row = {"us": seconds * 1e6, "tflops": flops / seconds / 1e12, "digest": digest(out)}
+            if dense is not None:
+                dense_seconds, _ = median_seconds(jax.jit(dense), *dense_operands[product])
+                row["dense_tflops"] = flops / dense_seconds / 1e12
+                row["of_dense"] = dense_seconds / seconds
+            name = f"{shape.name} {product}"
+            results[name] = row
+            of_dense = f" ({row['of_dense']:.0%} of dense {row['dense_tflops']:.0f})" if dense else ""
+            print(f"{label} {name}: {row['us']:.0f} us {row['tflops']:.0f} TFLOP/s{of_dense} out {row['digest']}",
+                  flush=True)
+    print("JSON", json.dumps({"label": label, "build": oxmoe.build_id(), "results": results}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "run")
