@@ -59,12 +59,11 @@ def main(label: str) -> None:
     }
     for shape in EXPERT_GEMMS:
         m, k, n, g = shape.m, shape.k, shape.n, shape.groups
-        rng = np.random.default_rng(0)
-        sizes = jnp.asarray(DRAWS[0].sizes(rng, m, g))
-        bf16 = jnp.bfloat16
-        x = jnp.asarray(rng.standard_normal((m, k), np.float32), bf16)
-        dout = jnp.asarray(rng.standard_normal((m, n), np.float32), bf16)
-        w = jnp.asarray(rng.standard_normal((g, k, n), np.float32) * k ** -0.5, bf16)
+        sizes = jnp.asarray(DRAWS[0].sizes(np.random.default_rng(0), m, g))
+        keys = jax.random.split(jax.random.key(0), 3)
+        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
+        dout = jax.random.normal(keys[1], (m, n), jnp.bfloat16)
+        w = (jax.random.normal(keys[2], (g, k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
         operands = {"fwd": (x, w), "fwd [G,N,K]": (x, jnp.swapaxes(w, 1, 2)), "dlhs": (dout, w), "drhs": (x, dout)}
         dense_operands = {"fwd": (x, w[0]), "dlhs": (dout, w[0]), "drhs": (x, dout)}
         flops = 2 * m * k * n
