@@ -171,11 +171,12 @@ __device__ __forceinline__ void select_top(const Team<E>& t, const unsigned (&ke
 __device__ __forceinline__ float sigmoid(float x) { return __frcp_rn(1.f + expf(-x)); }
 
 // sigmoid(x) and sigmoid'(x) = s * (1 - s), with 1 - s = e^-x * s: one exponential,
-// and no cancellation near s = 1.
+// and no cancellation near s = 1. Where e^-x overflows (x below about -88), s is 0
+// and e^-x * s NaN: fminf takes 1, so the slope is 0, as the CPU's s * sigmoid(-x).
 __device__ __forceinline__ void sigmoid_and_slope(float x, float& s, float& slope) {
   const float e = expf(-x);
   s = __frcp_rn(1.f + e);
-  slope = s * (e * s);
+  slope = s * fminf(e * s, 1.f);
 }
 
 // s = softmax of the row's x over the positions in `over` (0 elsewhere).

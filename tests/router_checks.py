@@ -13,13 +13,16 @@ DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16}
 # Elementwise relative tolerance of a value rounded to the dtype after float32 arithmetic
 # (bf16 keeps 8 mantissa bits, f16 11, f32 24 less a few ulps of arithmetic).
 RTOL = {jnp.dtype(jnp.float32): 1e-5, jnp.dtype(jnp.bfloat16): 1e-2, jnp.dtype(jnp.float16): 1e-3}
-# Absolute slack of a forward value: a few float32 ulps of the tensor's largest magnitude;
-# f16 also has subnormal spacing 6e-8.
+# Absolute slack of a forward value: a few float32 ulps of the tensor's largest magnitude.
 ATOL_OF_MAX = 1e-6
 # Absolute slack of a gradient element: float32 cancellation (g - sum g s, 1 - sigmoid) loses
 # precision relative to the terms it subtracts, not to the result; ~30 ulps of those terms.
 ATOL_OF_TERMS = 2e-6
-ATOL_FLOOR = {jnp.dtype(jnp.float32): 0.0, jnp.dtype(jnp.bfloat16): 0.0, jnp.dtype(jnp.float16): 6e-8}
+# The floor: the kernels compute in float32, whose values below its smallest normal number
+# keep few digits or none (a sigmoid whose e^-x overflows is 0); f16 also has subnormal
+# spacing 6e-8.
+F32_TINY = float(np.finfo(np.float32).tiny)
+ATOL_FLOOR = {jnp.dtype(jnp.float32): F32_TINY, jnp.dtype(jnp.bfloat16): F32_TINY, jnp.dtype(jnp.float16): 6e-8}
 # The float32 outputs (scores, loss) whatever the input dtype.
 F32 = jnp.dtype(jnp.float32)
 

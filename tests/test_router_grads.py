@@ -37,6 +37,27 @@ def test_topk_vjp_matches_analytic_reference(config, dtype, num_tokens, seed, rn
     rc.check_topk_grad(grad_logits, grad_probs, logits, routing_map, config.topk, kwargs, context=context)
 
 
+@DTYPES
+def test_sigmoid_topk_vjp_of_chosen_experts_far_below_zero_matches_analytic_reference(dtype, seed, rng):
+    """Experts the bias chooses although their logits are so far below zero that e^-x
+    overflows float32 (sigmoid 0): their weights and gradients are 0, as the reference's
+    (below float32's smallest number) round, and every other gradient is as usual."""
+    num_experts, topk = 32, 4
+    logits = np.array(rc.draw_logits(rng, (333, num_experts), jnp.float32))
+    logits[:, :2] = rng.uniform(-120.0, -89.0, (333, 2))
+    logits = jnp.asarray(logits).astype(dtype)
+    bias = jnp.asarray(np.where(np.arange(num_experts) < 2, 10.0, 0.0).astype(np.float32))
+    kwargs = dict(score_function="sigmoid")
+    probs, vjp, routing_map = jax.vjp(lambda x: router.topk(x, topk, expert_bias=bias, **kwargs), logits,
+                                      has_aux=True)
+    context = f"seed={seed}"
+    assert np.asarray(routing_map)[:, :2].all(), context
+    rc.check_topk(probs, routing_map, logits, topk, kwargs, bias, context=context)
+    grad_probs = rc.draw_like(rng, probs.shape, dtype)
+    (grad_logits,) = vjp(grad_probs)
+    rc.check_topk_grad(grad_logits, grad_probs, logits, routing_map, topk, kwargs, context=context)
+
+
 @CONFIGS
 @DTYPES
 @pytest.mark.parametrize("num_tokens", NUM_TOKENS)
