@@ -5,8 +5,9 @@ times ``jax.lax.ragged_dot``, which takes minutes at these shapes).
 Per shape of :data:`oxmoe.model_shapes.EXPERT_GEMMS`, group sizes a Dirichlet(alpha = 4) split
 of M (the benchmark's first draw, one fixed draw), the four products of the benchmark (fwd,
 fwd with [G, N, K] weights, dlhs, drhs) and the dense ``jnp.dot`` of each: median of 5 x 20
-calls, TFLOP/s = 2 M K N / time, and a digest of each output (two builds with the same
-digests computed the same bits). Run it once per build, alternating, e.g.
+calls (``step_ab.median_seconds``), TFLOP/s = 2 M K N / time, and a digest of each output
+(two builds with the same digests computed the same bits). Run it once per build,
+alternating, e.g.
 
     for i in 1 2; do
       OXMOE_LIBRARY=old/liboxmoe.so PYTHONPATH=old/jax_bindings python3 bench/gemm_ab.py before_$i
@@ -20,7 +21,6 @@ every number. Needs a GPU.
 import hashlib
 import json
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -30,19 +30,7 @@ import oxmoe
 from oxmoe import grouped_gemm
 from oxmoe.bench.grouped_gemm import DRAWS
 from oxmoe.model_shapes import EXPERT_GEMMS
-
-
-def median_seconds(f, *args, calls: int = 20, samples: int = 5):
-    out = f(*args)
-    jax.block_until_ready(out)
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = f(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return float(np.median(times)), out
+from step_ab import median_seconds
 
 
 def digest(x) -> str:
@@ -68,10 +56,12 @@ def main(label: str) -> None:
         dense_operands = {"fwd": (x, w[0]), "dlhs": (dout, w[0]), "drhs": (x, dout)}
         flops = 2 * m * k * n
         for product, (ours, dense) in products.items():
-            seconds, out = median_seconds(jax.jit(ours), *operands[product], sizes)
-            row = {"us": seconds * 1e6, "tflops": flops / seconds / 1e12, "digest": digest(out)}
+            timed = jax.jit(ours)
+            seconds = median_seconds(timed, *operands[product], sizes, calls=20, samples=5)
+            row = {"us": seconds * 1e6, "tflops": flops / seconds / 1e12,
+                   "digest": digest(timed(*operands[product], sizes))}
             if dense is not None:
-                dense_seconds, _ = median_seconds(jax.jit(dense), *dense_operands[product])
+                dense_seconds = median_seconds(jax.jit(dense), *dense_operands[product], calls=20, samples=5)
                 row["dense_tflops"] = flops / dense_seconds / 1e12
                 row["of_dense"] = dense_seconds / seconds
             name = f"{shape.name} {product}"
