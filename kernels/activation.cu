@@ -29,11 +29,10 @@ __device__ __forceinline__ void value_and_slope(float x, float& value, float& sl
     value = 0.5f * x * (1.f + t);
     slope = 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * GELU_SCALE * (1.f + 3.f * GELU_CUBIC * x * x);
   } else {
-    // __frcp_rn is the correctly rounded reciprocal, 1.f / y; 1 - s = e^-x * s, at most 1 (NaN
-    // where e^-x overflows and s is 0: fminf takes the 1).
-    const float e = expf(-x), s = __frcp_rn(1.f + e);
+    float s, complement;
+    sigmoid_and_complement(x, s, complement);
     value = x * s;
-    slope = s * (1.f + x * fminf(e * s, 1.f));
+    slope = s * (1.f + x * complement);
   }
 }
 

@@ -170,13 +170,11 @@ __device__ __forceinline__ void select_top(const Team<E>& t, const unsigned (&ke
 // 1 / (1 + e^-x); __frcp_rn is the correctly rounded reciprocal, the same value as 1.f / y.
 __device__ __forceinline__ float sigmoid(float x) { return __frcp_rn(1.f + expf(-x)); }
 
-// sigmoid(x) and sigmoid'(x) = s * (1 - s), with 1 - s = e^-x * s: one exponential,
-// and no cancellation near s = 1. Where e^-x overflows (x below about -88), s is 0
-// and e^-x * s NaN: fminf takes 1, so the slope is 0, as the CPU's s * sigmoid(-x).
+// sigmoid(x) and sigmoid'(x) = s * (1 - s).
 __device__ __forceinline__ void sigmoid_and_slope(float x, float& s, float& slope) {
-  const float e = expf(-x);
-  s = __frcp_rn(1.f + e);
-  slope = s * fminf(e * s, 1.f);
+  float complement;
+  sigmoid_and_complement(x, s, complement);
+  slope = s * complement;
 }
 
 // s = softmax of the row's x over the positions in `over` (0 elsewhere).
