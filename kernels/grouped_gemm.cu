@@ -1006,7 +1006,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
       }
     }
     store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
-                              tile.row_end, tile.col0, n);
+                                  tile.row_end, tile.col0, n);
   }
   finish_bulk_stores();
 }
@@ -1130,8 +1130,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
       }
     }
     // out's local groups are one [groups x k, n] matrix to the map.
-    store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, g * k + out_row0 + half * 64,
-                              (g + 1) * k, col0, n);
+    store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out,
+                                  g * k + out_row0 + half * 64, (g + 1) * k, col0, n);
   }
   finish_bulk_stores();
 }
