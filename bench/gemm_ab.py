@@ -3,8 +3,8 @@ for comparing two builds of oxmoe run in turn (the benchmark's ``grouped_gemm`` 
 times ``jax.lax.ragged_dot``, which takes minutes at these shapes).
 
 Per shape of :data:`oxmoe.model_shapes.EXPERT_GEMMS`, group sizes a Dirichlet(alpha = 4) split
-of M (the benchmark's first draw, one fixed draw), the four products of the benchmark (fwd,
-fwd with [G, N, K] weights, dlhs, drhs) and the dense ``jnp.dot`` of each: median of 5 x 20
+of M (the benchmark's first draw, one fixed draw), the benchmark's four products
+(``oxmoe.bench.grouped_gemm.PRODUCTS``) and its dense ``jnp.dot`` of each: median of 5 x 20
 calls (``step_ab.median_seconds``), TFLOP/s = 2 M K N / time, and a digest of each output
 (two builds with the same digests computed the same bits). Run it once per build,
 alternating, e.g.
@@ -18,6 +18,7 @@ Prints one line per product and a last ``JSON {...}`` line with the label, the b
 every number. Needs a GPU.
 """
 
+import functools
 import hashlib
 import json
 import sys
@@ -27,8 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import oxmoe
-from oxmoe import grouped_gemm
-from oxmoe.bench.grouped_gemm import DRAWS
+from oxmoe.bench.grouped_gemm import DENSE, DRAWS, PRODUCTS
 from oxmoe.model_shapes import EXPERT_GEMMS
 from step_ab import median_seconds
 
@@ -37,38 +37,35 @@ def digest(x) -> str:
     return hashlib.sha1(np.asarray(x).view(np.uint16).tobytes()).hexdigest()[:12]
 
 
+def draw(key, shape):
+    return jax.random.normal(key, shape, jnp.bfloat16)
+
+
 def main(label: str) -> None:
     results = {}
-    products = {
-        "fwd": (lambda a, b, s: grouped_gemm.ragged_dot(a, b, s), lambda a, b: jnp.dot(a, b)),
-        "fwd [G,N,K]": (lambda a, b, s: grouped_gemm.ragged_dot(a, b, s, rhs_transposed=True), None),
-        "dlhs": (lambda a, b, s: grouped_gemm.ragged_dot(a, b, s, rhs_transposed=True), lambda a, b: jnp.dot(a, b.T)),
-        "drhs": (lambda a, b, s: grouped_gemm.transposed_ragged_dot(a, b, s), lambda a, b: jnp.dot(a.T, b)),
-    }
     for shape in EXPERT_GEMMS:
-        m, k, n, g = shape.m, shape.k, shape.n, shape.groups
-        sizes = jnp.asarray(DRAWS[0].sizes(np.random.default_rng(0), m, g))
-        keys = jax.random.split(jax.random.key(0), 3)
-        x = jax.random.normal(keys[0], (m, k), jnp.bfloat16)
-        dout = jax.random.normal(keys[1], (m, n), jnp.bfloat16)
-        w = (jax.random.normal(keys[2], (g, k, n), jnp.float32) * k ** -0.5).astype(jnp.bfloat16)
-        operands = {"fwd": (x, w), "fwd [G,N,K]": (x, jnp.swapaxes(w, 1, 2)), "dlhs": (dout, w), "drhs": (x, dout)}
-        dense_operands = {"fwd": (x, w[0]), "dlhs": (dout, w[0]), "drhs": (x, dout)}
-        flops = 2 * m * k * n
-        for product, (ours, dense) in products.items():
-            timed = jax.jit(ours)
-            seconds = median_seconds(timed, *operands[product], sizes, calls=20, samples=5)
-            row = {"us": seconds * 1e6, "tflops": flops / seconds / 1e12,
-                   "digest": digest(timed(*operands[product], sizes))}
-            if dense is not None:
-                dense_seconds = median_seconds(jax.jit(dense), *dense_operands[product], calls=20, samples=5)
-                row["dense_tflops"] = flops / dense_seconds / 1e12
-                row["of_dense"] = dense_seconds / seconds
-            name = f"{shape.name} {product}"
+        sizes = jnp.asarray(DRAWS[0].sizes(np.random.default_rng(0), shape.m, shape.groups))
+        flops = 2 * shape.m * shape.k * shape.n
+
+        @functools.cache
+        def dense_seconds(dense: str) -> float:
+            """The benchmark's dense GEMM of a product (shared by the two forwards)."""
+            a, b = DENSE[dense](shape)
+            keys = jax.random.split(jax.random.key(1), 2)
+            return median_seconds(jax.jit(jnp.dot), draw(keys[0], a), draw(keys[1], b), calls=20, samples=5)
+
+        for product in PRODUCTS:
+            keys = jax.random.split(jax.random.key(0), 2)
+            operands = [draw(key, s) for key, s in zip(keys, product.operands(shape))]
+            timed = jax.jit(product.oxmoe)
+            seconds = median_seconds(timed, *operands, sizes, calls=20, samples=5)
+            dense = dense_seconds(product.dense)
+            row = {"us": seconds * 1e6, "tflops": flops / seconds / 1e12, "dense_tflops": flops / dense / 1e12,
+                   "of_dense": dense / seconds, "digest": digest(timed(*operands, sizes))}
+            name = f"{shape.name} {product.name}"
             results[name] = row
-            of_dense = f" ({row['of_dense']:.0%} of dense {row['dense_tflops']:.0f})" if dense else ""
-            print(f"{label} {name}: {row['us']:.0f} us {row['tflops']:.0f} TFLOP/s{of_dense} out {row['digest']}",
-                  flush=True)
+            print(f"{label} {name}: {row['us']:.0f} us {row['tflops']:.0f} TFLOP/s ({row['of_dense']:.0%} of dense "
+                  f"{row['dense_tflops']:.0f}) out {row['digest']}", flush=True)
     print("JSON", json.dumps({"label": label, "build": oxmoe.build_id(), "results": results}))
 
 
