@@ -12,7 +12,9 @@
 //   two consumer warpgroups multiply them with `wgmma` (64 x BN each) and
 //   store whole tiles through shared memory with TMA. Tiles are walked group
 //   by group from the bounds computed on the device at the start of each
-//   block.
+//   block. ragged_dot's blocks go in clusters of two over adjacent column
+//   tiles where the tiles pair up, each loading half of the rows' A tile into
+//   both (TMA multicast): a sixth less to read from L2 a stage.
 // - Everywhere else (f32, odd shapes, other GPUs): a tiled SIMT kernel.
 // Their block-scaled FP8 versions (float8_e4m3fn values, float32 scales) follow
 // the same split: on Hopper, the same ring with e4m3 wgmma for the products
@@ -350,13 +352,18 @@ constexpr int CHUNK_BYTES = 64 * 128;  // a 64-row, 128-byte-wide box: the unit 
 constexpr int HOPPER_THREADS = 384;  // a producer warpgroup and two consumer warpgroups
 constexpr int CONSUMER_WARPS = 8;
 
-// A Hopper kernel's tile width, its ring's stages and the most local groups
-// its tables hold: the launch's choices (src/grouped_gemm/cuda.rs), passed as
-// template arguments with the dynamic shared memory it gives them.
-template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_> struct HopperConfig {
+// A Hopper kernel's tile width, its ring's stages, the most local groups
+// its tables hold and the blocks of its clusters: the launch's choices
+// (src/grouped_gemm/cuda.rs), passed as template arguments with the dynamic
+// shared memory it gives them. The blocks of a cluster take adjacent column
+// tiles of the same rows (a tile of the cluster, CLUSTER_BN columns wide) and
+// share the rows' A tiles: each loads its 64 rows' for all of them.
+template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_, int CLUSTER_ = 1> struct HopperConfig {
   static constexpr int BN = BN_;
   static constexpr int STAGES = STAGES_;
   static constexpr int MAX_LOCAL_GROUPS = MAX_LOCAL_GROUPS_;
+  static constexpr int CLUSTER = CLUSTER_;
+  static constexpr int CLUSTER_BN = BN * CLUSTER;
   static constexpr int A_BYTES = BLOCK_M * BLOCK_K * 2;
   static constexpr int B_BYTES = BLOCK_K * BN * 2;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -408,18 +415,28 @@ struct Shared {
     return s;
   }
 
+  // A stage is empty once the consumer warps of every block of the cluster
+  // are done with it: the loads that refill it write each block's.
   __device__ void init_barriers() const {
     for (int s = 0; s < Config::STAGES; ++s) {
       barrier_init(&full[s], 1);
-      barrier_init(&empty[s], CONSUMER_WARPS);
+      barrier_init(&empty[s], CONSUMER_WARPS * Config::CLUSTER);
     }
     barrier_init_fence();
   }
 };
 
-// A consumer warp is done with `stage` (all its wgmma reading it have completed).
+// A consumer warp is done with `stage` (all its wgmma reading it have
+// completed): it tells the producer of each block of its cluster.
+template <int CLUSTER = 1>
 __device__ __forceinline__ void release_stage(unsigned long long* empty, int stage) {
-  if (threadIdx.x % 32 == 0) barrier_arrive(&empty[stage]);
+  if (threadIdx.x % 32 != 0) return;
+  if constexpr (CLUSTER == 1) {
+    barrier_arrive(&empty[stage]);
+  } else {
+#pragma unroll
+    for (int rank = 0; rank < CLUSTER; ++rank) barrier_arrive_in(&empty[stage], rank);
+  }
 }
 
 // Walks a ring of stages: the stage in use and the parity of its phase.
@@ -437,11 +454,12 @@ struct Ring {
 
 // After committing the current stage's wgmma: waits for the previous
 // stage's (the current ones keep the tensor cores busy meanwhile) and, if
-// there was one, releases it to the producer.
+// there was one, releases it to the producers.
+template <int CLUSTER = 1>
 __device__ __forceinline__ void release_previous_stage(unsigned long long* empty, const Ring& ring, int stages,
                                                        bool has_previous) {
   wgmma_wait<1>();
-  if (has_previous) release_stage(empty, (ring.stage + stages - 1) % stages);
+  if (has_previous) release_stage<CLUSTER>(empty, (ring.stage + stages - 1) % stages);
 }
 
 // Waits for the rest of this consumer warpgroup at its named barrier over
@@ -649,8 +667,10 @@ __device__ void group_tiles(const int* bounds, int local_groups, int n, int* til
 }
 
 // The start of a ragged_dot kernel: its shared memory carved, the barriers
-// set up, the window's row bounds and each local group's first tile in the
-// tables (one warp), every thread waiting for them.
+// set up, the window's row bounds and each local group's first tile of the
+// cluster in the tables (one warp), every thread waiting for them (and for
+// the other blocks of the cluster, whose loads and arrivals reach this
+// block's barriers).
 template <typename Config>
 __device__ __forceinline__ Shared<Config> start_ragged_dot(unsigned char* raw, const int* group_sizes, int groups,
                                                            const int* group_offset, int local_groups, int m, int n) {
@@ -659,9 +679,13 @@ __device__ __forceinline__ Shared<Config> start_ragged_dot(unsigned char* raw, c
   if (threadIdx.x < 32) {
     window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
     __syncwarp();
-    group_tiles<Config::BN>(s.bounds, local_groups, n, s.tiles);
+    group_tiles<Config::CLUSTER_BN>(s.bounds, local_groups, n, s.tiles);
   }
-  __syncthreads();
+  if constexpr (Config::CLUSTER > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
   return s;
 }
 
@@ -679,41 +703,53 @@ __device__ __forceinline__ Shared<Config> start_transposed(unsigned char* raw) {
 __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;"); }
 __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;"); }
 
-// ragged_dot on Hopper. lhs_map: lhs [m, k], box 64 x 128 rows. rhs_map:
-// rhs [groups, k, n] (box 64 columns x 64 rows x 1) or, RHS_K_MAJOR,
-// [groups, n, k] (box 64 x BN rows x 1). out_map: out [m, n], 64 x 64 boxes
-// (16-bit outputs; float32 ones are stored from registers).
-template <typename T, typename O, bool RHS_K_MAJOR, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS,
-          int SHARED_BYTES>
-__global__ void __launch_bounds__(THREADS, 1) ragged_dot_hopper(
+// ragged_dot on Hopper, in clusters of CLUSTER blocks (1 or 2; with 2, the
+// launch's grid is even and n spans an even number of BN-column tiles).
+// lhs_map: lhs [m, k], box 64 x (128 / CLUSTER) rows. rhs_map: rhs [groups,
+// k, n] (box 64 columns x 64 rows x 1) or, RHS_K_MAJOR, [groups, n, k] (box
+// 64 x BN rows x 1). out_map: out [m, n], 64 x 64 boxes (16-bit outputs;
+// float32 ones are stored from registers).
+template <typename T, typename O, bool RHS_K_MAJOR, int CLUSTER, int BN, int STAGES, int MAX_LOCAL_GROUPS,
+          int THREADS, int SHARED_BYTES>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
     int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map) {
-  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
+  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, CLUSTER>;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
   const Shared<Config> s = start_ragged_dot<Config>(raw, group_sizes, groups, group_offset, local_groups, m, n);
-  RaggedTiles<BN> walk(s.bounds, s.tiles, local_groups, m, n);
+  RaggedTiles<Config::CLUSTER_BN> walk(s.bounds, s.tiles, local_groups, m, n);
   const int k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
+  // The cluster's tiles, and this block's columns of each.
+  const int rank = CLUSTER > 1 ? cluster_rank() : 0, first = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
   Ring ring;
 
   if (threadIdx.x < 128) {
     producer_registers();
     if (threadIdx.x != 0) return;
-    for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+    for (int t = first; t < walk.total; t += clusters) {
       const auto tile = walk.at(t);
       if (tile.zeros) continue;
+      const int col0 = tile.col0 + rank * BN;
       for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
         barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
         unsigned long long* full = &s.full[ring.stage];
         barrier_expect_bytes(full, Config::STAGE_BYTES);
-        tma_load(s.a + ring.stage * Config::A_BYTES, &lhs_map, full, kb * BLOCK_K, tile.row0);
+        unsigned char* a = s.a + ring.stage * Config::A_BYTES;
+        if constexpr (CLUSTER == 1) {
+          tma_load(a, &lhs_map, full, kb * BLOCK_K, tile.row0);
+        } else {
+          constexpr int ROWS = BLOCK_M / CLUSTER;  // this block's rows of the A tile, for every block
+          tma_load_multicast(a + rank * ROWS * 128, &lhs_map, full, kb * BLOCK_K, tile.row0 + rank * ROWS,
+                             (1 << CLUSTER) - 1);
+        }
         unsigned char* b = s.b + ring.stage * Config::B_BYTES;
         if constexpr (RHS_K_MAJOR) {
-          tma_load(b, &rhs_map, full, kb * BLOCK_K, tile.col0, tile.group);
+          tma_load(b, &rhs_map, full, kb * BLOCK_K, col0, tile.group);
         } else {
 #pragma unroll
-          for (int j = 0; j < BN / 64; ++j) tma_load(b + j * CHUNK_BYTES, &rhs_map, full, tile.col0 + 64 * j, kb * BLOCK_K, tile.group);
+          for (int j = 0; j < BN / 64; ++j) tma_load(b + j * CHUNK_BYTES, &rhs_map, full, col0 + 64 * j, kb * BLOCK_K, tile.group);
         }
       }
     }
@@ -723,10 +759,11 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_dot_hopper(
   consumer_registers();
   const int half = threadIdx.x / 128 - 1;  // this warpgroup's 64 rows of the tile
   float d[BN / 2];
-  for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+  for (int t = first; t < walk.total; t += clusters) {
     const auto tile = walk.at(t);
+    const int col0 = tile.col0 + rank * BN;
     if (tile.zeros) {
-      zero_tile<O, BN>(out, tile.row0, tile.row_end, tile.col0, n);
+      zero_tile<O, BN>(out, tile.row0, tile.row_end, col0, n);
       continue;
     }
     // Zeroing d (rather than a first wgmma that ignores it) tells the compiler
@@ -746,15 +783,17 @@ __global__ void __launch_bounds__(THREADS, 1) ragged_dot_hopper(
         wgmma<T, BN, 0, RHS_K_MAJOR ? 0 : 1>(d, matrix_descriptor(a + kk * 32, 16), desc_b);
       }
       wgmma_commit();
-      release_previous_stage(s.empty, ring, Config::STAGES, kb > 0);
+      release_previous_stage<CLUSTER>(s.empty, ring, Config::STAGES, kb > 0);
     }
     wgmma_wait<0>();
     keep_in_registers(d);
-    if (k_blocks > 0) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
+    if (k_blocks > 0) release_stage<CLUSTER>(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
     store_tile_in_bulk<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
-                                  tile.row_end, tile.col0, n);
+                                  tile.row_end, col0, n);
   }
   finish_bulk_stores();
+  // No block exits while another of its cluster may still arrive on its barriers.
+  if constexpr (CLUSTER > 1) cluster_sync();
 }
 
 // Zeroes rows [valid, 64) of `chunks` consecutive 64-row boxes at `boxes`
@@ -887,6 +926,7 @@ template <int STAGES_, int MAX_LOCAL_GROUPS_, int SCALE_BYTES_> struct Fp8Hopper
   static constexpr int BN = FP8_BN;
   static constexpr int STAGES = STAGES_;
   static constexpr int MAX_LOCAL_GROUPS = MAX_LOCAL_GROUPS_;
+  static constexpr int CLUSTER = 1, CLUSTER_BN = BN;
   static constexpr int A_BYTES = BLOCK_M * FP8_BLOCK;
   static constexpr int B_BYTES = BN * FP8_BLOCK;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;

@@ -28,6 +28,33 @@ __device__ __forceinline__ void barrier_arrive(unsigned long long* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(bar)) : "memory");
 }
 
+// Arrives on the barrier at bar's offset in the shared memory of block
+// `rank` of this block's cluster (this block's own, or another's). Its
+// release is the block's: at the cluster's scope it would cost a fence of
+// all this thread's memory operations (MEMBAR.ALL.GPU) at every arrival, and
+// what the arrival publishes (wgmma's reads of a stage) needs none.
+__device__ __forceinline__ void barrier_arrive_in(unsigned long long* bar, unsigned rank) {
+  asm volatile(
+      "{\n.reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n" ::"r"(shared_address(bar)),
+      "r"(rank)
+      : "memory");
+}
+
+// This block's rank in its cluster.
+__device__ __forceinline__ unsigned cluster_rank() {
+  unsigned rank;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(rank));
+  return rank;
+}
+
+// Waits for every thread of the cluster that has not exited (whole warps)
+// to arrive here; what each did before is visible to all after.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;" ::: "memory");
+}
+
 // Makes the barriers this thread initialised visible to the async proxy
 // (TMA) and to the other threads of the cluster.
 __device__ __forceinline__ void barrier_init_fence() {
@@ -60,6 +87,18 @@ __device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, unsign
       "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], "
       "[%5];" ::"r"(shared_address(dst)),
       "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(shared_address(bar))
+      : "memory");
+}
+
+// tma_load's 2-D box, written at dst's offset in the shared memory of each
+// block of the cluster in `blocks` (bit i: rank i), the barrier at bar's
+// offset in each completing with the box's bytes.
+__device__ __forceinline__ void tma_load_multicast(void* dst, const TensorMap* map, unsigned long long* bar, int c0,
+                                                   int c1, unsigned short blocks) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%2, %3}], [%4], %5;" ::"r"(shared_address(dst)),
+      "l"(map), "r"(c0), "r"(c1), "r"(shared_address(bar)), "h"(blocks)
       : "memory");
 }
 

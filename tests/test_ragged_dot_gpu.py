@@ -383,9 +383,10 @@ def test_small_odd_shapes_on_gpu(m, k, n, g, dtype, rhs_transposed, gpu, seed, r
 
 
 # Shapes the tensor-core kernel takes (half types, K and N multiples of 8), with groups that
-# start and end inside, at and across 64- and 128-row tiles, K and N not multiples of a tile.
+# start and end inside, at and across 64- and 128-row tiles, K and N not multiples of a tile,
+# and N of an odd and of an even number of column tiles (two blocks share the rows' tiles).
 TILE_SIZES = np.array([1, 63, 64, 65, 0, 127, 128, 129, 255, 7], np.int32)  # 839 rows
-TILE_SHAPES = [(1000, 72, 200), (839, 8, 8), (900, 1024, 24), (860, 256, 4104)]
+TILE_SHAPES = [(1000, 72, 200), (839, 8, 8), (900, 1024, 24), (860, 256, 4104), (839, 200, 1000)]
 
 
 @pytest.mark.parametrize("m, k, n", TILE_SHAPES, ids=[f"M{m}_K{k}_N{n}" for m, k, n in TILE_SHAPES])
@@ -399,10 +400,12 @@ def test_tensor_core_shapes_with_groups_across_tiles_on_gpu(m, k, n, dtype, pref
                           context=f"{describe(sizes)}, seed={seed}")
 
 
-# (dtype, K, N, rhs_transposed): the generic kernel (float32, odd N) and the tensor-core one.
+# (dtype, K, N, rhs_transposed): the generic kernel (float32, odd N) and the tensor-core one
+# (N of one column tile, and of two: two blocks sharing the rows' tiles).
 KERNEL_VARIANTS = pytest.mark.parametrize("dtype, k, n, rhs_transposed", [
-    (jnp.float32, 24, 19, False), (jnp.bfloat16, 64, 128, False), (jnp.float16, 64, 96, True)],
-    ids=["f32_KN", "bf16_tc_KN", "f16_tc_NK"])
+    (jnp.float32, 24, 19, False), (jnp.bfloat16, 64, 128, False), (jnp.float16, 64, 96, True),
+    (jnp.bfloat16, 72, 512, True)],
+    ids=["f32_KN", "bf16_tc_KN", "f16_tc_NK", "bf16_tc_NK_two_tiles"])
 
 
 @pytest.mark.parametrize("case", EDGE_CASES)

@@ -108,22 +108,33 @@ fn takes_hopper(device: &Device, dtype: DataType, shape: &GroupedShape) -> bool 
     sixteen_bit && shape.k.is_multiple_of(8) && shape.n.is_multiple_of(8) && on_hopper(device, shape)
 }
 
-/// Launches a Hopper kernel (block `block_n` columns wide) with `args`
-/// (pointers to the kernel's arguments, in order).
-fn launch_hopper(stream: Stream, device: &Device, instance: &str, block_n: u32, args: &mut [*mut c_void]) -> Result<()> {
-    launch_persistent(stream, device, instance, hopper_shared_bytes(block_n), args)
+/// Launches a Hopper kernel (block `block_n` columns wide, in clusters of
+/// `cluster` blocks) with `args` (pointers to the kernel's arguments, in order).
+fn launch_hopper(stream: Stream, device: &Device, instance: &str, block_n: u32, cluster: u32,
+                 args: &mut [*mut c_void]) -> Result<()> {
+    launch_persistent(stream, device, instance, hopper_shared_bytes(block_n), cluster, args)
 }
 
-/// Launches a persistent Hopper kernel, one block per multiprocessor, with
-/// `shared` bytes of dynamic shared memory.
-fn launch_persistent(stream: Stream, device: &Device, instance: &str, shared: u32, args: &mut [*mut c_void]) -> Result<()> {
+/// Launches a persistent Hopper kernel, one block per multiprocessor (as many
+/// as make whole clusters of `cluster`), with `shared` bytes of dynamic shared
+/// memory.
+fn launch_persistent(stream: Stream, device: &Device, instance: &str, shared: u32, cluster: u32,
+                     args: &mut [*mut c_void]) -> Result<()> {
     let kernel = Kernel::get_with_shared_bytes(stream, &GROUPED_GEMM, instance, shared)?;
-    let config = LaunchConfig { grid: device.multiprocessors, block: HOPPER_THREADS, shared_bytes: shared };
-    launch(stream, kernel, config, args)
+    let grid = device.multiprocessors / cluster * cluster;
+    launch(stream, kernel, LaunchConfig { grid, block: HOPPER_THREADS, shared_bytes: shared }, args)
 }
 
-pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, block_n: u32) -> Result<String> {
-    hopper_instance(Instance::new("ragged_dot_hopper").dtype(dtype).dtype(out).flag(rhs_transposed), block_n)
+/// The blocks of a ragged_dot cluster for `n` columns in tiles of `block_n`:
+/// two, sharing each A tile (half the A loads from L2), when the tiles pair
+/// up; else one.
+fn ragged_dot_cluster(device: &Device, n: usize, block_n: u32) -> u32 {
+    if n.div_ceil(block_n as usize).is_multiple_of(2) && device.multiprocessors >= 2 { 2 } else { 1 }
+}
+
+pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, cluster: u32,
+                                  block_n: u32) -> Result<String> {
+    hopper_instance(Instance::new("ragged_dot_hopper").dtype(dtype).dtype(out).flag(rhs_transposed).int(cluster), block_n)
 }
 
 pub fn transposed_hopper_instance(dtype: DataType, out: DataType, block_n: u32) -> Result<String> {
@@ -240,16 +251,18 @@ pub fn ragged_dot(stream: Stream, a: &RaggedDot) -> Result<()> {
     let device = stream.device()?;
     if takes_hopper(&device, dtype, shape) {
         let bn = block_n(shape.n);
+        let cluster = ragged_dot_cluster(&device, shape.n, bn);
         let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
-        let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, BLOCK_M])?;
+        // Each block of a cluster loads its share of the A tile's rows for all.
+        let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, BLOCK_M / cluster])?;
         let rhs_map = if a.rhs_transposed {
             TensorMap::tiled_16bit(rhs, &[k64, n64, gl], &[BLOCK_K, bn, 1])?
         } else {
             TensorMap::tiled_16bit(rhs, &[n64, k64, gl], &[64, BLOCK_K, 1])?
         };
         let out_map = out_map(out_dtype, out, n64, m64)?;
-        let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, bn)?;
-        return launch_hopper(stream, &device, &instance, bn, &mut [
+        let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, cluster, bn)?;
+        return launch_hopper(stream, &device, &instance, bn, cluster, &mut [
             arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
             arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
@@ -287,7 +300,7 @@ pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<
         }
         let out_map = out_map(out_dtype, out, n64, transposed_out_rows(shape)?)?;
         let instance = transposed_hopper_instance(dtype, out_dtype, bn)?;
-        launch_hopper(stream, &device, &instance, bn, &mut [
+        launch_hopper(stream, &device, &instance, bn, 1, &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ])
     } else {
@@ -331,7 +344,7 @@ pub fn fp8_ragged_dot(stream: Stream, a: &Fp8RaggedDot) -> Result<()> {
         let rhs_map = TensorMap::tiled_8bit(a.rhs.device_ptr(), &[k64, n64, gl], &[FP8_BLOCK, FP8_BLOCK, 1])?;
         let (lhs_scales, rhs_scales, out) = (a.lhs_scales.device_ptr(), a.rhs_scales.device_ptr(), a.out.device_ptr());
         let out_map = out_map(a.out.dtype(), out, n64, m64)?;
-        return launch_persistent(stream, &device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), &mut [
+        return launch_persistent(stream, &device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), 1, &mut [
             arg(&lhs_map), arg(&lhs_scales), arg(&rhs_map), arg(&rhs_scales), arg(&g.sizes), arg(&g.groups), arg(&g.offset),
             arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
@@ -387,7 +400,7 @@ pub fn fp8_transposed_ragged_dot(stream: Stream, a: &Fp8TransposedRaggedDot) -> 
         }
         let out = a.out.device_ptr();
         let out_map = out_map(a.out.dtype(), out, shape.n as u64, transposed_out_rows(shape)?)?;
-        return launch_persistent(stream, &device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), &mut [
+        return launch_persistent(stream, &device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), 1, &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
     }
@@ -441,8 +454,8 @@ mod tests {
         let mut instances = Vec::new();
         for (dtype, out) in types().into_iter().filter(|(d, _)| *d != DataType::F32) {
             for bn in [128, 256] {
-                for transposed in [false, true] {
-                    instances.push(ragged_dot_hopper_instance(dtype, out, transposed, bn).unwrap());
+                for (transposed, cluster) in [false, true].into_iter().flat_map(|t| [(t, 1), (t, 2)]) {
+                    instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, bn).unwrap());
                 }
                 instances.push(transposed_hopper_instance(dtype, out, bn).unwrap());
             }
@@ -467,7 +480,7 @@ mod tests {
     /// eight bytes short, the instance does not compile.
     #[test]
     fn a_hopper_launch_that_disagrees_with_the_kernels_layout_does_not_compile() {
-        let instance = Instance::new("ragged_dot_hopper").dtype(DataType::BF16).dtype(DataType::BF16).flag(false);
+        let instance = Instance::new("ragged_dot_hopper").dtype(DataType::BF16).dtype(DataType::BF16).flag(false).int(1);
         let short = instance.int(256).int(hopper_stages(256)).int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS).int(hopper_shared_bytes(256) - 8);
         let error = compile_check(&GROUPED_GEMM, &[&short.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
         assert!(error.message().contains("the launch's dynamic shared memory is this layout's"), "{}", error.message());
