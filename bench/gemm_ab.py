@@ -41,10 +41,21 @@ def draw(key, shape):
     return jax.random.normal(key, shape, jnp.bfloat16)
 
 
+def group_sizes(shape):
+    """The benchmark's first draw of ``shape``'s group sizes, one fixed draw."""
+    return jnp.asarray(DRAWS[0].sizes(np.random.default_rng(0), shape.m, shape.groups))
+
+
+def product_operands(product, shape):
+    """``product``'s bf16 operands at ``shape`` (the same draw for every build)."""
+    keys = jax.random.split(jax.random.key(0), 2)
+    return [draw(key, s) for key, s in zip(keys, product.operands(shape))]
+
+
 def main(label: str) -> None:
     results = {}
     for shape in EXPERT_GEMMS:
-        sizes = jnp.asarray(DRAWS[0].sizes(np.random.default_rng(0), shape.m, shape.groups))
+        sizes = group_sizes(shape)
         flops = 2 * shape.m * shape.k * shape.n
 
         @functools.cache
@@ -55,8 +66,7 @@ def main(label: str) -> None:
             return median_seconds(jax.jit(jnp.dot), draw(keys[0], a), draw(keys[1], b), calls=20, samples=5)
 
         for product in PRODUCTS:
-            keys = jax.random.split(jax.random.key(0), 2)
-            operands = [draw(key, s) for key, s in zip(keys, product.operands(shape))]
+            operands = product_operands(product, shape)
             timed = jax.jit(product.oxmoe)
             seconds = median_seconds(timed, *operands, sizes, calls=20, samples=5)
             dense = dense_seconds(product.dense)
