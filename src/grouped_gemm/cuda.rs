@@ -454,8 +454,10 @@ mod tests {
         let mut instances = Vec::new();
         for (dtype, out) in types().into_iter().filter(|(d, _)| *d != DataType::F32) {
             for bn in [128, 256] {
-                for (transposed, cluster) in [false, true].into_iter().flat_map(|t| [(t, 1), (t, 2)]) {
-                    instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, bn).unwrap());
+                for transposed in [false, true] {
+                    for cluster in [1, 2] {
+                        instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, bn).unwrap());
+                    }
                 }
                 instances.push(transposed_hopper_instance(dtype, out, bn).unwrap());
             }
