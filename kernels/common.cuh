@@ -65,10 +65,13 @@ __device__ __forceinline__ unsigned floats_to_e4m3x2(float lo, float hi) {
 
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
 
-// sigmoid(x) = 1 / (1 + e^-x) and 1 - sigmoid(x) = e^-x * sigmoid(x): one
-// exponential, and no cancellation near 1 (__frcp_rn is the correctly rounded
-// reciprocal, the value of 1.f / y). Where e^-x overflows (x below about -88)
-// the sigmoid is 0 and e^-x times it NaN: fminf takes the 1, which it is.
+// 1 / (1 + e^-x); __frcp_rn is the correctly rounded reciprocal, the value of 1.f / y.
+__device__ __forceinline__ float sigmoid(float x) { return __frcp_rn(1.f + expf(-x)); }
+
+// sigmoid(x), as `sigmoid` computes it, and 1 - sigmoid(x) = e^-x * sigmoid(x):
+// one exponential, and no cancellation near 1. Where e^-x overflows (x below
+// about -88) the sigmoid is 0 and e^-x times it NaN: fminf takes the 1, which
+// it is.
 __device__ __forceinline__ void sigmoid_and_complement(float x, float& s, float& complement) {
   const float e = expf(-x);
   s = __frcp_rn(1.f + e);

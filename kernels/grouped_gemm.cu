@@ -348,7 +348,7 @@ __global__ void __launch_bounds__(THREADS) fp8_transposed_ragged_dot_simt(
 
 constexpr int BLOCK_M = 128;        // output rows of a tile: 64 per consumer warpgroup
 constexpr int BLOCK_K = 64;         // contraction per stage: 128 bytes of 16-bit elements, one swizzle row
-constexpr int CHUNK_BYTES = 64 * 128;  // a 64-row, 128-byte-wide box: the unit of every TMA load
+constexpr int CHUNK_BYTES = 64 * 128;  // a 64-row, 128-byte-wide box: the unit of every TMA load and store
 constexpr int HOPPER_THREADS = 384;  // a producer warpgroup and two consumer warpgroups
 constexpr int CONSUMER_WARPS = 8;
 
@@ -536,9 +536,8 @@ template <typename O, typename Config>
 __device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::BN / 2], unsigned short* staging,
                                                    const TensorMap* out_map, O* out, int row0, int row_end, int col0,
                                                    int n) {
-  constexpr int BOX_BYTES = 64 * 128;
   static_assert(64 * Config::OUT_PITCH * 2 % 1024 == 0, "each warpgroup's staging 1024-byte aligned, as the swizzle wants");
-  static_assert(Config::BN / 64 * BOX_BYTES <= 64 * Config::OUT_PITCH * 2, "the boxes fit a warpgroup's staging");
+  static_assert(Config::BN / 64 * CHUNK_BYTES <= 64 * Config::OUT_PITCH * 2, "the boxes fit a warpgroup's staging");
   const bool leader = stores_tiles_in_bulk();
   if (leader) bulk_wait_read();
   if constexpr (sizeof(O) == 2) {
@@ -553,7 +552,7 @@ __device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::B
           // Columns 8i + 2 (lane % 4) and + 1 of row r: in box i / 8, 16-byte
           // piece i % 8 of the row's 128 bytes, which the swizzle puts at i % 8 ^ r % 8.
           const int r = warp * 16 + lane / 4 + 8 * half;
-          *reinterpret_cast<unsigned*>(boxes + i / 8 * BOX_BYTES + r * 128 + (i % 8 ^ r % 8) * 16 + lane % 4 * 4) =
+          *reinterpret_cast<unsigned*>(boxes + i / 8 * CHUNK_BYTES + r * 128 + (i % 8 ^ r % 8) * 16 + lane % 4 * 4) =
               packed_pair<O>(sums[4 * i + 2 * half], sums[4 * i + 2 * half + 1]);
         }
       }
@@ -561,7 +560,7 @@ __device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::B
       staging_sync();
       if (leader) {
 #pragma unroll
-        for (int box = 0; box < Config::BN / 64; ++box) tma_store(out_map, boxes + box * BOX_BYTES, col0 + 64 * box, row0);
+        for (int box = 0; box < Config::BN / 64; ++box) tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
         bulk_commit();
       }
       return;

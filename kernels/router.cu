@@ -167,9 +167,6 @@ __device__ __forceinline__ void select_top(const Team<E>& t, const unsigned (&ke
   }
 }
 
-// 1 / (1 + e^-x); __frcp_rn is the correctly rounded reciprocal, the same value as 1.f / y.
-__device__ __forceinline__ float sigmoid(float x) { return __frcp_rn(1.f + expf(-x)); }
-
 // sigmoid(x) and sigmoid'(x) = s * (1 - s).
 __device__ __forceinline__ void sigmoid_and_slope(float x, float& s, float& slope) {
   float complement;
