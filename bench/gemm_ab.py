@@ -52,6 +52,12 @@ def product_operands(product, shape):
     return [draw(key, s) for key, s in zip(keys, product.operands(shape))]
 
 
+def dense_operands(dense: str, shape):
+    """The bf16 operands of the benchmark's dense GEMM ``dense`` (a key of ``DENSE``) at ``shape``."""
+    keys = jax.random.split(jax.random.key(1), 2)
+    return [draw(key, s) for key, s in zip(keys, DENSE[dense](shape))]
+
+
 def main(label: str) -> None:
     results = {}
     for shape in EXPERT_GEMMS:
@@ -61,9 +67,7 @@ def main(label: str) -> None:
         @functools.cache
         def dense_seconds(dense: str) -> float:
             """The benchmark's dense GEMM of a product (shared by the two forwards)."""
-            a, b = DENSE[dense](shape)
-            keys = jax.random.split(jax.random.key(1), 2)
-            return median_seconds(jax.jit(jnp.dot), draw(keys[0], a), draw(keys[1], b), calls=20, samples=5)
+            return median_seconds(jax.jit(jnp.dot), *dense_operands(dense, shape), calls=20, samples=5)
 
         for product in PRODUCTS:
             operands = product_operands(product, shape)

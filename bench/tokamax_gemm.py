@@ -1,8 +1,9 @@
 """oxmoe's grouped GEMM forward against ``tokamax.ragged_dot``, untuned and autotuned, at the
 benchmark's shapes, in one run (issue 19 asks for tokamax autotuned on the same shapes).
 
-Per shape of :data:`oxmoe.model_shapes.EXPERT_GEMMS` (group sizes the benchmark's first draw,
-``bench/gemm_ab.py``'s): ``lhs [M, K] x rhs [G, K, N]`` in bf16 by oxmoe, by each of tokamax's
+Per shape of :data:`oxmoe.model_shapes.EXPERT_GEMMS` (``bench/gemm_ab.py``'s draws: the
+benchmark's first draw of group sizes, its forward product's operands and its dense GEMM's):
+``lhs [M, K] x rhs [G, K, N]`` in bf16 by oxmoe, by each of tokamax's
 GPU implementations (``mosaic``: Pallas Mosaic GPU; ``triton``: Pallas Triton) with its default
 configuration and after ``tokamax.autotune`` on these operands (its whole search space for the
 implementation; each autotuning's wall time, its fastest configuration and that configuration's
@@ -31,12 +32,13 @@ import numpy as np
 import tokamax
 
 import oxmoe
-from oxmoe import grouped_gemm
+from oxmoe.bench.grouped_gemm import PRODUCTS
 from oxmoe.model_shapes import EXPERT_GEMMS
-from gemm_ab import draw, group_sizes
+from gemm_ab import dense_operands, group_sizes, product_operands
 from step_ab import median_seconds
 
 IMPLEMENTATIONS = ("mosaic", "triton")
+FORWARD = next(product for product in PRODUCTS if product.name == "fwd")
 
 
 def timed(results, name, flops, call, *args):
@@ -59,14 +61,12 @@ def main(selected: list[str]) -> None:
         if not implementations:
             continue
         sizes = group_sizes(shape)
-        keys = jax.random.split(jax.random.key(0), 4)
-        lhs, rhs = draw(keys[0], (shape.m, shape.k)), draw(keys[1], (shape.groups, shape.k, shape.n))
+        lhs, rhs = product_operands(FORWARD, shape)
         flops = 2 * shape.m * shape.k * shape.n
-        ours = jax.jit(grouped_gemm.ragged_dot)
+        ours = jax.jit(FORWARD.oxmoe)
         expected = ours(lhs, rhs, sizes)
         oxmoe_s = timed(results, f"{shape.name} oxmoe", flops, ours, lhs, rhs, sizes)
-        timed(results, f"{shape.name} dense", flops, jax.jit(jnp.dot),
-              draw(keys[2], (shape.m, shape.k)), draw(keys[3], (shape.k, shape.n)))
+        timed(results, f"{shape.name} dense", flops, jax.jit(jnp.dot), *dense_operands(FORWARD.dense, shape))
         for implementation in implementations:
             def product(a, b, s, implementation=implementation):
                 return tokamax.ragged_dot(a, b, s, implementation=implementation)
