@@ -1,8 +1,12 @@
-// The expert MLP's activation backward (oxmoe.activation.activation_bwd), one
-// pass over each dispatched row: grad_hidden [rows, F] and the pre-activation
-// [rows, 2F] ([gate, up], GATED) or [rows, F] in T, the rows' weights [rows]
-// float32 -> the pre-activation's gradient (its shape), the weighted hidden
-// activation [rows, F] in T, and each weight's gradient [rows] float32.
+// The expert MLP's activation, one pass over each dispatched row:
+// - activation_bwd (oxmoe.activation.activation_bwd): grad_hidden [rows, F]
+//   and the pre-activation [rows, 2F] ([gate, up], gated ACTIVATION) or
+//   [rows, F] in T, the rows' weights [rows] float32 -> the pre-activation's
+//   gradient (its shape), the weighted hidden activation [rows, F] in T, and
+//   each weight's gradient [rows] float32;
+// - activation_fwd: the pre-activation -> the hidden activation [rows, F], for
+//   oxmoe.grouped_gemm.ragged_dot_activation where its product cannot apply
+//   the activation in the Hopper kernel's epilogue.
 // src/activation/cpu.rs states the semantics, step for step what each thread
 // computes here.
 //
@@ -17,34 +21,14 @@
 #include "common.cuh"
 
 constexpr int ACTIVATION_THREADS = 256;
-// sqrt(2 / pi) and the cubic coefficient of GELU's tanh approximation (cpu.rs's).
-constexpr float GELU_SCALE = 0.7978846f;
-constexpr float GELU_CUBIC = 0.044715f;
 
-// act(x) and act'(x): cpu.rs's value_and_slope, step for step.
-template <bool GELU>
-__device__ __forceinline__ void value_and_slope(float x, float& value, float& slope) {
-  if constexpr (GELU) {
-    const float t = tanhf(GELU_SCALE * (x + GELU_CUBIC * x * x * x));
-    value = 0.5f * x * (1.f + t);
-    slope = 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * GELU_SCALE * (1.f + 3.f * GELU_CUBIC * x * x);
-  } else {
-    float s, complement;
-    sigmoid_and_complement(x, s, complement);
-    value = x * s;
-    slope = s * (1.f + x * complement);
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
-
-template <typename T, bool GATED, bool GELU, int VECTOR_BYTES, int THREADS>
+template <typename T, int ACTIVATION, int VECTOR_BYTES, int THREADS>
 __global__ void __launch_bounds__(THREADS) activation_bwd(
     const T* __restrict__ grad_hidden, const T* __restrict__ pre_activation, const float* __restrict__ row_probs,
     int rows, int features, T* __restrict__ grad_pre_activation, T* __restrict__ weighted_hidden,
     float* __restrict__ grad_row_probs) {
   static_assert(THREADS == ACTIVATION_THREADS, "the launch's threads are the layout's (src/activation/cuda.rs)");
+  constexpr bool GATED = is_gated(ACTIVATION);
   constexpr int PER = VECTOR_BYTES > 0 ? VECTOR_BYTES / static_cast<int>(sizeof(T)) : 1;
   const int row = blockIdx.x * (THREADS / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -68,7 +52,7 @@ __global__ void __launch_bounds__(THREADS) activation_bwd(
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
       float value, slope;
-      value_and_slope<GELU>(x[i], value, slope);
+      value_and_slope<is_gelu(ACTIVATION)>(x[i], value, slope);
       const float hidden = rounded<T>(GATED ? value * u[i] : value);
       sum += hidden * g[i];
       const float c = rounded<T>(g[i] * p);
@@ -83,4 +67,33 @@ __global__ void __launch_bounds__(THREADS) activation_bwd(
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if (lane == 0) grad_row_probs[row] = sum;
+}
+
+// hidden[row] = round(act(gate) * up) (gated; round(act(x)) otherwise) of each
+// pre-activation row, in float32: activation_bwd's h. The same layout, a
+// warp per row.
+template <typename T, int ACTIVATION, int VECTOR_BYTES, int THREADS>
+__global__ void __launch_bounds__(THREADS) activation_fwd(const T* __restrict__ pre_activation, int rows, int features,
+                                                          T* __restrict__ hidden) {
+  static_assert(THREADS == ACTIVATION_THREADS, "the launch's threads are the layout's (src/activation/cuda.rs)");
+  constexpr bool GATED = is_gated(ACTIVATION);
+  constexpr int PER = VECTOR_BYTES > 0 ? VECTOR_BYTES / static_cast<int>(sizeof(T)) : 1;
+  const int row = blockIdx.x * (THREADS / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const T* pre = pre_activation + row * (GATED ? 2 * static_cast<size_t>(features) : features);
+  const T* up = pre + features;
+  T* out = hidden + row * static_cast<size_t>(features);
+  for (int j = lane * PER; j < features; j += 32 * PER) {
+    const int count = min(PER, features - j);
+    float x[PER], u[PER], h[PER];
+    load_floats<T, PER, VECTOR_BYTES>(pre + j, count, x);
+    if constexpr (GATED) load_floats<T, PER, VECTOR_BYTES>(up + j, count, u);
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      float value, slope;
+      value_and_slope<is_gelu(ACTIVATION)>(x[i], value, slope);
+      h[i] = GATED ? value * u[i] : value;
+    }
+    store_floats<T, PER, VECTOR_BYTES>(out + j, count, h);
+  }
 }

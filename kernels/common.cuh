@@ -78,6 +78,38 @@ __device__ __forceinline__ void sigmoid_and_complement(float x, float& s, float&
   complement = fminf(e * s, 1.f);
 }
 
+// The expert MLP's activations as kernels take them (a template argument;
+// src/activation/mod.rs's `Activation::code`), NO_ACTIVATION for a plain
+// product. Gated ones take [gate, up] and give act(gate) * up.
+constexpr int NO_ACTIVATION = 0, SWIGLU = 1, GEGLU = 2, GELU = 3, SILU = 4;
+constexpr bool is_gated(int activation) { return activation == SWIGLU || activation == GEGLU; }
+constexpr bool is_gelu(int activation) { return activation == GEGLU || activation == GELU; }
+
+// sqrt(2 / pi) and the cubic coefficient of GELU's tanh approximation
+// (src/activation/cpu.rs's).
+constexpr float GELU_SCALE = 0.7978846f;
+constexpr float GELU_CUBIC = 0.044715f;
+
+// act(x) and act'(x): src/activation/cpu.rs's value_and_slope, step for step.
+// (A caller that needs only the value leaves the slope dead for the compiler.)
+template <bool GELU>
+__device__ __forceinline__ void value_and_slope(float x, float& value, float& slope) {
+  if constexpr (GELU) {
+    const float t = tanhf(GELU_SCALE * (x + GELU_CUBIC * x * x * x));
+    value = 0.5f * x * (1.f + t);
+    slope = 0.5f * (1.f + t) + 0.5f * x * (1.f - t * t) * GELU_SCALE * (1.f + 3.f * GELU_CUBIC * x * x);
+  } else {
+    float s, complement;
+    sigmoid_and_complement(x, s, complement);
+    value = x * s;
+    slope = s * (1.f + x * complement);
+  }
+}
+
+// x rounded to T, as a float.
+template <typename T>
+__device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
+
 // W bytes (16, 8, 4 or 2) moved as one vector, seen as elements of T.
 template <int W> struct VectorOf;
 template <> struct VectorOf<16> { using type = uint4; };

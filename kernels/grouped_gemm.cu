@@ -477,15 +477,16 @@ __device__ __forceinline__ unsigned packed_pair(float lo, float hi) {
   return pack.raw;
 }
 
-// Stores a consumer warpgroup's 64 x BN accumulators at out (row stride n):
-// rows below row_end, columns below n (a multiple of 8). 16-bit outputs go
-// through the warpgroup's rows in shared memory (`staging`), so that global
-// stores are 16 bytes a thread and whole rows a warp; float32 ones straight
-// from the registers, a pair of columns at a time.
-template <typename O, typename Config>
-__device__ __forceinline__ void store_tile(const float (&d)[Config::BN / 2], unsigned short* staging, O* out, int row0,
-                                           int row_end, int col0, int n) {
-  constexpr int BN = Config::BN;
+// Stores a consumer warpgroup's 64 x BN sums (a thread's first BN / 2, in
+// wgmma's layout) at out (row stride `stride`): rows below row_end, columns
+// below n (a multiple of 8). 16-bit outputs go through the warpgroup's rows in
+// shared memory (`staging`, rows PITCH apart), so that global stores are 16
+// bytes a thread and whole rows a warp; float32 ones straight from the
+// registers, a pair of columns at a time.
+template <typename O, int BN, int PITCH>
+__device__ __forceinline__ void store_tile(const float* d, unsigned short* staging, O* out, int row0, int row_end,
+                                           int col0, int n, int stride) {
+  static_assert(BN + 8 <= PITCH, "a row of the tile fits a row of the staging");
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int row = warp * 16 + lane / 4;
   if constexpr (sizeof(O) == 4) {
@@ -496,12 +497,11 @@ __device__ __forceinline__ void store_tile(const float (&d)[Config::BN / 2], uns
       for (int half = 0; half < 2; ++half) {
         const int r = row0 + row + 8 * half;
         if (col < n && r < row_end)
-          *reinterpret_cast<float2*>(out + static_cast<size_t>(r) * n + col) =
+          *reinterpret_cast<float2*>(out + static_cast<size_t>(r) * stride + col) =
               make_float2(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
       }
     }
   } else {
-    constexpr int PITCH = Config::OUT_PITCH;
     staging_sync();  // the previous tile's rows have left
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i) {
@@ -515,10 +515,31 @@ __device__ __forceinline__ void store_tile(const float (&d)[Config::BN / 2], uns
     for (int e = threadIdx.x % 128; e < 64 * VECTORS; e += 128) {
       const int r = e / VECTORS, c = e % VECTORS * 8;
       if (row0 + r < row_end && col0 + c < n)
-        *reinterpret_cast<uint4*>(out + static_cast<size_t>(row0 + r) * n + col0 + c) =
+        *reinterpret_cast<uint4*>(out + static_cast<size_t>(row0 + r) * stride + col0 + c) =
             *reinterpret_cast<const uint4*>(staging + r * PITCH + c);
     }
   }
+}
+
+// Writes a consumer warpgroup's 64 x WIDTH sums (a thread's first WIDTH / 2)
+// as 16-bit O into `boxes`: WIDTH / 64 boxes of 64 x 64, laid out as a
+// 128-byte-swizzled tensor map wants, visible to TMA once the warpgroup has
+// fenced and met.
+template <typename O, int WIDTH>
+__device__ __forceinline__ void stage_boxes(const float* sums, unsigned char* boxes) {
+  const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < WIDTH / 8; ++i) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // Columns 8i + 2 (lane % 4) and + 1 of row r: in box i / 8, 16-byte
+      // piece i % 8 of the row's 128 bytes, which the swizzle puts at i % 8 ^ r % 8.
+      const int r = warp * 16 + lane / 4 + 8 * half;
+      *reinterpret_cast<unsigned*>(boxes + i / 8 * CHUNK_BYTES + r * 128 + (i % 8 ^ r % 8) * 16 + lane % 4 * 4) =
+          packed_pair<O>(sums[4 * i + 2 * half], sums[4 * i + 2 * half + 1]);
+    }
+  }
+  fence_async_shared();
 }
 
 // The thread of a consumer warpgroup that issues its tiles' bulk stores.
@@ -542,21 +563,9 @@ __device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::B
   if (leader) bulk_wait_read();
   if constexpr (sizeof(O) == 2) {
     if (row0 + 64 <= row_end) {
-      const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
       unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
       staging_sync();
-#pragma unroll
-      for (int i = 0; i < Config::BN / 8; ++i) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          // Columns 8i + 2 (lane % 4) and + 1 of row r: in box i / 8, 16-byte
-          // piece i % 8 of the row's 128 bytes, which the swizzle puts at i % 8 ^ r % 8.
-          const int r = warp * 16 + lane / 4 + 8 * half;
-          *reinterpret_cast<unsigned*>(boxes + i / 8 * CHUNK_BYTES + r * 128 + (i % 8 ^ r % 8) * 16 + lane % 4 * 4) =
-              packed_pair<O>(sums[4 * i + 2 * half], sums[4 * i + 2 * half + 1]);
-        }
-      }
-      fence_async_shared();
+      stage_boxes<O, Config::BN>(sums, boxes);
       staging_sync();
       if (leader) {
 #pragma unroll
@@ -566,7 +575,81 @@ __device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::B
       return;
     }
   }
-  store_tile<O, Config>(sums, staging, out, row0, row_end, col0, n);
+  store_tile<O, Config::BN, Config::OUT_PITCH>(sums, staging, out, row0, row_end, col0, n, n);
+}
+
+// The hidden activation of a consumer warpgroup's sums, in place, for
+// ragged_dot_activation's epilogue: a tile of W hidden columns holds their
+// pre-activation sums, gated: the gate's W columns then the up's (a thread's
+// gate sum at i, its up sum at W / 2 + i). Each becomes act(round(gate)) *
+// round(up) (ungated: act(round(x))), round the rounding to O: the hidden
+// activation activation_bwd computes from the pre-activation this tile
+// stores (rounded to O when stored).
+template <typename O, int ACTIVATION, int W>
+__device__ __forceinline__ void activate(float* sums) {
+#pragma unroll
+  for (int i = 0; i < W / 2; ++i) {
+    float value, slope;
+    value_and_slope<is_gelu(ACTIVATION)>(rounded<O>(sums[i]), value, slope);
+    sums[i] = is_gated(ACTIVATION) ? value * rounded<O>(sums[W / 2 + i]) : value;
+  }
+}
+
+// ragged_dot_activation's epilogue: stores a consumer warpgroup's 64 rows of
+// a tile's pre-activation sums (see `activate`) at W hidden columns from
+// col0 of features, then their hidden activation. out: the pre-activation
+// [m, 2 features] (gated: out_map sees it as [m, 2, features], halves gate
+// and up) or [m, features]; hidden [m, features] (hidden_map); 64 x 64
+// boxes. Like store_tile_in_bulk, tiles whose 64 rows are all theirs leave
+// by TMA, the hidden activation in a second round of boxes that the
+// warpgroup computes while the first round is read; the others through
+// `store_tile`.
+template <typename O, typename Config, int ACTIVATION>
+__device__ __forceinline__ void store_activated_tile(float (&sums)[Config::BN / 2], unsigned short* staging,
+                                                     const TensorMap* out_map, const TensorMap* hidden_map, O* out,
+                                                     O* hidden, int row0, int row_end, int col0, int features) {
+  static_assert(sizeof(O) == 2, "16-bit outputs, as the inputs");
+  constexpr int BN = Config::BN, PITCH = Config::OUT_PITCH;
+  constexpr bool GATED = is_gated(ACTIVATION);
+  constexpr int W = GATED ? BN / 2 : BN;
+  const bool leader = stores_tiles_in_bulk();
+  if (leader) bulk_wait_read();
+  if (row0 + 64 <= row_end) {
+    unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
+    staging_sync();
+    stage_boxes<O, BN>(sums, boxes);
+    staging_sync();
+    if (leader) {
+#pragma unroll
+      for (int box = 0; box < BN / 64; ++box) {
+        if constexpr (GATED) {
+          tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * (box % (W / 64)), box / (W / 64), row0);
+        } else {
+          tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
+        }
+      }
+      bulk_commit();
+    }
+    activate<O, ACTIVATION, W>(sums);
+    if (leader) bulk_wait_read();
+    staging_sync();
+    stage_boxes<O, W>(sums, boxes);
+    staging_sync();
+    if (leader) {
+#pragma unroll
+      for (int box = 0; box < W / 64; ++box) tma_store(hidden_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
+      bulk_commit();
+    }
+    return;
+  }
+  if constexpr (GATED) {
+    store_tile<O, W, PITCH>(sums, staging, out, row0, row_end, col0, features, 2 * features);
+    store_tile<O, W, PITCH>(sums + W / 2, staging, out + features, row0, row_end, col0, features, 2 * features);
+  } else {
+    store_tile<O, W, PITCH>(sums, staging, out, row0, row_end, col0, features, features);
+  }
+  activate<O, ACTIVATION, W>(sums);
+  store_tile<O, W, PITCH>(sums, staging, hidden, row0, row_end, col0, features, features);
 }
 
 // Before a consumer warpgroup exits: its last tiles' bulk stores have completed.
@@ -575,15 +658,16 @@ __device__ __forceinline__ void finish_bulk_stores() {
 }
 
 // Zeroes rows [row0, row_end) x columns [col0, col0 + BN) ∩ [0, n) of out
-// with the 256 consumer threads (n a multiple of 8).
+// (row stride `stride`) with the 256 consumer threads (n, stride and out's
+// offset multiples of 8).
 template <typename O, int BN>
-__device__ __forceinline__ void zero_tile(O* out, int row0, int row_end, int col0, int n) {
+__device__ __forceinline__ void zero_tile(O* out, int row0, int row_end, int col0, int n, int stride) {
   constexpr int PER = 16 / sizeof(O);
   const int rows = min(row_end - row0, BLOCK_M), columns = min(BN, n - col0) / PER;
   for (int e = threadIdx.x - 128; e < rows * (BN / PER); e += 256) {
     const int r = e / (BN / PER), c = e % (BN / PER);
     if (c < columns)
-      *reinterpret_cast<uint4*>(out + static_cast<size_t>(row0 + r) * n + col0 + c * PER) = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(out + static_cast<size_t>(row0 + r) * stride + col0 + c * PER) = make_uint4(0, 0, 0, 0);
   }
 }
 
@@ -667,10 +751,10 @@ __device__ void group_tiles(const int* bounds, int local_groups, int n, int* til
 
 // The start of a ragged_dot kernel: its shared memory carved, the barriers
 // set up, the window's row bounds and each local group's first tile of the
-// cluster in the tables (one warp), every thread waiting for them (and for
-// the other blocks of the cluster, whose loads and arrivals reach this
-// block's barriers).
-template <typename Config>
+// cluster (n columns in tiles of CLUSTER_COLUMNS) in the tables (one warp),
+// every thread waiting for them (and for the other blocks of the cluster,
+// whose loads and arrivals reach this block's barriers).
+template <typename Config, int CLUSTER_COLUMNS = Config::CLUSTER_BN>
 __device__ __forceinline__ Shared<Config> start_ragged_dot(unsigned char* raw, const int* group_sizes, int groups,
                                                            const int* group_offset, int local_groups, int m, int n) {
   const Shared<Config> s = Shared<Config>::carve(raw);
@@ -678,7 +762,7 @@ __device__ __forceinline__ Shared<Config> start_ragged_dot(unsigned char* raw, c
   if (threadIdx.x < 32) {
     window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
     __syncwarp();
-    group_tiles<Config::CLUSTER_BN>(s.bounds, local_groups, n, s.tiles);
+    group_tiles<CLUSTER_COLUMNS>(s.bounds, local_groups, n, s.tiles);
   }
   if constexpr (Config::CLUSTER > 1) {
     cluster_sync();
@@ -708,17 +792,31 @@ __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.
 // k, n] (box 64 columns x 64 rows x 1) or, RHS_K_MAJOR, [groups, n, k] (box
 // 64 x BN rows x 1). out_map: out [m, n], 64 x 64 boxes (16-bit outputs;
 // float32 ones are stored from registers).
-template <typename T, typename O, bool RHS_K_MAJOR, int CLUSTER, int BN, int STAGES, int MAX_LOCAL_GROUPS,
-          int THREADS, int SHARED_BYTES>
+//
+// With an ACTIVATION (ragged_dot_activation; rhs [groups, k, n], 16-bit), out
+// is the pre-activation and `hidden` [m, F] its activation (hidden_map, 64 x
+// 64 boxes), F = n / 2 gated, else n. Tiles then span W = BN / 2 columns of
+// F gated, their B tiles the gate's W columns then the up's (columns F + j),
+// so that a thread holds both sums of its columns; out_map sees out as [m,
+// 2, F] when gated. See store_activated_tile.
+template <typename T, typename O, bool RHS_K_MAJOR, int CLUSTER, int ACTIVATION, int BN, int STAGES,
+          int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
-    int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map) {
+    int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map, O* __restrict__ hidden,
+    const __grid_constant__ TensorMap hidden_map) {
   using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, CLUSTER>;
+  constexpr bool ACTIVATED = ACTIVATION != NO_ACTIVATION, GATED = is_gated(ACTIVATION);
+  static_assert(!ACTIVATED || (!RHS_K_MAJOR && sizeof(O) == 2), "activations take rhs [groups, k, n], 16-bit out");
+  // A tile's columns of the hidden activation (of out, unactivated) and F.
+  constexpr int W = GATED ? BN / 2 : BN;
+  const int features = GATED ? n / 2 : n;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
-  const Shared<Config> s = start_ragged_dot<Config>(raw, group_sizes, groups, group_offset, local_groups, m, n);
-  RaggedTiles<Config::CLUSTER_BN> walk(s.bounds, s.tiles, local_groups, m, n);
+  const Shared<Config> s =
+      start_ragged_dot<Config, W * CLUSTER>(raw, group_sizes, groups, group_offset, local_groups, m, features);
+  RaggedTiles<W * CLUSTER> walk(s.bounds, s.tiles, local_groups, m, features);
   const int k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
   // The cluster's tiles, and this block's columns of each.
   const int rank = CLUSTER > 1 ? cluster_rank() : 0, first = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
@@ -730,7 +828,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     for (int t = first; t < walk.total; t += clusters) {
       const auto tile = walk.at(t);
       if (tile.zeros) continue;
-      const int col0 = tile.col0 + rank * BN;
+      const int col0 = tile.col0 + rank * W;
       for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
         barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
         unsigned long long* full = &s.full[ring.stage];
@@ -748,7 +846,11 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
           tma_load(b, &rhs_map, full, kb * BLOCK_K, col0, tile.group);
         } else {
 #pragma unroll
-          for (int j = 0; j < BN / 64; ++j) tma_load(b + j * CHUNK_BYTES, &rhs_map, full, col0 + 64 * j, kb * BLOCK_K, tile.group);
+          for (int j = 0; j < BN / 64; ++j) {
+            // Gated, boxes W / 64 on are the up half's, F columns on.
+            const int column = GATED ? col0 + 64 * (j % (W / 64)) + j / (W / 64) * features : col0 + 64 * j;
+            tma_load(b + j * CHUNK_BYTES, &rhs_map, full, column, kb * BLOCK_K, tile.group);
+          }
         }
       }
     }
@@ -760,9 +862,15 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   float d[BN / 2];
   for (int t = first; t < walk.total; t += clusters) {
     const auto tile = walk.at(t);
-    const int col0 = tile.col0 + rank * BN;
+    const int col0 = tile.col0 + rank * W;
     if (tile.zeros) {
-      zero_tile<O, BN>(out, tile.row0, tile.row_end, col0, n);
+      if constexpr (GATED) {
+        zero_tile<O, W>(out, tile.row0, tile.row_end, col0, features, n);
+        zero_tile<O, W>(out + features, tile.row0, tile.row_end, col0, features, n);
+      } else {
+        zero_tile<O, BN>(out, tile.row0, tile.row_end, col0, n, n);
+      }
+      if constexpr (ACTIVATED) zero_tile<O, W>(hidden, tile.row0, tile.row_end, col0, features, features);
       continue;
     }
     // Zeroing d (rather than a first wgmma that ignores it) tells the compiler
@@ -787,8 +895,13 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     wgmma_wait<0>();
     keep_in_registers(d);
     if (k_blocks > 0) release_stage<CLUSTER>(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
-    store_tile_in_bulk<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
-                                  tile.row_end, col0, n);
+    unsigned short* staging = s.out + half * 64 * Config::OUT_PITCH;
+    if constexpr (ACTIVATED) {
+      store_activated_tile<O, Config, ACTIVATION>(d, staging, &out_map, &hidden_map, out, hidden, tile.row0 + half * 64,
+                                                  tile.row_end, col0, features);
+    } else {
+      store_tile_in_bulk<O, Config>(d, staging, &out_map, out, tile.row0 + half * 64, tile.row_end, col0, n);
+    }
   }
   finish_bulk_stores();
   // No block exits while another of its cluster may still arrive on its barriers.
@@ -1015,7 +1128,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
   for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
     const auto tile = walk.at(t);
     if (tile.zeros) {
-      zero_tile<O, BN>(out, tile.row0, tile.row_end, tile.col0, n);
+      zero_tile<O, BN>(out, tile.row0, tile.row_end, tile.col0, n, n);
       continue;
     }
 #pragma unroll

@@ -111,12 +111,18 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
                : "memory");
 }
 
-// Stores the box at (c0, c1) of `map` from shared memory at src, in this
+// Stores the box at (c0, c1[, c2]) of `map` from shared memory at src, in this
 // thread's current bulk group. The shared-memory writes it reads must be
 // made visible to the async proxy first (`fence_async_shared`).
 __device__ __forceinline__ void tma_store(const TensorMap* map, const void* src, int c0, int c1) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(map),
                "r"(shared_address(src)), "r"(c0), "r"(c1)
+               : "memory");
+}
+
+__device__ __forceinline__ void tma_store(const TensorMap* map, const void* src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];" ::"l"(map),
+               "r"(shared_address(src)), "r"(c0), "r"(c1), "r"(c2)
                : "memory");
 }
 

@@ -349,6 +349,21 @@ CASES.update({
         lambda: activation_bwd(np.zeros((4, 16), np.float32), np.zeros((4, 32), np.float32),
                                row_probs=np.ones((4, 16), np.float32)),
         "oxmoe_activation_bwd", [r"row_probs has shape float32\[4, 16\], expected \[4\]"]),
+    "ragged_dot_activation_odd_gated_width": (
+        lambda: _call("oxmoe_ragged_dot_activation", (_spec((6, 7), jnp.float32), _spec((6, 3), jnp.float32),
+                                                      _spec((12,), jnp.uint8)),
+                      ROWS, np.ones((2, E, 7), np.float32), SIZES, OFFSET, activation="swiglu"),
+        "oxmoe_ragged_dot_activation", [r"rhs has 7 columns, but \"swiglu\" takes \[gate, up\]: an even number"]),
+    "ragged_dot_activation_hidden_of_the_product_s_width": (
+        lambda: _call("oxmoe_ragged_dot_activation", (_spec((6, 8), jnp.float32), _spec((6, 8), jnp.float32),
+                                                      _spec((12,), jnp.uint8)),
+                      ROWS, np.ones((2, E, 8), np.float32), SIZES, OFFSET, activation="geglu"),
+        "oxmoe_ragged_dot_activation", [r"hidden has shape float32\[6, 8\], expected \[6, 4\]"]),
+    "ragged_dot_activation_unknown_activation": (
+        lambda: _call("oxmoe_ragged_dot_activation", (_spec((6, 8), jnp.float32), _spec((6, 8), jnp.float32),
+                                                      _spec((12,), jnp.uint8)),
+                      ROWS, np.ones((2, E, 8), np.float32), SIZES, OFFSET, activation="relu"),
+        "oxmoe_ragged_dot_activation", [r"activation is \"relu\", expected"]),
     "combine_bwd_no_experts": (
         lambda: _call("oxmoe_combine_bwd", _spec((2, 3), jnp.float32), np.ones((T, 3), np.float32),
                       np.zeros((T, 0), np.int32), np.zeros((2,), np.int32)),

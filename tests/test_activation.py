@@ -57,6 +57,28 @@ def _value_and_slope(activation: str, x):
     return value, slope, value_error, slope_error
 
 
+def hidden_reference(pre, activation: str):
+    """The hidden activation of ``pre`` (``[R, 2F]`` gated, else ``[R, F]``) in float64,
+    rounded to its dtype as the semantics round it, and the bound on its distance from
+    the float32 evaluation the primitives specify: ``(hidden, bound, value, slope,
+    value_error, slope_error, up)``, the activation's value and slope (with the bounds of
+    their float32 evaluation) and the up half (ones ungated), all float64."""
+    dtype = pre.dtype
+    eps = float(jnp.finfo(dtype).eps)
+    # Rounding to the dtype's subnormals (float16's start at 2^-14) is off by up to half their
+    # spacing, absolute: another term of each rounded value's bound.
+    spacing = float(jnp.finfo(dtype).smallest_subnormal)
+    x = np.asarray(pre.astype(jnp.float32), np.float64)
+    up = None
+    if act.gated(activation):
+        x, up = np.split(x, 2, axis=1)
+    up = np.ones_like(x) if up is None else up
+    value, slope, value_error, slope_error = _value_and_slope(activation, x)
+    hidden = np.asarray(np.asarray(value * up, np.float32).astype(dtype), np.float64)
+    hidden_error = eps * np.abs(hidden) + spacing + np.abs(up) * value_error
+    return hidden, hidden_error, value, slope, value_error, slope_error, up
+
+
 def reference(grad, pre, probs, activation: str):
     """The semantics in float64, rounding to the inputs' dtype where they round (the hidden
     activation and the gradient after the weight): ``(grad_pre_activation, weighted_hidden,
@@ -69,15 +91,10 @@ def reference(grad, pre, probs, activation: str):
     # spacing, absolute: another term of each rounded value's bound.
     spacing = float(jnp.finfo(dtype).smallest_subnormal)
     round_ = lambda v: np.asarray(np.asarray(v, np.float32).astype(dtype), np.float64)  # noqa: E731
-    g, x, p = (np.asarray(a.astype(jnp.float32), np.float64) for a in (grad, pre, probs))
+    g, p = (np.asarray(a.astype(jnp.float32), np.float64) for a in (grad, probs))
     p = p[:, None]
     features = g.shape[1]
-    up = np.ones_like(g)
-    if act.gated(activation):
-        x, up = x[:, :features], x[:, features:]
-    value, slope, value_error, slope_error = _value_and_slope(activation, x)
-    hidden = round_(value * up)
-    hidden_error = eps * np.abs(hidden) + spacing + np.abs(up) * value_error
+    hidden, hidden_error, value, slope, value_error, slope_error, up = hidden_reference(pre, activation)
     c = round_(g * p)  # exact in both: a float32 product of float32 values, rounded once
     grad_x = c * up * slope
     grad_x_error = 3 * eps * np.abs(grad_x) + 2 * spacing + np.abs(c * up) * slope_error + 4 * EPS32 * np.abs(grad_x)

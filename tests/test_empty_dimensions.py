@@ -238,6 +238,42 @@ def ragged_dot_of_no_groups(rng):
     return _check_grouped(False, rng, 40, 32, 16, [])
 
 
+def _check_ragged_dot_activation(rng, m, k, features, sizes):
+    """ragged_dot_activation (SwiGLU, bfloat16: the fused kernel on Hopper where k > 0)
+    against the reference product; its hidden activation is zero wherever a dimension of 0
+    leaves the product zero (silu(0) * 0)."""
+    import jax.numpy as jnp
+    import ragged_dot_reference as ref
+    from oxmoe import grouped_gemm
+
+    sizes = np.asarray(sizes, np.int32)
+    lhs = jnp.asarray(draw(rng, (m, k)), jnp.bfloat16)
+    rhs = jnp.asarray(draw(rng, (len(sizes), k, 2 * features)), jnp.bfloat16)
+    pre, hidden = grouped_gemm.ragged_dot_activation(lhs, rhs, sizes)
+    return [("pre_activation", pre.astype(jnp.float32), ref.ragged_dot(lhs, rhs, sizes).value.astype(np.float32)),
+            ("hidden", hidden.astype(jnp.float32), np.zeros((m, features), np.float32))]
+
+
+@case
+def ragged_dot_activation_of_no_rows(rng):
+    return _check_ragged_dot_activation(rng, 0, 64, 128, [0, 0, 0])
+
+
+@case
+def ragged_dot_activation_contracting_nothing(rng):
+    return _check_ragged_dot_activation(rng, 300, 0, 128, [100, 0, 150])
+
+
+@case
+def ragged_dot_activation_of_no_features(rng):
+    return _check_ragged_dot_activation(rng, 300, 64, 0, [100, 0, 150])
+
+
+@case
+def ragged_dot_activation_of_no_groups(rng):
+    return _check_ragged_dot_activation(rng, 300, 64, 128, [])
+
+
 @case
 def transposed_ragged_dot_of_no_rows(rng):
     return _check_grouped(True, rng, 0, 32, 16, [0, 0, 0])

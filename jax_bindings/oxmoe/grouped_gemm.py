@@ -3,7 +3,9 @@
 :func:`ragged_dot` is a drop-in for :func:`jax.lax.ragged_dot`: the rows of
 ``lhs`` come in consecutive groups, and group ``g``'s rows multiply
 ``rhs[g]``. It is the expert FFN's product after a dispatch, with the
-dispatch's ``group_sizes``. :func:`transposed_ragged_dot` is the product of
+dispatch's ``group_sizes``. :func:`ragged_dot_activation` is the expert
+MLP's up projection: the same product and its activation (SwiGLU, ...) from
+one kernel on Hopper. :func:`transposed_ragged_dot` is the product of
 the weight gradient: per group, the rows' outer products summed,
 ``lhs_gᵀ · rhs_g``; it also takes its rows in chunks (up to
 :data:`MAX_CHUNKS` buffers, each with its own group sizes), summing each
@@ -29,16 +31,18 @@ kernel with the same results up to summation order.
 from __future__ import annotations
 
 import functools
+import typing
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from oxmoe import _library
+from oxmoe.activation import ACTIVATIONS, activation_bwd, gated
 from oxmoe._checks import FLOAT_DTYPES, called_eagerly, check_array, check_bool, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 
-__all__ = ["ragged_dot", "transposed_ragged_dot", "MAX_CHUNKS"]
+__all__ = ["ActivatedRows", "ragged_dot", "ragged_dot_activation", "transposed_ragged_dot", "MAX_CHUNKS"]
 
 DISPATCHED, WHOLE = Layout.DISPATCHED, Layout.WHOLE
 
@@ -57,6 +61,14 @@ _ragged_dot_p = FfiPrimitive(
     "oxmoe_ragged_dot", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE), results=(DISPATCHED,),
     result_specs=lambda lhs, rhs, *_, n, out_dtype, **__: [jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)],
     shape_params=("n", "out_dtype"), workspace=lambda lhs, rhs, *_, **__: _workspace_bytes(1, rhs.shape[0]))
+
+
+_ragged_dot_activation_p = FfiPrimitive(
+    "oxmoe_ragged_dot_activation", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE), results=(DISPATCHED, DISPATCHED),
+    result_specs=lambda lhs, rhs, *_, activation, **__: [
+        jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype),
+        jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2] // (2 if gated(activation) else 1)), lhs.dtype)],
+    workspace=lambda lhs, rhs, *_, **__: _workspace_bytes(1, rhs.shape[0]))
 
 
 @functools.cache
@@ -224,6 +236,94 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     kernel_dtype = out_dtype if out_dtype in (dtype, jnp.dtype(jnp.float32)) else jnp.dtype(jnp.float32)
     operands = vary_alike(jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), sizes, offset)
     return _ragged_dot(*operands, (rhs_transposed, kernel_dtype)).astype(out_dtype)
+
+
+class ActivatedRows(typing.NamedTuple):
+    """The result of :func:`ragged_dot_activation`.
+
+    Attributes:
+      pre_activation: ``[M, N]``: the product, as :func:`ragged_dot` gives it
+        (what the activation's backward takes,
+        :func:`oxmoe.activation.activation_bwd`).
+      hidden: ``[M, F]``: its activation, ``F = N / 2`` for a gated one.
+    """
+
+    pre_activation: jax.Array
+    hidden: jax.Array
+
+
+def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, group_offset=None) -> ActivatedRows:
+    """The expert MLP's up projection and its activation: :func:`ragged_dot`'s
+    product ``u`` and, row by row, the hidden activation of it.
+
+    For a gated activation (``"swiglu"``, ``"geglu"``) ``u``'s columns are
+    ``[gate, up]``, ``F`` each, and ``hidden = round(act(gate) * up)``, else
+    ``hidden = round(act(u))``, computed in float32 from ``u`` as rounded to
+    the inputs' dtype (``round``: the rounding to it), the hidden activation
+    :func:`oxmoe.activation.activation_bwd` recomputes from ``u``. On a Hopper
+    GPU, when the product runs on the tensor cores and ``F`` is a multiple of
+    8, the activation is applied to each output tile before it leaves the
+    kernel, so ``u`` is not read back; elsewhere (and on the CPU) a second
+    pass over the rows computes it, with the same results.
+
+    Args:
+      lhs: ``[M, K]`` float32, bfloat16 or float16.
+      rhs: ``[G_local, K, N]`` in ``lhs``'s dtype; ``N = 2F`` for a gated
+        activation (gate columns, then up columns), ``F`` otherwise.
+      group_sizes: ``[G]`` integer row counts, as :func:`ragged_dot` takes them.
+      activation: one of :data:`oxmoe.activation.ACTIVATIONS`.
+      group_offset: optional integer scalar or ``[1]`` array, the first group
+        of the window, as :func:`ragged_dot` takes it.
+
+    Returns:
+      :class:`ActivatedRows`, both in ``lhs``'s dtype; rows outside every
+      group in the window are zero in both. Differentiable in ``lhs`` and
+      ``rhs``, with cotangents for both results.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    for name, x in (("lhs", lhs), ("rhs", rhs)):
+        check_array(name, x)
+        check_float_dtype(name, x)
+    if lhs.ndim != 2:
+        raise ValueError(f"lhs must have shape [M, K], got {tuple(lhs.shape)}")
+    m, k = lhs.shape
+    if rhs.ndim != 3 or rhs.shape[1] != k:
+        raise ValueError(f"rhs must have shape [groups, K, N] with K = {k} (lhs's second dimension), "
+                         f"got {tuple(rhs.shape)}")
+    if rhs.dtype != lhs.dtype:
+        raise TypeError(f"rhs must have lhs's dtype {lhs.dtype}, got {rhs.dtype}")
+    if gated(activation) and rhs.shape[2] % 2:
+        raise ValueError(f"rhs must have an even number of columns N = 2F ([gate, up]) for {activation!r}, "
+                         f"got {tuple(rhs.shape)}")
+    _, sizes, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", (m,))
+    operands = vary_alike(jnp.asarray(lhs), jnp.asarray(rhs), sizes, offset)
+    return ActivatedRows(*_ragged_dot_activation(*operands, activation))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ragged_dot_activation(lhs, rhs, group_sizes, group_offset, activation_name):
+    return tuple(_ragged_dot_activation_p(lhs, rhs, group_sizes, group_offset, activation=activation_name))
+
+
+def _ragged_dot_activation_vjp_fwd(lhs, rhs, group_sizes, group_offset, activation_name):
+    pre_activation, hidden = _ragged_dot_activation(lhs, rhs, group_sizes, group_offset, activation_name)
+    return (pre_activation, hidden), (lhs, rhs, group_sizes, group_offset, pre_activation)
+
+
+def _ragged_dot_activation_vjp_bwd(activation_name, residuals, grads):
+    lhs, rhs, group_sizes, group_offset, pre_activation = residuals
+    grad_pre_activation, grad_hidden = grads
+    # The activation's backward with every row's weight 1 (its rounding of the gradient
+    # after the weight is then the identity), added to the product's own cotangent.
+    ones = jnp.ones(pre_activation.shape[:1], jnp.float32)
+    through_hidden = activation_bwd(grad_hidden.astype(lhs.dtype), pre_activation, ones, activation_name).grad_pre_activation
+    grad_product = (grad_pre_activation.astype(jnp.float32) + through_hidden.astype(jnp.float32)).astype(lhs.dtype)
+    _, product_vjp = jax.vjp(lambda a, b: _ragged_dot(a, b, group_sizes, group_offset, (False, lhs.dtype)), lhs, rhs)
+    return (*product_vjp(grad_product), None, None)
+
+
+_ragged_dot_activation.defvjp(_ragged_dot_activation_vjp_fwd, _ragged_dot_activation_vjp_bwd)
 
 
 def _check_precision(precision) -> None:

@@ -1,5 +1,7 @@
-//! The CPU activation backward: the executable specification of
-//! `oxmoe.activation.activation_bwd`, one row at a time.
+//! The CPU activation: the executable specification of
+//! `oxmoe.activation.activation_bwd` and of the hidden activation that
+//! `oxmoe.grouped_gemm.ragged_dot_activation` applies to its product, one
+//! row at a time.
 //!
 //! For row `r` of weight `p` and columns `j < F`, everything in float32 and
 //! `round` the rounding to the arrays' type `T` (the identity for float32):
@@ -49,6 +51,25 @@ pub fn value_and_slope(gelu: bool, x: f32) -> (f32, f32) {
 
 fn round<T: Real>(value: f32) -> f32 {
     T::from_f32(value).to_f32()
+}
+
+/// The hidden activation of each row of `pre_activation [rows,
+/// activation.input_columns(features)]` into `hidden [rows, features]`: the
+/// module's `h`.
+pub fn activation_fwd<T: Real>(activation: Activation, features: usize, pre_activation: &[T], hidden: &mut [T]) {
+    if features == 0 {
+        return;
+    }
+    let (gated, gelu) = (activation.gated(), activation.gelu());
+    hidden.par_chunks_mut(features).zip(pre_activation.par_chunks(activation.input_columns(features))).for_each(
+        |(hidden, pre)| {
+            for j in 0..features {
+                let (value, _) = value_and_slope(gelu, pre[j].to_f32());
+                let up = if gated { pre[features + j].to_f32() } else { 1.0 };
+                hidden[j] = T::from_f32(value * up);
+            }
+        },
+    );
 }
 
 /// The activation backward of `rows = row_probs.len()` rows (see the module's

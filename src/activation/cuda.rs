@@ -1,5 +1,6 @@
-//! The CUDA activation backward: `kernels/activation.cu`'s `activation_bwd`,
-//! one warp per row (see the kernel for its layout and why).
+//! The CUDA activation: `kernels/activation.cu`'s `activation_bwd` and
+//! `activation_fwd`, one warp per row (see the kernels for their layout and
+//! why).
 
 use super::{ActivationBwd, Activation};
 use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, ACTIVATION};
@@ -9,14 +10,35 @@ use crate::ffi::{DataType, Result};
 const THREADS: u32 = 256;
 const ROWS_PER_BLOCK: usize = THREADS as usize / 32;
 
-/// The kernel for rows of `features` columns of `dtype`: 16-byte loads and
-/// stores when a row's bytes are a multiple of 16 (every row then starts
-/// aligned), else one element at a time.
-pub fn activation_bwd_instance(dtype: DataType, activation: Activation, features: usize) -> Result<String> {
+/// The kernel `name` for rows of `features` columns of `dtype`: 16-byte
+/// loads and stores when a row's bytes are a multiple of 16 (every row then
+/// starts aligned), else one element at a time.
+fn instance(name: &str, dtype: DataType, activation: Activation, features: usize) -> Result<String> {
     let element_bytes = dtype.size().unwrap_or(1);
     let vector_bytes = if (features * element_bytes).is_multiple_of(16) { 16 } else { 0 };
-    Instance::new("activation_bwd").dtype(dtype).flag(activation.gated()).flag(activation.gelu()).int(vector_bytes)
-        .int(THREADS).build()
+    Instance::new(name).dtype(dtype).int(activation.code()).int(vector_bytes).int(THREADS).build()
+}
+
+pub fn activation_bwd_instance(dtype: DataType, activation: Activation, features: usize) -> Result<String> {
+    instance("activation_bwd", dtype, activation, features)
+}
+
+pub fn activation_fwd_instance(dtype: DataType, activation: Activation, features: usize) -> Result<String> {
+    instance("activation_fwd", dtype, activation, features)
+}
+
+/// The hidden activation `[rows, features]` of `dtype` at `hidden` of the
+/// pre-activation at `pre_activation` (`[rows, activation.input_columns(features)]`).
+pub fn activation_fwd(stream: Stream, dtype: DataType, activation: Activation, rows: usize, features: usize,
+                      pre_activation: u64, hidden: u64) -> Result<()> {
+    if rows == 0 || features == 0 {
+        return Ok(());
+    }
+    let kernel = Kernel::get(stream, &ACTIVATION, &activation_fwd_instance(dtype, activation, features)?)?;
+    let (grid_rows, rows, features) = (rows.div_ceil(ROWS_PER_BLOCK), int(rows)?, int(features)?);
+    launch(stream, kernel, LaunchConfig { grid: grid(grid_rows)?, block: THREADS, shared_bytes: 0 }, &mut [
+        arg(&pre_activation), arg(&rows), arg(&features), arg(&hidden),
+    ])
 }
 
 pub fn activation_bwd(stream: Stream, op: &ActivationBwd) -> Result<()> {
@@ -44,6 +66,7 @@ mod tests {
             for activation in Activation::ALL {
                 for features in [768, 100] {
                     instances.push(activation_bwd_instance(dtype, activation, features).unwrap());
+                    instances.push(activation_fwd_instance(dtype, activation, features).unwrap());
                 }
             }
         }
@@ -61,7 +84,7 @@ mod tests {
     /// The kernel checks the launch's threads against its layout.
     #[test]
     fn a_launch_of_other_threads_does_not_compile() {
-        let instance = Instance::new("activation_bwd").dtype(DataType::BF16).flag(true).flag(false).int(16).int(128);
+        let instance = Instance::new("activation_bwd").dtype(DataType::BF16).int(Activation::Swiglu.code()).int(16).int(128);
         let error = compile_check(&ACTIVATION, &[&instance.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
         assert!(error.message().contains("the launch's threads"), "{}", error.message());
     }

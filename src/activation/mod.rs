@@ -39,12 +39,19 @@ impl Activation {
     pub const ALL: [Self; 4] = [Self::Swiglu, Self::Geglu, Self::Gelu, Self::Silu];
 
     pub fn parse(name: &str) -> Result<Self> {
-        match name {
-            "swiglu" => Ok(Self::Swiglu),
-            "geglu" => Ok(Self::Geglu),
-            "gelu" => Ok(Self::Gelu),
-            "silu" => Ok(Self::Silu),
-            other => invalid!("activation is {other:?}, expected \"swiglu\", \"geglu\", \"gelu\" or \"silu\""),
+        match Self::ALL.into_iter().find(|activation| activation.name() == name) {
+            Some(activation) => Ok(activation),
+            None => invalid!("activation is {name:?}, expected \"swiglu\", \"geglu\", \"gelu\" or \"silu\""),
+        }
+    }
+
+    /// Its name, as `parse` takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Swiglu => "swiglu",
+            Self::Geglu => "geglu",
+            Self::Gelu => "gelu",
+            Self::Silu => "silu",
         }
     }
 
@@ -56,6 +63,17 @@ impl Activation {
     /// Whether the nonlinearity is GELU's tanh approximation (else SiLU).
     pub fn gelu(self) -> bool {
         matches!(self, Self::Geglu | Self::Gelu)
+    }
+
+    /// The activation as the kernels take it, a template argument
+    /// (`kernels/common.cuh`'s `SWIGLU` ... `SILU`; 0 there is no activation).
+    pub fn code(self) -> i32 {
+        match self {
+            Self::Swiglu => 1,
+            Self::Geglu => 2,
+            Self::Gelu => 3,
+            Self::Silu => 4,
+        }
     }
 
     /// The up projection's output columns per hidden column: 2 when gated.

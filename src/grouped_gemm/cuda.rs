@@ -7,7 +7,8 @@
 //! kernels, after a one-warp launch that computes the window's row bounds.
 
 use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, MAX_CHUNKS};
-use super::{GroupedShape, RaggedDot, TransposedRaggedDot};
+use super::{GroupedShape, RaggedDot, RaggedDotActivation, TransposedRaggedDot};
+use crate::activation::{self, Activation};
 use crate::cuda::{arg, grid, int, launch, Device, Instance, Kernel, LaunchConfig, Stream, TensorMap, GROUPED_GEMM};
 use crate::ffi::{DataType, Result};
 use std::ffi::c_void;
@@ -125,16 +126,18 @@ fn launch_persistent(stream: Stream, device: &Device, instance: &str, shared: u3
     launch(stream, kernel, LaunchConfig { grid, block: HOPPER_THREADS, shared_bytes: shared }, args)
 }
 
-/// The blocks of a ragged_dot cluster for `n` columns in tiles of `block_n`:
+/// The blocks of a ragged_dot cluster for `n` columns in tiles of `width`:
 /// two, sharing each A tile (half the A loads from L2), when the tiles pair
 /// up; else one.
-fn ragged_dot_cluster(device: &Device, n: usize, block_n: u32) -> u32 {
-    if n.div_ceil(block_n as usize).is_multiple_of(2) && device.multiprocessors >= 2 { 2 } else { 1 }
+fn ragged_dot_cluster(device: &Device, n: usize, width: u32) -> u32 {
+    if n.div_ceil(width as usize).is_multiple_of(2) && device.multiprocessors >= 2 { 2 } else { 1 }
 }
 
+/// `activation`: ragged_dot_activation's, applied in the epilogue.
 pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, cluster: u32,
-                                  block_n: u32) -> Result<String> {
-    hopper_instance(Instance::new("ragged_dot_hopper").dtype(dtype).dtype(out).flag(rhs_transposed).int(cluster), block_n)
+                                  activation: Option<Activation>, block_n: u32) -> Result<String> {
+    let instance = Instance::new("ragged_dot_hopper").dtype(dtype).dtype(out).flag(rhs_transposed).int(cluster);
+    hopper_instance(instance.int(activation.map_or(0, Activation::code)), block_n)
 }
 
 pub fn transposed_hopper_instance(dtype: DataType, out: DataType, block_n: u32) -> Result<String> {
@@ -239,6 +242,38 @@ struct ChunkMaps {
 }
 
 pub fn ragged_dot(stream: Stream, a: &RaggedDot) -> Result<()> {
+    let device = stream.device()?;
+    if takes_hopper(&device, a.lhs.dtype(), &a.shape) {
+        return ragged_dot_hopper(stream, &device, a, None);
+    }
+    ragged_dot_simt(stream, a)
+}
+
+/// The hidden activation ragged_dot_activation writes after its product
+/// (from the Hopper kernel's epilogue): `F` columns at `hidden`.
+struct Epilogue {
+    activation: Activation,
+    features: usize,
+    hidden: u64,
+}
+
+/// On Hopper, when the product takes the tensor cores and a gated
+/// activation's halves start at 16-byte multiples (F a multiple of 8), the
+/// activation in the product's epilogue; else the product, then
+/// `activation_fwd` over its rows.
+pub fn ragged_dot_activation(stream: Stream, a: &RaggedDotActivation) -> Result<()> {
+    let product = &a.product;
+    let device = stream.device()?;
+    if takes_hopper(&device, product.lhs.dtype(), &product.shape) && a.features.is_multiple_of(8) {
+        let epilogue = Epilogue { activation: a.activation, features: a.features, hidden: a.hidden.device_ptr() };
+        return ragged_dot_hopper(stream, &device, product, Some(epilogue));
+    }
+    ragged_dot(stream, product)?;
+    activation::cuda::activation_fwd(stream, product.lhs.dtype(), a.activation, product.shape.m, a.features,
+                                     product.out.device_ptr(), a.hidden.device_ptr())
+}
+
+fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, epilogue: Option<Epilogue>) -> Result<()> {
     let shape = &a.shape;
     if shape.m == 0 || shape.n == 0 {
         return Ok(());
@@ -247,27 +282,48 @@ pub fn ragged_dot(stream: Stream, a: &RaggedDot) -> Result<()> {
     let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
     let [m, k, n] = g.dims;
     let (lhs, rhs, out) = (a.lhs.device_ptr(), a.rhs.device_ptr(), a.out.device_ptr());
+    let bn = block_n(shape.n);
+    let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
+    // A tile's columns: of the hidden activation with an epilogue (half the
+    // product's, gated), and the columns they tile.
+    let gated = epilogue.as_ref().is_some_and(|e| e.activation.gated());
+    let (width, columns) = if gated { (bn / 2, shape.n / 2) } else { (bn, shape.n) };
+    let cluster = ragged_dot_cluster(device, columns, width);
+    // Each block of a cluster loads its share of the A tile's rows for all.
+    let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, BLOCK_M / cluster])?;
+    let rhs_map = if a.rhs_transposed {
+        TensorMap::tiled_16bit(rhs, &[k64, n64, gl], &[BLOCK_K, bn, 1])?
+    } else {
+        TensorMap::tiled_16bit(rhs, &[n64, k64, gl], &[64, BLOCK_K, 1])?
+    };
+    // Gated, the kernel stores the pre-activation's halves through a map of
+    // [m, 2, F], which clips each at F.
+    let out_map = if gated {
+        TensorMap::tiled_16bit(out, &[n64 / 2, 2, m64], &[64, 1, 64])?
+    } else {
+        out_map(out_dtype, out, n64, m64)?
+    };
+    let (hidden, hidden_map) = match &epilogue {
+        Some(e) => (e.hidden, TensorMap::tiled_16bit(e.hidden, &[e.features as u64, m64], &[64, 64])?),
+        None => (0, TensorMap::unused()),
+    };
+    let activation = epilogue.map(|e| e.activation);
+    let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, cluster, activation, bn)?;
+    launch_hopper(stream, device, &instance, bn, cluster, &mut [
+        arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
+        arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map), arg(&hidden), arg(&hidden_map),
+    ])
+}
 
-    let device = stream.device()?;
-    if takes_hopper(&device, dtype, shape) {
-        let bn = block_n(shape.n);
-        let cluster = ragged_dot_cluster(&device, shape.n, bn);
-        let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
-        // Each block of a cluster loads its share of the A tile's rows for all.
-        let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, BLOCK_M / cluster])?;
-        let rhs_map = if a.rhs_transposed {
-            TensorMap::tiled_16bit(rhs, &[k64, n64, gl], &[BLOCK_K, bn, 1])?
-        } else {
-            TensorMap::tiled_16bit(rhs, &[n64, k64, gl], &[64, BLOCK_K, 1])?
-        };
-        let out_map = out_map(out_dtype, out, n64, m64)?;
-        let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, cluster, bn)?;
-        return launch_hopper(stream, &device, &instance, bn, cluster, &mut [
-            arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
-            arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map),
-        ]);
+fn ragged_dot_simt(stream: Stream, a: &RaggedDot) -> Result<()> {
+    let shape = &a.shape;
+    if shape.m == 0 || shape.n == 0 {
+        return Ok(());
     }
-
+    let (dtype, out_dtype) = (a.lhs.dtype(), a.out.dtype());
+    let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
+    let [m, k, n] = g.dims;
+    let (lhs, rhs, out) = (a.lhs.device_ptr(), a.rhs.device_ptr(), a.out.device_ptr());
     let rows = chunk_bounds(stream, shape, g.sizes, g.offset, &[shape.m], a.workspace.device_ptr())?;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &ragged_dot_simt_instance(dtype, out_dtype, a.rhs_transposed)?)?;
     let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
@@ -456,10 +512,18 @@ mod tests {
             for bn in [128, 256] {
                 for transposed in [false, true] {
                     for cluster in [1, 2] {
-                        instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, bn).unwrap());
+                        instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, None, bn).unwrap());
                     }
                 }
                 instances.push(transposed_hopper_instance(dtype, out, bn).unwrap());
+            }
+        }
+        // ragged_dot_activation's: outputs in the inputs' 16-bit type, rhs [G, K, N].
+        for dtype in [DataType::BF16, DataType::F16] {
+            for activation in Activation::ALL {
+                for (bn, cluster) in [(128, 1), (256, 2)] {
+                    instances.push(ragged_dot_hopper_instance(dtype, dtype, false, cluster, Some(activation), bn).unwrap());
+                }
             }
         }
         for out in [DataType::BF16, DataType::F16, DataType::F32] {
@@ -482,7 +546,7 @@ mod tests {
     /// eight bytes short, the instance does not compile.
     #[test]
     fn a_hopper_launch_that_disagrees_with_the_kernels_layout_does_not_compile() {
-        let instance = Instance::new("ragged_dot_hopper").dtype(DataType::BF16).dtype(DataType::BF16).flag(false).int(1);
+        let instance = Instance::new("ragged_dot_hopper").dtype(DataType::BF16).dtype(DataType::BF16).flag(false).int(1).int(0);
         let short = instance.int(256).int(hopper_stages(256)).int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS).int(hopper_shared_bytes(256) - 8);
         let error = compile_check(&GROUPED_GEMM, &[&short.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
         assert!(error.message().contains("the launch's dynamic shared memory is this layout's"), "{}", error.message());

@@ -4,18 +4,21 @@
 //! under the same target name) hands it to `cuda` with the call's
 //! [`Stream`](crate::cuda::Stream).
 
-use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot};
+use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, RaggedDotActivation};
+use crate::activation;
 use super::{cpu, cuda, RaggedDot, TransposedRaggedDot};
 use crate::ffi::{DataType, Result};
 use crate::real::E4m3;
 use crate::{export_cuda_handler, export_handler, with_real_type};
 
 export_handler!(oxmoe_ragged_dot, RaggedDot, |_, op| ragged_dot_cpu(op));
+export_handler!(oxmoe_ragged_dot_activation, RaggedDotActivation, |_, op| ragged_dot_activation_cpu(op));
 export_handler!(oxmoe_transposed_ragged_dot, TransposedRaggedDot, |_, op| transposed_ragged_dot_cpu(op));
 export_handler!(oxmoe_fp8_ragged_dot, Fp8RaggedDot, |_, op| fp8_ragged_dot_cpu(op));
 export_handler!(oxmoe_fp8_transposed_ragged_dot, Fp8TransposedRaggedDot, |_, op| fp8_transposed_ragged_dot_cpu(op));
 
 export_cuda_handler!(oxmoe_ragged_dot_cuda, RaggedDot, |stream, op| cuda::ragged_dot(stream, &op));
+export_cuda_handler!(oxmoe_ragged_dot_activation_cuda, RaggedDotActivation, |stream, op| cuda::ragged_dot_activation(stream, &op));
 export_cuda_handler!(oxmoe_transposed_ragged_dot_cuda, TransposedRaggedDot, |stream, op| cuda::transposed_ragged_dot(stream, &op));
 export_cuda_handler!(oxmoe_fp8_ragged_dot_cuda, Fp8RaggedDot, |stream, op| cuda::fp8_ragged_dot(stream, &op));
 export_cuda_handler!(oxmoe_fp8_transposed_ragged_dot_cuda, Fp8TransposedRaggedDot, |stream, op| cuda::fp8_transposed_ragged_dot(stream, &op));
@@ -38,6 +41,18 @@ fn ragged_dot_cpu(op: RaggedDot) -> Result<()> {
         } else {
             cpu::ragged_dot::<T, T>(&op.shape, lhs, rhs, op.rhs_transposed, sizes, offset, op.out.slice_mut()?);
         }
+    });
+    Ok(())
+}
+
+fn ragged_dot_activation_cpu(op: RaggedDotActivation) -> Result<()> {
+    let RaggedDotActivation { product, activation, features, hidden } = op;
+    let (sizes, offset) = (product.group_sizes.slice::<i32>()?, product.group_offset.slice::<i32>()?[0]);
+    with_real_type!(product.lhs.dtype(), T => {
+        let pre_activation = product.out.slice_mut::<T>()?;
+        cpu::ragged_dot::<T, T>(&product.shape, product.lhs.slice()?, product.rhs.slice()?, false, sizes, offset,
+                                pre_activation);
+        activation::cpu::activation_fwd::<T>(activation, features, pre_activation, hidden.slice_mut()?);
     });
     Ok(())
 }

@@ -4,6 +4,7 @@
 //! Both take `group_sizes` and `group_offset [1]` (int32, on the device).
 
 use super::GroupedShape;
+use crate::activation::Activation;
 use crate::ffi::{Arg, Call, DataType, Result, Ret};
 use crate::invalid;
 use crate::real::FLOAT_TYPES;
@@ -44,8 +45,15 @@ pub fn workspace_bytes(chunks: usize, local_groups: usize) -> usize {
 /// attribute `rhs_transposed` `[Gl, N, K]`, of `dtype`. Returns them, the
 /// attribute, `Gl` and `N`.
 fn decode_weights<'a>(call: &Call<'a>, index: usize, k: usize, dtype: DataType) -> Result<(Arg<'a>, bool, usize, usize)> {
-    let rhs = call.arg(index, "rhs")?;
     let rhs_transposed: bool = call.attr("rhs_transposed")?;
+    let (rhs, local_groups, n) = decode_laid_out_weights(call, index, k, dtype, rhs_transposed)?;
+    Ok((rhs, rhs_transposed, local_groups, n))
+}
+
+/// [`decode_weights`] for weights whose layout the target fixes: returns them, `Gl` and `N`.
+fn decode_laid_out_weights<'a>(call: &Call<'a>, index: usize, k: usize, dtype: DataType, rhs_transposed: bool)
+                               -> Result<(Arg<'a>, usize, usize)> {
+    let rhs = call.arg(index, "rhs")?;
     let &[local_groups, d1, d2] = rhs.dims() else {
         invalid!("rhs has shape {:?}, expected [groups, K, N] or [groups, N, K]", rhs.dims())
     };
@@ -53,7 +61,7 @@ fn decode_weights<'a>(call: &Call<'a>, index: usize, k: usize, dtype: DataType) 
     let n = if rhs_transposed { d1 } else { d2 };
     let rhs_shape = if rhs_transposed { [local_groups, n, k] } else { [local_groups, k, n] };
     rhs.expect(&[dtype], &rhs_shape)?;
-    Ok((rhs, rhs_transposed, local_groups, n))
+    Ok((rhs, local_groups, n))
 }
 
 /// A ragged product's group_sizes `[G]` and group_offset at argument `first`,
@@ -92,6 +100,44 @@ impl<'a> RaggedDot<'a> {
         let workspace = call.workspace(1, workspace_bytes(1, local_groups))?;
         let shape = GroupedShape { m, k, n, groups, local_groups };
         Ok(Self { shape, rhs_transposed, lhs, rhs, group_sizes, group_offset, out, workspace })
+    }
+}
+
+/// `oxmoe_ragged_dot_activation`: lhs [M, K], rhs [Gl, K, N], group_sizes,
+/// group_offset (attribute `activation`) -> pre_activation [M, N] (the
+/// product, as `oxmoe_ragged_dot` gives it) and hidden [M, F], its activation
+/// (`N = 2F` for a gated activation, `[gate, up]`; else `N = F`), both in
+/// lhs's type.
+pub struct RaggedDotActivation<'a> {
+    /// The product; its `out` is the pre-activation.
+    pub product: RaggedDot<'a>,
+    pub activation: Activation,
+    /// `F`: the hidden activation's columns.
+    pub features: usize,
+    pub hidden: Ret<'a>,
+}
+
+impl<'a> RaggedDotActivation<'a> {
+    pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(4, 4)?;
+        let activation = Activation::parse(call.attr("activation")?)?;
+        let lhs = call.arg(0, "lhs")?;
+        let dtype = lhs.expect_dtype(&FLOAT_TYPES)?;
+        let (m, k) = lhs.matrix()?;
+        let (rhs, local_groups, n) = decode_laid_out_weights(call, 1, k, dtype, false)?;
+        if activation.gated() && n % 2 != 0 {
+            invalid!("rhs has {n} columns, but {:?} takes [gate, up]: an even number", activation.name())
+        }
+        let features = if activation.gated() { n / 2 } else { n };
+        let (group_sizes, group_offset, groups) = decode_ragged_groups(call, 2, local_groups)?;
+        let out = call.ret(0, "pre_activation")?;
+        out.expect(&[dtype], &[m, n])?;
+        let hidden = call.ret(1, "hidden")?;
+        hidden.expect(&[dtype], &[m, features])?;
+        let workspace = call.workspace(2, workspace_bytes(1, local_groups))?;
+        let shape = GroupedShape { m, k, n, groups, local_groups };
+        let product = RaggedDot { shape, rhs_transposed: false, lhs, rhs, group_sizes, group_offset, out, workspace };
+        Ok(Self { product, activation, features, hidden })
     }
 }
 
