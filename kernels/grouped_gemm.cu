@@ -578,19 +578,32 @@ __device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::B
   store_tile<O, Config::BN, Config::OUT_PITCH>(sums, staging, out, row0, row_end, col0, n, n);
 }
 
+// act(x) in the epilogue, without a branch: x sigmoid(z), z = x (SiLU) or
+// 2 sqrt(2 / pi) (x + 0.044715 x^3) (GELU's tanh approximation: (1 +
+// tanh(z / 2)) / 2 is sigmoid(z)), with the fast exponential and division
+// (two special-function instructions): within a few float32 ulps of
+// value_and_slope's value, where the correctly rounded reciprocal's slow
+// path, a call per value, cost the epilogue more than the pass it replaces
+// (bench/NOTES.md). Where e^-z overflows the division gives 0 (a tail below
+// 1e-36).
+template <bool GELU>
+__device__ __forceinline__ float epilogue_activation(float x) {
+  const float z = GELU ? 2.f * GELU_SCALE * (x + GELU_CUBIC * x * x * x) : x;
+  return __fdividef(x, 1.f + __expf(-z));
+}
+
 // The hidden activation of a consumer warpgroup's sums, in place, for
 // ragged_dot_activation's epilogue: a tile of W hidden columns holds their
 // pre-activation sums, gated: the gate's W columns then the up's (a thread's
 // gate sum at i, its up sum at W / 2 + i). Each becomes act(round(gate)) *
 // round(up) (ungated: act(round(x))), round the rounding to O: the hidden
 // activation activation_bwd computes from the pre-activation this tile
-// stores (rounded to O when stored).
+// stores, within a rounding (rounded to O when stored).
 template <typename O, int ACTIVATION, int W>
 __device__ __forceinline__ void activate(float* sums) {
 #pragma unroll
   for (int i = 0; i < W / 2; ++i) {
-    float value, slope;
-    value_and_slope<is_gelu(ACTIVATION)>(rounded<O>(sums[i]), value, slope);
+    const float value = epilogue_activation<is_gelu(ACTIVATION)>(rounded<O>(sums[i]));
     sums[i] = is_gated(ACTIVATION) ? value * rounded<O>(sums[W / 2 + i]) : value;
   }
 }

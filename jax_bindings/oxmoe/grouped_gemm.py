@@ -263,8 +263,10 @@ def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, 
     :func:`oxmoe.activation.activation_bwd` recomputes from ``u``. On a Hopper
     GPU, when the product runs on the tensor cores and ``F`` is a multiple of
     8, the activation is applied to each output tile before it leaves the
-    kernel, so ``u`` is not read back; elsewhere (and on the CPU) a second
-    pass over the rows computes it, with the same results.
+    kernel, so ``u`` is not read back, with float32's fast exponential and
+    division (a few float32 ulps from the other paths: rarely, a value
+    rounds to the neighbouring one of the dtype); elsewhere (and on the CPU)
+    a second pass over the rows computes it.
 
     Args:
       lhs: ``[M, K]`` float32, bfloat16 or float16.
