@@ -97,9 +97,10 @@ fn transposed_out_rows(shape: &GroupedShape) -> Result<u64> {
 const FP8_TRANSPOSED_SCALE_BYTES: u32 = 2 * FP8_BLOCK * 4;
 
 /// Whether a product of `shape` can take a Hopper kernel on `device`: an
-/// sm_90a GPU, a contraction, and local groups that the kernels' tables hold.
+/// sm_90a GPU, a contraction, and local groups that the kernels' tables hold
+/// (at least one: a tensor map has no dimension of 0).
 fn on_hopper(device: &Device, shape: &GroupedShape) -> bool {
-    shape.k > 0 && shape.local_groups <= MAX_LOCAL_GROUPS && device.architecture.0 == "sm_90a"
+    shape.k > 0 && (1..=MAX_LOCAL_GROUPS).contains(&shape.local_groups) && device.architecture.0 == "sm_90a"
 }
 
 /// Whether a 16-bit product takes the Hopper kernels: rows of multiples of 16
