@@ -1,7 +1,7 @@
 """The MoE layer's up projection with its SwiGLU, three ways, at the benchmark's layer shapes:
 
 - ``ragged_dot``: the product alone, ``[M, H] x [E, H, 2F]`` (the floor of the other two);
-- ``unfused``: the product, then the activation as the layer's forward computed it before
+- ``unfused``: the product, then the activation as the layer's forward computes it
   (``silu(gate) * up`` in float32 from the bf16 product, rounded: one XLA pass reading
   ``[M, 2F]`` and writing ``[M, F]``);
 - ``fused``: :func:`oxmoe.grouped_gemm.ragged_dot_activation`, both results from one kernel
