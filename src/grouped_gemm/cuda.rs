@@ -243,11 +243,21 @@ struct ChunkMaps {
 }
 
 pub fn ragged_dot(stream: Stream, a: &RaggedDot) -> Result<()> {
+    let Some(g) = writes_something(a)? else { return Ok(()) };
     let device = stream.device()?;
     if takes_hopper(&device, a.lhs.dtype(), &a.shape) {
-        return ragged_dot_hopper(stream, &device, a, None);
+        return ragged_dot_hopper(stream, &device, a, &g, None);
     }
-    ragged_dot_simt(stream, a)
+    ragged_dot_simt(stream, a, &g)
+}
+
+/// The group arguments of a ragged_dot call that writes something (rows and
+/// columns), else None.
+fn writes_something(a: &RaggedDot) -> Result<Option<Groups>> {
+    if a.shape.m == 0 || a.shape.n == 0 {
+        return Ok(None);
+    }
+    Groups::of(&a.shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr()).map(Some)
 }
 
 /// The hidden activation ragged_dot_activation writes after its product
@@ -264,23 +274,21 @@ struct Epilogue {
 /// `activation_fwd` over its rows.
 pub fn ragged_dot_activation(stream: Stream, a: &RaggedDotActivation) -> Result<()> {
     let product = &a.product;
+    let Some(g) = writes_something(product)? else { return Ok(()) };
     let device = stream.device()?;
     if takes_hopper(&device, product.lhs.dtype(), &product.shape) && a.features.is_multiple_of(8) {
         let epilogue = Epilogue { activation: a.activation, features: a.features, hidden: a.hidden.device_ptr() };
-        return ragged_dot_hopper(stream, &device, product, Some(epilogue));
+        return ragged_dot_hopper(stream, &device, product, &g, Some(epilogue));
     }
     ragged_dot(stream, product)?;
     activation::cuda::activation_fwd(stream, product.lhs.dtype(), a.activation, product.shape.m, a.features,
                                      product.out.device_ptr(), a.hidden.device_ptr())
 }
 
-fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, epilogue: Option<Epilogue>) -> Result<()> {
+fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups, epilogue: Option<Epilogue>)
+                     -> Result<()> {
     let shape = &a.shape;
-    if shape.m == 0 || shape.n == 0 {
-        return Ok(());
-    }
     let (dtype, out_dtype) = (a.lhs.dtype(), a.out.dtype());
-    let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
     let [m, k, n] = g.dims;
     let (lhs, rhs, out) = (a.lhs.device_ptr(), a.rhs.device_ptr(), a.out.device_ptr());
     let bn = block_n(shape.n);
@@ -316,13 +324,9 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, epilogue: O
     ])
 }
 
-fn ragged_dot_simt(stream: Stream, a: &RaggedDot) -> Result<()> {
+fn ragged_dot_simt(stream: Stream, a: &RaggedDot, g: &Groups) -> Result<()> {
     let shape = &a.shape;
-    if shape.m == 0 || shape.n == 0 {
-        return Ok(());
-    }
     let (dtype, out_dtype) = (a.lhs.dtype(), a.out.dtype());
-    let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
     let [m, k, n] = g.dims;
     let (lhs, rhs, out) = (a.lhs.device_ptr(), a.rhs.device_ptr(), a.out.device_ptr());
     let rows = chunk_bounds(stream, shape, g.sizes, g.offset, &[shape.m], a.workspace.device_ptr())?;
