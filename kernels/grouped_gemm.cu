@@ -521,12 +521,20 @@ __device__ __forceinline__ void store_tile(const float* d, unsigned short* stagi
   }
 }
 
-// Writes a consumer warpgroup's 64 x WIDTH sums (a thread's first WIDTH / 2)
-// as 16-bit O into `boxes`: WIDTH / 64 boxes of 64 x 64, laid out as a
-// 128-byte-swizzled tensor map wants, visible to TMA once the warpgroup has
-// fenced and met.
-template <typename O, int WIDTH>
-__device__ __forceinline__ void stage_boxes(const float* sums, unsigned char* boxes) {
+// The thread of a consumer warpgroup that issues its tiles' bulk stores.
+__device__ __forceinline__ bool stores_tiles_in_bulk() { return threadIdx.x % 128 == 0; }
+
+// One round of a consumer warpgroup's bulk stores: once its previous round
+// has read `boxes` (its staging), the warpgroup writes its 64 x WIDTH sums
+// (a thread's first WIDTH / 2) there as 16-bit O, WIDTH / 64 boxes of 64 x
+// 64 laid out as a 128-byte-swizzled tensor map wants, and its leader hands
+// each to store_box(box, its shared memory), one bulk group: the warpgroup
+// goes on without waiting for the stores.
+template <typename O, int WIDTH, typename StoreBox>
+__device__ __forceinline__ void store_in_boxes(const float* sums, unsigned char* boxes, StoreBox store_box) {
+  const bool leader = stores_tiles_in_bulk();
+  if (leader) bulk_wait_read();
+  staging_sync();
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
 #pragma unroll
   for (int i = 0; i < WIDTH / 8; ++i) {
@@ -540,10 +548,13 @@ __device__ __forceinline__ void stage_boxes(const float* sums, unsigned char* bo
     }
   }
   fence_async_shared();
+  staging_sync();
+  if (leader) {
+#pragma unroll
+    for (int box = 0; box < WIDTH / 64; ++box) store_box(box, boxes + box * CHUNK_BYTES);
+    bulk_commit();
+  }
 }
-
-// The thread of a consumer warpgroup that issues its tiles' bulk stores.
-__device__ __forceinline__ bool stores_tiles_in_bulk() { return threadIdx.x % 128 == 0; }
 
 // Stores a consumer warpgroup's 64 x BN sums of a tile at (row0, col0) of out
 // (row stride n): rows below row_end. When all 64 rows are the tile's (none
@@ -559,22 +570,15 @@ __device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::B
                                                    int n) {
   static_assert(64 * Config::OUT_PITCH * 2 % 1024 == 0, "each warpgroup's staging 1024-byte aligned, as the swizzle wants");
   static_assert(Config::BN / 64 * CHUNK_BYTES <= 64 * Config::OUT_PITCH * 2, "the boxes fit a warpgroup's staging");
-  const bool leader = stores_tiles_in_bulk();
-  if (leader) bulk_wait_read();
   if constexpr (sizeof(O) == 2) {
     if (row0 + 64 <= row_end) {
-      unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
-      staging_sync();
-      stage_boxes<O, Config::BN>(sums, boxes);
-      staging_sync();
-      if (leader) {
-#pragma unroll
-        for (int box = 0; box < Config::BN / 64; ++box) tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
-        bulk_commit();
-      }
+      store_in_boxes<O, Config::BN>(sums, reinterpret_cast<unsigned char*>(staging), [&](int box, const void* src) {
+        tma_store(out_map, src, col0 + 64 * box, row0);
+      });
       return;
     }
   }
+  if (stores_tiles_in_bulk()) bulk_wait_read();
   store_tile<O, Config::BN, Config::OUT_PITCH>(sums, staging, out, row0, row_end, col0, n, n);
 }
 
@@ -625,36 +629,20 @@ __device__ __forceinline__ void store_activated_tile(float (&sums)[Config::BN / 
   constexpr int BN = Config::BN, PITCH = Config::OUT_PITCH;
   constexpr bool GATED = is_gated(ACTIVATION);
   constexpr int W = GATED ? BN / 2 : BN;
-  const bool leader = stores_tiles_in_bulk();
-  if (leader) bulk_wait_read();
   if (row0 + 64 <= row_end) {
     unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
-    staging_sync();
-    stage_boxes<O, BN>(sums, boxes);
-    staging_sync();
-    if (leader) {
-#pragma unroll
-      for (int box = 0; box < BN / 64; ++box) {
-        if constexpr (GATED) {
-          tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * (box % (W / 64)), box / (W / 64), row0);
-        } else {
-          tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
-        }
+    store_in_boxes<O, BN>(sums, boxes, [&](int box, const void* src) {
+      if constexpr (GATED) {
+        tma_store(out_map, src, col0 + 64 * (box % (W / 64)), box / (W / 64), row0);
+      } else {
+        tma_store(out_map, src, col0 + 64 * box, row0);
       }
-      bulk_commit();
-    }
+    });
     activate<O, ACTIVATION, W>(sums);
-    if (leader) bulk_wait_read();
-    staging_sync();
-    stage_boxes<O, W>(sums, boxes);
-    staging_sync();
-    if (leader) {
-#pragma unroll
-      for (int box = 0; box < W / 64; ++box) tma_store(hidden_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
-      bulk_commit();
-    }
+    store_in_boxes<O, W>(sums, boxes, [&](int box, const void* src) { tma_store(hidden_map, src, col0 + 64 * box, row0); });
     return;
   }
+  if (stores_tiles_in_bulk()) bulk_wait_read();
   if constexpr (GATED) {
     store_tile<O, W, PITCH>(sums, staging, out, row0, row_end, col0, features, 2 * features);
     store_tile<O, W, PITCH>(sums + W / 2, staging, out + features, row0, row_end, col0, features, 2 * features);
