@@ -76,6 +76,16 @@ impl Activation {
         }
     }
 
+    /// The hidden activation's columns of an up projection's output of
+    /// `input_columns`: half of them when gated (`input_columns`' inverse).
+    pub fn hidden_columns(self, input_columns: usize) -> usize {
+        if self.gated() {
+            input_columns / 2
+        } else {
+            input_columns
+        }
+    }
+
     /// The up projection's output columns per hidden column: 2 when gated.
     pub fn input_columns(self, features: usize) -> usize {
         if self.gated() {

@@ -261,10 +261,9 @@ fn writes_something(a: &RaggedDot) -> Result<Option<Groups>> {
 }
 
 /// The hidden activation ragged_dot_activation writes after its product
-/// (from the Hopper kernel's epilogue): `F` columns at `hidden`.
+/// (from the Hopper kernel's epilogue), at `hidden`.
 struct Epilogue {
     activation: Activation,
-    features: usize,
     hidden: u64,
 }
 
@@ -276,12 +275,17 @@ pub fn ragged_dot_activation(stream: Stream, a: &RaggedDotActivation) -> Result<
     let product = &a.product;
     let Some(g) = writes_something(product)? else { return Ok(()) };
     let device = stream.device()?;
-    if takes_hopper(&device, product.lhs.dtype(), &product.shape) && a.features.is_multiple_of(8) {
-        let epilogue = Epilogue { activation: a.activation, features: a.features, hidden: a.hidden.device_ptr() };
-        return ragged_dot_hopper(stream, &device, product, &g, Some(epilogue));
+    let features = a.features();
+    if takes_hopper(&device, product.lhs.dtype(), &product.shape) {
+        if features.is_multiple_of(8) {
+            let epilogue = Epilogue { activation: a.activation, hidden: a.hidden.device_ptr() };
+            return ragged_dot_hopper(stream, &device, product, &g, Some(epilogue));
+        }
+        ragged_dot_hopper(stream, &device, product, &g, None)?;
+    } else {
+        ragged_dot_simt(stream, product, &g)?;
     }
-    ragged_dot(stream, product)?;
-    activation::cuda::activation_fwd(stream, product.lhs.dtype(), a.activation, product.shape.m, a.features,
+    activation::cuda::activation_fwd(stream, product.lhs.dtype(), a.activation, product.shape.m, features,
                                      product.out.device_ptr(), a.hidden.device_ptr())
 }
 
@@ -294,9 +298,10 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
     let bn = block_n(shape.n);
     let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
     // A tile's columns: of the hidden activation with an epilogue (half the
-    // product's, gated), and the columns they tile.
+    // product's, gated), and the columns they tile (the hidden activation's).
     let gated = epilogue.as_ref().is_some_and(|e| e.activation.gated());
-    let (width, columns) = if gated { (bn / 2, shape.n / 2) } else { (bn, shape.n) };
+    let columns = epilogue.as_ref().map_or(shape.n, |e| e.activation.hidden_columns(shape.n));
+    let width = if gated { bn / 2 } else { bn };
     let cluster = ragged_dot_cluster(device, columns, width);
     // Each block of a cluster loads its share of the A tile's rows for all.
     let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, BLOCK_M / cluster])?;
@@ -313,7 +318,7 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
         out_map(out_dtype, out, n64, m64)?
     };
     let (hidden, hidden_map) = match &epilogue {
-        Some(e) => (e.hidden, TensorMap::tiled_16bit(e.hidden, &[e.features as u64, m64], &[64, 64])?),
+        Some(e) => (e.hidden, TensorMap::tiled_16bit(e.hidden, &[columns as u64, m64], &[64, 64])?),
         None => (0, TensorMap::unused()),
     };
     let activation = epilogue.map(|e| e.activation);

@@ -46,7 +46,8 @@ fn ragged_dot_cpu(op: RaggedDot) -> Result<()> {
 }
 
 fn ragged_dot_activation_cpu(op: RaggedDotActivation) -> Result<()> {
-    let RaggedDotActivation { product, activation, features, hidden } = op;
+    let features = op.features();
+    let RaggedDotActivation { product, activation, hidden } = op;
     let (sizes, offset) = (product.group_sizes.slice::<i32>()?, product.group_offset.slice::<i32>()?[0]);
     with_real_type!(product.lhs.dtype(), T => {
         let pre_activation = product.out.slice_mut::<T>()?;

@@ -112,8 +112,6 @@ pub struct RaggedDotActivation<'a> {
     /// The product; its `out` is the pre-activation.
     pub product: RaggedDot<'a>,
     pub activation: Activation,
-    /// `F`: the hidden activation's columns.
-    pub features: usize,
     pub hidden: Ret<'a>,
 }
 
@@ -128,16 +126,21 @@ impl<'a> RaggedDotActivation<'a> {
         if activation.gated() && n % 2 != 0 {
             invalid!("rhs has {n} columns, but {:?} takes [gate, up]: an even number", activation.name())
         }
-        let features = if activation.gated() { n / 2 } else { n };
         let (group_sizes, group_offset, groups) = decode_ragged_groups(call, 2, local_groups)?;
         let out = call.ret(0, "pre_activation")?;
         out.expect(&[dtype], &[m, n])?;
         let hidden = call.ret(1, "hidden")?;
+        let features = activation.hidden_columns(n);
         hidden.expect(&[dtype], &[m, features])?;
         let workspace = call.workspace(2, workspace_bytes(1, local_groups))?;
         let shape = GroupedShape { m, k, n, groups, local_groups };
         let product = RaggedDot { shape, rhs_transposed: false, lhs, rhs, group_sizes, group_offset, out, workspace };
-        Ok(Self { product, activation, features, hidden })
+        Ok(Self { product, activation, hidden })
+    }
+
+    /// `F`: the hidden activation's columns.
+    pub fn features(&self) -> usize {
+        self.activation.hidden_columns(self.product.shape.n)
     }
 }
 
