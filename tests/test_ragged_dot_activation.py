@@ -126,7 +126,7 @@ def test_vjp_is_plain_jax_s_in_float32(activation, rng, seed):
     ((jnp.zeros((4, 8)), jnp.zeros((2, 8, 7)), jnp.array([2, 2])), {}, ValueError,
      r"rhs must have an even number of columns N = 2F \(\[gate, up\]\) for 'swiglu', got \(2, 8, 7\)"),
     ((jnp.zeros((4, 8)), jnp.zeros((2, 6, 8)), jnp.array([2, 2])), {}, ValueError,
-     r"rhs must have shape \[groups, K, N\] with K = 8 \(lhs's second dimension\), got \(2, 6, 8\)"),
+     r"rhs must be \[groups, K, N\] with K = 8 \(lhs's second dimension\), got \(2, 6, 8\)"),
     ((jnp.zeros((4, 8)), jnp.zeros((2, 8, 8), jnp.bfloat16), jnp.array([2, 2])), {}, TypeError,
      r"rhs must have lhs's dtype float32, got bfloat16"),
     ((jnp.zeros((2, 4, 8)), jnp.zeros((2, 8, 8)), jnp.array([2, 2])), {}, ValueError,

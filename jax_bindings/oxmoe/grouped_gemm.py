@@ -210,25 +210,12 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
       float32; every other row (other groups, rows past the groups' total) is
       zero. Differentiable in ``lhs`` and ``rhs``.
     """
-    check_array("lhs", lhs)
-    check_array("rhs", rhs)
-    check_float_dtype("lhs", lhs)
-    check_float_dtype("rhs", rhs)
-    if lhs.ndim != 2:
-        raise ValueError(f"lhs must have shape [M, K], got {tuple(lhs.shape)}")
     _check_precision(precision)
     if out_sharding is not None:
         raise ValueError(f"out_sharding is not supported by oxmoe.ragged_dot (None only), got {out_sharding!r}; "
                          "shard the result with jax.lax.with_sharding_constraint or jax.sharding.reshard")
     rhs_transposed = check_bool("rhs_transposed", rhs_transposed)
-    if rhs.ndim != 3:
-        raise ValueError(f"rhs must have shape [groups, K, N] (or [groups, N, K] with rhs_transposed), "
-                         f"got {tuple(rhs.shape)}")
-    m, k = lhs.shape
-    rhs_k = rhs.shape[2] if rhs_transposed else rhs.shape[1]
-    if rhs_k != k:
-        layout = "[groups, N, K]" if rhs_transposed else "[groups, K, N]"
-        raise ValueError(f"rhs must be {layout} with K = {k} (lhs's second dimension), got {tuple(rhs.shape)}")
+    m, _ = _check_operands(lhs, rhs, rhs_transposed)
     _, sizes, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", (m,))
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     out_dtype = _ragged_dot_out_dtype(preferred_element_type, lhs.dtype, rhs.dtype)
@@ -284,15 +271,7 @@ def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, 
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    for name, x in (("lhs", lhs), ("rhs", rhs)):
-        check_array(name, x)
-        check_float_dtype(name, x)
-    if lhs.ndim != 2:
-        raise ValueError(f"lhs must have shape [M, K], got {tuple(lhs.shape)}")
-    m, k = lhs.shape
-    if rhs.ndim != 3 or rhs.shape[1] != k:
-        raise ValueError(f"rhs must have shape [groups, K, N] with K = {k} (lhs's second dimension), "
-                         f"got {tuple(rhs.shape)}")
+    m, _ = _check_operands(lhs, rhs, rhs_transposed=False)
     if rhs.dtype != lhs.dtype:
         raise TypeError(f"rhs must have lhs's dtype {lhs.dtype}, got {rhs.dtype}")
     if gated(activation) and rhs.shape[2] % 2:
@@ -321,11 +300,30 @@ def _ragged_dot_activation_vjp_bwd(activation_name, residuals, grads):
     ones = jnp.ones(pre_activation.shape[:1], jnp.float32)
     through_hidden = activation_bwd(grad_hidden.astype(lhs.dtype), pre_activation, ones, activation_name).grad_pre_activation
     grad_product = (grad_pre_activation.astype(jnp.float32) + through_hidden.astype(jnp.float32)).astype(lhs.dtype)
-    _, product_vjp = jax.vjp(lambda a, b: _ragged_dot(a, b, group_sizes, group_offset, (False, lhs.dtype)), lhs, rhs)
-    return (*product_vjp(grad_product), None, None)
+    return _ragged_dot_vjp_bwd((False, lhs.dtype), (lhs, rhs, group_sizes, group_offset), grad_product)
 
 
 _ragged_dot_activation.defvjp(_ragged_dot_activation_vjp_fwd, _ragged_dot_activation_vjp_bwd)
+
+
+def _check_operands(lhs, rhs, rhs_transposed: bool) -> tuple[int, int]:
+    """A ragged product's float ``lhs [M, K]`` and ``rhs [G, K, N]`` (``[G, N, K]``
+    with ``rhs_transposed``); returns ``(M, K)``."""
+    check_array("lhs", lhs)
+    check_array("rhs", rhs)
+    check_float_dtype("lhs", lhs)
+    check_float_dtype("rhs", rhs)
+    if lhs.ndim != 2:
+        raise ValueError(f"lhs must have shape [M, K], got {tuple(lhs.shape)}")
+    if rhs.ndim != 3:
+        raise ValueError(f"rhs must have shape [groups, K, N] (or [groups, N, K] with rhs_transposed), "
+                         f"got {tuple(rhs.shape)}")
+    m, k = lhs.shape
+    rhs_k = rhs.shape[2] if rhs_transposed else rhs.shape[1]
+    if rhs_k != k:
+        layout = "[groups, N, K]" if rhs_transposed else "[groups, K, N]"
+        raise ValueError(f"rhs must be {layout} with K = {k} (lhs's second dimension), got {tuple(rhs.shape)}")
+    return m, k
 
 
 def _check_precision(precision) -> None:
