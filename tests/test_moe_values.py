@@ -37,6 +37,7 @@ import moe_reference as ref
 import router_reference as router_ref
 from oxmoe import moe as moe_lib
 from oxmoe.moe import MoEConfig, MoEParams
+from oxmoe.moe import layer as layer_lib
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 
@@ -485,3 +486,27 @@ def test_init_params_draws_each_matrix_with_variance_one_over_its_fan_in(activat
         np.testing.assert_array_equal(np.asarray(params.expert_bias), np.zeros(8, np.float32))
     else:
         assert params.expert_bias is None
+
+
+@pytest.mark.parametrize("tokens, hidden, experts", [(2048, 2048, 128), (1024, 7168, 32)])  # Qwen3's, DeepSeek-V3's
+def test_router_gradients_through_bfloat16_parts_are_float32_products(tokens, hidden, experts, seed, rng):
+    """The backward takes a bfloat16 router's gradients from the float32 logits' gradient in
+    three bfloat16 parts (tensor-core products): their sum is the gradient exactly, and the
+    products are within float32's rounding bound of float64 ones (one part alone, 8 bits,
+    would be ~2^-9 off)."""
+    to_bf16 = lambda x: jnp.asarray(x, jnp.float32).astype(jnp.bfloat16)  # noqa: E731
+    x = to_bf16(rng.standard_normal((tokens, hidden)))
+    gate = to_bf16(rng.standard_normal((hidden, experts)) / np.sqrt(hidden))
+    # Magnitudes over 2^-40 .. 2^20, both signs: every part carries bits.
+    grad_logits = (rng.choice([-1.0, 1.0], (tokens, experts)) * 2.0 ** rng.uniform(-40, 20, (tokens, experts)))
+    grad_logits = jnp.asarray(grad_logits, jnp.float32)
+    parts = np.asarray(jax.jit(layer_lib._bf16_parts)(grad_logits), np.float64)
+    np.testing.assert_array_equal(parts.reshape(tokens, 3, experts).sum(1), np.asarray(grad_logits, np.float64))
+    got_x, got_gate = jax.jit(layer_lib._router_grads)(x, gate, grad_logits)
+    x64, gate64, g64 = (np.asarray(a, np.float64) for a in (x, gate, grad_logits))
+    for name, got, want, bound in (("tokens", got_x, g64 @ gate64.T, np.abs(g64) @ np.abs(gate64.T)),
+                                   ("gate", got_gate, x64.T @ g64, np.abs(x64.T) @ np.abs(g64))):
+        depth = 3 * experts if name == "tokens" else tokens  # the float32 sums' length
+        error = np.abs(np.asarray(got, np.float64) - want)
+        assert got.dtype == jnp.float32
+        assert np.all(error <= depth * 2.0 ** -24 * bound), (name, seed, float((error / bound).max()))

@@ -72,6 +72,34 @@ def _f32_dot(a, b):
     return jnp.dot(a, b, preferred_element_type=_F32, precision=precision)
 
 
+def _bf16_parts(x):
+    """float32 ``x [..., n]`` → bfloat16 ``[..., 3 n]``: three parts side by side
+    whose sum is ``x`` exactly, each the next 8 of its 24 significand bits. A
+    float32 operand split so against a bfloat16 one makes its product exact
+    products summed in float32 on the tensor cores, where XLA's float32 product at
+    full precision runs on the FMA units. The parts are cut by masking bits: a
+    float32 → bfloat16 → float32 round trip is what XLA may fold away as excess
+    precision."""
+    parts = []
+    for _ in range(3):
+        head = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(x, jnp.uint32) & jnp.uint32(0xFFFF0000), _F32)
+        parts.append(head.astype(jnp.bfloat16))
+        x = x - head
+    return jnp.concatenate(parts, axis=-1)
+
+
+def _router_grads(tokens, gate, grad_logits):
+    """``(grad_tokens, grad_gate)``, float32, of ``logits = tokens @ gate`` from the
+    logits' float32 gradient. Against a bfloat16 router the gradient is split into
+    :func:`_bf16_parts` (the same sums to float32 rounding, on the tensor cores)."""
+    if gate.dtype != jnp.bfloat16:
+        return _f32_dot(grad_logits, gate.T), _f32_dot(tokens.T, grad_logits)
+    parts = _bf16_parts(grad_logits)
+    grad_tokens = _f32_dot(parts, jnp.tile(gate.T, (3, 1)))
+    grad_gate = _f32_dot(tokens.T, parts).reshape(len(gate), 3, -1).sum(1)
+    return grad_tokens, grad_gate
+
+
 def _aux_loss_config(config: MoEConfig, axes: Axes, tokens: int) -> router.AuxLossConfig:
     return router.AuxLossConfig(total_num_tokens=tokens * axes.token_shards, topk=config.topk,
                                 coeff=config.aux_loss_coeff)
@@ -775,8 +803,9 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     logits = _f32_dot(res.tokens, gate)  # as the forward computed them: cheaper than keeping [T, E] float32
     grad_logits = _route_bwd(logits, res.routing_map, res.aux_tokens_per_expert, jnp.concatenate(grad_probs),
                              grad_aux, config, axes)
-    grad_x = jnp.concatenate(grad_tokens).astype(_F32) + _f32_dot(grad_logits, gate.T)
-    grad_gate = _sum_over(_f32_dot(res.tokens.T, grad_logits), axes.token_axes)
+    grad_router_tokens, grad_gate = _router_grads(res.tokens, gate, grad_logits)
+    grad_x = jnp.concatenate(grad_tokens).astype(_F32) + grad_router_tokens
+    grad_gate = _sum_over(grad_gate, axes.token_axes)
     grad_up, grad_down = _reduce_weight_grads(grad_up, grad_down, axes)
     bias = None if params.expert_bias is None else jnp.zeros_like(params.expert_bias)
     shared = {}
