@@ -524,17 +524,11 @@ __device__ __forceinline__ void store_tile(const float* d, unsigned short* stagi
 // The thread of a consumer warpgroup that issues its tiles' bulk stores.
 __device__ __forceinline__ bool stores_tiles_in_bulk() { return threadIdx.x % 128 == 0; }
 
-// One round of a consumer warpgroup's bulk stores: once its previous round
-// has read `boxes` (its staging), the warpgroup writes its 64 x WIDTH sums
-// (a thread's first WIDTH / 2) there as 16-bit O, WIDTH / 64 boxes of 64 x
-// 64 laid out as a 128-byte-swizzled tensor map wants, and its leader hands
-// each to store_box(box, its shared memory), one bulk group: the warpgroup
-// goes on without waiting for the stores.
-template <typename O, int WIDTH, typename StoreBox>
-__device__ __forceinline__ void store_in_boxes(const float* sums, unsigned char* boxes, StoreBox store_box) {
-  const bool leader = stores_tiles_in_bulk();
-  if (leader) bulk_wait_read();
-  staging_sync();
+// Writes a consumer warpgroup's 64 x WIDTH sums (a thread's first WIDTH / 2)
+// at `boxes` as 16-bit O: WIDTH / 64 boxes of 64 x 64, laid out as a
+// 128-byte-swizzled tensor map wants.
+template <typename O, int WIDTH>
+__device__ __forceinline__ void write_boxes(const float* sums, unsigned char* boxes) {
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
 #pragma unroll
   for (int i = 0; i < WIDTH / 8; ++i) {
@@ -547,6 +541,18 @@ __device__ __forceinline__ void store_in_boxes(const float* sums, unsigned char*
           packed_pair<O>(sums[4 * i + 2 * half], sums[4 * i + 2 * half + 1]);
     }
   }
+}
+
+// One round of a consumer warpgroup's bulk stores: once its previous round
+// has read `boxes` (its staging), the warpgroup writes its sums there
+// (write_boxes) and its leader hands each box to store_box(box, its shared
+// memory), one bulk group: the warpgroup goes on without waiting for the stores.
+template <typename O, int WIDTH, typename StoreBox>
+__device__ __forceinline__ void store_in_boxes(const float* sums, unsigned char* boxes, StoreBox store_box) {
+  const bool leader = stores_tiles_in_bulk();
+  if (leader) bulk_wait_read();
+  staging_sync();
+  write_boxes<O, WIDTH>(sums, boxes);
   fence_async_shared();
   staging_sync();
   if (leader) {
@@ -596,61 +602,97 @@ __device__ __forceinline__ float epilogue_activation(float x) {
   return __fdividef(x, 1.f + __expf(-z));
 }
 
-// The hidden activation of a consumer warpgroup's sums, in place, for
-// ragged_dot_activation's epilogue: a tile of W hidden columns holds their
-// pre-activation sums, gated: the gate's W columns then the up's (a thread's
-// gate sum at i, its up sum at W / 2 + i). Each becomes act(round(gate)) *
-// round(up) (ungated: act(round(x))), round the rounding to O: the hidden
-// activation activation_bwd computes from the pre-activation this tile
-// stores, within a rounding (rounded to O when stored).
-template <typename O, int ACTIVATION, int W>
-__device__ __forceinline__ void activate(float* sums) {
-#pragma unroll
-  for (int i = 0; i < W / 2; ++i) {
-    const float value = epilogue_activation<is_gelu(ACTIVATION)>(rounded<O>(sums[i]));
-    sums[i] = is_gated(ACTIVATION) ? value * rounded<O>(sums[W / 2 + i]) : value;
+// ragged_dot_activation's epilogue is split between a consumer warpgroup and
+// a helper warp of the producer warpgroup (warp 1 for the first 64 rows of a
+// tile, warp 2 for the second): the consumers stage a tile's pre-activation
+// and go on to the next tile's main loop, the helper stores it, computes the
+// hidden activation from it and stores that (store_staged_activation). Named
+// barriers of 128 consumers and 32 helpers pass the staging between them: 5
+// and 6 once it is staged, 7 and 8 once the helper is done with it.
+__device__ __forceinline__ int staged_barrier(int half) { return 5 + half; }
+__device__ __forceinline__ int drained_barrier(int half) { return 7 + half; }
+__device__ __forceinline__ void helper_arrive(int barrier) {
+  asm volatile("bar.arrive %0, 160;" ::"r"(barrier) : "memory");
+}
+__device__ __forceinline__ void helper_wait(int barrier) { asm volatile("bar.sync %0, 160;" ::"r"(barrier) : "memory"); }
+
+// Copies rows [0, rows) of COUNT staged 64 x 64 boxes (write_boxes' layout)
+// to dst (row 0 of the tile, row stride `stride`) with a warp, 16 bytes a
+// lane: box b holds columns col0 + 64 (b % PER_HALF) of the (b / PER_HALF)-th
+// `features` columns of each row; columns from `features` on are left out.
+template <typename O, int COUNT, int PER_HALF>
+__device__ __forceinline__ void copy_staged_rows(const unsigned char* boxes, O* dst, int stride, int rows, int col0,
+                                                 int features) {
+  for (int e = threadIdx.x % 32; e < COUNT * 64 * 8; e += 32) {
+    const int box = e / 512, r = e / 8 % 64, piece = e % 8;
+    const int col = col0 + 64 * (box % PER_HALF) + 8 * piece;
+    if (r < rows && col < features)
+      *reinterpret_cast<uint4*>(dst + static_cast<size_t>(r) * stride + box / PER_HALF * features + col) =
+          *reinterpret_cast<const uint4*>(boxes + box * CHUNK_BYTES + r * 128 + (piece ^ r % 8) * 16);
   }
 }
 
-// ragged_dot_activation's epilogue: stores a consumer warpgroup's 64 rows of
-// a tile's pre-activation sums (see `activate`) at W hidden columns from
-// col0 of features, then their hidden activation. out: the pre-activation
-// [m, 2 features] (gated: out_map sees it as [m, 2, features], halves gate
-// and up) or [m, features]; hidden [m, features] (hidden_map); 64 x 64
-// boxes. Like store_tile_in_bulk, tiles whose 64 rows are all theirs leave
-// by TMA, the hidden activation in a second round of boxes that the
-// warpgroup computes while the first round is read; the others through
-// `store_tile`.
-template <typename O, typename Config, int ACTIVATION>
-__device__ __forceinline__ void store_activated_tile(float (&sums)[Config::BN / 2], unsigned short* staging,
-                                                     const TensorMap* out_map, const TensorMap* hidden_map, O* out,
-                                                     O* hidden, int row0, int row_end, int col0, int features) {
-  static_assert(sizeof(O) == 2, "16-bit outputs, as the inputs");
-  constexpr int BN = Config::BN, PITCH = Config::OUT_PITCH;
+// A helper warp's part of ragged_dot_activation's epilogue: its consumer
+// warpgroup has staged 64 rows (from row0) of a tile's pre-activation at W
+// hidden columns from col0 in `boxes` (write_boxes; gated, the gate's W / 64
+// boxes then the up's). The warp stores them in out, puts the hidden
+// activation in place of the first W / 64 boxes, act(gate) * up (ungated:
+// act(x)) rounded to O, and stores it in hidden. Rows all the tile's leave by
+// TMA (out_map, hidden_map: see ragged_dot_hopper), the others 16 bytes a
+// lane, rows below row_end. On return `boxes` is free again.
+template <typename O, int ACTIVATION, int W>
+__device__ __forceinline__ void store_staged_activation(unsigned char* boxes, const TensorMap* out_map,
+                                                        const TensorMap* hidden_map, O* out, O* hidden, int row0,
+                                                        int row_end, int col0, int features) {
   constexpr bool GATED = is_gated(ACTIVATION);
-  constexpr int W = GATED ? BN / 2 : BN;
-  if (row0 + 64 <= row_end) {
-    unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
-    store_in_boxes<O, BN>(sums, boxes, [&](int box, const void* src) {
-      if constexpr (GATED) {
-        tma_store(out_map, src, col0 + 64 * (box % (W / 64)), box / (W / 64), row0);
-      } else {
-        tma_store(out_map, src, col0 + 64 * box, row0);
+  constexpr int HIDDEN_BOXES = W / 64, BOXES = GATED ? 2 * HIDDEN_BOXES : HIDDEN_BOXES;
+  const bool whole = row0 + 64 <= row_end, leader = threadIdx.x % 32 == 0;
+  const int rows = row_end - row0, width = GATED ? 2 * features : features;
+  if (whole) {
+    if (leader) {
+#pragma unroll
+      for (int box = 0; box < BOXES; ++box) {
+        if constexpr (GATED) {
+          tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * (box % HIDDEN_BOXES), box / HIDDEN_BOXES, row0);
+        } else {
+          tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
+        }
       }
-    });
-    activate<O, ACTIVATION, W>(sums);
-    store_in_boxes<O, W>(sums, boxes, [&](int box, const void* src) { tma_store(hidden_map, src, col0 + 64 * box, row0); });
-    return;
-  }
-  if (stores_tiles_in_bulk()) bulk_wait_read();
-  if constexpr (GATED) {
-    store_tile<O, W, PITCH>(sums, staging, out, row0, row_end, col0, features, 2 * features);
-    store_tile<O, W, PITCH>(sums + W / 2, staging, out + features, row0, row_end, col0, features, 2 * features);
+      bulk_commit();
+      bulk_wait_read();  // the gate's boxes are read before they are overwritten
+    }
   } else {
-    store_tile<O, W, PITCH>(sums, staging, out, row0, row_end, col0, features, features);
+    copy_staged_rows<O, BOXES, HIDDEN_BOXES>(boxes, out + static_cast<size_t>(row0) * width, width, rows, col0,
+                                             features);
   }
-  activate<O, ACTIVATION, W>(sums);
-  store_tile<O, W, PITCH>(sums, staging, hidden, row0, row_end, col0, features, features);
+  __syncwarp();
+  for (int e = threadIdx.x % 32; e < HIDDEN_BOXES * 64 * 8; e += 32) {
+    unsigned char* piece = boxes + e / 512 * CHUNK_BYTES + e / 8 % 64 * 128 + (e % 8 ^ e / 8 % 8) * 16;
+    Pack<O, 16> x, up, h;
+    x.raw = *reinterpret_cast<const uint4*>(piece);
+    if constexpr (GATED) up.raw = *reinterpret_cast<const uint4*>(piece + HIDDEN_BOXES * CHUNK_BYTES);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float value = epilogue_activation<is_gelu(ACTIVATION)>(to_float(x.elems[i]));
+      h.elems[i] = from_float<O>(GATED ? value * to_float(up.elems[i]) : value);
+    }
+    *reinterpret_cast<uint4*>(piece) = h.raw;
+  }
+  if (whole) {
+    fence_async_shared();
+    __syncwarp();
+    if (leader) {
+#pragma unroll
+      for (int box = 0; box < HIDDEN_BOXES; ++box) tma_store(hidden_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
+      bulk_commit();
+      bulk_wait_read();
+    }
+  } else {
+    __syncwarp();
+    copy_staged_rows<O, HIDDEN_BOXES, HIDDEN_BOXES>(boxes, hidden + static_cast<size_t>(row0) * features, features,
+                                                    rows, col0, features);
+  }
+  __syncwarp();
 }
 
 // Before a consumer warpgroup exits: its last tiles' bulk stores have completed.
@@ -799,7 +841,8 @@ __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.
 // 64 boxes), F = n / 2 gated, else n. Tiles then span W = BN / 2 columns of
 // F gated, their B tiles the gate's W columns then the up's (columns F + j),
 // so that a thread holds both sums of its columns; out_map sees out as [m,
-// 2, F] when gated. See store_activated_tile.
+// 2, F] when gated. The producer warpgroup's warps 1 and 2 store each tile (see
+// store_staged_activation).
 template <typename T, typename O, bool RHS_K_MAJOR, int CLUSTER, int ACTIVATION, int BN, int STAGES,
           int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ragged_dot_hopper(
@@ -825,6 +868,23 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
 
   if (threadIdx.x < 128) {
     producer_registers();
+    if constexpr (ACTIVATED) {
+      const int warp = threadIdx.x / 32;
+      if (warp == 1 || warp == 2) {
+        const int half = warp - 1;
+        unsigned char* boxes = reinterpret_cast<unsigned char*>(s.out + half * 64 * Config::OUT_PITCH);
+        for (int t = first; t < walk.total; t += clusters) {
+          const auto tile = walk.at(t);
+          if (tile.zeros) continue;
+          helper_wait(staged_barrier(half));
+          store_staged_activation<O, ACTIVATION, W>(boxes, &out_map, &hidden_map, out, hidden, tile.row0 + half * 64,
+                                                    tile.row_end, tile.col0 + rank * W, features);
+          helper_arrive(drained_barrier(half));
+        }
+        if (threadIdx.x % 32 == 0) bulk_wait();
+        return;
+      }
+    }
     if (threadIdx.x != 0) return;
     for (int t = first; t < walk.total; t += clusters) {
       const auto tile = walk.at(t);
@@ -861,6 +921,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   consumer_registers();
   const int half = threadIdx.x / 128 - 1;  // this warpgroup's 64 rows of the tile
   float d[BN / 2];
+  bool staged = false;  // ACTIVATED: a tile is in the staging, with the helper warp
   for (int t = first; t < walk.total; t += clusters) {
     const auto tile = walk.at(t);
     const int col0 = tile.col0 + rank * W;
@@ -898,12 +959,16 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     if (k_blocks > 0) release_stage<CLUSTER>(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
     unsigned short* staging = s.out + half * 64 * Config::OUT_PITCH;
     if constexpr (ACTIVATED) {
-      store_activated_tile<O, Config, ACTIVATION>(d, staging, &out_map, &hidden_map, out, hidden, tile.row0 + half * 64,
-                                                  tile.row_end, col0, features);
+      if (staged) helper_wait(drained_barrier(half));
+      write_boxes<O, BN>(d, reinterpret_cast<unsigned char*>(staging));
+      fence_async_shared();
+      helper_arrive(staged_barrier(half));
+      staged = true;
     } else {
       store_tile_in_bulk<O, Config>(d, staging, &out_map, out, tile.row0 + half * 64, tile.row_end, col0, n);
     }
   }
+  if (staged) helper_wait(drained_barrier(half));  // (ACTIVATED) the last tile's hand-over is matched
   finish_bulk_stores();
   // No block exits while another of its cluster may still arrive on its barriers.
   if constexpr (CLUSTER > 1) cluster_sync();
