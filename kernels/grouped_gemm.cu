@@ -590,109 +590,130 @@ __device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::B
 
 // act(x) in the epilogue, without a branch: x sigmoid(z), z = x (SiLU) or
 // 2 sqrt(2 / pi) (x + 0.044715 x^3) (GELU's tanh approximation: (1 +
-// tanh(z / 2)) / 2 is sigmoid(z)), with the fast exponential and division
-// (two special-function instructions): within a few float32 ulps of
-// value_and_slope's value, where the correctly rounded reciprocal's slow
-// path, a call per value, cost the epilogue more than the pass it replaces
-// (bench/NOTES.md). Where e^-z overflows the division gives 0 (a tail below
-// 1e-36).
+// tanh(z / 2)) / 2 is sigmoid(z)), as x / (1 + 2^(-z log2 e)) with the
+// special-function unit's exponential and reciprocal: within a few float32
+// ulps of value_and_slope's value, where the correctly rounded reciprocal's
+// slow path, a call per value, cost the epilogue more than the pass it
+// replaces (bench/NOTES.md). Both flush subnormal results to zero, which
+// changes nothing here (an exponential below 2^-126 vanishes next to 1), and
+// saves their range fix-ups; where 1 + e^-z passes 2^126 the value is 0 (a
+// tail below 1e-36, as __fdividef's).
 template <bool GELU>
 __device__ __forceinline__ float epilogue_activation(float x) {
   const float z = GELU ? 2.f * GELU_SCALE * (x + GELU_CUBIC * x * x * x) : x;
-  return __fdividef(x, 1.f + __expf(-z));
+  float exponential, reciprocal;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(exponential) : "f"(z * -1.4426950408889634f));
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(reciprocal) : "f"(1.f + exponential));
+  return x * reciprocal;
 }
 
-// ragged_dot_activation's epilogue is split between a consumer warpgroup and
-// a helper warp of the producer warpgroup (warp 1 for the first 64 rows of a
-// tile, warp 2 for the second): the consumers stage a tile's pre-activation
-// and go on to the next tile's main loop, the helper stores it, computes the
-// hidden activation from it and stores that (store_staged_activation). Named
-// barriers of 128 consumers and 32 helpers pass the staging between them: 5
-// and 6 once it is staged, 7 and 8 once the helper is done with it.
-__device__ __forceinline__ int staged_barrier(int half) { return 5 + half; }
-__device__ __forceinline__ int drained_barrier(int half) { return 7 + half; }
-__device__ __forceinline__ void helper_arrive(int barrier) {
-  asm volatile("bar.arrive %0, 160;" ::"r"(barrier) : "memory");
+// ragged_dot_activation's epilogue is split between the consumers and the
+// producer warpgroup's other three warps, the helpers: the consumers stage a
+// tile's pre-activation and go on to the next tile's main loop, the helpers
+// store it, compute the hidden activation from it and store that
+// (store_staged_activation). Named barriers pass the staging between the 256
+// consumers and the 96 helpers (5: staged, 6: free again); the helpers meet at 7.
+constexpr int HELPERS = 96, STAGED_BARRIER = 5, DRAINED_BARRIER = 6, HELPERS_BARRIER = 7;
+__device__ __forceinline__ bool is_helper() { return threadIdx.x >= 32 && threadIdx.x < 32 + HELPERS; }
+__device__ __forceinline__ void named_arrive(int barrier, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
 }
-__device__ __forceinline__ void helper_wait(int barrier) { asm volatile("bar.sync %0, 160;" ::"r"(barrier) : "memory"); }
+__device__ __forceinline__ void named_sync(int barrier, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void helpers_sync() { named_sync(HELPERS_BARRIER, HELPERS); }
 
-// Copies rows [0, rows) of COUNT staged 64 x 64 boxes (write_boxes' layout)
-// to dst (row 0 of the tile, row stride `stride`) with a warp, 16 bytes a
-// lane: box b holds columns col0 + 64 (b % PER_HALF) of the (b / PER_HALF)-th
+// The shared-memory address of 16-byte piece p of row r in a 64 x 64 box
+// laid out as write_boxes does.
+__device__ __forceinline__ unsigned char* box_piece(unsigned char* box, unsigned r, unsigned p) {
+  return box + r * 128 + ((p ^ r % 8) << 4);
+}
+
+// Copies rows [0, rows) of COUNT staged 64 x 64 boxes to dst (row 0 of the
+// tile's 64 rows, row stride `stride`) with the helpers, 16 bytes a thread:
+// box b holds columns col0 + 64 (b % PER_HALF) of the (b / PER_HALF)-th
 // `features` columns of each row; columns from `features` on are left out.
 template <typename O, int COUNT, int PER_HALF>
-__device__ __forceinline__ void copy_staged_rows(const unsigned char* boxes, O* dst, int stride, int rows, int col0,
+__device__ __forceinline__ void copy_staged_rows(unsigned char* boxes, O* dst, int stride, int rows, int col0,
                                                  int features) {
-  for (int e = threadIdx.x % 32; e < COUNT * 64 * 8; e += 32) {
-    const int box = e / 512, r = e / 8 % 64, piece = e % 8;
+  for (unsigned e = threadIdx.x - 32; e < COUNT * 64 * 8; e += HELPERS) {
+    const unsigned box = e / 512, r = e / 8 % 64, piece = e % 8;
     const int col = col0 + 64 * (box % PER_HALF) + 8 * piece;
-    if (r < rows && col < features)
+    if (static_cast<int>(r) < rows && col < features)
       *reinterpret_cast<uint4*>(dst + static_cast<size_t>(r) * stride + box / PER_HALF * features + col) =
-          *reinterpret_cast<const uint4*>(boxes + box * CHUNK_BYTES + r * 128 + (piece ^ r % 8) * 16);
+          *reinterpret_cast<const uint4*>(box_piece(boxes + box * CHUNK_BYTES, r, piece));
   }
 }
 
-// A helper warp's part of ragged_dot_activation's epilogue: its consumer
-// warpgroup has staged 64 rows (from row0) of a tile's pre-activation at W
-// hidden columns from col0 in `boxes` (write_boxes; gated, the gate's W / 64
-// boxes then the up's). The warp stores them in out, puts the hidden
-// activation in place of the first W / 64 boxes, act(gate) * up (ungated:
-// act(x)) rounded to O, and stores it in hidden. Rows all the tile's leave by
-// TMA (out_map, hidden_map: see ragged_dot_hopper), the others 16 bytes a
-// lane, rows below row_end. On return `boxes` is free again.
+// The helpers' part of ragged_dot_activation's epilogue: the two consumer
+// warpgroups have staged the tile's pre-activation at W hidden columns from
+// col0, rows row0 + 64 half on at staging + half * half_bytes (write_boxes;
+// gated, the gate's W / 64 boxes then the up's). The helpers store it in out,
+// put the hidden activation in place of each half's first W / 64 boxes,
+// act(gate) * up (ungated: act(x)) rounded to O, and store it in hidden. 64
+// rows all the tile's leave by TMA (out_map, hidden_map: see
+// ragged_dot_hopper), the others 16 bytes a thread, rows below row_end. On
+// return the staging is free again.
 template <typename O, int ACTIVATION, int W>
-__device__ __forceinline__ void store_staged_activation(unsigned char* boxes, const TensorMap* out_map,
-                                                        const TensorMap* hidden_map, O* out, O* hidden, int row0,
-                                                        int row_end, int col0, int features) {
+__device__ __forceinline__ void store_staged_activation(unsigned char* staging, int half_bytes,
+                                                        const TensorMap* out_map, const TensorMap* hidden_map, O* out,
+                                                        O* hidden, int row0, int row_end, int col0, int features) {
   constexpr bool GATED = is_gated(ACTIVATION);
   constexpr int HIDDEN_BOXES = W / 64, BOXES = GATED ? 2 * HIDDEN_BOXES : HIDDEN_BOXES;
-  const bool whole = row0 + 64 <= row_end, leader = threadIdx.x % 32 == 0;
-  const int rows = row_end - row0, width = GATED ? 2 * features : features;
-  if (whole) {
+  const bool leader = threadIdx.x == 32;
+  const int width = GATED ? 2 * features : features;
+  // The pre-activation, then (once it is read) the hidden activation, of each half.
+  for (int round = 0; round < 2; ++round) {
+    const int boxes = round == 0 ? BOXES : HIDDEN_BOXES;
     if (leader) {
-#pragma unroll
-      for (int box = 0; box < BOXES; ++box) {
-        if constexpr (GATED) {
-          tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * (box % HIDDEN_BOXES), box / HIDDEN_BOXES, row0);
-        } else {
-          tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
+      for (int half = 0; half < 2; ++half) {
+        const int rows0 = row0 + 64 * half;
+        if (rows0 + 64 > row_end) continue;
+        unsigned char* at = staging + half * half_bytes;
+        for (int box = 0; box < boxes; ++box) {
+          if (round == 1) {
+            tma_store(hidden_map, at + box * CHUNK_BYTES, col0 + 64 * box, rows0);
+          } else if constexpr (GATED) {
+            tma_store(out_map, at + box * CHUNK_BYTES, col0 + 64 * (box % HIDDEN_BOXES), box / HIDDEN_BOXES, rows0);
+          } else {
+            tma_store(out_map, at + box * CHUNK_BYTES, col0 + 64 * box, rows0);
+          }
         }
       }
       bulk_commit();
-      bulk_wait_read();  // the gate's boxes are read before they are overwritten
-    }
-  } else {
-    copy_staged_rows<O, BOXES, HIDDEN_BOXES>(boxes, out + static_cast<size_t>(row0) * width, width, rows, col0,
-                                             features);
-  }
-  __syncwarp();
-  for (int e = threadIdx.x % 32; e < HIDDEN_BOXES * 64 * 8; e += 32) {
-    unsigned char* piece = boxes + e / 512 * CHUNK_BYTES + e / 8 % 64 * 128 + (e % 8 ^ e / 8 % 8) * 16;
-    Pack<O, 16> x, up, h;
-    x.raw = *reinterpret_cast<const uint4*>(piece);
-    if constexpr (GATED) up.raw = *reinterpret_cast<const uint4*>(piece + HIDDEN_BOXES * CHUNK_BYTES);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float value = epilogue_activation<is_gelu(ACTIVATION)>(to_float(x.elems[i]));
-      h.elems[i] = from_float<O>(GATED ? value * to_float(up.elems[i]) : value);
-    }
-    *reinterpret_cast<uint4*>(piece) = h.raw;
-  }
-  if (whole) {
-    fence_async_shared();
-    __syncwarp();
-    if (leader) {
-#pragma unroll
-      for (int box = 0; box < HIDDEN_BOXES; ++box) tma_store(hidden_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
-      bulk_commit();
       bulk_wait_read();
     }
-  } else {
-    __syncwarp();
-    copy_staged_rows<O, HIDDEN_BOXES, HIDDEN_BOXES>(boxes, hidden + static_cast<size_t>(row0) * features, features,
-                                                    rows, col0, features);
+    for (int half = 0; half < 2; ++half) {
+      const int rows0 = row0 + 64 * half;
+      if (rows0 + 64 <= row_end) continue;
+      unsigned char* at = staging + half * half_bytes;
+      if (round == 0) {
+        copy_staged_rows<O, BOXES, HIDDEN_BOXES>(at, out + static_cast<size_t>(rows0) * width, width, row_end - rows0,
+                                                 col0, features);
+      } else {
+        copy_staged_rows<O, HIDDEN_BOXES, HIDDEN_BOXES>(at, hidden + static_cast<size_t>(rows0) * features, features,
+                                                        row_end - rows0, col0, features);
+      }
+    }
+    if (round == 1) break;
+    helpers_sync();  // the gate's boxes are read
+    for (unsigned e = threadIdx.x - 32; e < 2 * HIDDEN_BOXES * 512; e += HELPERS) {
+      const unsigned box = e / 512;  // of both halves' hidden boxes
+      unsigned char* piece =
+          box_piece(staging + box / HIDDEN_BOXES * half_bytes + box % HIDDEN_BOXES * CHUNK_BYTES, e / 8 % 64, e % 8);
+      Pack<O, 16> x, up, h;
+      x.raw = *reinterpret_cast<const uint4*>(piece);
+      if constexpr (GATED) up.raw = *reinterpret_cast<const uint4*>(piece + HIDDEN_BOXES * CHUNK_BYTES);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float value = epilogue_activation<is_gelu(ACTIVATION)>(to_float(x.elems[i]));
+        h.elems[i] = from_float<O>(GATED ? value * to_float(up.elems[i]) : value);
+      }
+      *reinterpret_cast<uint4*>(piece) = h.raw;
+    }
+    fence_async_shared();
+    helpers_sync();  // the hidden activation is staged
   }
-  __syncwarp();
 }
 
 // Before a consumer warpgroup exits: its last tiles' bulk stores have completed.
@@ -841,7 +862,7 @@ __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.
 // 64 boxes), F = n / 2 gated, else n. Tiles then span W = BN / 2 columns of
 // F gated, their B tiles the gate's W columns then the up's (columns F + j),
 // so that a thread holds both sums of its columns; out_map sees out as [m,
-// 2, F] when gated. The producer warpgroup's warps 1 and 2 store each tile (see
+// 2, F] when gated. The producer warpgroup's warps 1-3 store each tile (see
 // store_staged_activation).
 template <typename T, typename O, bool RHS_K_MAJOR, int CLUSTER, int ACTIVATION, int BN, int STAGES,
           int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
@@ -869,19 +890,17 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   if (threadIdx.x < 128) {
     producer_registers();
     if constexpr (ACTIVATED) {
-      const int warp = threadIdx.x / 32;
-      if (warp == 1 || warp == 2) {
-        const int half = warp - 1;
-        unsigned char* boxes = reinterpret_cast<unsigned char*>(s.out + half * 64 * Config::OUT_PITCH);
+      if (is_helper()) {
         for (int t = first; t < walk.total; t += clusters) {
           const auto tile = walk.at(t);
           if (tile.zeros) continue;
-          helper_wait(staged_barrier(half));
-          store_staged_activation<O, ACTIVATION, W>(boxes, &out_map, &hidden_map, out, hidden, tile.row0 + half * 64,
-                                                    tile.row_end, tile.col0 + rank * W, features);
-          helper_arrive(drained_barrier(half));
+          named_sync(STAGED_BARRIER, 256 + HELPERS);
+          store_staged_activation<O, ACTIVATION, W>(reinterpret_cast<unsigned char*>(s.out), 64 * Config::OUT_PITCH * 2,
+                                                    &out_map, &hidden_map, out, hidden, tile.row0, tile.row_end,
+                                                    tile.col0 + rank * W, features);
+          named_arrive(DRAINED_BARRIER, 256 + HELPERS);
         }
-        if (threadIdx.x % 32 == 0) bulk_wait();
+        if (threadIdx.x == 32) bulk_wait();
         return;
       }
     }
@@ -959,16 +978,16 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     if (k_blocks > 0) release_stage<CLUSTER>(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
     unsigned short* staging = s.out + half * 64 * Config::OUT_PITCH;
     if constexpr (ACTIVATED) {
-      if (staged) helper_wait(drained_barrier(half));
+      if (staged) named_sync(DRAINED_BARRIER, 256 + HELPERS);
       write_boxes<O, BN>(d, reinterpret_cast<unsigned char*>(staging));
       fence_async_shared();
-      helper_arrive(staged_barrier(half));
+      named_arrive(STAGED_BARRIER, 256 + HELPERS);
       staged = true;
     } else {
       store_tile_in_bulk<O, Config>(d, staging, &out_map, out, tile.row0 + half * 64, tile.row_end, col0, n);
     }
   }
-  if (staged) helper_wait(drained_barrier(half));  // (ACTIVATED) the last tile's hand-over is matched
+  if (staged) named_sync(DRAINED_BARRIER, 256 + HELPERS);  // (ACTIVATED) the last tile's hand-over is matched
   finish_bulk_stores();
   // No block exits while another of its cluster may still arrive on its barriers.
   if constexpr (CLUSTER > 1) cluster_sync();
