@@ -662,58 +662,61 @@ __device__ __forceinline__ void store_staged_activation(unsigned char* staging, 
   constexpr int HIDDEN_BOXES = W / 64, BOXES = GATED ? 2 * HIDDEN_BOXES : HIDDEN_BOXES;
   const bool leader = threadIdx.x == 32;
   const int width = GATED ? 2 * features : features;
-  // The pre-activation, then (once it is read) the hidden activation, of each half.
-  for (int round = 0; round < 2; ++round) {
-    const int boxes = round == 0 ? BOXES : HIDDEN_BOXES;
-    if (leader) {
-      for (int half = 0; half < 2; ++half) {
-        const int rows0 = row0 + 64 * half;
-        if (rows0 + 64 > row_end) continue;
-        unsigned char* at = staging + half * half_bytes;
-        for (int box = 0; box < boxes; ++box) {
-          if (round == 1) {
-            tma_store(hidden_map, at + box * CHUNK_BYTES, col0 + 64 * box, rows0);
-          } else if constexpr (GATED) {
-            tma_store(out_map, at + box * CHUNK_BYTES, col0 + 64 * (box % HIDDEN_BOXES), box / HIDDEN_BOXES, rows0);
-          } else {
-            tma_store(out_map, at + box * CHUNK_BYTES, col0 + 64 * box, rows0);
-          }
-        }
+  // Stores each half's first `boxes` boxes: 64 rows all the tile's by TMA (the
+  // leader hands each box to tma(its shared memory, box, first row) and waits
+  // for the reads), the others by every helper (copy(the half's boxes, first row)).
+  auto store = [&](int boxes, auto tma, auto copy) {
+    for (int half = 0; half < 2; ++half) {
+      const int rows0 = row0 + 64 * half;
+      unsigned char* at = staging + half * half_bytes;
+      if (rows0 + 64 > row_end) {
+        copy(at, rows0);
+      } else if (leader) {
+        for (int box = 0; box < boxes; ++box) tma(at + box * CHUNK_BYTES, box, rows0);
       }
+    }
+    if (leader) {
       bulk_commit();
       bulk_wait_read();
     }
-    for (int half = 0; half < 2; ++half) {
-      const int rows0 = row0 + 64 * half;
-      if (rows0 + 64 <= row_end) continue;
-      unsigned char* at = staging + half * half_bytes;
-      if (round == 0) {
+  };
+  store(
+      BOXES,
+      [&](const unsigned char* box_at, int box, int rows0) {
+        if constexpr (GATED) {
+          tma_store(out_map, box_at, col0 + 64 * (box % HIDDEN_BOXES), box / HIDDEN_BOXES, rows0);
+        } else {
+          tma_store(out_map, box_at, col0 + 64 * box, rows0);
+        }
+      },
+      [&](unsigned char* at, int rows0) {
         copy_staged_rows<O, BOXES, HIDDEN_BOXES>(at, out + static_cast<size_t>(rows0) * width, width, row_end - rows0,
                                                  col0, features);
-      } else {
+      });
+  helpers_sync();  // the gate's boxes are read
+  for (unsigned e = threadIdx.x - 32; e < 2 * HIDDEN_BOXES * 512; e += HELPERS) {
+    const unsigned box = e / 512;  // of both halves' hidden boxes
+    unsigned char* piece =
+        box_piece(staging + box / HIDDEN_BOXES * half_bytes + box % HIDDEN_BOXES * CHUNK_BYTES, e / 8 % 64, e % 8);
+    Pack<O, 16> x, up, h;
+    x.raw = *reinterpret_cast<const uint4*>(piece);
+    if constexpr (GATED) up.raw = *reinterpret_cast<const uint4*>(piece + HIDDEN_BOXES * CHUNK_BYTES);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float value = epilogue_activation<is_gelu(ACTIVATION)>(to_float(x.elems[i]));
+      h.elems[i] = from_float<O>(GATED ? value * to_float(up.elems[i]) : value);
+    }
+    *reinterpret_cast<uint4*>(piece) = h.raw;
+  }
+  fence_async_shared();
+  helpers_sync();  // the hidden activation is staged
+  store(
+      HIDDEN_BOXES,
+      [&](const unsigned char* box_at, int box, int rows0) { tma_store(hidden_map, box_at, col0 + 64 * box, rows0); },
+      [&](unsigned char* at, int rows0) {
         copy_staged_rows<O, HIDDEN_BOXES, HIDDEN_BOXES>(at, hidden + static_cast<size_t>(rows0) * features, features,
                                                         row_end - rows0, col0, features);
-      }
-    }
-    if (round == 1) break;
-    helpers_sync();  // the gate's boxes are read
-    for (unsigned e = threadIdx.x - 32; e < 2 * HIDDEN_BOXES * 512; e += HELPERS) {
-      const unsigned box = e / 512;  // of both halves' hidden boxes
-      unsigned char* piece =
-          box_piece(staging + box / HIDDEN_BOXES * half_bytes + box % HIDDEN_BOXES * CHUNK_BYTES, e / 8 % 64, e % 8);
-      Pack<O, 16> x, up, h;
-      x.raw = *reinterpret_cast<const uint4*>(piece);
-      if constexpr (GATED) up.raw = *reinterpret_cast<const uint4*>(piece + HIDDEN_BOXES * CHUNK_BYTES);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float value = epilogue_activation<is_gelu(ACTIVATION)>(to_float(x.elems[i]));
-        h.elems[i] = from_float<O>(GATED ? value * to_float(up.elems[i]) : value);
-      }
-      *reinterpret_cast<uint4*>(piece) = h.raw;
-    }
-    fence_async_shared();
-    helpers_sync();  // the hidden activation is staged
-  }
+      });
 }
 
 // Before a consumer warpgroup exits: its last tiles' bulk stores have completed.
