@@ -297,8 +297,10 @@ def _activate(u, activation: str):
 
 def expert_ffn(dispatched: ExpertInput, params: MoEParams, config: MoEConfig) -> ExpertOutput:
     """Each local expert's FFN on its rows: one grouped GEMM over the fused
-    gate+up weight, the activation, one grouped GEMM over the down weight (FP8
-    products with ``config.fp8``).
+    gate+up weight with the activation (in its epilogue on Hopper,
+    :func:`oxmoe.grouped_gemm.ragged_dot_activation`), one grouped GEMM over
+    the down weight (with ``config.fp8``, FP8 products and the activation in a
+    pass of its own).
 
     Args:
       dispatched: :func:`dispatch`'s result.
@@ -351,8 +353,12 @@ def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> E
     """:func:`expert_ffn` with the forward's weights of :func:`_expert_weights`."""
     up_weight, down_weight = weights
     sizes, transposed = dispatched.group_sizes, config.fp8 is not None
-    up = _expert_product(dispatched.rows, up_weight, sizes, config, rhs_transposed=transposed)
-    rows = _expert_product(_activate(up, config.activation), down_weight, sizes, config, rhs_transposed=transposed)
+    if config.fp8 is None:
+        up, hidden = grouped_gemm.ragged_dot_activation(dispatched.rows, up_weight, sizes, config.activation)
+    else:
+        up = _expert_product(dispatched.rows, up_weight, sizes, config, rhs_transposed=True)
+        hidden = _activate(up, config.activation)
+    rows = _expert_product(hidden, down_weight, sizes, config, rhs_transposed=transposed)
     return ExpertOutput(rows, up)
 
 
