@@ -324,7 +324,8 @@ def test_each_token_chunk_travels_waiting_only_for_its_own_expert_gemms(chunks):
     conditional) exchanges token rows 4 C times, and each exchange waits for no expert GEMM
     of another chunk of its pass, so XLA may run chunk c + 1's exchange under chunk c's
     GEMMs. Counted per exchange, (forward GEMMs, backward GEMMs) it depends on, where the
-    forward's are oxmoe_ragged_dot and the backward's its rhs-transposed form (2 C each):
+    forward's are oxmoe_ragged_dot_activation and oxmoe_ragged_dot (the up and down projections)
+    and the backward's oxmoe_ragged_dot's rhs-transposed form (2 C each):
 
     - the tokens out: (0, 0), C times;
     - their results back: (2, 0), each after its own chunk's two;
@@ -341,7 +342,7 @@ def test_each_token_chunk_travels_waiting_only_for_its_own_expert_gemms(chunks):
                                        ).as_text()
     instructions, closure = entry_dependencies(hlo)
     gemms = {name: "rhs_transposed = true" in text for name, text in instructions.items()
-             if 'custom_call_target="oxmoe_ragged_dot"' in text}
+             if re.search(r'custom_call_target="oxmoe_ragged_dot(_activation)?"', text)}
     forward = {g for g, transposed in gemms.items() if not transposed}
     backward = {g for g, transposed in gemms.items() if transposed}
     assert len(forward) == len(backward) == 2 * chunks, (len(forward), len(backward))
