@@ -462,11 +462,18 @@ __device__ __forceinline__ void release_previous_stage(unsigned long long* empty
   if (has_previous) release_stage<CLUSTER>(empty, (ring.stage + stages - 1) % stages);
 }
 
+// Named barrier `barrier` of `threads` threads: wait for all of them, or
+// count this warp's arrival and go on.
+__device__ __forceinline__ void named_sync(int barrier, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(int barrier, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
+}
+
 // Waits for the rest of this consumer warpgroup at its named barrier over
 // its output staging (3 or 4).
-__device__ __forceinline__ void staging_sync() {
-  asm volatile("bar.sync %0, 128;" ::"r"(2 + threadIdx.x / 128) : "memory");
-}
+__device__ __forceinline__ void staging_sync() { named_sync(2 + threadIdx.x / 128, 128); }
 
 // Two adjacent columns' accumulators as 16-bit O, packed into one word.
 template <typename O>
@@ -477,16 +484,15 @@ __device__ __forceinline__ unsigned packed_pair(float lo, float hi) {
   return pack.raw;
 }
 
-// Stores a consumer warpgroup's 64 x BN sums (a thread's first BN / 2, in
-// wgmma's layout) at out (row stride `stride`): rows below row_end, columns
-// below n (a multiple of 8). 16-bit outputs go through the warpgroup's rows in
-// shared memory (`staging`, rows PITCH apart), so that global stores are 16
-// bytes a thread and whole rows a warp; float32 ones straight from the
-// registers, a pair of columns at a time.
-template <typename O, int BN, int PITCH>
-__device__ __forceinline__ void store_tile(const float* d, unsigned short* staging, O* out, int row0, int row_end,
-                                           int col0, int n, int stride) {
-  static_assert(BN + 8 <= PITCH, "a row of the tile fits a row of the staging");
+// Stores a consumer warpgroup's 64 x BN accumulators at out (row stride n):
+// rows below row_end, columns below n (a multiple of 8). 16-bit outputs go
+// through the warpgroup's rows in shared memory (`staging`), so that global
+// stores are 16 bytes a thread and whole rows a warp; float32 ones straight
+// from the registers, a pair of columns at a time.
+template <typename O, typename Config>
+__device__ __forceinline__ void store_tile(const float (&d)[Config::BN / 2], unsigned short* staging, O* out, int row0,
+                                           int row_end, int col0, int n) {
+  constexpr int BN = Config::BN;
   const int warp = threadIdx.x / 32 % 4, lane = threadIdx.x % 32;
   const int row = warp * 16 + lane / 4;
   if constexpr (sizeof(O) == 4) {
@@ -497,11 +503,12 @@ __device__ __forceinline__ void store_tile(const float* d, unsigned short* stagi
       for (int half = 0; half < 2; ++half) {
         const int r = row0 + row + 8 * half;
         if (col < n && r < row_end)
-          *reinterpret_cast<float2*>(out + static_cast<size_t>(r) * stride + col) =
+          *reinterpret_cast<float2*>(out + static_cast<size_t>(r) * n + col) =
               make_float2(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
       }
     }
   } else {
+    constexpr int PITCH = Config::OUT_PITCH;
     staging_sync();  // the previous tile's rows have left
 #pragma unroll
     for (int i = 0; i < BN / 8; ++i) {
@@ -515,7 +522,7 @@ __device__ __forceinline__ void store_tile(const float* d, unsigned short* stagi
     for (int e = threadIdx.x % 128; e < 64 * VECTORS; e += 128) {
       const int r = e / VECTORS, c = e % VECTORS * 8;
       if (row0 + r < row_end && col0 + c < n)
-        *reinterpret_cast<uint4*>(out + static_cast<size_t>(row0 + r) * stride + col0 + c) =
+        *reinterpret_cast<uint4*>(out + static_cast<size_t>(row0 + r) * n + col0 + c) =
             *reinterpret_cast<const uint4*>(staging + r * PITCH + c);
     }
   }
@@ -523,6 +530,13 @@ __device__ __forceinline__ void store_tile(const float* d, unsigned short* stagi
 
 // The thread of a consumer warpgroup that issues its tiles' bulk stores.
 __device__ __forceinline__ bool stores_tiles_in_bulk() { return threadIdx.x % 128 == 0; }
+
+// The shared-memory address of 16-byte piece p (columns 8p to 8p + 7) of row r
+// in a 64 x 64 box of 16-bit elements laid out as a 128-byte-swizzled tensor
+// map wants: the swizzle puts it at piece p ^ r % 8 of the row's 128 bytes.
+__device__ __forceinline__ unsigned char* box_piece(unsigned char* box, unsigned r, unsigned p) {
+  return box + r * 128 + ((p ^ r % 8) << 4);
+}
 
 // Writes a consumer warpgroup's 64 x WIDTH sums (a thread's first WIDTH / 2)
 // at `boxes` as 16-bit O: WIDTH / 64 boxes of 64 x 64, laid out as a
@@ -534,31 +548,11 @@ __device__ __forceinline__ void write_boxes(const float* sums, unsigned char* bo
   for (int i = 0; i < WIDTH / 8; ++i) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      // Columns 8i + 2 (lane % 4) and + 1 of row r: in box i / 8, 16-byte
-      // piece i % 8 of the row's 128 bytes, which the swizzle puts at i % 8 ^ r % 8.
+      // Columns 8i + 2 (lane % 4) and + 1 of row r: in box i / 8, piece i % 8.
       const int r = warp * 16 + lane / 4 + 8 * half;
-      *reinterpret_cast<unsigned*>(boxes + i / 8 * CHUNK_BYTES + r * 128 + (i % 8 ^ r % 8) * 16 + lane % 4 * 4) =
+      *reinterpret_cast<unsigned*>(box_piece(boxes + i / 8 * CHUNK_BYTES, r, i % 8) + lane % 4 * 4) =
           packed_pair<O>(sums[4 * i + 2 * half], sums[4 * i + 2 * half + 1]);
     }
-  }
-}
-
-// One round of a consumer warpgroup's bulk stores: once its previous round
-// has read `boxes` (its staging), the warpgroup writes its sums there
-// (write_boxes) and its leader hands each box to store_box(box, its shared
-// memory), one bulk group: the warpgroup goes on without waiting for the stores.
-template <typename O, int WIDTH, typename StoreBox>
-__device__ __forceinline__ void store_in_boxes(const float* sums, unsigned char* boxes, StoreBox store_box) {
-  const bool leader = stores_tiles_in_bulk();
-  if (leader) bulk_wait_read();
-  staging_sync();
-  write_boxes<O, WIDTH>(sums, boxes);
-  fence_async_shared();
-  staging_sync();
-  if (leader) {
-#pragma unroll
-    for (int box = 0; box < WIDTH / 64; ++box) store_box(box, boxes + box * CHUNK_BYTES);
-    bulk_commit();
   }
 }
 
@@ -576,16 +570,24 @@ __device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::B
                                                    int n) {
   static_assert(64 * Config::OUT_PITCH * 2 % 1024 == 0, "each warpgroup's staging 1024-byte aligned, as the swizzle wants");
   static_assert(Config::BN / 64 * CHUNK_BYTES <= 64 * Config::OUT_PITCH * 2, "the boxes fit a warpgroup's staging");
+  const bool leader = stores_tiles_in_bulk();
+  if (leader) bulk_wait_read();
   if constexpr (sizeof(O) == 2) {
     if (row0 + 64 <= row_end) {
-      store_in_boxes<O, Config::BN>(sums, reinterpret_cast<unsigned char*>(staging), [&](int box, const void* src) {
-        tma_store(out_map, src, col0 + 64 * box, row0);
-      });
+      unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
+      staging_sync();
+      write_boxes<O, Config::BN>(sums, boxes);
+      fence_async_shared();
+      staging_sync();
+      if (leader) {
+#pragma unroll
+        for (int box = 0; box < Config::BN / 64; ++box) tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
+        bulk_commit();
+      }
       return;
     }
   }
-  if (stores_tiles_in_bulk()) bulk_wait_read();
-  store_tile<O, Config::BN, Config::OUT_PITCH>(sums, staging, out, row0, row_end, col0, n, n);
+  store_tile<O, Config>(sums, staging, out, row0, row_end, col0, n);
 }
 
 // act(x) in the epilogue, without a branch: x sigmoid(z), z = x (SiLU) or
@@ -615,19 +617,9 @@ __device__ __forceinline__ float epilogue_activation(float x) {
 // consumers and the 96 helpers (5: staged, 6: free again); the helpers meet at 7.
 constexpr int HELPERS = 96, STAGED_BARRIER = 5, DRAINED_BARRIER = 6, HELPERS_BARRIER = 7;
 __device__ __forceinline__ bool is_helper() { return threadIdx.x >= 32 && threadIdx.x < 32 + HELPERS; }
-__device__ __forceinline__ void named_arrive(int barrier, int threads) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void named_sync(int barrier, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(threads) : "memory");
-}
+// The helper that issues the bulk stores.
+__device__ __forceinline__ bool leads_helpers() { return threadIdx.x == 32; }
 __device__ __forceinline__ void helpers_sync() { named_sync(HELPERS_BARRIER, HELPERS); }
-
-// The shared-memory address of 16-byte piece p of row r in a 64 x 64 box
-// laid out as write_boxes does.
-__device__ __forceinline__ unsigned char* box_piece(unsigned char* box, unsigned r, unsigned p) {
-  return box + r * 128 + ((p ^ r % 8) << 4);
-}
 
 // Copies rows [0, rows) of COUNT staged 64 x 64 boxes to dst (row 0 of the
 // tile's 64 rows, row stride `stride`) with the helpers, 16 bytes a thread:
@@ -660,7 +652,7 @@ __device__ __forceinline__ void store_staged_activation(unsigned char* staging, 
                                                         O* hidden, int row0, int row_end, int col0, int features) {
   constexpr bool GATED = is_gated(ACTIVATION);
   constexpr int HIDDEN_BOXES = W / 64, BOXES = GATED ? 2 * HIDDEN_BOXES : HIDDEN_BOXES;
-  const bool leader = threadIdx.x == 32;
+  const bool leader = leads_helpers();
   const int width = GATED ? 2 * features : features;
   // Stores each half's first `boxes` boxes: 64 rows all the tile's by TMA (the
   // leader hands each box to tma(its shared memory, box, first row) and waits
@@ -903,7 +895,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
                                                     tile.col0 + rank * W, features);
           named_arrive(DRAINED_BARRIER, 256 + HELPERS);
         }
-        if (threadIdx.x == 32) bulk_wait();
+        if (leads_helpers()) bulk_wait();
         return;
       }
     }
@@ -1011,7 +1003,7 @@ __device__ __forceinline__ void zero_rows_from(unsigned char* boxes, int chunks,
 // before any consumer warpgroup issues its wgmma.
 __device__ __forceinline__ void consumers_publish_shared() {
   fence_async_shared();
-  asm volatile("bar.sync 1, 256;" ::: "memory");
+  named_sync(1, 256);
 }
 
 // Each chunk's tensor maps: lhs [m_c, k] and rhs [m_c, n], 2-D with 64 x
