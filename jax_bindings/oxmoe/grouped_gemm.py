@@ -250,8 +250,8 @@ def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, 
     :func:`oxmoe.activation.activation_bwd` recomputes from ``u``. On a Hopper
     GPU, when the product runs on the tensor cores and ``F`` is a multiple of
     8, the activation is applied to each output tile before it leaves the
-    kernel, so ``u`` is not read back, with float32's fast exponential and
-    division (a few float32 ulps from the other paths: rarely, a value
+    kernel, so ``u`` is not read back, with the GPU's approximate exponential
+    and reciprocal (a few float32 ulps from the other paths: rarely, a value
     rounds to the neighbouring one of the dtype); elsewhere (and on the CPU)
     a second pass over the rows computes it.
 
