@@ -144,6 +144,74 @@ impl<'a> RaggedDotActivation<'a> {
     }
 }
 
+/// Bytes of `oxmoe_ragged_dot_activation_bwd`'s workspace for `rows` rows of
+/// `features` hidden columns and `local_groups` groups: a `ragged_dot`'s
+/// (padded to 16 bytes), then each row's float32 partial sums of its weight's
+/// gradient, one per [`ACTIVATION_GRAD_COLUMNS`] columns (the Hopper kernel's
+/// tiles), summed afterwards in a fixed order.
+pub fn activation_bwd_workspace_bytes(rows: usize, features: usize, local_groups: usize) -> usize {
+    partials_offset(local_groups)
+        .saturating_add(rows.saturating_mul(features.div_ceil(ACTIVATION_GRAD_COLUMNS)).saturating_mul(4))
+}
+
+/// Where the partial sums start in that workspace.
+pub fn partials_offset(local_groups: usize) -> usize {
+    workspace_bytes(1, local_groups).next_multiple_of(16)
+}
+
+/// The hidden columns of a tile of the Hopper kernel behind
+/// `oxmoe_ragged_dot_activation_bwd`.
+pub const ACTIVATION_GRAD_COLUMNS: usize = 128;
+
+/// `oxmoe_ragged_dot_activation_bwd`: grad_out [M, K], rhs [Gl, F, K] (the down
+/// projection's weights), group_sizes, group_offset, pre_activation [M, 2F]
+/// (gated) or [M, F] and row_probs [M] float32 (attribute `activation`) ->
+/// grad_pre_activation shaped as pre_activation, weighted_hidden [M, F],
+/// grad_row_probs [M] float32: `oxmoe_activation_bwd` of the product
+/// `ragged_dot(grad_out, rhs, rhs_transposed)`, all in grad_out's type.
+pub struct RaggedDotActivationBwd<'a> {
+    /// The product; its `out` is `weighted_hidden`, where the paths that do not
+    /// fuse the two put the product before the activation's backward reads it.
+    pub product: RaggedDot<'a>,
+    pub activation: Activation,
+    pub pre_activation: Arg<'a>,
+    pub row_probs: Arg<'a>,
+    pub grad_pre_activation: Ret<'a>,
+    pub grad_row_probs: Ret<'a>,
+}
+
+impl<'a> RaggedDotActivationBwd<'a> {
+    pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(6, 6)?;
+        let activation = Activation::parse(call.attr("activation")?)?;
+        let lhs = call.arg(0, "grad_out")?;
+        let dtype = lhs.expect_dtype(&FLOAT_TYPES)?;
+        let (m, k) = lhs.matrix()?;
+        let (rhs, local_groups, features) = decode_laid_out_weights(call, 1, k, dtype, true)?;
+        let (group_sizes, group_offset, groups) = decode_ragged_groups(call, 2, local_groups)?;
+        let pre_shape = [m, activation.input_columns(features)];
+        let pre_activation = call.arg(4, "pre_activation")?;
+        pre_activation.expect(&[dtype], &pre_shape)?;
+        let row_probs = call.arg(5, "row_probs")?;
+        row_probs.expect(&[DataType::F32], &[m])?;
+        let grad_pre_activation = call.ret(0, "grad_pre_activation")?;
+        grad_pre_activation.expect(&[dtype], &pre_shape)?;
+        let out = call.ret(1, "weighted_hidden")?;
+        out.expect(&[dtype], &[m, features])?;
+        let grad_row_probs = call.ret(2, "grad_row_probs")?;
+        grad_row_probs.expect(&[DataType::F32], &[m])?;
+        let workspace = call.workspace(3, activation_bwd_workspace_bytes(m, features, local_groups))?;
+        let shape = GroupedShape { m, k, n: features, groups, local_groups };
+        let product = RaggedDot { shape, rhs_transposed: true, lhs, rhs, group_sizes, group_offset, out, workspace };
+        Ok(Self { product, activation, pre_activation, row_probs, grad_pre_activation, grad_row_probs })
+    }
+
+    /// `F`: the hidden activation's columns.
+    pub fn features(&self) -> usize {
+        self.product.shape.n
+    }
+}
+
 /// One chunk of a transposed product's rows: `lhs [M_c, K]` and `rhs [M_c, N]`.
 pub struct Chunk<'a> {
     pub lhs: Arg<'a>,
