@@ -983,25 +983,18 @@ __device__ __forceinline__ Shared<Config> start_transposed(unsigned char* raw) {
   return s;
 }
 
-// Producer warpgroup: 40 registers; consumers: 232 (of 64K for 384 threads).
-// With WIDE_HELPERS (ragged_dot_activation_bwd's epilogue, whose helpers hold
-// three operands and three results; its consumers' tiles are 128 wide): 96
-// and 208.
+// Producer warpgroup: 40 registers; consumers: 232 (of 64K for 384 threads:
+// the producers give up what the consumers take, or setmaxnreg.inc waits
+// forever). With WIDE_HELPERS (ragged_dot_activation_bwd's epilogue, whose
+// helpers hold three operands and three results; its consumers' tiles are
+// 128 wide, 64 sums a thread) every warpgroup keeps the launch's 168.
 template <bool WIDE_HELPERS = false>
 __device__ __forceinline__ void producer_registers() {
-  if constexpr (WIDE_HELPERS) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 96;");
-  } else {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-  }
+  if constexpr (!WIDE_HELPERS) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
 }
 template <bool WIDE_HELPERS = false>
 __device__ __forceinline__ void consumer_registers() {
-  if constexpr (WIDE_HELPERS) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 208;");
-  } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  }
+  if constexpr (!WIDE_HELPERS) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
 }
 
 // ragged_dot on Hopper, in clusters of CLUSTER blocks (1 or 2; with 2, the
