@@ -729,62 +729,78 @@ __device__ __forceinline__ void store_staged_activation(unsigned char* staging, 
 // ragged_dot_activation_bwd's epilogue, the helpers' part of each tile: the
 // consumers have staged the tile's product (grad_hidden, rounded to O), W
 // columns of F from col0, rows row0 + 64 half on at staging + half *
-// half_bytes (write_boxes). Half by half, the helpers load the same rows and
-// columns of the pre-activation (its gate's boxes then its up's, gated) into
-// `pre`, compute activation_bwd's results from them as kernels/activation.cu
-// does, put the pre-activation's gradient in place of the pre-activation and
-// the weighted hidden activation in place of the product, and store both
-// (through out_map and hidden_map, laid out as ragged_dot_activation's; rows
-// below row_end). Each row's sum over the tile's columns goes to
-// row_partials[row * column_tiles + col0 / W], summed over the tiles
-// afterwards (sum_row_partials) so that the result is the same on every run.
+// half_bytes (write_boxes). The helpers take it a unit at a time, a 64 x 64
+// box of it (half h, box b; unit 2h + b), with the same rows and columns of
+// the pre-activation (the gate's box and the up's, gated), loaded by TMA
+// (pre_map: the pre-activation seen as out_map sees out) two units ahead into
+// one of two buffers: into the next tile's first two units while the last two
+// of this one are computed. They compute activation_bwd's results as
+// kernels/activation.cu does, put the pre-activation's gradient in place of
+// the pre-activation and the weighted hidden activation in place of the
+// product, and store both (out_map and hidden_map, laid out as
+// ragged_dot_activation's; rows below row_end). Each row's sum over the
+// tile's columns goes to row_partials[row * column_tiles + col0 / W], summed
+// over the tiles afterwards (sum_row_partials) so that the result is the same
+// on every run.
 template <typename O, int ACTIVATION, int W>
 struct ActivationGradEpilogue {
   static constexpr bool GATED = is_gated(ACTIVATION);
-  static constexpr int HALF_BOXES = W / 64, BOXES = GATED ? 2 * HALF_BOXES : HALF_BOXES;
-  // The pre-activation's boxes of 64 rows, each row's sums of a box, the loads' barrier.
-  static constexpr int BYTES = BOXES * CHUNK_BYTES + 64 * HALF_BOXES * 4 + 8;
-  unsigned char* pre;
+  static constexpr int UNIT_BOXES = GATED ? 2 : 1, UNITS = 4;
+  static constexpr int BUFFER_BYTES = UNIT_BOXES * CHUNK_BYTES;
+  // Two buffers, each row's sum of a half's two boxes, the tile's row weights, two barriers.
+  static constexpr int BYTES = 2 * BUFFER_BYTES + 64 * 2 * 4 + 128 * 4 + 2 * 8;
+  unsigned char* buffers;
   float* sums;
-  unsigned long long* loaded;
-  unsigned phase = 0;
+  float* probs;
+  unsigned long long* loaded;  // one a buffer
+  unsigned phases = 0;  // bit i: the parity buffer i waits for next
 
   __device__ explicit ActivationGradEpilogue(unsigned char* at)
-      : pre(at), sums(reinterpret_cast<float*>(at + BOXES * CHUNK_BYTES)),
-        loaded(reinterpret_cast<unsigned long long*>(at + BYTES - 8)) {}
+      : buffers(at), sums(reinterpret_cast<float*>(at + 2 * BUFFER_BYTES)), probs(sums + 128),
+        loaded(reinterpret_cast<unsigned long long*>(probs + 128)) {}
 
-  // The leader: the pre-activation's 64 rows from rows0 into `pre` (rows past
-  // m and columns past F read as 0).
-  __device__ void load(const TensorMap* pre_map, int rows0, int col0) const {
-    barrier_expect_bytes(loaded, BOXES * CHUNK_BYTES);
-#pragma unroll
-    for (int box = 0; box < BOXES; ++box) {
-      if constexpr (GATED) {
-        tma_load(pre + box * CHUNK_BYTES, pre_map, loaded, col0 + 64 * (box % HALF_BOXES), box / HALF_BOXES, rows0);
-      } else {
-        tma_load(pre + box * CHUNK_BYTES, pre_map, loaded, col0 + 64 * box, rows0);
-      }
+  // The leader: unit u's pre-activation (64 rows from row0 + 64 (u / 2), 64
+  // columns from col0 + 64 (u % 2); rows past m and columns past F read as 0)
+  // into buffer u % 2.
+  __device__ void load(const TensorMap* pre_map, int u, int row0, int col0) const {
+    unsigned char* buffer = buffers + u % 2 * BUFFER_BYTES;
+    const int rows0 = row0 + 64 * (u / 2), column = col0 + 64 * (u % 2);
+    barrier_expect_bytes(&loaded[u % 2], BUFFER_BYTES);
+    if constexpr (GATED) {
+      tma_load(buffer, pre_map, &loaded[u % 2], column, 0, rows0);
+      tma_load(buffer + CHUNK_BYTES, pre_map, &loaded[u % 2], column, 1, rows0);
+    } else {
+      tma_load(buffer, pre_map, &loaded[u % 2], column, rows0);
     }
   }
 
-  // One tile, its first half's pre-activation loading (`load`); on return the
-  // staging and `pre` are free again.
+  // Before a tile's hand-over: its 128 rows' weights (0 past row_end).
+  __device__ void load_probs(const float* row_probs, int row0, int row_end) const {
+    for (int r = threadIdx.x - 32; r < 128; r += HELPERS) probs[r] = row0 + r < row_end ? row_probs[row0 + r] : 0.f;
+  }
+
+  // One tile, its first two units loading; loads the next tile's first two
+  // (at next_row0, next_col0) when has_next. On return the staging is free.
   __device__ void run(unsigned char* staging, int half_bytes, const TensorMap* pre_map, const TensorMap* out_map,
-                      const TensorMap* hidden_map, O* out, O* hidden, const float* row_probs, float* row_partials,
-                      int column_tiles, int row0, int row_end, int col0, int features) {
+                      const TensorMap* hidden_map, O* out, O* hidden, float* row_partials, int column_tiles, int row0,
+                      int row_end, int col0, int features, bool has_next, int next_row0, int next_col0) {
+    static_assert(W == 128, "two 64-column boxes a half");
     const bool leader = leads_helpers();
     const int width = GATED ? 2 * features : features;
-    for (int half = 0; half < 2; ++half) {
-      const int rows0 = row0 + 64 * half;
-      unsigned char* product = staging + half * half_bytes;
-      barrier_wait(loaded, phase);
-      phase ^= 1;
-      for (unsigned e = threadIdx.x - 32; e < HALF_BOXES * 512; e += HELPERS) {
-        const unsigned box = e / 512, r = e / 8 % 64, piece = e % 8;
-        unsigned char* g_at = box_piece(product + box * CHUNK_BYTES, r, piece);
-        unsigned char* x_at = box_piece(pre + box * CHUNK_BYTES, r, piece);
-        unsigned char* up_at = x_at + HALF_BOXES * CHUNK_BYTES;
-        const float p = rows0 + static_cast<int>(r) < row_end ? row_probs[rows0 + r] : 0.f;
+#pragma unroll 1
+    for (int u = 0; u < UNITS; ++u) {
+      const int half = u / 2, box = u % 2, rows0 = row0 + 64 * half, column = col0 + 64 * box;
+      unsigned char* product = staging + half * half_bytes + box * CHUNK_BYTES;
+      unsigned char* pre = buffers + box * BUFFER_BYTES;
+      barrier_wait(&loaded[box], phases >> box & 1);
+      phases ^= 1u << box;
+#pragma unroll 2
+      for (unsigned e = threadIdx.x - 32; e < 512; e += HELPERS) {
+        const unsigned r = e / 8, piece = e % 8;
+        unsigned char* g_at = box_piece(product, r, piece);
+        unsigned char* x_at = box_piece(pre, r, piece);
+        unsigned char* up_at = x_at + CHUNK_BYTES;
+        const float p = probs[64 * half + r];
         Pack<O, 16> g, x, up, grad_x, grad_up, weighted;
         g.raw = *reinterpret_cast<const uint4*>(g_at);
         x.raw = *reinterpret_cast<const uint4*>(x_at);
@@ -794,11 +810,11 @@ struct ActivationGradEpilogue {
         for (int i = 0; i < 8; ++i) {
           float value, slope;
           epilogue_value_and_slope<is_gelu(ACTIVATION)>(to_float(x.elems[i]), value, slope);
-          const float u = GATED ? to_float(up.elems[i]) : 1.f, grad = to_float(g.elems[i]);
-          const float h = rounded<O>(value * u);
+          const float u_i = GATED ? to_float(up.elems[i]) : 1.f, grad = to_float(g.elems[i]);
+          const float h = rounded<O>(value * u_i);
           sum += h * grad;
           const float c = rounded<O>(grad * p);
-          grad_x.elems[i] = from_float<O>(c * u * slope);
+          grad_x.elems[i] = from_float<O>(c * u_i * slope);
           if constexpr (GATED) grad_up.elems[i] = from_float<O>(c * value);
           weighted.elems[i] = from_float<O>(h * p);
         }
@@ -808,37 +824,38 @@ struct ActivationGradEpilogue {
         // The row's 8 pieces of this box are 8 adjacent lanes: summed in a fixed order.
 #pragma unroll
         for (int offset = 4; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-        if (piece == 0) sums[r * HALF_BOXES + box] = sum;
+        if (piece == 0) sums[r * 2 + box] = sum;
       }
       fence_async_shared();
-      helpers_sync();  // the results and the sums are in shared memory
-      for (int r = threadIdx.x - 32; r < 64 && rows0 + r < row_end; r += HELPERS) {
-        float sum = 0.f;
-#pragma unroll
-        for (int box = 0; box < HALF_BOXES; ++box) sum += sums[r * HALF_BOXES + box];
-        row_partials[static_cast<size_t>(rows0 + r) * column_tiles + col0 / W] = sum;
+      helpers_sync();  // the unit's results (and its sums) are in shared memory
+      if (box == 1) {
+        for (int r = threadIdx.x - 32; r < 64 && rows0 + r < row_end; r += HELPERS)
+          row_partials[static_cast<size_t>(rows0 + r) * column_tiles + col0 / W] = sums[r * 2] + sums[r * 2 + 1];
       }
       if (rows0 + 64 > row_end) {
-        copy_staged_rows<O, BOXES, HALF_BOXES>(pre, out + static_cast<size_t>(rows0) * width, width, row_end - rows0,
-                                               col0, features);
-        copy_staged_rows<O, HALF_BOXES, HALF_BOXES>(product, hidden + static_cast<size_t>(rows0) * features, features,
-                                                    row_end - rows0, col0, features);
+        copy_staged_rows<O, UNIT_BOXES, 1>(pre, out + static_cast<size_t>(rows0) * width, width, row_end - rows0,
+                                           column, features);
+        copy_staged_rows<O, 1, 1>(product, hidden + static_cast<size_t>(rows0) * features, features, row_end - rows0,
+                                  column, features);
       } else if (leader) {
-#pragma unroll
-        for (int box = 0; box < BOXES; ++box) {
-          if constexpr (GATED) {
-            tma_store(out_map, pre + box * CHUNK_BYTES, col0 + 64 * (box % HALF_BOXES), box / HALF_BOXES, rows0);
-          } else {
-            tma_store(out_map, pre + box * CHUNK_BYTES, col0 + 64 * box, rows0);
-          }
+        if constexpr (GATED) {
+          tma_store(out_map, pre, column, 0, rows0);
+          tma_store(out_map, pre + CHUNK_BYTES, column, 1, rows0);
+        } else {
+          tma_store(out_map, pre, column, rows0);
         }
-#pragma unroll
-        for (int box = 0; box < HALF_BOXES; ++box) tma_store(hidden_map, product + box * CHUNK_BYTES, col0 + 64 * box, rows0);
+        tma_store(hidden_map, product, column, rows0);
         bulk_commit();
         bulk_wait_read();
       }
-      helpers_sync();  // `pre`, the sums and this half's staging are read
-      if (half == 0 && leader) load(pre_map, row0 + 64, col0);
+      helpers_sync();  // the buffer and the sums are read
+      if (leader) {
+        if (u + 2 < UNITS) {
+          load(pre_map, u + 2, row0, col0);
+        } else if (has_next) {
+          load(pre_map, u - 2, next_row0, next_col0);
+        }
+      }
     }
   }
 };
@@ -1054,14 +1071,20 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
       if (is_helper()) {
         GradEpilogue epilogue(s.epilogue);
         const int column_tiles = (features + W - 1) / W;
+        if (first < walk.total && leads_helpers()) {
+          const auto tile = walk.at(first);
+          epilogue.load(&pre_map, 0, tile.row0, tile.col0 + rank * W);
+          epilogue.load(&pre_map, 1, tile.row0, tile.col0 + rank * W);
+        }
         for (int t = first; t < walk.total; t += clusters) {
           const auto tile = walk.at(t);
-          const int col0 = tile.col0 + rank * W;
-          if (leads_helpers()) epilogue.load(&pre_map, tile.row0, col0);
-          named_sync(STAGED_BARRIER, 256 + HELPERS);
+          const bool has_next = t + clusters < walk.total;
+          const auto next = walk.at(has_next ? t + clusters : t);
+          epilogue.load_probs(row_probs, tile.row0, tile.row_end);
+          named_sync(STAGED_BARRIER, 256 + HELPERS);  // (and the weights are in shared memory)
           epilogue.run(reinterpret_cast<unsigned char*>(s.out), 64 * Config::OUT_PITCH * 2, &pre_map, &out_map,
-                       &hidden_map, out, hidden, row_probs, row_partials, column_tiles, tile.row0, tile.row_end, col0,
-                       features);
+                       &hidden_map, out, hidden, row_partials, column_tiles, tile.row0, tile.row_end,
+                       tile.col0 + rank * W, features, has_next, next.row0, next.col0 + rank * W);
           named_arrive(DRAINED_BARRIER, 256 + HELPERS);
         }
         if (leads_helpers()) bulk_wait();

@@ -66,11 +66,12 @@ fn hopper_layout_bytes(block_n: u32, stages: u32, epilogue: u32) -> u32 {
 }
 
 /// The shared memory of ragged_dot_activation_bwd's epilogue
-/// (`ActivationGradEpilogue::BYTES`): 64 rows of the pre-activation's tile
-/// (gate and up, gated) in 64 x 64 boxes, each row's sum per box, a barrier.
+/// (`ActivationGradEpilogue::BYTES`): two buffers of a 64 x 64 box of the
+/// pre-activation (gate and up, gated), each row's sum of a half tile's two
+/// boxes, the tile's 128 row weights, a barrier a buffer.
 fn activation_grad_epilogue_bytes(activation: Activation) -> u32 {
-    let boxes = ACTIVATION_GRAD_COLUMNS as u32 / 64 * if activation.gated() { 2 } else { 1 };
-    boxes * 64 * 128 + 64 * (ACTIVATION_GRAD_COLUMNS as u32 / 64) * 4 + 8
+    let unit_boxes = if activation.gated() { 2 } else { 1 };
+    2 * unit_boxes * 64 * 128 + 64 * 2 * 4 + 128 * 4 + 2 * 8
 }
 
 /// Stages of the FP8 Hopper kernel's ring: 128-deep blocks of 128 x 128 bytes
