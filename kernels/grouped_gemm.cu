@@ -397,9 +397,7 @@ struct Shared {
   unsigned char* a;  // STAGES x A_BYTES
   unsigned char* b;  // STAGES x B_BYTES
   unsigned short* out;  // each consumer warpgroup's 64 x OUT_PITCH output rows
-  // EPILOGUE_BYTES, 1024-byte aligned; its last 8 bytes are a barrier of one
-  // arrival (ActivationGradEpilogue's).
-  unsigned char* epilogue;
+  unsigned char* epilogue;  // EPILOGUE_BYTES, 1024-byte aligned
   unsigned long long* full;   // a stage's loads have landed
   unsigned long long* empty;  // the consumers are done with a stage
   float* scales;  // STAGES x SCALE_BYTES
@@ -428,8 +426,6 @@ struct Shared {
       barrier_init(&full[s], 1);
       barrier_init(&empty[s], CONSUMER_WARPS * Config::CLUSTER);
     }
-    if constexpr (Config::EPILOGUE_BYTES > 0)
-      barrier_init(reinterpret_cast<unsigned long long*>(epilogue + Config::EPILOGUE_BYTES - 8), 1);
     barrier_init_fence();
   }
 };
@@ -759,6 +755,17 @@ struct ActivationGradEpilogue {
       : buffers(at), sums(reinterpret_cast<float*>(at + 2 * BUFFER_BYTES)), probs(sums + 128),
         loaded(reinterpret_cast<unsigned long long*>(probs + 128)) {}
 
+  // Sets up the buffers' barriers (the helpers only use them), every helper
+  // waiting for them.
+  __device__ void init() const {
+    if (leads_helpers()) {
+      barrier_init(&loaded[0], 1);
+      barrier_init(&loaded[1], 1);
+      barrier_init_fence();
+    }
+    helpers_sync();
+  }
+
   // The leader: unit u's pre-activation (64 rows from row0 + 64 (u / 2), 64
   // columns from col0 + 64 (u % 2); rows past m and columns past F read as 0)
   // into buffer u % 2.
@@ -1070,6 +1077,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     if constexpr (GRAD) {
       if (is_helper()) {
         GradEpilogue epilogue(s.epilogue);
+        epilogue.init();
         const int column_tiles = (features + W - 1) / W;
         if (first < walk.total && leads_helpers()) {
           const auto tile = walk.at(first);
