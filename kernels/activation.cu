@@ -22,14 +22,10 @@
 
 constexpr int ACTIVATION_THREADS = 256;
 
-// grad_hidden and weighted_hidden may be the same rows (ragged_dot_activation_bwd
-// where it does not fuse the two: the product is written where the weighted
-// hidden activation goes): each element is read before it is written, and
-// neither pointer is __restrict__.
 template <typename T, int ACTIVATION, int VECTOR_BYTES, int THREADS>
 __global__ void __launch_bounds__(THREADS) activation_bwd(
-    const T* grad_hidden, const T* __restrict__ pre_activation, const float* __restrict__ row_probs,
-    int rows, int features, T* __restrict__ grad_pre_activation, T* weighted_hidden,
+    const T* __restrict__ grad_hidden, const T* __restrict__ pre_activation, const float* __restrict__ row_probs,
+    int rows, int features, T* __restrict__ grad_pre_activation, T* __restrict__ weighted_hidden,
     float* __restrict__ grad_row_probs) {
   static_assert(THREADS == ACTIVATION_THREADS, "the launch's threads are the layout's (src/activation/cuda.rs)");
   constexpr bool GATED = is_gated(ACTIVATION);

@@ -358,8 +358,7 @@ constexpr int CONSUMER_WARPS = 8;
 // shared memory it gives them. The blocks of a cluster take adjacent column
 // tiles of the same rows (a tile of the cluster, CLUSTER_BN columns wide) and
 // share the rows' A tiles: each loads its 64 rows' for all of them.
-// EPILOGUE_BYTES: shared memory of the epilogue's own (ragged_dot_activation_bwd's).
-template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_, int CLUSTER_ = 1, int EPILOGUE_BYTES_ = 0> struct HopperConfig {
+template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_, int CLUSTER_ = 1> struct HopperConfig {
   static constexpr int BN = BN_;
   static constexpr int STAGES = STAGES_;
   static constexpr int MAX_LOCAL_GROUPS = MAX_LOCAL_GROUPS_;
@@ -373,11 +372,10 @@ template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_, int CLUSTER_ = 1, int EPI
   static constexpr int OUT_PITCH = BN + 8;
   static constexpr int OUT_BYTES = 2 * 64 * OUT_PITCH * 2;
   static constexpr int SCALE_BYTES = 0;  // the stages carry no scales
-  static constexpr int EPILOGUE_BYTES = EPILOGUE_BYTES_;
-  // Alignment slack, the stages, the output rows, the epilogue's, full and
-  // empty barriers, the group tables.
+  // Alignment slack, the stages, the output rows, full and empty barriers,
+  // the group tables.
   static constexpr int SHARED_BYTES =
-      1024 + STAGES * STAGE_BYTES + OUT_BYTES + EPILOGUE_BYTES + 2 * STAGES * 8 + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
+      1024 + STAGES * STAGE_BYTES + OUT_BYTES + 2 * STAGES * 8 + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
 };
 
 // A Hopper kernel launched with THREADS threads and SHARED_BYTES of dynamic
@@ -397,7 +395,6 @@ struct Shared {
   unsigned char* a;  // STAGES x A_BYTES
   unsigned char* b;  // STAGES x B_BYTES
   unsigned short* out;  // each consumer warpgroup's 64 x OUT_PITCH output rows
-  unsigned char* epilogue;  // EPILOGUE_BYTES, 1024-byte aligned
   unsigned long long* full;   // a stage's loads have landed
   unsigned long long* empty;  // the consumers are done with a stage
   float* scales;  // STAGES x SCALE_BYTES
@@ -410,8 +407,7 @@ struct Shared {
     s.a = base;
     s.b = base + Config::STAGES * Config::A_BYTES;
     s.out = reinterpret_cast<unsigned short*>(base + Config::STAGES * Config::STAGE_BYTES);
-    s.epilogue = base + Config::STAGES * Config::STAGE_BYTES + Config::OUT_BYTES;
-    s.full = reinterpret_cast<unsigned long long*>(s.epilogue + Config::EPILOGUE_BYTES);
+    s.full = reinterpret_cast<unsigned long long*>(base + Config::STAGES * Config::STAGE_BYTES + Config::OUT_BYTES);
     s.empty = s.full + Config::STAGES;
     s.scales = reinterpret_cast<float*>(s.empty + Config::STAGES);
     s.bounds = reinterpret_cast<int*>(s.scales + Config::STAGES * Config::SCALE_BYTES / 4);
@@ -594,29 +590,23 @@ __device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::B
   store_tile<O, Config>(sums, staging, out, row0, row_end, col0, n);
 }
 
-// act(x) and act'(x) in the epilogue, without a branch: act(x) = x s, s =
-// sigmoid(z), z = x (SiLU) or 2 sqrt(2 / pi) (x + 0.044715 x^3) (GELU's tanh
-// approximation: (1 + tanh(z / 2)) / 2 is sigmoid(z)), and act'(x) = s (1 +
-// x (1 - s) z'), with s = 1 / (1 + 2^(-z log2 e)) from the special-function
-// unit's exponential and reciprocal, and 1 - s from the exponential where it
-// is at most 1 (so that neither loses its digits): within a few float32 ulps
-// of value_and_slope, where the correctly rounded reciprocal's slow path, a
-// call per value, cost the epilogue more than the pass it replaces
-// (bench/NOTES.md). Both flush subnormal results to zero, which changes
-// nothing here (an exponential below 2^-126 vanishes next to 1), and saves
-// their range fix-ups; where 1 + e^-z passes 2^126 the value is 0 (a tail
-// below 1e-36, as __fdividef's). A caller that takes only the value leaves
-// the slope dead for the compiler.
+// act(x) in the epilogue, without a branch: x sigmoid(z), z = x (SiLU) or
+// 2 sqrt(2 / pi) (x + 0.044715 x^3) (GELU's tanh approximation: (1 +
+// tanh(z / 2)) / 2 is sigmoid(z)), as x / (1 + 2^(-z log2 e)) with the
+// special-function unit's exponential and reciprocal: within a few float32
+// ulps of value_and_slope's value, where the correctly rounded reciprocal's
+// slow path, a call per value, cost the epilogue more than the pass it
+// replaces (bench/NOTES.md). Both flush subnormal results to zero, which
+// changes nothing here (an exponential below 2^-126 vanishes next to 1), and
+// saves their range fix-ups; where 1 + e^-z passes 2^126 the value is 0 (a
+// tail below 1e-36, as __fdividef's).
 template <bool GELU>
-__device__ __forceinline__ void epilogue_value_and_slope(float x, float& value, float& slope) {
+__device__ __forceinline__ float epilogue_activation(float x) {
   const float z = GELU ? 2.f * GELU_SCALE * (x + GELU_CUBIC * x * x * x) : x;
-  const float dz = GELU ? 2.f * GELU_SCALE * (1.f + 3.f * GELU_CUBIC * x * x) : 1.f;
-  float exponential, s;
+  float exponential, reciprocal;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(exponential) : "f"(z * -1.4426950408889634f));
-  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(s) : "f"(1.f + exponential));
-  const float complement = s < 0.5f ? 1.f - s : exponential * s;
-  value = x * s;
-  slope = s * (1.f + x * complement * dz);
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(reciprocal) : "f"(1.f + exponential));
+  return x * reciprocal;
 }
 
 // ragged_dot_activation's epilogue is split between the consumers and the
@@ -705,8 +695,7 @@ __device__ __forceinline__ void store_staged_activation(unsigned char* staging, 
     if constexpr (GATED) up.raw = *reinterpret_cast<const uint4*>(piece + HIDDEN_BOXES * CHUNK_BYTES);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
-      float value, slope;
-      epilogue_value_and_slope<is_gelu(ACTIVATION)>(to_float(x.elems[i]), value, slope);
+      const float value = epilogue_activation<is_gelu(ACTIVATION)>(to_float(x.elems[i]));
       h.elems[i] = from_float<O>(GATED ? value * to_float(up.elems[i]) : value);
     }
     *reinterpret_cast<uint4*>(piece) = h.raw;
@@ -720,161 +709,6 @@ __device__ __forceinline__ void store_staged_activation(unsigned char* staging, 
         copy_staged_rows<O, HIDDEN_BOXES, HIDDEN_BOXES>(at, hidden + static_cast<size_t>(rows0) * features, features,
                                                         row_end - rows0, col0, features);
       });
-}
-
-// ragged_dot_activation_bwd's epilogue, the helpers' part of each tile: the
-// consumers have staged the tile's product (grad_hidden, rounded to O), W
-// columns of F from col0, rows row0 + 64 half on at staging + half *
-// half_bytes (write_boxes). The helpers take it a unit at a time, a 64 x 64
-// box of it (half h, box b; unit 2h + b), with the same rows and columns of
-// the pre-activation (the gate's box and the up's, gated), loaded by TMA
-// (pre_map: the pre-activation seen as out_map sees out) two units ahead into
-// one of two buffers: into the next tile's first two units while the last two
-// of this one are computed. They compute activation_bwd's results as
-// kernels/activation.cu does, put the pre-activation's gradient in place of
-// the pre-activation and the weighted hidden activation in place of the
-// product, and store both (out_map and hidden_map, laid out as
-// ragged_dot_activation's; rows below row_end). Each row's sum over the
-// tile's columns goes to row_partials[row * column_tiles + col0 / W], summed
-// over the tiles afterwards (sum_row_partials) so that the result is the same
-// on every run.
-template <typename O, int ACTIVATION, int W>
-struct ActivationGradEpilogue {
-  static constexpr bool GATED = is_gated(ACTIVATION);
-  static constexpr int UNIT_BOXES = GATED ? 2 : 1, UNITS = 4;
-  static constexpr int BUFFER_BYTES = UNIT_BOXES * CHUNK_BYTES;
-  // Two buffers, each row's sum of a half's two boxes, the tile's row weights, two barriers.
-  static constexpr int BYTES = 2 * BUFFER_BYTES + 64 * 2 * 4 + 128 * 4 + 2 * 8;
-  unsigned char* buffers;
-  float* sums;
-  float* probs;
-  unsigned long long* loaded;  // one a buffer
-  unsigned phases = 0;  // bit i: the parity buffer i waits for next
-
-  __device__ explicit ActivationGradEpilogue(unsigned char* at)
-      : buffers(at), sums(reinterpret_cast<float*>(at + 2 * BUFFER_BYTES)), probs(sums + 128),
-        loaded(reinterpret_cast<unsigned long long*>(probs + 128)) {}
-
-  // Sets up the buffers' barriers (the helpers only use them), every helper
-  // waiting for them.
-  __device__ void init() const {
-    if (leads_helpers()) {
-      barrier_init(&loaded[0], 1);
-      barrier_init(&loaded[1], 1);
-      barrier_init_fence();
-    }
-    helpers_sync();
-  }
-
-  // The leader: unit u's pre-activation (64 rows from row0 + 64 (u / 2), 64
-  // columns from col0 + 64 (u % 2); rows past m and columns past F read as 0)
-  // into buffer u % 2.
-  __device__ void load(const TensorMap* pre_map, int u, int row0, int col0) const {
-    unsigned char* buffer = buffers + u % 2 * BUFFER_BYTES;
-    const int rows0 = row0 + 64 * (u / 2), column = col0 + 64 * (u % 2);
-    barrier_expect_bytes(&loaded[u % 2], BUFFER_BYTES);
-    if constexpr (GATED) {
-      tma_load(buffer, pre_map, &loaded[u % 2], column, 0, rows0);
-      tma_load(buffer + CHUNK_BYTES, pre_map, &loaded[u % 2], column, 1, rows0);
-    } else {
-      tma_load(buffer, pre_map, &loaded[u % 2], column, rows0);
-    }
-  }
-
-  // Before a tile's hand-over: its 128 rows' weights (0 past row_end).
-  __device__ void load_probs(const float* row_probs, int row0, int row_end) const {
-    for (int r = threadIdx.x - 32; r < 128; r += HELPERS) probs[r] = row0 + r < row_end ? row_probs[row0 + r] : 0.f;
-  }
-
-  // One tile, its first two units loading; loads the next tile's first two
-  // (at next_row0, next_col0) when has_next. On return the staging is free.
-  __device__ void run(unsigned char* staging, int half_bytes, const TensorMap* pre_map, const TensorMap* out_map,
-                      const TensorMap* hidden_map, O* out, O* hidden, float* row_partials, int column_tiles, int row0,
-                      int row_end, int col0, int features, bool has_next, int next_row0, int next_col0) {
-    static_assert(W == 128, "two 64-column boxes a half");
-    const bool leader = leads_helpers();
-    const int width = GATED ? 2 * features : features;
-#pragma unroll 1
-    for (int u = 0; u < UNITS; ++u) {
-      const int half = u / 2, box = u % 2, rows0 = row0 + 64 * half, column = col0 + 64 * box;
-      unsigned char* product = staging + half * half_bytes + box * CHUNK_BYTES;
-      unsigned char* pre = buffers + box * BUFFER_BYTES;
-      barrier_wait(&loaded[box], phases >> box & 1);
-      phases ^= 1u << box;
-#pragma unroll 2
-      for (unsigned e = threadIdx.x - 32; e < 512; e += HELPERS) {
-        const unsigned r = e / 8, piece = e % 8;
-        unsigned char* g_at = box_piece(product, r, piece);
-        unsigned char* x_at = box_piece(pre, r, piece);
-        unsigned char* up_at = x_at + CHUNK_BYTES;
-        const float p = probs[64 * half + r];
-        Pack<O, 16> g, x, up, grad_x, grad_up, weighted;
-        g.raw = *reinterpret_cast<const uint4*>(g_at);
-        x.raw = *reinterpret_cast<const uint4*>(x_at);
-        if constexpr (GATED) up.raw = *reinterpret_cast<const uint4*>(up_at);
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          float value, slope;
-          epilogue_value_and_slope<is_gelu(ACTIVATION)>(to_float(x.elems[i]), value, slope);
-          const float u_i = GATED ? to_float(up.elems[i]) : 1.f, grad = to_float(g.elems[i]);
-          const float h = rounded<O>(value * u_i);
-          sum += h * grad;
-          const float c = rounded<O>(grad * p);
-          grad_x.elems[i] = from_float<O>(c * u_i * slope);
-          if constexpr (GATED) grad_up.elems[i] = from_float<O>(c * value);
-          weighted.elems[i] = from_float<O>(h * p);
-        }
-        *reinterpret_cast<uint4*>(x_at) = grad_x.raw;
-        if constexpr (GATED) *reinterpret_cast<uint4*>(up_at) = grad_up.raw;
-        *reinterpret_cast<uint4*>(g_at) = weighted.raw;
-        // The row's 8 pieces of this box are 8 adjacent lanes: summed in a fixed order.
-#pragma unroll
-        for (int offset = 4; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-        if (piece == 0) sums[r * 2 + box] = sum;
-      }
-      fence_async_shared();
-      helpers_sync();  // the unit's results (and its sums) are in shared memory
-      if (box == 1) {
-        for (int r = threadIdx.x - 32; r < 64 && rows0 + r < row_end; r += HELPERS)
-          row_partials[static_cast<size_t>(rows0 + r) * column_tiles + col0 / W] = sums[r * 2] + sums[r * 2 + 1];
-      }
-      if (rows0 + 64 > row_end) {
-        copy_staged_rows<O, UNIT_BOXES, 1>(pre, out + static_cast<size_t>(rows0) * width, width, row_end - rows0,
-                                           column, features);
-        copy_staged_rows<O, 1, 1>(product, hidden + static_cast<size_t>(rows0) * features, features, row_end - rows0,
-                                  column, features);
-      } else if (leader) {
-        if constexpr (GATED) {
-          tma_store(out_map, pre, column, 0, rows0);
-          tma_store(out_map, pre + CHUNK_BYTES, column, 1, rows0);
-        } else {
-          tma_store(out_map, pre, column, rows0);
-        }
-        tma_store(hidden_map, product, column, rows0);
-        bulk_commit();
-        bulk_wait_read();
-      }
-      helpers_sync();  // the buffer and the sums are read
-      if (leader) {
-        if (u + 2 < UNITS) {
-          load(pre_map, u + 2, row0, col0);
-        } else if (has_next) {
-          load(pre_map, u - 2, next_row0, next_col0);
-        }
-      }
-    }
-  }
-};
-
-// grad_row_probs[r] = the sum of row r's `columns` partials, in order.
-extern "C" __global__ void sum_row_partials(const float* __restrict__ partials, int columns, int rows,
-                                            float* __restrict__ sums) {
-  const int r = blockIdx.x * blockDim.x + threadIdx.x;
-  if (r >= rows) return;
-  float sum = 0.f;
-  for (int c = 0; c < columns; ++c) sum += partials[static_cast<size_t>(r) * columns + c];
-  sums[r] = sum;
 }
 
 // Before a consumer warpgroup exits: its last tiles' bulk stores have completed.
@@ -1007,19 +841,9 @@ __device__ __forceinline__ Shared<Config> start_transposed(unsigned char* raw) {
   return s;
 }
 
-// Producer warpgroup: 40 registers; consumers: 232 (of 64K for 384 threads:
-// the producers give up what the consumers take, or setmaxnreg.inc waits
-// forever). With WIDE_HELPERS (ragged_dot_activation_bwd's epilogue, whose
-// helpers hold three operands and three results; its consumers' tiles are
-// 128 wide, 64 sums a thread) every warpgroup keeps the launch's 168.
-template <bool WIDE_HELPERS = false>
-__device__ __forceinline__ void producer_registers() {
-  if constexpr (!WIDE_HELPERS) asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-}
-template <bool WIDE_HELPERS = false>
-__device__ __forceinline__ void consumer_registers() {
-  if constexpr (!WIDE_HELPERS) asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-}
+// Producer warpgroup: 40 registers; consumers: 232 (of 64K for 384 threads).
+__device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;"); }
+__device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;"); }
 
 // ragged_dot on Hopper, in clusters of CLUSTER blocks (1 or 2; with 2, the
 // launch's grid is even and n spans an even number of BN-column tiles).
@@ -1035,33 +859,19 @@ __device__ __forceinline__ void consumer_registers() {
 // so that a thread holds both sums of its columns; out_map sees out as [m,
 // 2, F] when gated. The producer warpgroup's warps 1-3 store each tile (see
 // store_staged_activation).
-//
-// With GRAD (ragged_dot_activation_bwd; rhs [groups, n, k], n = F, BN 128,
-// 16-bit), the product is grad_hidden and never leaves: the helpers take
-// each tile of it with the pre-activation (pre_map: seen as out_map sees
-// out) and the rows' weights, and store the pre-activation's gradient in out
-// [m, 2F] (gated) or [m, F] and the weighted hidden activation in hidden
-// [m, F]: ActivationGradEpilogue, which also writes row_partials. Rows
-// outside every group take the same epilogue with a product of zeros.
-template <typename T, typename O, bool RHS_K_MAJOR, int CLUSTER, int ACTIVATION, bool GRAD, int BN, int STAGES,
+template <typename T, typename O, bool RHS_K_MAJOR, int CLUSTER, int ACTIVATION, int BN, int STAGES,
           int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
     int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map, O* __restrict__ hidden,
-    const __grid_constant__ TensorMap hidden_map, const __grid_constant__ TensorMap pre_map,
-    const float* __restrict__ row_probs, float* __restrict__ row_partials) {
+    const __grid_constant__ TensorMap hidden_map) {
+  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, CLUSTER>;
   constexpr bool ACTIVATED = ACTIVATION != NO_ACTIVATION, GATED = is_gated(ACTIVATION);
-  static_assert(!ACTIVATED || sizeof(O) == 2, "activations write 16-bit out");
-  static_assert(!ACTIVATED || RHS_K_MAJOR == GRAD, "the activation takes rhs [groups, k, n], its backward [groups, n, k]");
-  static_assert(!GRAD || (ACTIVATED && BN == 128), "the activation's backward runs 128-column tiles");
-  // The forward's gated B tiles hold a tile's gate columns, then its up columns.
-  constexpr bool SPLIT = GATED && !GRAD;
+  static_assert(!ACTIVATED || (!RHS_K_MAJOR && sizeof(O) == 2), "activations take rhs [groups, k, n], 16-bit out");
   // A tile's columns of the hidden activation (of out, unactivated) and F.
-  constexpr int W = SPLIT ? BN / 2 : BN;
-  const int features = SPLIT ? n / 2 : n;
-  using GradEpilogue = ActivationGradEpilogue<O, ACTIVATION, W>;
-  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, CLUSTER, GRAD ? GradEpilogue::BYTES : 0>;
+  constexpr int W = GATED ? BN / 2 : BN;
+  const int features = GATED ? n / 2 : n;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
   const Shared<Config> s =
@@ -1073,32 +883,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   Ring ring;
 
   if (threadIdx.x < 128) {
-    producer_registers<GRAD>();
-    if constexpr (GRAD) {
-      if (is_helper()) {
-        GradEpilogue epilogue(s.epilogue);
-        epilogue.init();
-        const int column_tiles = (features + W - 1) / W;
-        if (first < walk.total && leads_helpers()) {
-          const auto tile = walk.at(first);
-          epilogue.load(&pre_map, 0, tile.row0, tile.col0 + rank * W);
-          epilogue.load(&pre_map, 1, tile.row0, tile.col0 + rank * W);
-        }
-        for (int t = first; t < walk.total; t += clusters) {
-          const auto tile = walk.at(t);
-          const bool has_next = t + clusters < walk.total;
-          const auto next = walk.at(has_next ? t + clusters : t);
-          epilogue.load_probs(row_probs, tile.row0, tile.row_end);
-          named_sync(STAGED_BARRIER, 256 + HELPERS);  // (and the weights are in shared memory)
-          epilogue.run(reinterpret_cast<unsigned char*>(s.out), 64 * Config::OUT_PITCH * 2, &pre_map, &out_map,
-                       &hidden_map, out, hidden, row_partials, column_tiles, tile.row0, tile.row_end,
-                       tile.col0 + rank * W, features, has_next, next.row0, next.col0 + rank * W);
-          named_arrive(DRAINED_BARRIER, 256 + HELPERS);
-        }
-        if (leads_helpers()) bulk_wait();
-        return;
-      }
-    } else if constexpr (ACTIVATED) {
+    producer_registers();
+    if constexpr (ACTIVATED) {
       if (is_helper()) {
         for (int t = first; t < walk.total; t += clusters) {
           const auto tile = walk.at(t);
@@ -1137,7 +923,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
 #pragma unroll
           for (int j = 0; j < BN / 64; ++j) {
             // Gated, boxes W / 64 on are the up half's, F columns on.
-            const int column = SPLIT ? col0 + 64 * (j % (W / 64)) + j / (W / 64) * features : col0 + 64 * j;
+            const int column = GATED ? col0 + 64 * (j % (W / 64)) + j / (W / 64) * features : col0 + 64 * j;
             tma_load(b + j * CHUNK_BYTES, &rhs_map, full, column, kb * BLOCK_K, tile.group);
           }
         }
@@ -1146,15 +932,15 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     return;
   }
 
-  consumer_registers<GRAD>();
+  consumer_registers();
   const int half = threadIdx.x / 128 - 1;  // this warpgroup's 64 rows of the tile
   float d[BN / 2];
   bool staged = false;  // ACTIVATED: a tile is in the staging, with the helper warp
   for (int t = first; t < walk.total; t += clusters) {
     const auto tile = walk.at(t);
     const int col0 = tile.col0 + rank * W;
-    if (tile.zeros && !GRAD) {
-      if constexpr (SPLIT) {
+    if (tile.zeros) {
+      if constexpr (GATED) {
         zero_tile<O, W>(out, tile.row0, tile.row_end, col0, features, n);
         zero_tile<O, W>(out + features, tile.row0, tile.row_end, col0, features, n);
       } else {
@@ -1167,9 +953,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     // that d is dead between tiles, which keeps the consumers from spilling.
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
-    // (GRAD's tiles of zeros have no product, and take the epilogue.)
-    const int blocks = tile.zeros ? 0 : k_blocks;
-    for (int kb = 0; kb < blocks; ++kb, ring.advance<Config::STAGES>()) {
+    for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
       barrier_wait(&s.full[ring.stage], ring.phase);
       const unsigned char* a = s.a + ring.stage * Config::A_BYTES + half * (BLOCK_M / 2) * 128;
       const unsigned char* b = s.b + ring.stage * Config::B_BYTES;
@@ -1186,7 +970,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     }
     wgmma_wait<0>();
     keep_in_registers(d);
-    if (blocks > 0) release_stage<CLUSTER>(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
+    if (k_blocks > 0) release_stage<CLUSTER>(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
     unsigned short* staging = s.out + half * 64 * Config::OUT_PITCH;
     if constexpr (ACTIVATED) {
       if (staged) named_sync(DRAINED_BARRIER, 256 + HELPERS);
@@ -1341,7 +1125,6 @@ template <int STAGES_, int MAX_LOCAL_GROUPS_, int SCALE_BYTES_> struct Fp8Hopper
   static constexpr int OUT_PITCH = BN + 8;
   static constexpr int OUT_BYTES = 2 * 64 * OUT_PITCH * 2;
   static constexpr int SCALE_BYTES = SCALE_BYTES_;
-  static constexpr int EPILOGUE_BYTES = 0;
   static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + OUT_BYTES + 2 * STAGES * 8 +
                                       STAGES * SCALE_BYTES + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
 };

@@ -156,15 +156,6 @@ def aliased(target, rets, *args, **attrs):
     return jax.jit(lambda *a: call(*a, **attrs), donate_argnums=0)(*(jnp.asarray(a) for a in args))
 
 
-def _activation_bwd_rets(workspace=40):
-    """oxmoe_ragged_dot_activation_bwd's results for grad_out [6, 8], F = 4 and SwiGLU: the
-    pre-activation's gradient, the weighted hidden activation, the weights' gradient, and a
-    workspace of `workspace` bytes (the call's own: 16 for the group bounds, then 6 rows of
-    one partial sum)."""
-    return (_spec((6, 8), jnp.float32), _spec((6, 4), jnp.float32), _spec((6,), jnp.float32),
-            _spec((workspace,), jnp.uint8))
-
-
 ROWS = np.arange(6 * E, dtype=np.float32).reshape(6, E)  # [M, K] = [6, 8]
 SIZES, OFFSET = np.array([2, 4], np.int32), np.zeros((1,), np.int32)
 SPLITS, ORDER = np.array([2, 4], np.int32), np.array([1, 0], np.int32)
@@ -373,23 +364,6 @@ CASES.update({
                                                       _spec((12,), jnp.uint8)),
                       ROWS, np.ones((2, E, 8), np.float32), SIZES, OFFSET, activation="relu"),
         "oxmoe_ragged_dot_activation", [r"activation is \"relu\", expected"]),
-    # ragged_dot_activation_bwd: ROWS [6, 8] as grad_out, rhs [2, F = 4, K = 8], SwiGLU.
-    "ragged_dot_activation_bwd_without_room_for_its_partial_sums": (
-        lambda: _call("oxmoe_ragged_dot_activation_bwd", _activation_bwd_rets(workspace=12), ROWS,
-                      np.ones((2, 4, E), np.float32), SIZES, OFFSET, np.zeros((6, 8), np.float32),
-                      np.ones((6,), np.float32), activation="swiglu"),
-        "oxmoe_ragged_dot_activation_bwd",
-        [r"the workspace \(result 3\) is uint8\[12\], but this call needs uint8\[40\]"]),
-    "ragged_dot_activation_bwd_ungated_width_for_swiglu": (
-        lambda: _call("oxmoe_ragged_dot_activation_bwd", _activation_bwd_rets(), ROWS,
-                      np.ones((2, 4, E), np.float32), SIZES, OFFSET, np.zeros((6, 4), np.float32),
-                      np.ones((6,), np.float32), activation="swiglu"),
-        "oxmoe_ragged_dot_activation_bwd", [r"pre_activation has shape float32\[6, 4\], expected \[6, 8\]"]),
-    "ragged_dot_activation_bwd_row_probs_per_column": (
-        lambda: _call("oxmoe_ragged_dot_activation_bwd", _activation_bwd_rets(), ROWS,
-                      np.ones((2, 4, E), np.float32), SIZES, OFFSET, np.zeros((6, 8), np.float32),
-                      np.ones((6, 4), np.float32), activation="swiglu"),
-        "oxmoe_ragged_dot_activation_bwd", [r"row_probs has shape float32\[6, 4\], expected \[6\]"]),
     "combine_bwd_no_experts": (
         lambda: _call("oxmoe_combine_bwd", _spec((2, 3), jnp.float32), np.ones((T, 3), np.float32),
                       np.zeros((T, 0), np.int32), np.zeros((2,), np.int32)),

@@ -5,9 +5,7 @@
 ``rhs[g]``. It is the expert FFN's product after a dispatch, with the
 dispatch's ``group_sizes``. :func:`ragged_dot_activation` is the expert
 MLP's up projection: the same product and its activation (SwiGLU, ...) from
-one kernel on Hopper; :func:`ragged_dot_activation_bwd` is the down
-projection's gradient product and the activation's backward of it, from one
-kernel on Hopper too. :func:`transposed_ragged_dot` is the product of
+one kernel on Hopper. :func:`transposed_ragged_dot` is the product of
 the weight gradient: per group, the rows' outer products summed,
 ``lhs_gᵀ · rhs_g``; it also takes its rows in chunks (up to
 :data:`MAX_CHUNKS` buffers, each with its own group sizes), summing each
@@ -40,12 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe import _library
-from oxmoe.activation import ACTIVATIONS, ActivationGrads, activation_bwd, gated
+from oxmoe.activation import ACTIVATIONS, activation_bwd, gated
 from oxmoe._checks import FLOAT_DTYPES, called_eagerly, check_array, check_bool, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 
-__all__ = ["ActivatedRows", "ragged_dot", "ragged_dot_activation", "ragged_dot_activation_bwd", "transposed_ragged_dot",
-           "MAX_CHUNKS"]
+__all__ = ["ActivatedRows", "ragged_dot", "ragged_dot_activation", "transposed_ragged_dot", "MAX_CHUNKS"]
 
 DISPATCHED, WHOLE = Layout.DISPATCHED, Layout.WHOLE
 
@@ -72,17 +69,6 @@ _ragged_dot_activation_p = FfiPrimitive(
         jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype),
         jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2] // (2 if gated(activation) else 1)), lhs.dtype)],
     workspace=lambda lhs, rhs, *_, **__: _workspace_bytes(1, rhs.shape[0]))
-
-
-_ragged_dot_activation_bwd_p = FfiPrimitive(
-    "oxmoe_ragged_dot_activation_bwd", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE, DISPATCHED, DISPATCHED),
-    results=(DISPATCHED, DISPATCHED, DISPATCHED),
-    result_specs=lambda grad_out, rhs, sizes, offset, pre_activation, row_probs, **_: [
-        jax.ShapeDtypeStruct(pre_activation.shape, pre_activation.dtype),
-        jax.ShapeDtypeStruct((grad_out.shape[0], rhs.shape[1]), grad_out.dtype),
-        jax.ShapeDtypeStruct(row_probs.shape, np.float32)],
-    workspace=lambda grad_out, rhs, *_, **__: _library.workspace_bytes(
-        "oxmoe_ragged_dot_activation_bwd", grad_out.shape[0], rhs.shape[1], rhs.shape[0]))
 
 
 @functools.cache
@@ -318,63 +304,6 @@ def _ragged_dot_activation_vjp_bwd(activation_name, residuals, grads):
 
 
 _ragged_dot_activation.defvjp(_ragged_dot_activation_vjp_fwd, _ragged_dot_activation_vjp_bwd)
-
-
-def ragged_dot_activation_bwd(grad_out, rhs, group_sizes, pre_activation, row_probs, activation: str = "swiglu", *,
-                              group_offset=None) -> ActivationGrads:
-    """The expert MLP's backward through its down projection and its activation:
-    :func:`oxmoe.activation.activation_bwd` of the product ``ragged_dot(grad_out,
-    rhs, group_sizes, rhs_transposed=True)`` (each row's hidden activation's
-    gradient, ``rhs`` being the down projection's ``[G_local, F, K]`` weights),
-    with the pre-activation and the routing weights of the rows.
-
-    On a Hopper GPU, when the product runs on the tensor cores (``F`` and ``K``
-    multiples of 8), the activation's backward is applied to each tile of the
-    product inside its kernel, so the product never reaches memory, with the
-    GPU's approximate exponential and reciprocal (as
-    :func:`ragged_dot_activation`'s: a few float32 ulps from the other paths);
-    each weight's gradient is then summed over 128-column partials in a fixed
-    order, the same on every run. Elsewhere (and on the CPU) the product, then
-    :func:`oxmoe.activation.activation_bwd`. Rows outside every group in the
-    window have a product of zero, and take the activation's backward of it.
-
-    Args:
-      grad_out: ``[M, K]`` float32, bfloat16 or float16: each row's output
-        gradient before its routing weight.
-      rhs: ``[G_local, F, K]`` in ``grad_out``'s dtype: each expert's down
-        projection, multiplied transposed.
-      group_sizes: ``[G]`` integer row counts, as :func:`ragged_dot` takes them.
-      pre_activation: ``[M, 2F]`` (gated activations: gate then up) or ``[M, F]``
-        in ``grad_out``'s dtype: the up projection's output.
-      row_probs: ``[M]`` float32, each row's routing weight.
-      activation: one of :data:`oxmoe.activation.ACTIVATIONS`.
-      group_offset: optional integer scalar or ``[1]`` array, the first group
-        of the window, as :func:`ragged_dot` takes it.
-
-    Returns:
-      :class:`oxmoe.activation.ActivationGrads`, as
-      :func:`oxmoe.activation.activation_bwd` gives them. Not differentiable
-      itself.
-    """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    m, _ = _check_operands(grad_out, rhs, rhs_transposed=True)
-    if rhs.dtype != grad_out.dtype:
-        raise TypeError(f"rhs must have grad_out's dtype {grad_out.dtype}, got {rhs.dtype}")
-    features = rhs.shape[1]
-    check_array("pre_activation", pre_activation)
-    check_array("row_probs", row_probs)
-    expected = (m, 2 * features if gated(activation) else features)
-    if tuple(pre_activation.shape) != expected or pre_activation.dtype != grad_out.dtype:
-        raise ValueError(f"pre_activation must be {grad_out.dtype}{list(expected)} for {activation!r} with rhs "
-                         f"{list(rhs.shape)} ([groups, F, K]), got {pre_activation.dtype}{list(pre_activation.shape)}")
-    if tuple(row_probs.shape) != (m,) or row_probs.dtype != np.float32:
-        raise ValueError(f"row_probs must be float32[{m}] (one weight a row of grad_out), got "
-                         f"{row_probs.dtype}{list(row_probs.shape)}")
-    _, sizes, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", (m,))
-    operands = vary_alike(jnp.asarray(grad_out), jnp.asarray(rhs), sizes, offset, jnp.asarray(pre_activation),
-                          jnp.asarray(row_probs))
-    return ActivationGrads(*_ragged_dot_activation_bwd_p(*operands, activation=activation))
 
 
 def _check_operands(lhs, rhs, rhs_transposed: bool) -> tuple[int, int]:

@@ -42,45 +42,16 @@ pub fn activation_fwd(stream: Stream, dtype: DataType, activation: Activation, r
 }
 
 pub fn activation_bwd(stream: Stream, op: &ActivationBwd) -> Result<()> {
-    activation_bwd_rows(stream, &ActivationBwdRows {
-        dtype: op.grad_hidden.dtype(),
-        activation: op.activation,
-        rows: op.rows,
-        features: op.features,
-        grad_hidden: op.grad_hidden.device_ptr(),
-        pre_activation: op.pre_activation.device_ptr(),
-        row_probs: op.row_probs.device_ptr(),
-        grad_pre_activation: op.grad_pre_activation.device_ptr(),
-        weighted_hidden: op.weighted_hidden.device_ptr(),
-        grad_row_probs: op.grad_row_probs.device_ptr(),
-    })
-}
-
-/// `activation_bwd`'s operands and results at device addresses, laid out as
-/// [`ActivationBwd`] describes them. `grad_hidden` and `weighted_hidden` may
-/// be the same rows: the kernel reads each element before it writes it.
-pub struct ActivationBwdRows {
-    pub dtype: DataType,
-    pub activation: Activation,
-    pub rows: usize,
-    pub features: usize,
-    pub grad_hidden: u64,
-    pub pre_activation: u64,
-    pub row_probs: u64,
-    pub grad_pre_activation: u64,
-    pub weighted_hidden: u64,
-    pub grad_row_probs: u64,
-}
-
-pub fn activation_bwd_rows(stream: Stream, op: &ActivationBwdRows) -> Result<()> {
     if op.rows == 0 {
         return Ok(());
     }
-    let kernel = Kernel::get(stream, &ACTIVATION, &activation_bwd_instance(op.dtype, op.activation, op.features)?)?;
+    let instance = activation_bwd_instance(op.grad_hidden.dtype(), op.activation, op.features)?;
+    let kernel = Kernel::get(stream, &ACTIVATION, &instance)?;
     let (rows, features) = (int(op.rows)?, int(op.features)?);
     launch(stream, kernel, LaunchConfig { grid: grid(op.rows.div_ceil(ROWS_PER_BLOCK))?, block: THREADS, shared_bytes: 0 }, &mut [
-        arg(&op.grad_hidden), arg(&op.pre_activation), arg(&op.row_probs), arg(&rows), arg(&features),
-        arg(&op.grad_pre_activation), arg(&op.weighted_hidden), arg(&op.grad_row_probs),
+        arg(&op.grad_hidden.device_ptr()), arg(&op.pre_activation.device_ptr()), arg(&op.row_probs.device_ptr()),
+        arg(&rows), arg(&features), arg(&op.grad_pre_activation.device_ptr()), arg(&op.weighted_hidden.device_ptr()),
+        arg(&op.grad_row_probs.device_ptr()),
     ])
 }
 

@@ -6,9 +6,8 @@
 //! kernels, one block per multiprocessor; every other call takes the SIMT
 //! kernels, after a one-warp launch that computes the window's row bounds.
 
-use super::ops::{partials_offset, Fp8RaggedDot, Fp8TransposedRaggedDot, ACTIVATION_GRAD_COLUMNS, MAX_CHUNKS};
-use super::{GroupedShape, RaggedDot, RaggedDotActivation, RaggedDotActivationBwd, TransposedRaggedDot};
-use crate::activation::cuda::ActivationBwdRows;
+use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, MAX_CHUNKS};
+use super::{GroupedShape, RaggedDot, RaggedDotActivation, TransposedRaggedDot};
 use crate::activation::{self, Activation};
 use crate::cuda::{arg, grid, int, launch, Device, Instance, Kernel, LaunchConfig, Stream, TensorMap, GROUPED_GEMM};
 use crate::ffi::{DataType, Result};
@@ -40,38 +39,24 @@ pub fn block_n(n: usize) -> u32 {
     }
 }
 
-/// The shared memory a block may have on Hopper.
-const HOPPER_SHARED_LIMIT: u32 = 227 * 1024;
-
-/// Stages of a Hopper kernel's ring for `block_n` columns and an epilogue of
-/// `epilogue` bytes: as many as fit the 227 KiB of a block beside the output
-/// rows, the epilogue's and the group tables.
-fn hopper_stages(block_n: u32, epilogue: u32) -> u32 {
-    (1..).take_while(|&stages| hopper_layout_bytes(block_n, stages, epilogue) <= HOPPER_SHARED_LIMIT).last().unwrap_or(1)
+/// Stages of a Hopper kernel's ring for `block_n` columns: as many as fit
+/// the 227 KiB of a block beside the output rows and the group tables.
+fn hopper_stages(block_n: u32) -> u32 {
+    if block_n == 256 {
+        3
+    } else {
+        5
+    }
 }
 
-/// Dynamic shared memory of a Hopper kernel with `block_n` columns and an
-/// epilogue of `epilogue` bytes (the kernel checks its
-/// `HopperConfig::SHARED_BYTES` is this).
-fn hopper_shared_bytes(block_n: u32, epilogue: u32) -> u32 {
-    hopper_layout_bytes(block_n, hopper_stages(block_n, epilogue), epilogue)
-}
-
-/// The alignment slack, the stages, the output rows, the epilogue's, the
-/// barriers and the group tables.
-fn hopper_layout_bytes(block_n: u32, stages: u32, epilogue: u32) -> u32 {
+/// Dynamic shared memory of a Hopper kernel with `block_n` columns: the
+/// alignment slack, the stages, the output rows, the barriers and the group
+/// tables (the kernel checks its `HopperConfig::SHARED_BYTES` is this).
+fn hopper_shared_bytes(block_n: u32) -> u32 {
+    let stages = hopper_stages(block_n);
     let stage = (BLOCK_M * BLOCK_K + BLOCK_K * block_n) * 2;
     let out_rows = 2 * 64 * (block_n + 8) * 2;
-    1024 + stages * stage + out_rows + epilogue + 2 * stages * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
-}
-
-/// The shared memory of ragged_dot_activation_bwd's epilogue
-/// (`ActivationGradEpilogue::BYTES`): two buffers of a 64 x 64 box of the
-/// pre-activation (gate and up, gated), each row's sum of a half tile's two
-/// boxes, the tile's 128 row weights, a barrier a buffer.
-fn activation_grad_epilogue_bytes(activation: Activation) -> u32 {
-    let unit_boxes = if activation.gated() { 2 } else { 1 };
-    2 * unit_boxes * 64 * 128 + 64 * 2 * 4 + 128 * 4 + 2 * 8
+    1024 + stages * stage + out_rows + 2 * stages * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
 }
 
 /// Stages of the FP8 Hopper kernel's ring: 128-deep blocks of 128 x 128 bytes
@@ -125,12 +110,11 @@ fn takes_hopper(device: &Device, dtype: DataType, shape: &GroupedShape) -> bool 
     sixteen_bit && shape.k.is_multiple_of(8) && shape.n.is_multiple_of(8) && on_hopper(device, shape)
 }
 
-/// Launches a Hopper kernel (block `block_n` columns wide, with an epilogue
-/// of `epilogue` bytes, in clusters of `cluster` blocks) with `args`
-/// (pointers to the kernel's arguments, in order).
-fn launch_hopper(stream: Stream, device: &Device, instance: &str, block_n: u32, epilogue: u32, cluster: u32,
+/// Launches a Hopper kernel (block `block_n` columns wide, in clusters of
+/// `cluster` blocks) with `args` (pointers to the kernel's arguments, in order).
+fn launch_hopper(stream: Stream, device: &Device, instance: &str, block_n: u32, cluster: u32,
                  args: &mut [*mut c_void]) -> Result<()> {
-    launch_persistent(stream, device, instance, hopper_shared_bytes(block_n, epilogue), cluster, args)
+    launch_persistent(stream, device, instance, hopper_shared_bytes(block_n), cluster, args)
 }
 
 /// Launches a persistent Hopper kernel, one block per multiprocessor (as many
@@ -150,32 +134,22 @@ fn ragged_dot_cluster(device: &Device, n: usize, width: u32) -> u32 {
     if n.div_ceil(width as usize).is_multiple_of(2) && device.multiprocessors >= 2 { 2 } else { 1 }
 }
 
-/// `activation`: ragged_dot_activation's, applied in the epilogue; with
-/// `grad`, ragged_dot_activation_bwd's epilogue of it (its bytes: [`ragged_dot_epilogue_bytes`]).
+/// `activation`: ragged_dot_activation's, applied in the epilogue.
 pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, cluster: u32,
-                                  activation: Option<Activation>, grad: bool, block_n: u32) -> Result<String> {
+                                  activation: Option<Activation>, block_n: u32) -> Result<String> {
     let instance = Instance::new("ragged_dot_hopper").dtype(dtype).dtype(out).flag(rhs_transposed).int(cluster);
-    let instance = instance.int(activation.map_or(0, Activation::code)).flag(grad);
-    hopper_instance(instance, block_n, ragged_dot_epilogue_bytes(activation, grad))
-}
-
-/// The shared memory of a ragged_dot kernel's epilogue of its own.
-fn ragged_dot_epilogue_bytes(activation: Option<Activation>, grad: bool) -> u32 {
-    match activation {
-        Some(activation) if grad => activation_grad_epilogue_bytes(activation),
-        _ => 0,
-    }
+    hopper_instance(instance.int(activation.map_or(0, Activation::code)), block_n)
 }
 
 pub fn transposed_hopper_instance(dtype: DataType, out: DataType, block_n: u32) -> Result<String> {
-    hopper_instance(Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out), block_n, 0)
+    hopper_instance(Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out), block_n)
 }
 
 /// A Hopper kernel's instance: its own arguments, then its tile width and
 /// the launch [`launch_hopper`] makes.
-fn hopper_instance(instance: Instance, block_n: u32, epilogue: u32) -> Result<String> {
-    let instance = instance.int(block_n).int(hopper_stages(block_n, epilogue)).int(MAX_LOCAL_GROUPS);
-    instance.int(HOPPER_THREADS).int(hopper_shared_bytes(block_n, epilogue)).build()
+fn hopper_instance(instance: Instance, block_n: u32) -> Result<String> {
+    let instance = instance.int(block_n).int(hopper_stages(block_n)).int(MAX_LOCAL_GROUPS);
+    instance.int(HOPPER_THREADS).int(hopper_shared_bytes(block_n)).build()
 }
 
 pub fn fp8_ragged_dot_hopper_instance(out: DataType) -> Result<String> {
@@ -348,73 +322,11 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
         None => (0, TensorMap::unused()),
     };
     let activation = epilogue.map(|e| e.activation);
-    let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, cluster, activation, false, bn)?;
-    // (The activation's backward's operands: none here.)
-    let (pre_map, row_probs, row_partials) = (TensorMap::unused(), 0u64, 0u64);
-    launch_hopper(stream, device, &instance, bn, 0, cluster, &mut [
+    let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, cluster, activation, bn)?;
+    launch_hopper(stream, device, &instance, bn, cluster, &mut [
         arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
-        arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map), arg(&hidden), arg(&hidden_map), arg(&pre_map),
-        arg(&row_probs), arg(&row_partials),
+        arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map), arg(&hidden), arg(&hidden_map),
     ])
-}
-
-/// On Hopper, when the product takes the tensor cores (F and K multiples of
-/// 8), the activation's backward in the product's epilogue (the product
-/// never leaves the kernel), then each row's partial sums of its weight's
-/// gradient summed; else the product into weighted_hidden's rows, then
-/// `activation_bwd` over them, in place.
-pub fn ragged_dot_activation_bwd(stream: Stream, a: &RaggedDotActivationBwd) -> Result<()> {
-    let product = &a.product;
-    let (dtype, shape) = (product.lhs.dtype(), &product.shape);
-    let features = a.features();
-    let device = stream.device()?;
-    let workspace = product.workspace.device_ptr();
-    let (out, grad_row_probs) = (a.grad_pre_activation.device_ptr(), a.grad_row_probs.device_ptr());
-    if shape.m > 0 && shape.n > 0 && takes_hopper(&device, dtype, shape) {
-        let g = Groups::of(shape, product.group_sizes.device_ptr(), product.group_offset.device_ptr())?;
-        let [m, k, n] = g.dims;
-        let (m64, k64, f64_, gl) = (shape.m as u64, shape.k as u64, features as u64, shape.local_groups as u64);
-        let (bn, gated) = (ACTIVATION_GRAD_COLUMNS as u32, a.activation.gated());
-        let cluster = ragged_dot_cluster(&device, features, bn);
-        let lhs_map = TensorMap::tiled_16bit(product.lhs.device_ptr(), &[k64, m64], &[BLOCK_K, BLOCK_M / cluster])?;
-        let rhs_map = TensorMap::tiled_16bit(product.rhs.device_ptr(), &[k64, f64_, gl], &[BLOCK_K, bn, 1])?;
-        // The pre-activation and its gradient as ragged_dot_activation's pre-activation: gated, [m, 2, F].
-        let pre = a.pre_activation.device_ptr();
-        let (pre_map, out_map) = if gated {
-            (TensorMap::tiled_16bit(pre, &[f64_, 2, m64], &[64, 1, 64])?,
-             TensorMap::tiled_16bit(out, &[f64_, 2, m64], &[64, 1, 64])?)
-        } else {
-            (TensorMap::tiled_16bit(pre, &[f64_, m64], &[64, 64])?, TensorMap::tiled_16bit(out, &[f64_, m64], &[64, 64])?)
-        };
-        let hidden = product.out.device_ptr();
-        let hidden_map = TensorMap::tiled_16bit(hidden, &[f64_, m64], &[64, 64])?;
-        let (row_probs, row_partials) = (a.row_probs.device_ptr(), workspace + partials_offset(shape.local_groups) as u64);
-        let instance = ragged_dot_hopper_instance(dtype, dtype, true, cluster, Some(a.activation), true, bn)?;
-        launch_hopper(stream, &device, &instance, bn, activation_grad_epilogue_bytes(a.activation), cluster, &mut [
-            arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
-            arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map), arg(&hidden), arg(&hidden_map), arg(&pre_map),
-            arg(&row_probs), arg(&row_partials),
-        ])?;
-        let columns = int(features.div_ceil(ACTIVATION_GRAD_COLUMNS))?;
-        let kernel = Kernel::get(stream, &GROUPED_GEMM, "sum_row_partials")?;
-        return launch(stream, kernel, LaunchConfig { grid: grid(shape.m.div_ceil(256))?, block: 256, shared_bytes: 0 }, &mut [
-            arg(&row_partials), arg(&columns), arg(&m), arg(&grad_row_probs),
-        ]);
-    }
-    ragged_dot(stream, product)?;
-    let weighted_hidden = product.out.device_ptr();
-    activation::cuda::activation_bwd_rows(stream, &ActivationBwdRows {
-        dtype,
-        activation: a.activation,
-        rows: shape.m,
-        features,
-        grad_hidden: weighted_hidden,
-        pre_activation: a.pre_activation.device_ptr(),
-        row_probs: a.row_probs.device_ptr(),
-        grad_pre_activation: out,
-        weighted_hidden,
-        grad_row_probs,
-    })
 }
 
 fn ragged_dot_simt(stream: Stream, a: &RaggedDot, g: &Groups) -> Result<()> {
@@ -454,7 +366,7 @@ pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<
         }
         let out_map = out_map(out_dtype, out, n64, transposed_out_rows(shape)?)?;
         let instance = transposed_hopper_instance(dtype, out_dtype, bn)?;
-        launch_hopper(stream, &device, &instance, bn, 0, 1, &mut [
+        launch_hopper(stream, &device, &instance, bn, 1, &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ])
     } else {
@@ -610,7 +522,7 @@ mod tests {
             for bn in [128, 256] {
                 for transposed in [false, true] {
                     for cluster in [1, 2] {
-                        instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, None, false, bn).unwrap());
+                        instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, None, bn).unwrap());
                     }
                 }
                 instances.push(transposed_hopper_instance(dtype, out, bn).unwrap());
@@ -620,15 +532,10 @@ mod tests {
         for dtype in [DataType::BF16, DataType::F16] {
             for activation in Activation::ALL {
                 for (bn, cluster) in [(128, 1), (256, 2)] {
-                    instances.push(ragged_dot_hopper_instance(dtype, dtype, false, cluster, Some(activation), false, bn).unwrap());
-                }
-                // ragged_dot_activation_bwd's: rhs [G, N, K], 128-column tiles.
-                for cluster in [1, 2] {
-                    instances.push(ragged_dot_hopper_instance(dtype, dtype, true, cluster, Some(activation), true, 128).unwrap());
+                    instances.push(ragged_dot_hopper_instance(dtype, dtype, false, cluster, Some(activation), bn).unwrap());
                 }
             }
         }
-        instances.push("sum_row_partials".to_string());
         for out in [DataType::BF16, DataType::F16, DataType::F32] {
             instances.push(fp8_ragged_dot_hopper_instance(out).unwrap());
             instances.push(fp8_transposed_hopper_instance(out).unwrap());
@@ -649,26 +556,17 @@ mod tests {
     /// eight bytes short, the instance does not compile.
     #[test]
     fn a_hopper_launch_that_disagrees_with_the_kernels_layout_does_not_compile() {
-        let instance = Instance::new("ragged_dot_hopper").dtype(DataType::BF16).dtype(DataType::BF16).flag(false).int(1).int(0).flag(false);
-        let short = instance.int(256).int(hopper_stages(256, 0)).int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS).int(hopper_shared_bytes(256, 0) - 8);
+        let instance = Instance::new("ragged_dot_hopper").dtype(DataType::BF16).dtype(DataType::BF16).flag(false).int(1).int(0);
+        let short = instance.int(256).int(hopper_stages(256)).int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS).int(hopper_shared_bytes(256) - 8);
         let error = compile_check(&GROUPED_GEMM, &[&short.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
         assert!(error.message().contains("the launch's dynamic shared memory is this layout's"), "{}", error.message());
     }
 
-    /// Every configuration fits the 227 KiB a Hopper block may have, with the
-    /// stages its tiles had before the stages were counted (three of 256
-    /// columns, five of 128) and, for the activation's backward, four (gated:
-    /// twice the pre-activation's boxes) or five.
+    /// Both configurations fit the 227 KiB a Hopper block may have.
     #[test]
     fn hopper_shared_memory_fits() {
-        assert_eq!([hopper_stages(256, 0), hopper_stages(128, 0)], [3, 5]);
-        for activation in Activation::ALL {
-            let epilogue = activation_grad_epilogue_bytes(activation);
-            assert_eq!(hopper_stages(128, epilogue), if activation.gated() { 4 } else { 5 }, "{activation:?}");
-            assert!(hopper_shared_bytes(128, epilogue) <= 227 * 1024, "{activation:?}");
-        }
         for bn in [128, 256] {
-            assert!(hopper_shared_bytes(bn, 0) <= 227 * 1024, "{bn}: {}", hopper_shared_bytes(bn, 0));
+            assert!(hopper_shared_bytes(bn) <= 227 * 1024, "{bn}: {}", hopper_shared_bytes(bn));
         }
         for bytes in [fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES)] {
             assert!(bytes <= 227 * 1024, "FP8: {bytes}");

@@ -4,23 +4,21 @@
 //! under the same target name) hands it to `cuda` with the call's
 //! [`Stream`](crate::cuda::Stream).
 
-use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, RaggedDotActivation, RaggedDotActivationBwd};
+use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, RaggedDotActivation};
 use crate::activation;
 use super::{cpu, cuda, RaggedDot, TransposedRaggedDot};
 use crate::ffi::{DataType, Result};
-use crate::real::{E4m3, Real};
+use crate::real::E4m3;
 use crate::{export_cuda_handler, export_handler, with_real_type};
 
 export_handler!(oxmoe_ragged_dot, RaggedDot, |_, op| ragged_dot_cpu(op));
 export_handler!(oxmoe_ragged_dot_activation, RaggedDotActivation, |_, op| ragged_dot_activation_cpu(op));
-export_handler!(oxmoe_ragged_dot_activation_bwd, RaggedDotActivationBwd, |_, op| ragged_dot_activation_bwd_cpu(op));
 export_handler!(oxmoe_transposed_ragged_dot, TransposedRaggedDot, |_, op| transposed_ragged_dot_cpu(op));
 export_handler!(oxmoe_fp8_ragged_dot, Fp8RaggedDot, |_, op| fp8_ragged_dot_cpu(op));
 export_handler!(oxmoe_fp8_transposed_ragged_dot, Fp8TransposedRaggedDot, |_, op| fp8_transposed_ragged_dot_cpu(op));
 
 export_cuda_handler!(oxmoe_ragged_dot_cuda, RaggedDot, |stream, op| cuda::ragged_dot(stream, &op));
 export_cuda_handler!(oxmoe_ragged_dot_activation_cuda, RaggedDotActivation, |stream, op| cuda::ragged_dot_activation(stream, &op));
-export_cuda_handler!(oxmoe_ragged_dot_activation_bwd_cuda, RaggedDotActivationBwd, |stream, op| cuda::ragged_dot_activation_bwd(stream, &op));
 export_cuda_handler!(oxmoe_transposed_ragged_dot_cuda, TransposedRaggedDot, |stream, op| cuda::transposed_ragged_dot(stream, &op));
 export_cuda_handler!(oxmoe_fp8_ragged_dot_cuda, Fp8RaggedDot, |stream, op| cuda::fp8_ragged_dot(stream, &op));
 export_cuda_handler!(oxmoe_fp8_transposed_ragged_dot_cuda, Fp8TransposedRaggedDot, |stream, op| cuda::fp8_transposed_ragged_dot(stream, &op));
@@ -32,13 +30,6 @@ export_cuda_handler!(oxmoe_fp8_transposed_ragged_dot_cuda, Fp8TransposedRaggedDo
 #[no_mangle]
 pub extern "C" fn oxmoe_grouped_gemm_workspace_bytes(chunks: u64, local_groups: u64) -> u64 {
     super::ops::workspace_bytes(chunks as usize, local_groups as usize) as u64
-}
-
-/// Bytes of `oxmoe_ragged_dot_activation_bwd`'s workspace (its last result)
-/// for `rows` rows of `features` hidden columns and `local_groups` groups.
-#[no_mangle]
-pub extern "C" fn oxmoe_ragged_dot_activation_bwd_workspace_bytes(rows: u64, features: u64, local_groups: u64) -> u64 {
-    super::ops::activation_bwd_workspace_bytes(rows as usize, features as usize, local_groups as usize) as u64
 }
 
 fn ragged_dot_cpu(op: RaggedDot) -> Result<()> {
@@ -63,21 +54,6 @@ fn ragged_dot_activation_cpu(op: RaggedDotActivation) -> Result<()> {
         cpu::ragged_dot::<T, T>(&product.shape, product.lhs.slice()?, product.rhs.slice()?, false, sizes, offset,
                                 pre_activation);
         activation::cpu::activation_fwd::<T>(activation, features, pre_activation, hidden.slice_mut()?);
-    });
-    Ok(())
-}
-
-fn ragged_dot_activation_bwd_cpu(op: RaggedDotActivationBwd) -> Result<()> {
-    let features = op.features();
-    let RaggedDotActivationBwd { product, activation, pre_activation, row_probs, grad_pre_activation, grad_row_probs } = op;
-    let (sizes, offset) = (product.group_sizes.slice::<i32>()?, product.group_offset.slice::<i32>()?[0]);
-    with_real_type!(product.lhs.dtype(), T => {
-        let mut grad_hidden = vec![T::from_f32(0.0); product.shape.m * features];
-        cpu::ragged_dot::<T, T>(&product.shape, product.lhs.slice()?, product.rhs.slice()?, true, sizes, offset,
-                                &mut grad_hidden);
-        activation::cpu::activation_bwd::<T>(activation, features, &grad_hidden, pre_activation.slice()?,
-                                             row_probs.slice()?, grad_pre_activation.slice_mut()?,
-                                             product.out.slice_mut()?, grad_row_probs.slice_mut()?);
     });
     Ok(())
 }

@@ -1,8 +1,6 @@
 //! Grouped GEMM: `ragged_dot` (rows of each group of a matrix times that
 //! group's weight matrix), `ragged_dot_activation` (the same, and the expert
-//! MLP's activation of it), `ragged_dot_activation_bwd` (the down
-//! projection's gradient product and the activation's backward of it) and
-//! its transposed product (per group, the rows'
+//! MLP's activation of it) and its transposed product (per group, the rows'
 //! outer products summed: the weight gradient), in 16- and 32-bit floats and
 //! on block-scaled FP8 operands (`fp8_*`: float8_e4m3fn values with one
 //! float32 scale per block of 128 along each blocked dimension).
@@ -20,7 +18,7 @@ pub mod cuda;
 pub mod handlers;
 mod ops;
 
-pub use ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, RaggedDot, RaggedDotActivation, RaggedDotActivationBwd, TransposedRaggedDot};
+pub use ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, RaggedDot, RaggedDotActivation, TransposedRaggedDot};
 
 /// The static shape of a grouped product.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

@@ -372,18 +372,12 @@ def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config
     operand), and each row's weight's gradient, ``<row output, its gradient> = <hidden,
     its gradient times downᵀ>``: from values the backward computes anyway, so the
     forward keeps neither the rows nor their outputs (as SonicMoE does). The last three
-    from the down projection's d lhs product and the activation's backward of it in one
-    primitive, :func:`oxmoe.grouped_gemm.ragged_dot_activation_bwd` (with ``config.fp8``,
-    the FP8 product, then :func:`oxmoe.activation.activation_bwd`). ``weights``: the
-    backward's of :func:`_expert_weights`."""
+    from one pass over the rows, :func:`oxmoe.activation.activation_bwd`. ``weights``:
+    the backward's of :func:`_expert_weights`."""
     up_weight, down_weight = weights
-    if config.fp8 is None:
-        grad_up_rows, weighted_hidden, grad_row_probs = grouped_gemm.ragged_dot_activation_bwd(
-            grad_out_rows, down_weight, kept.group_sizes, kept.up_rows, kept.row_probs, config.activation)
-    else:
-        grad_hidden = _expert_product(grad_out_rows, down_weight, kept.group_sizes, config, rhs_transposed=True)
-        grad_up_rows, weighted_hidden, grad_row_probs = activation.activation_bwd(
-            grad_hidden, kept.up_rows, kept.row_probs, config.activation)
+    grad_hidden = _expert_product(grad_out_rows, down_weight, kept.group_sizes, config, rhs_transposed=True)
+    grad_up_rows, weighted_hidden, grad_row_probs = activation.activation_bwd(
+        grad_hidden, kept.up_rows, kept.row_probs, config.activation)
     # The d lhs product's operand and the up weight gradient's: with FP8, quantized per row
     # and transposed from one read.
     lhs_rows: jax.Array | fp8.BlockQuantized = grad_up_rows
