@@ -935,7 +935,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   consumer_registers();
   const int half = threadIdx.x / 128 - 1;  // this warpgroup's 64 rows of the tile
   float d[BN / 2];
-  bool staged = false;  // ACTIVATED: a tile is in the staging, with the helper warp
+  bool staged = false;  // ACTIVATED: a tile is in the staging, with the helper warps
   for (int t = first; t < walk.total; t += clusters) {
     const auto tile = walk.at(t);
     const int col0 = tile.col0 + rank * W;

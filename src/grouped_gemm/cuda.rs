@@ -244,11 +244,16 @@ struct ChunkMaps {
 
 pub fn ragged_dot(stream: Stream, a: &RaggedDot) -> Result<()> {
     let Some(g) = writes_something(a)? else { return Ok(()) };
-    let device = stream.device()?;
-    if takes_hopper(&device, a.lhs.dtype(), &a.shape) {
-        return ragged_dot_hopper(stream, &device, a, &g, None);
+    plain_product(stream, &stream.device()?, a, &g)
+}
+
+/// The product alone (no epilogue): on the Hopper kernel when it takes the
+/// tensor cores, else on the SIMT kernel.
+fn plain_product(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups) -> Result<()> {
+    if takes_hopper(device, a.lhs.dtype(), &a.shape) {
+        return ragged_dot_hopper(stream, device, a, g, None);
     }
-    ragged_dot_simt(stream, a, &g)
+    ragged_dot_simt(stream, a, g)
 }
 
 /// The group arguments of a ragged_dot call that writes something (rows and
@@ -276,15 +281,11 @@ pub fn ragged_dot_activation(stream: Stream, a: &RaggedDotActivation) -> Result<
     let Some(g) = writes_something(product)? else { return Ok(()) };
     let device = stream.device()?;
     let features = a.features();
-    if takes_hopper(&device, product.lhs.dtype(), &product.shape) {
-        if features.is_multiple_of(8) {
-            let epilogue = Epilogue { activation: a.activation, hidden: a.hidden.device_ptr() };
-            return ragged_dot_hopper(stream, &device, product, &g, Some(epilogue));
-        }
-        ragged_dot_hopper(stream, &device, product, &g, None)?;
-    } else {
-        ragged_dot_simt(stream, product, &g)?;
+    if takes_hopper(&device, product.lhs.dtype(), &product.shape) && features.is_multiple_of(8) {
+        let epilogue = Epilogue { activation: a.activation, hidden: a.hidden.device_ptr() };
+        return ragged_dot_hopper(stream, &device, product, &g, Some(epilogue));
     }
+    plain_product(stream, &device, product, &g)?;
     activation::cuda::activation_fwd(stream, product.lhs.dtype(), a.activation, product.shape.m, features,
                                      product.out.device_ptr(), a.hidden.device_ptr())
 }
