@@ -865,21 +865,25 @@ struct GatheredRows {
     }
   }
 
-  // Copies (without waiting) columns [64 kb, 64 kb + 64) of the lane's rows
+  // Copies (without waiting) columns [64 kb, 64 kb + 64) of the tile's rows
   // of lhs into the A stage at `a`, laid out as the 128-byte swizzle of a
   // tensor map's box puts them (columns past k are zeros), and arrives on
-  // `full` when they have landed.
+  // `full` when this lane's copies have landed. A copy is a 16-byte piece:
+  // lanes 8q to 8q + 7 take the eight of one row, so that each copy of the
+  // warp reads four whole 128-byte lines and writes them without bank
+  // conflicts; the row's index comes from the lane that holds it.
   template <typename T>
   __device__ void load(unsigned char* a, const T* lhs, int kb, int k, int lane, unsigned long long* full) const {
-    // A row at a time: unrolled over the rows, the addresses outgrow the registers.
-#pragma unroll 1
-    for (int i = 0; i < PER_LANE; ++i) {
-      const T* row = lhs + static_cast<size_t>(max(token[i], 0)) * k;
+    const int piece = lane % 8, col = kb * BLOCK_K + 8 * piece;
 #pragma unroll
-      for (int p = 0; p < 8; ++p) {
-        const int col = kb * BLOCK_K + 8 * p;
-        const bool valid = token[i] >= 0 && col < k;
-        copy_16_async(box_piece(a, lane + 32 * i, p), row + (valid ? col : 0), valid);
+    for (int i = 0; i < PER_LANE; ++i) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int holder = 4 * j + lane / 8;  // tile row 32 i + holder
+        const int t = __shfl_sync(0xffffffffu, token[i], holder);
+        const bool valid = t >= 0 && col < k;
+        copy_16_async(box_piece(a, 32 * i + holder, piece), lhs + static_cast<size_t>(max(t, 0)) * k + (valid ? col : 0),
+                      valid);
       }
     }
     barrier_arrive_after_copies(full);
