@@ -6,7 +6,9 @@ one-GPU layer shapes:
 - ``gathered``: the dispatch lays out its maps only (rows of width 0), and
   ``ragged_dot_activation(tokens, ..., lhs_rows=source_tokens)`` reads each row from its token
   as it loads its tiles (the layer's forward now);
-- ``product``: ``ragged_dot_activation`` on rows already dispatched (the floor of both).
+- ``product``: ``ragged_dot_activation`` on rows already dispatched (the floor of both), and
+  ``product_gathered`` the same product with the rows read through the map; ``plain`` and
+  ``plain_gathered``: ``ragged_dot`` (no activation) both ways.
 
 Routing: each token's top-k of random logits. Median of 7 x 10 calls
 (``step_ab.median_seconds``). Checks before timing that both ways give the same results bit
@@ -59,8 +61,17 @@ def main(label: str) -> None:
         for part, a, b in zip(("pre_activation", "hidden"), got, want):
             assert bool(jnp.all(a == b)), f"{name}: the gathered {part} differs from the copied rows'"
         us = {way: median_seconds(fn, x, routing_map, probs, up) * 1e6 for way, fn in ways.items()}
-        product = jax.jit(lambda r, w, s: tuple(grouped_gemm.ragged_dot_activation(r, w, s, "swiglu")))
-        us["product"] = median_seconds(product, rows.tokens, up, rows.group_sizes) * 1e6
+        # The products alone, on rows dispatched before (and the plain product, without the activation).
+        source = rows.row_id_map.source_tokens
+        products = {
+            "product": (lambda r, w, s: tuple(grouped_gemm.ragged_dot_activation(r, w, s, "swiglu")), rows.tokens),
+            "product_gathered": (lambda t, w, s: tuple(grouped_gemm.ragged_dot_activation(
+                t, w, s, "swiglu", lhs_rows=source)), x),
+            "plain": (lambda r, w, s: grouped_gemm.ragged_dot(r, w, s), rows.tokens),
+            "plain_gathered": (lambda t, w, s: grouped_gemm.ragged_dot(t, w, s, lhs_rows=source), x),
+        }
+        for way, (fn, lhs) in products.items():
+            us[way] = median_seconds(jax.jit(fn), lhs, up, rows.group_sizes) * 1e6
         results[name] = us
         print(f"{label} {name} T{tokens} H{hidden} F{ffn} E{experts} k{top_k}: " +
               ", ".join(f"{way} {t:.0f} us" for way, t in us.items()) +

@@ -849,41 +849,41 @@ __device__ __forceinline__ Shared<Config> start_transposed(unsigned char* raw) {
   return s;
 }
 
-// A gathered A tile's rows that lane `lane` of the producer warp loads: tile
-// rows lane + 32 i, each row r of the product taking row lhs_rows[r] of lhs
-// [lhs_tokens, k] (-1: zeros, for a row index outside lhs or r >= m).
+// The rows of a gathered A tile that one lane of the COPY_WARPS producer
+// warps copies: tile rows w R + lane + 32 i for warp w, R = BLOCK_M /
+// COPY_WARPS; row r of the product takes row lhs_rows[r] of lhs [lhs_tokens,
+// k] (-1: zeros, for a row index outside lhs or r >= m).
+template <int COPY_WARPS>
 struct GatheredRows {
-  static constexpr int PER_LANE = BLOCK_M / 32;
+  static constexpr int PER_LANE = BLOCK_M / (32 * COPY_WARPS);
+  int first;  // the lane's first tile row
   int token[PER_LANE];
 
-  __device__ GatheredRows(const int* lhs_rows, int lhs_tokens, int m, int row0, int lane) {
+  __device__ GatheredRows(const int* lhs_rows, int lhs_tokens, int m, int row0) {
+    first = threadIdx.x / 32 * 32 * PER_LANE + threadIdx.x % 32;
 #pragma unroll
     for (int i = 0; i < PER_LANE; ++i) {
-      const int r = row0 + lane + 32 * i;
+      const int r = row0 + first + 32 * i;
       const int t = r < m ? lhs_rows[r] : -1;
       token[i] = t >= 0 && t < lhs_tokens ? t : -1;
     }
   }
 
-  // Copies (without waiting) columns [64 kb, 64 kb + 64) of the tile's rows
+  // Copies (without waiting) columns [64 kb, 64 kb + 64) of the lane's rows
   // of lhs into the A stage at `a`, laid out as the 128-byte swizzle of a
   // tensor map's box puts them (columns past k are zeros), and arrives on
-  // `full` when this lane's copies have landed. A copy is a 16-byte piece:
-  // lanes 8q to 8q + 7 take the eight of one row, so that each copy of the
-  // warp reads four whole 128-byte lines and writes them without bank
-  // conflicts; the row's index comes from the lane that holds it.
+  // `full` when they have landed.
   template <typename T>
-  __device__ void load(unsigned char* a, const T* lhs, int kb, int k, int lane, unsigned long long* full) const {
-    const int piece = lane % 8, col = kb * BLOCK_K + 8 * piece;
-#pragma unroll
+  __device__ void load(unsigned char* a, const T* lhs, int kb, int k, unsigned long long* full) const {
+    // A row at a time: unrolled over the rows, the addresses outgrow the registers.
+#pragma unroll 1
     for (int i = 0; i < PER_LANE; ++i) {
+      const T* row = lhs + static_cast<size_t>(max(token[i], 0)) * k;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int holder = 4 * j + lane / 8;  // tile row 32 i + holder
-        const int t = __shfl_sync(0xffffffffu, token[i], holder);
-        const bool valid = t >= 0 && col < k;
-        copy_16_async(box_piece(a, 32 * i + holder, piece), lhs + static_cast<size_t>(max(t, 0)) * k + (valid ? col : 0),
-                      valid);
+      for (int p = 0; p < 8; ++p) {
+        const int col = kb * BLOCK_K + 8 * p;
+        const bool valid = token[i] >= 0 && col < k;
+        copy_16_async(box_piece(a, first + 32 * i, p), row + (valid ? col : 0), valid);
       }
     }
     barrier_arrive_after_copies(full);
@@ -958,6 +958,9 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   constexpr bool ACTIVATED = ACTIVATION != NO_ACTIVATION, GATED = is_gated(ACTIVATION);
   static_assert(!ACTIVATED || (!RHS_K_MAJOR && sizeof(O) == 2), "activations take rhs [groups, k, n], 16-bit out");
   static_assert(!GATHERED || CLUSTER == 1, "gathered rows are not multicast");
+  // Gathered, the producer warpgroup's warps copy the A tiles' rows: all four, or with an
+  // activation warp 0 alone (warps 1-3 store the tiles).
+  constexpr int COPY_WARPS = ACTIVATED ? 1 : 4;
   // A tile's columns of the hidden activation (of out, unactivated) and F.
   constexpr int W = GATED ? BN / 2 : BN;
   const int features = GATED ? n / 2 : n;
@@ -965,7 +968,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   extern __shared__ unsigned char raw[];
   // A stage is full after the producer's arrival with its bytes, and gathered, each lane's.
   const Shared<Config> s = start_ragged_dot<Config, W * CLUSTER>(raw, group_sizes, groups, group_offset, local_groups,
-                                                                 m, features, GATHERED ? 1 + 32 : 1);
+                                                                 m, features, GATHERED ? 1 + 32 * COPY_WARPS : 1);
   RaggedTiles<W * CLUSTER> walk(s.bounds, s.tiles, local_groups, m, features);
   const int k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
   // The cluster's tiles, and this block's columns of each.
@@ -989,24 +992,23 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
         return;
       }
     }
-    // Gathered, the producer warp's lanes copy the A tiles' rows, lane 0 loads the B tiles.
-    const int lane = threadIdx.x;
-    if (threadIdx.x >= (GATHERED ? 32 : 1)) return;
+    // Thread 0 loads the B tiles (and without GATHERED the A tiles).
+    if (threadIdx.x >= (GATHERED ? 32 * COPY_WARPS : 1)) return;
     for (int t = first; t < walk.total; t += clusters) {
       const auto tile = walk.at(t);
       if (tile.zeros) continue;
       const int col0 = tile.col0 + rank * W;
       if constexpr (GATHERED) {
-        const GatheredRows rows(lhs_rows, lhs_tokens, m, tile.row0, lane);
+        const GatheredRows<COPY_WARPS> rows(lhs_rows, lhs_tokens, m, tile.row0);
         for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
           barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
           unsigned long long* full = &s.full[ring.stage];
-          if (lane == 0) {
+          if (threadIdx.x == 0) {
             barrier_expect_bytes(full, Config::B_BYTES);
             load_b_tile<RHS_K_MAJOR, GATED, BN, W>(s.b + ring.stage * Config::B_BYTES, &rhs_map, full, kb, col0,
                                                    tile.group, features);
           }
-          rows.load(s.a + ring.stage * Config::A_BYTES, lhs, kb, k, lane, full);
+          rows.load(s.a + ring.stage * Config::A_BYTES, lhs, kb, k, full);
         }
       } else {
         for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
