@@ -146,14 +146,12 @@ __device__ __forceinline__ void simt_tile_product(const float (&as)[SIMT_DEPTH][
 }
 
 // out[r] = lhs[r] · w_i for the rows r of local group i (w_i = rhs[i], or
-// rhs[i]ᵀ when RHS_TRANSPOSED); zero for rows outside the window. With
-// lhs_rows (else null), row r takes row lhs_rows[r] of lhs [lhs_tokens, k]
-// instead (zeros outside it). A block owns a 64 x 64 tile of out and runs
-// once per group its rows meet.
+// rhs[i]ᵀ when RHS_TRANSPOSED); zero for rows outside the window. A block
+// owns a 64 x 64 tile of out and runs once per group its rows meet.
 template <typename T, typename O, bool RHS_TRANSPOSED, int THREADS, int TILE>
 __global__ void __launch_bounds__(THREADS) ragged_dot_simt(
     const T* __restrict__ lhs, const T* __restrict__ rhs, const int* __restrict__ bounds, int local_groups, int m,
-    int k, int n, O* __restrict__ out, const int* __restrict__ lhs_rows, int lhs_tokens) {
+    int k, int n, O* __restrict__ out) {
   check_simt_launch<THREADS, TILE>();
   __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
   __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
@@ -168,10 +166,7 @@ __global__ void __launch_bounds__(THREADS) ragged_dot_simt(
     for (int k0 = 0; k0 < k; k0 += SIMT_DEPTH) {
       for (int e = threadIdx.x; e < SIMT_DEPTH * SIMT_TILE; e += SIMT_THREADS) {
         const int r = e / SIMT_DEPTH, d = e % SIMT_DEPTH, row = row0 + r, kk = k0 + d;
-        const bool in_group = row >= begin && row < end && kk < k;
-        const int source = in_group && lhs_rows != nullptr ? lhs_rows[row] : row;
-        as[d][r] = in_group && source >= 0 && source < lhs_tokens ? to_float(lhs[static_cast<size_t>(source) * k + kk])
-                                                                    : 0.f;
+        as[d][r] = row >= begin && row < end && kk < k ? to_float(lhs[static_cast<size_t>(row) * k + kk]) : 0.f;
         const int dd = e / SIMT_TILE, c = e % SIMT_TILE, col = col0 + c, kb = k0 + dd;
         float b = 0.f;
         if (kb < k && col < n)
@@ -421,12 +416,10 @@ struct Shared {
   }
 
   // A stage is empty once the consumer warps of every block of the cluster
-  // are done with it: the loads that refill it write each block's. It is
-  // full after `full_arrivals` arrivals (the producer's, and a gathering
-  // warp's lanes') and its bytes.
-  __device__ void init_barriers(unsigned full_arrivals = 1) const {
+  // are done with it: the loads that refill it write each block's.
+  __device__ void init_barriers() const {
     for (int s = 0; s < Config::STAGES; ++s) {
-      barrier_init(&full[s], full_arrivals);
+      barrier_init(&full[s], 1);
       barrier_init(&empty[s], CONSUMER_WARPS * Config::CLUSTER);
     }
     barrier_init_fence();
@@ -822,10 +815,9 @@ __device__ void group_tiles(const int* bounds, int local_groups, int n, int* til
 // whose loads and arrivals reach this block's barriers).
 template <typename Config, int CLUSTER_COLUMNS = Config::CLUSTER_BN>
 __device__ __forceinline__ Shared<Config> start_ragged_dot(unsigned char* raw, const int* group_sizes, int groups,
-                                                           const int* group_offset, int local_groups, int m, int n,
-                                                           unsigned full_arrivals = 1) {
+                                                           const int* group_offset, int local_groups, int m, int n) {
   const Shared<Config> s = Shared<Config>::carve(raw);
-  if (threadIdx.x == 0) s.init_barriers(full_arrivals);
+  if (threadIdx.x == 0) s.init_barriers();
   if (threadIdx.x < 32) {
     window_bounds(group_sizes, groups, group_offset, local_groups, m, s.bounds);
     __syncwarp();
@@ -849,92 +841,13 @@ __device__ __forceinline__ Shared<Config> start_transposed(unsigned char* raw) {
   return s;
 }
 
-// The rows of a gathered A tile that one lane of the COPY_WARPS producer
-// warps copies: tile rows w R + lane + 32 i for warp w, R = BLOCK_M /
-// COPY_WARPS; row r of the product takes row lhs_rows[r] of lhs [lhs_tokens,
-// k] (-1: zeros, for a row index outside lhs or r >= m).
-template <int COPY_WARPS>
-struct GatheredRows {
-  static constexpr int PER_LANE = BLOCK_M / (32 * COPY_WARPS);
-  int first;  // the lane's first tile row
-  int token[PER_LANE];
-
-  __device__ GatheredRows(const int* lhs_rows, int lhs_tokens, int m, int row0) {
-    first = threadIdx.x / 32 * 32 * PER_LANE + threadIdx.x % 32;
-#pragma unroll
-    for (int i = 0; i < PER_LANE; ++i) {
-      const int r = row0 + first + 32 * i;
-      const int t = r < m ? lhs_rows[r] : -1;
-      token[i] = t >= 0 && t < lhs_tokens ? t : -1;
-    }
-  }
-
-  // Copies (without waiting) columns [64 kb, 64 kb + 64) of the lane's rows
-  // of lhs into the A stage at `a`, laid out as the 128-byte swizzle of a
-  // tensor map's box puts them (columns past k are zeros), and arrives on
-  // `full` when they have landed.
-  template <typename T>
-  __device__ void load(unsigned char* a, const T* lhs, int kb, int k, unsigned long long* full) const {
-    // A row at a time: unrolled over the rows, the addresses outgrow the registers.
-#pragma unroll 1
-    for (int i = 0; i < PER_LANE; ++i) {
-      const T* row = lhs + static_cast<size_t>(max(token[i], 0)) * k;
-#pragma unroll
-      for (int p = 0; p < 8; ++p) {
-        const int col = kb * BLOCK_K + 8 * p;
-        const bool valid = token[i] >= 0 && col < k;
-        copy_16_async(box_piece(a, first + 32 * i, p), row + (valid ? col : 0), valid);
-      }
-    }
-    barrier_arrive_after_copies(full);
-  }
-};
-
 // Producer warpgroup: 40 registers; consumers: 232 (of 64K for 384 threads).
-// A producer warp that gathers rows (GATHERED) takes 56, its consumers 224:
-// the consumers' rise must fit what the producers give up,
-// 128 x (168 - 56) = 256 x (224 - 168).
-template <bool GATHERED = false>
-__device__ __forceinline__ void producer_registers() {
-  if constexpr (GATHERED) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 56;");
-  } else {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;");
-  }
-}
-template <bool GATHERED = false>
-__device__ __forceinline__ void consumer_registers() {
-  if constexpr (GATHERED) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;");
-  } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 232;");
-  }
-}
-
-// Loads a ragged_dot stage's B tile (the 64-deep block kb, columns from col0
-// of group `group`) at b, completing on `full`: one box of [groups, n, k]
-// when RHS_K_MAJOR, else BN / 64 boxes of [groups, k, n]; GATED, the boxes
-// from W / 64 on are the up half's, `features` columns on.
-template <bool RHS_K_MAJOR, bool GATED, int BN, int W>
-__device__ __forceinline__ void load_b_tile(unsigned char* b, const TensorMap* rhs_map, unsigned long long* full,
-                                            int kb, int col0, int group, int features) {
-  if constexpr (RHS_K_MAJOR) {
-    tma_load(b, rhs_map, full, kb * BLOCK_K, col0, group);
-  } else {
-#pragma unroll
-    for (int j = 0; j < BN / 64; ++j) {
-      const int column = GATED ? col0 + 64 * (j % (W / 64)) + j / (W / 64) * features : col0 + 64 * j;
-      tma_load(b + j * CHUNK_BYTES, rhs_map, full, column, kb * BLOCK_K, group);
-    }
-  }
-}
+__device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;"); }
+__device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;"); }
 
 // ragged_dot on Hopper, in clusters of CLUSTER blocks (1 or 2; with 2, the
 // launch's grid is even and n spans an even number of BN-column tiles).
-// lhs_map: lhs [m, k], box 64 x (128 / CLUSTER) rows. GATHERED (CLUSTER 1):
-// row r of the product takes row lhs_rows[r] of lhs [lhs_tokens, k] instead
-// (zeros outside it), which the producer warp's lanes copy row by row
-// (GatheredRows; Hopper's TMA gathers no rows), and lhs_map is unused. rhs_map: rhs [groups,
+// lhs_map: lhs [m, k], box 64 x (128 / CLUSTER) rows. rhs_map: rhs [groups,
 // k, n] (box 64 columns x 64 rows x 1) or, RHS_K_MAJOR, [groups, n, k] (box
 // 64 x BN rows x 1). out_map: out [m, n], 64 x 64 boxes (16-bit outputs;
 // float32 ones are stored from registers).
@@ -946,29 +859,23 @@ __device__ __forceinline__ void load_b_tile(unsigned char* b, const TensorMap* r
 // so that a thread holds both sums of its columns; out_map sees out as [m,
 // 2, F] when gated. The producer warpgroup's warps 1-3 store each tile (see
 // store_staged_activation).
-template <typename T, typename O, bool RHS_K_MAJOR, int CLUSTER, int ACTIVATION, bool GATHERED, int BN, int STAGES,
+template <typename T, typename O, bool RHS_K_MAJOR, int CLUSTER, int ACTIVATION, int BN, int STAGES,
           int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
     int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map, O* __restrict__ hidden,
-    const __grid_constant__ TensorMap hidden_map, const T* __restrict__ lhs, const int* __restrict__ lhs_rows,
-    int lhs_tokens) {
+    const __grid_constant__ TensorMap hidden_map) {
   using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, CLUSTER>;
   constexpr bool ACTIVATED = ACTIVATION != NO_ACTIVATION, GATED = is_gated(ACTIVATION);
   static_assert(!ACTIVATED || (!RHS_K_MAJOR && sizeof(O) == 2), "activations take rhs [groups, k, n], 16-bit out");
-  static_assert(!GATHERED || CLUSTER == 1, "gathered rows are not multicast");
-  // Gathered, the producer warpgroup's warps copy the A tiles' rows: all four, or with an
-  // activation warp 0 alone (warps 1-3 store the tiles).
-  constexpr int COPY_WARPS = ACTIVATED ? 1 : 4;
   // A tile's columns of the hidden activation (of out, unactivated) and F.
   constexpr int W = GATED ? BN / 2 : BN;
   const int features = GATED ? n / 2 : n;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
-  // A stage is full after the producer's arrival with its bytes, and gathered, each lane's.
-  const Shared<Config> s = start_ragged_dot<Config, W * CLUSTER>(raw, group_sizes, groups, group_offset, local_groups,
-                                                                 m, features, GATHERED ? 1 + 32 * COPY_WARPS : 1);
+  const Shared<Config> s =
+      start_ragged_dot<Config, W * CLUSTER>(raw, group_sizes, groups, group_offset, local_groups, m, features);
   RaggedTiles<W * CLUSTER> walk(s.bounds, s.tiles, local_groups, m, features);
   const int k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
   // The cluster's tiles, and this block's columns of each.
@@ -976,7 +883,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   Ring ring;
 
   if (threadIdx.x < 128) {
-    producer_registers<GATHERED>();
+    producer_registers();
     if constexpr (ACTIVATED) {
       if (is_helper()) {
         for (int t = first; t < walk.total; t += clusters) {
@@ -992,46 +899,40 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
         return;
       }
     }
-    // Thread 0 loads the B tiles (and without GATHERED the A tiles).
-    if (threadIdx.x >= (GATHERED ? 32 * COPY_WARPS : 1)) return;
+    if (threadIdx.x != 0) return;
     for (int t = first; t < walk.total; t += clusters) {
       const auto tile = walk.at(t);
       if (tile.zeros) continue;
       const int col0 = tile.col0 + rank * W;
-      if constexpr (GATHERED) {
-        const GatheredRows<COPY_WARPS> rows(lhs_rows, lhs_tokens, m, tile.row0);
-        for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
-          barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
-          unsigned long long* full = &s.full[ring.stage];
-          if (threadIdx.x == 0) {
-            barrier_expect_bytes(full, Config::B_BYTES);
-            load_b_tile<RHS_K_MAJOR, GATED, BN, W>(s.b + ring.stage * Config::B_BYTES, &rhs_map, full, kb, col0,
-                                                   tile.group, features);
-          }
-          rows.load(s.a + ring.stage * Config::A_BYTES, lhs, kb, k, full);
+      for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
+        barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
+        unsigned long long* full = &s.full[ring.stage];
+        barrier_expect_bytes(full, Config::STAGE_BYTES);
+        unsigned char* a = s.a + ring.stage * Config::A_BYTES;
+        if constexpr (CLUSTER == 1) {
+          tma_load(a, &lhs_map, full, kb * BLOCK_K, tile.row0);
+        } else {
+          constexpr int ROWS = BLOCK_M / CLUSTER;  // this block's rows of the A tile, for every block
+          tma_load_multicast(a + rank * ROWS * 128, &lhs_map, full, kb * BLOCK_K, tile.row0 + rank * ROWS,
+                             (1 << CLUSTER) - 1);
         }
-      } else {
-        for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
-          barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
-          unsigned long long* full = &s.full[ring.stage];
-          barrier_expect_bytes(full, Config::STAGE_BYTES);
-          unsigned char* a = s.a + ring.stage * Config::A_BYTES;
-          if constexpr (CLUSTER == 1) {
-            tma_load(a, &lhs_map, full, kb * BLOCK_K, tile.row0);
-          } else {
-            constexpr int ROWS = BLOCK_M / CLUSTER;  // this block's rows of the A tile, for every block
-            tma_load_multicast(a + rank * ROWS * 128, &lhs_map, full, kb * BLOCK_K, tile.row0 + rank * ROWS,
-                               (1 << CLUSTER) - 1);
+        unsigned char* b = s.b + ring.stage * Config::B_BYTES;
+        if constexpr (RHS_K_MAJOR) {
+          tma_load(b, &rhs_map, full, kb * BLOCK_K, col0, tile.group);
+        } else {
+#pragma unroll
+          for (int j = 0; j < BN / 64; ++j) {
+            // Gated, boxes W / 64 on are the up half's, F columns on.
+            const int column = GATED ? col0 + 64 * (j % (W / 64)) + j / (W / 64) * features : col0 + 64 * j;
+            tma_load(b + j * CHUNK_BYTES, &rhs_map, full, column, kb * BLOCK_K, tile.group);
           }
-          load_b_tile<RHS_K_MAJOR, GATED, BN, W>(s.b + ring.stage * Config::B_BYTES, &rhs_map, full, kb, col0,
-                                                 tile.group, features);
         }
       }
     }
     return;
   }
 
-  consumer_registers<GATHERED>();
+  consumer_registers();
   const int half = threadIdx.x / 128 - 1;  // this warpgroup's 64 rows of the tile
   float d[BN / 2];
   bool staged = false;  // ACTIVATED: a tile is in the staging, with the helper warps
@@ -1054,7 +955,6 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
     for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
       barrier_wait(&s.full[ring.stage], ring.phase);
-      if constexpr (GATHERED) fence_async_shared();  // the lanes' copies, for wgmma's reads
       const unsigned char* a = s.a + ring.stage * Config::A_BYTES + half * (BLOCK_M / 2) * 128;
       const unsigned char* b = s.b + ring.stage * Config::B_BYTES;
       wgmma_fence();

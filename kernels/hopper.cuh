@@ -111,23 +111,6 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned b
                : "memory");
 }
 
-// Copies 16 bytes from global memory at src to shared memory at dst without
-// waiting for them (bypassing L1); when !valid, writes 16 zero bytes and
-// reads nothing (src must still be a global address).
-__device__ __forceinline__ void copy_16_async(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
-               "r"(valid ? 16 : 0)
-               : "memory");
-}
-
-// Arrives on `bar` once every copy_16_async this thread issued before has
-// landed. The arrival is one of those the barrier was initialised to count.
-// Their writes are the generic proxy's: a thread that waits on `bar` fences
-// (fence_async_shared) before the async proxy (wgmma) reads them.
-__device__ __forceinline__ void barrier_arrive_after_copies(unsigned long long* bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(shared_address(bar)) : "memory");
-}
-
 // Stores the box at (c0, c1[, c2]) of `map` from shared memory at src, in this
 // thread's current bulk group. The shared-memory writes it reads must be
 // made visible to the async proxy first (`fence_async_shared`).

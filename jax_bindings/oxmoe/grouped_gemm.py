@@ -57,27 +57,17 @@ def _workspace_bytes(chunks: int, local_groups: int) -> int:
     return _library.workspace_bytes("oxmoe_grouped_gemm", chunks, local_groups)
 
 
-def _product_rows(lhs, *operands) -> int:
-    """The rows of a ragged product whose operands after ``lhs`` are ``rhs,
-    group_sizes, group_offset[, lhs_rows]``: lhs's, or gathered, lhs_rows'."""
-    return operands[3].shape[0] if len(operands) > 3 else lhs.shape[0]
-
-
-# Both take an optional fifth operand, lhs_rows [M]: row i of the product is lhs's row lhs_rows[i].
 _ragged_dot_p = FfiPrimitive(
-    "oxmoe_ragged_dot", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE, DISPATCHED), results=(DISPATCHED,),
-    result_specs=lambda lhs, *operands, n, out_dtype, **__: [
-        jax.ShapeDtypeStruct((_product_rows(lhs, *operands), n), out_dtype)],
+    "oxmoe_ragged_dot", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE), results=(DISPATCHED,),
+    result_specs=lambda lhs, rhs, *_, n, out_dtype, **__: [jax.ShapeDtypeStruct((lhs.shape[0], n), out_dtype)],
     shape_params=("n", "out_dtype"), workspace=lambda lhs, rhs, *_, **__: _workspace_bytes(1, rhs.shape[0]))
 
 
 _ragged_dot_activation_p = FfiPrimitive(
-    "oxmoe_ragged_dot_activation", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE, DISPATCHED),
-    results=(DISPATCHED, DISPATCHED),
-    result_specs=lambda lhs, rhs, *operands, activation, **__: [
-        jax.ShapeDtypeStruct((_product_rows(lhs, rhs, *operands), rhs.shape[2]), lhs.dtype),
-        jax.ShapeDtypeStruct((_product_rows(lhs, rhs, *operands), rhs.shape[2] // (2 if gated(activation) else 1)),
-                             lhs.dtype)],
+    "oxmoe_ragged_dot_activation", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE), results=(DISPATCHED, DISPATCHED),
+    result_specs=lambda lhs, rhs, *_, activation, **__: [
+        jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype),
+        jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2] // (2 if gated(activation) else 1)), lhs.dtype)],
     workspace=lambda lhs, rhs, *_, **__: _workspace_bytes(1, rhs.shape[0]))
 
 
@@ -184,25 +174,18 @@ def _check_concrete(group_sizes, group_offset, rows: tuple[int, ...], chunked: b
 
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None,
-               out_sharding=None, *, rhs_transposed=False, lhs_rows=None):
+               out_sharding=None, *, rhs_transposed=False):
     """Grouped product: the rows of group ``g`` of ``lhs`` times ``rhs[g]``.
 
     Takes :func:`jax.lax.ragged_dot`'s arguments, in its order, with its
-    meaning, plus ``rhs_transposed`` and ``lhs_rows``. Group ``g`` holds rows
+    meaning, plus ``rhs_transposed``. Group ``g`` holds rows
     ``[start_g, start_g + group_sizes[g])`` of ``lhs``,
     ``start_g = sum(group_sizes[:g])``. With ``group_offset = g0``, local group
     ``i`` of ``rhs`` multiplies global group ``g0 + i`` (the local experts of an
     expert-parallel shard).
 
-    With ``lhs_rows``, the product's rows are gathered from ``lhs``: row ``i``
-    is ``lhs[lhs_rows[i]]``, as if ``lhs`` were
-    ``jnp.take(lhs, lhs_rows, axis=0, mode="fill", fill_value=0)``. That is a
-    dispatch's rows read straight from the tokens
-    (:attr:`oxmoe.permutation.RowIdMap.source_tokens`), with no permuted copy
-    written: on Hopper the kernel gathers the rows as it loads its tiles.
-
     Args:
-      lhs: ``[M, K]`` float32, bfloat16 or float16; ``[T, K]`` with ``lhs_rows``.
+      lhs: ``[M, K]`` float32, bfloat16 or float16.
       rhs: ``[G_local, K, N]`` float32, bfloat16 or float16; ``[G_local, N, K]``
         with ``rhs_transposed`` (then ``rhs[g]ᵀ`` multiplies, with no transpose
         materialised). Operands of two dtypes are promoted as
@@ -221,15 +204,11 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         of the window; ``G_local`` must equal ``G`` without it.
       out_sharding: None only (an output sharding is refused).
       rhs_transposed: ``rhs`` is ``[G_local, N, K]``.
-      lhs_rows: optional ``[M]`` integer array (cast to int32): the row of
-        ``lhs`` each row of the product takes; where it is outside ``[0, T)``
-        (``-1``: a dispatch's padding rows) the row is zeros.
 
     Returns:
       ``[M, N]``: each row of a group in the window is its product, summed in
       float32; every other row (other groups, rows past the groups' total) is
-      zero. Differentiable in ``lhs`` and ``rhs`` (with ``lhs_rows``, each
-      row of ``lhs`` gets the sum of its rows' gradients).
+      zero. Differentiable in ``lhs`` and ``rhs``.
     """
     _check_precision(precision)
     if out_sharding is not None:
@@ -237,37 +216,13 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
                          "shard the result with jax.lax.with_sharding_constraint or jax.sharding.reshard")
     rhs_transposed = check_bool("rhs_transposed", rhs_transposed)
     m, _ = _check_operands(lhs, rhs, rhs_transposed)
-    rows = _check_lhs_rows(lhs_rows)
-    m = m if rows is None else len(rows)
     _, sizes, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", (m,))
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
     out_dtype = _ragged_dot_out_dtype(preferred_element_type, lhs.dtype, rhs.dtype)
     # The kernels write the inputs' dtype or float32; any other output is rounded from float32.
     kernel_dtype = out_dtype if out_dtype in (dtype, jnp.dtype(jnp.float32)) else jnp.dtype(jnp.float32)
-    operands = vary_alike(jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), sizes, offset, *_optional(rows))
-    return _ragged_dot(*_with_rows(operands), (rhs_transposed, kernel_dtype)).astype(out_dtype)
-
-
-def _check_lhs_rows(lhs_rows):
-    """``lhs_rows`` as int32 ``[M]``, or None."""
-    if lhs_rows is None:
-        return None
-    check_array("lhs_rows", lhs_rows)
-    if not jnp.issubdtype(lhs_rows.dtype, jnp.integer) or lhs_rows.ndim != 1:
-        raise TypeError(f"lhs_rows must be a one-dimensional integer array [M] (the row of lhs each row of the "
-                        f"product takes), got {lhs_rows.dtype}{list(lhs_rows.shape)}")
-    return _as_int32("lhs_rows", lhs_rows)
-
-
-def _optional(x) -> tuple:
-    """``(x,)``, or ``()`` for None."""
-    return () if x is None else (x,)
-
-
-def _with_rows(operands: tuple) -> tuple:
-    """``(lhs, rhs, group_sizes, group_offset, lhs_rows or None)`` of operands
-    that may end before lhs_rows."""
-    return (*operands, None) if len(operands) == 4 else operands
+    operands = vary_alike(jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), sizes, offset)
+    return _ragged_dot(*operands, (rhs_transposed, kernel_dtype)).astype(out_dtype)
 
 
 class ActivatedRows(typing.NamedTuple):
@@ -284,8 +239,7 @@ class ActivatedRows(typing.NamedTuple):
     hidden: jax.Array
 
 
-def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, group_offset=None,
-                          lhs_rows=None) -> ActivatedRows:
+def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, group_offset=None) -> ActivatedRows:
     """The expert MLP's up projection and its activation: :func:`ragged_dot`'s
     product ``u`` and, row by row, the hidden activation of it.
 
@@ -309,9 +263,6 @@ def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, 
       activation: one of :data:`oxmoe.activation.ACTIVATIONS`.
       group_offset: optional integer scalar or ``[1]`` array, the first group
         of the window, as :func:`ragged_dot` takes it.
-      lhs_rows: optional ``[M]`` integer array, the row of ``lhs`` (then
-        ``[T, K]``) each row of the product takes, as :func:`ragged_dot` takes
-        it: a dispatch's rows read from the tokens as the kernel loads them.
 
     Returns:
       :class:`ActivatedRows`, both in ``lhs``'s dtype; rows outside every
@@ -326,34 +277,30 @@ def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, 
     if gated(activation) and rhs.shape[2] % 2:
         raise ValueError(f"rhs must have an even number of columns N = 2F ([gate, up]) for {activation!r}, "
                          f"got {tuple(rhs.shape)}")
-    rows = _check_lhs_rows(lhs_rows)
-    m = m if rows is None else len(rows)
     _, sizes, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", (m,))
-    operands = vary_alike(jnp.asarray(lhs), jnp.asarray(rhs), sizes, offset, *_optional(rows))
-    return ActivatedRows(*_ragged_dot_activation(*_with_rows(operands), activation))
+    operands = vary_alike(jnp.asarray(lhs), jnp.asarray(rhs), sizes, offset)
+    return ActivatedRows(*_ragged_dot_activation(*operands, activation))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ragged_dot_activation(lhs, rhs, group_sizes, group_offset, lhs_rows, activation_name):
-    return tuple(_ragged_dot_activation_p(lhs, rhs, group_sizes, group_offset, *_optional(lhs_rows),
-                                          activation=activation_name))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ragged_dot_activation(lhs, rhs, group_sizes, group_offset, activation_name):
+    return tuple(_ragged_dot_activation_p(lhs, rhs, group_sizes, group_offset, activation=activation_name))
 
 
-def _ragged_dot_activation_vjp_fwd(lhs, rhs, group_sizes, group_offset, lhs_rows, activation_name):
-    pre_activation, hidden = _ragged_dot_activation(lhs, rhs, group_sizes, group_offset, lhs_rows, activation_name)
-    return (pre_activation, hidden), (lhs, rhs, group_sizes, group_offset, lhs_rows, pre_activation)
+def _ragged_dot_activation_vjp_fwd(lhs, rhs, group_sizes, group_offset, activation_name):
+    pre_activation, hidden = _ragged_dot_activation(lhs, rhs, group_sizes, group_offset, activation_name)
+    return (pre_activation, hidden), (lhs, rhs, group_sizes, group_offset, pre_activation)
 
 
 def _ragged_dot_activation_vjp_bwd(activation_name, residuals, grads):
-    *operands, pre_activation = residuals
-    lhs = operands[0]
+    lhs, rhs, group_sizes, group_offset, pre_activation = residuals
     grad_pre_activation, grad_hidden = grads
     # The activation's backward with every row's weight 1 (its rounding of the gradient
     # after the weight is then the identity), added to the product's own cotangent.
     ones = jnp.ones(pre_activation.shape[:1], jnp.float32)
     through_hidden = activation_bwd(grad_hidden.astype(lhs.dtype), pre_activation, ones, activation_name).grad_pre_activation
     grad_product = (grad_pre_activation.astype(jnp.float32) + through_hidden.astype(jnp.float32)).astype(lhs.dtype)
-    return _ragged_dot_vjp_bwd((False, lhs.dtype), tuple(operands), grad_product)
+    return _ragged_dot_vjp_bwd((False, lhs.dtype), (lhs, rhs, group_sizes, group_offset), grad_product)
 
 
 _ragged_dot_activation.defvjp(_ragged_dot_activation_vjp_fwd, _ragged_dot_activation_vjp_bwd)
@@ -496,39 +443,29 @@ def _check_chunk(lhs, rhs, first_lhs, first_rhs, index: str) -> None:
                          f"got {tuple(rhs.shape)}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _ragged_dot(lhs, rhs, group_sizes, group_offset, lhs_rows, static):
-    """The product, its rows gathered from lhs through ``lhs_rows`` unless it is None."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _ragged_dot(lhs, rhs, group_sizes, group_offset, static):
     rhs_transposed, out_dtype = static
     n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
-    (out,) = _ragged_dot_p(lhs, rhs, group_sizes, group_offset, *_optional(lhs_rows),
-                           rhs_transposed=np.bool_(rhs_transposed), n=n, out_dtype=out_dtype)
+    (out,) = _ragged_dot_p(lhs, rhs, group_sizes, group_offset, rhs_transposed=np.bool_(rhs_transposed),
+                           n=n, out_dtype=out_dtype)
     return out
 
 
-def _ragged_dot_vjp_fwd(lhs, rhs, group_sizes, group_offset, lhs_rows, static):
-    residuals = (lhs, rhs, group_sizes, group_offset, lhs_rows)
-    return _ragged_dot(lhs, rhs, group_sizes, group_offset, lhs_rows, static), residuals
+def _ragged_dot_vjp_fwd(lhs, rhs, group_sizes, group_offset, static):
+    return _ragged_dot(lhs, rhs, group_sizes, group_offset, static), (lhs, rhs, group_sizes, group_offset)
 
 
 def _ragged_dot_vjp_bwd(static, residuals, grad_out):
     rhs_transposed, _ = static
-    lhs, rhs, group_sizes, group_offset, lhs_rows = residuals
+    lhs, rhs, group_sizes, group_offset = residuals
     grad_out = grad_out.astype(lhs.dtype)
     # d lhs = d out · rhs[g]ᵀ: the same product with rhs read the other way round.
-    grad_lhs = _ragged_dot(grad_out, rhs, group_sizes, group_offset, None, (not rhs_transposed, lhs.dtype))
-    rows = lhs
-    if lhs_rows is not None:
-        # Gathered: each row of lhs sums its rows' gradients (in float32); d rhs takes the gathered rows.
-        tokens = len(lhs)
-        inside = jnp.where((lhs_rows >= 0) & (lhs_rows < tokens), lhs_rows, tokens)
-        grad_lhs = jnp.zeros(lhs.shape, jnp.float32).at[inside].add(grad_lhs.astype(jnp.float32), mode="drop")
-        grad_lhs = grad_lhs.astype(lhs.dtype)
-        rows = lhs.at[inside].get(mode="fill", fill_value=0)
+    grad_lhs = _ragged_dot(grad_out, rhs, group_sizes, group_offset, (not rhs_transposed, lhs.dtype))
     # d rhs[g] = lhs_gᵀ · d out_g, or its transpose d out_gᵀ · lhs_g for [G, N, K].
-    operands = (grad_out, rows) if rhs_transposed else (rows, grad_out)
+    operands = (grad_out, lhs) if rhs_transposed else (lhs, grad_out)
     grad_rhs = _transposed((operands[0],), (operands[1],), group_sizes[None], group_offset, (rhs.shape[0], rhs.dtype))
-    return grad_lhs, grad_rhs, None, None, None
+    return grad_lhs, grad_rhs, None, None
 
 
 _ragged_dot.defvjp(_ragged_dot_vjp_fwd, _ragged_dot_vjp_bwd)
@@ -551,9 +488,9 @@ def _transposed_vjp_bwd(static, residuals, grad_out):
     lhs, rhs, group_sizes, group_offset = residuals
     grad_out = grad_out.astype(lhs[0].dtype)  # [G, K, N]
     # out[g] = Σ_c lhs_cgᵀ rhs_cg: d lhs_cg = rhs_cg · d out[g]ᵀ, d rhs_cg = lhs_cg · d out[g].
-    grad_lhs = tuple(_ragged_dot(b, grad_out, sizes, group_offset, None, (True, a.dtype))
+    grad_lhs = tuple(_ragged_dot(b, grad_out, sizes, group_offset, (True, a.dtype))
                      for a, b, sizes in zip(lhs, rhs, group_sizes))
-    grad_rhs = tuple(_ragged_dot(a, grad_out, sizes, group_offset, None, (False, b.dtype))
+    grad_rhs = tuple(_ragged_dot(a, grad_out, sizes, group_offset, (False, b.dtype))
                      for a, b, sizes in zip(lhs, rhs, group_sizes))
     return grad_lhs, grad_rhs, None, None
 

@@ -71,13 +71,10 @@ fn panel_product(panel: &[[f32; TILE_ROWS]], b: &[f32], n: usize, out: &mut [f32
 
 /// `out[r] = lhs[r] · w_g` for each row `r` of local group `g`, where `w_g` is
 /// `rhs[g]` (`[K, N]`) or, with `rhs_transposed`, `rhs[g]ᵀ` (`rhs[g]` is
-/// `[N, K]`). Every other row of `out` is zero. With `lhs_rows`, row `r`
-/// takes `lhs[lhs_rows[r]]` instead (zeros where that is outside `lhs`).
-#[allow(clippy::too_many_arguments)]
+/// `[N, K]`). Every other row of `out` is zero.
 pub fn ragged_dot<T: Real, O: Real>(
     shape: &GroupedShape,
     lhs: &[T],
-    lhs_rows: Option<&[i32]>,
     rhs: &[T],
     rhs_transposed: bool,
     group_sizes: &[i32],
@@ -89,12 +86,6 @@ pub fn ragged_dot<T: Real, O: Real>(
     if n == 0 || k == 0 {
         return;  // rows stay zero
     }
-    let tokens = lhs.len() / k;
-    // The row of lhs that row r of the product takes, if any.
-    let source = |r: usize| match lhs_rows {
-        None => Some(r),
-        Some(rows) => usize::try_from(rows[r]).ok().filter(|&t| t < tokens),
-    };
     for (g, (start, end)) in group_rows(group_sizes, group_offset, shape.local_groups, shape.m).into_iter().enumerate() {
         // The group's weights as f32 [K, N], converted (and transposed) once for all its rows.
         let group = &rhs[g * k * n..(g + 1) * k * n];
@@ -109,11 +100,9 @@ pub fn ragged_dot<T: Real, O: Real>(
             for (i, out_rows) in rows.chunks_mut(TILE_ROWS * n).enumerate() {
                 let first = start + (task * TILES_PER_TASK + i) * TILE_ROWS;
                 let count = out_rows.len() / n;
-                let sources: [Option<usize>; TILE_ROWS] =
-                    std::array::from_fn(|t| if t < count { source(first + t) } else { None });
                 for (p, a) in panel.iter_mut().enumerate() {
-                    for (a_t, s) in a.iter_mut().zip(&sources) {
-                        *a_t = s.map_or(0.0, |s| lhs[s * k + p].to_f32());
+                    for (t, a_t) in a.iter_mut().enumerate() {
+                        *a_t = if t < count { lhs[(first + t) * k + p].to_f32() } else { 0.0 };
                     }
                 }
                 panel_product(&panel, &w, n, &mut tile);
@@ -337,12 +326,8 @@ mod tests {
         let lhs = [1f32, 2., 3., 4., 5., 6., 7., 8.];
         let rhs = [10f32, 1., 100., 1000.];
         let mut out = [9f32; 4];
-        ragged_dot(&shape, &lhs, None, &rhs, false, &[1, 2], 0, &mut out);
+        ragged_dot(&shape, &lhs, &rhs, false, &[1, 2], 0, &mut out);
         assert_eq!(out, [12., 4300., 6500., 0.]);
-
-        // Gathered: row r takes lhs's row lhs_rows[r] (rows 2 and 3 name none: zeros).
-        ragged_dot(&shape, &lhs, Some(&[3, 0, -1, 4]), &rhs, false, &[1, 3], 0, &mut out);
-        assert_eq!(out, [7. * 10. + 8., 2100., 0., 0.]);
 
         let shape = GroupedShape { m: 4, k: 2, n: 1, groups: 2, local_groups: 2 };
         let mut grad = [9f32; 4];
@@ -426,8 +411,8 @@ mod tests {
         let lhs = [1f32, 2., 3., -1., 0., 1.];
         let (w, w_t) = ([1f32, 2., 3., 4., 5., 6.], [1f32, 3., 5., 2., 4., 6.]);
         let (mut a, mut b) = ([0f32; 4], [0f32; 4]);
-        ragged_dot(&shape, &lhs, None, &w, false, &[2], 0, &mut a);
-        ragged_dot(&shape, &lhs, None, &w_t, true, &[2], 0, &mut b);
+        ragged_dot(&shape, &lhs, &w, false, &[2], 0, &mut a);
+        ragged_dot(&shape, &lhs, &w_t, true, &[2], 0, &mut b);
         assert_eq!(a, [22., 28., 4., 4.]);
         assert_eq!(a, b);
     }

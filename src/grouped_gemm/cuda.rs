@@ -134,12 +134,11 @@ fn ragged_dot_cluster(device: &Device, n: usize, width: u32) -> u32 {
     if n.div_ceil(width as usize).is_multiple_of(2) && device.multiprocessors >= 2 { 2 } else { 1 }
 }
 
-/// `activation`: ragged_dot_activation's, applied in the epilogue;
-/// `gathered`: lhs's rows read through `lhs_rows` (cluster 1).
+/// `activation`: ragged_dot_activation's, applied in the epilogue.
 pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, cluster: u32,
-                                  activation: Option<Activation>, gathered: bool, block_n: u32) -> Result<String> {
+                                  activation: Option<Activation>, block_n: u32) -> Result<String> {
     let instance = Instance::new("ragged_dot_hopper").dtype(dtype).dtype(out).flag(rhs_transposed).int(cluster);
-    hopper_instance(instance.int(activation.map_or(0, Activation::code)).flag(gathered), block_n)
+    hopper_instance(instance.int(activation.map_or(0, Activation::code)), block_n)
 }
 
 pub fn transposed_hopper_instance(dtype: DataType, out: DataType, block_n: u32) -> Result<String> {
@@ -304,15 +303,9 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
     let gated = epilogue.as_ref().is_some_and(|e| e.activation.gated());
     let columns = epilogue.as_ref().map_or(shape.n, |e| e.activation.hidden_columns(shape.n));
     let width = if gated { bn / 2 } else { bn };
-    // Gathered rows are copied by the producer warp, one block's for itself.
-    let gathered = a.lhs_rows.as_ref().map(|rows| rows.device_ptr());
-    let cluster = if gathered.is_some() { 1 } else { ragged_dot_cluster(device, columns, width) };
+    let cluster = ragged_dot_cluster(device, columns, width);
     // Each block of a cluster loads its share of the A tile's rows for all.
-    let lhs_map = match gathered {
-        Some(_) => TensorMap::unused(),
-        None => TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, BLOCK_M / cluster])?,
-    };
-    let (lhs_rows, lhs_tokens) = (gathered.unwrap_or(0), int(a.lhs_tokens())?);
+    let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, BLOCK_M / cluster])?;
     let rhs_map = if a.rhs_transposed {
         TensorMap::tiled_16bit(rhs, &[k64, n64, gl], &[BLOCK_K, bn, 1])?
     } else {
@@ -330,12 +323,10 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
         None => (0, TensorMap::unused()),
     };
     let activation = epilogue.map(|e| e.activation);
-    let instance =
-        ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, cluster, activation, gathered.is_some(), bn)?;
+    let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, cluster, activation, bn)?;
     launch_hopper(stream, device, &instance, bn, cluster, &mut [
         arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
-        arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map), arg(&hidden), arg(&hidden_map), arg(&lhs),
-        arg(&lhs_rows), arg(&lhs_tokens),
+        arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map), arg(&hidden), arg(&hidden_map),
     ])
 }
 
@@ -347,10 +338,8 @@ fn ragged_dot_simt(stream: Stream, a: &RaggedDot, g: &Groups) -> Result<()> {
     let rows = chunk_bounds(stream, shape, g.sizes, g.offset, &[shape.m], a.workspace.device_ptr())?;
     let kernel = Kernel::get(stream, &GROUPED_GEMM, &ragged_dot_simt_instance(dtype, out_dtype, a.rhs_transposed)?)?;
     let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
-    let (lhs_rows, lhs_tokens) = (a.lhs_rows.as_ref().map_or(0, |rows| rows.device_ptr()), int(a.lhs_tokens())?);
     launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
         arg(&lhs), arg(&rhs), arg(&rows.bounds), arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out),
-        arg(&lhs_rows), arg(&lhs_tokens),
     ])
 }
 
@@ -534,9 +523,8 @@ mod tests {
             for bn in [128, 256] {
                 for transposed in [false, true] {
                     for cluster in [1, 2] {
-                        instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, None, false, bn).unwrap());
+                        instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, None, bn).unwrap());
                     }
-                    instances.push(ragged_dot_hopper_instance(dtype, out, transposed, 1, None, true, bn).unwrap());
                 }
                 instances.push(transposed_hopper_instance(dtype, out, bn).unwrap());
             }
@@ -545,9 +533,8 @@ mod tests {
         for dtype in [DataType::BF16, DataType::F16] {
             for activation in Activation::ALL {
                 for (bn, cluster) in [(128, 1), (256, 2)] {
-                    instances.push(ragged_dot_hopper_instance(dtype, dtype, false, cluster, Some(activation), false, bn).unwrap());
+                    instances.push(ragged_dot_hopper_instance(dtype, dtype, false, cluster, Some(activation), bn).unwrap());
                 }
-                instances.push(ragged_dot_hopper_instance(dtype, dtype, false, 1, Some(activation), true, 256).unwrap());
             }
         }
         for out in [DataType::BF16, DataType::F16, DataType::F32] {
@@ -570,7 +557,7 @@ mod tests {
     /// eight bytes short, the instance does not compile.
     #[test]
     fn a_hopper_launch_that_disagrees_with_the_kernels_layout_does_not_compile() {
-        let instance = Instance::new("ragged_dot_hopper").dtype(DataType::BF16).dtype(DataType::BF16).flag(false).int(1).int(0).flag(false);
+        let instance = Instance::new("ragged_dot_hopper").dtype(DataType::BF16).dtype(DataType::BF16).flag(false).int(1).int(0);
         let short = instance.int(256).int(hopper_stages(256)).int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS).int(hopper_shared_bytes(256) - 8);
         let error = compile_check(&GROUPED_GEMM, &[&short.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
         assert!(error.message().contains("the launch's dynamic shared memory is this layout's"), "{}", error.message());

@@ -34,15 +34,12 @@ pub extern "C" fn oxmoe_grouped_gemm_workspace_bytes(chunks: u64, local_groups: 
 
 fn ragged_dot_cpu(op: RaggedDot) -> Result<()> {
     let (sizes, offset) = (op.group_sizes.slice::<i32>()?, op.group_offset.slice::<i32>()?[0]);
-    let lhs_rows = op.lhs_rows.as_ref().map(|r| r.slice::<i32>()).transpose()?;
     with_real_type!(op.lhs.dtype(), T => {
         let (lhs, rhs) = (op.lhs.slice::<T>()?, op.rhs.slice::<T>()?);
         if op.out.dtype() == DataType::F32 {
-            cpu::ragged_dot::<T, f32>(&op.shape, lhs, lhs_rows, rhs, op.rhs_transposed, sizes, offset,
-                                      op.out.slice_mut()?);
+            cpu::ragged_dot::<T, f32>(&op.shape, lhs, rhs, op.rhs_transposed, sizes, offset, op.out.slice_mut()?);
         } else {
-            cpu::ragged_dot::<T, T>(&op.shape, lhs, lhs_rows, rhs, op.rhs_transposed, sizes, offset,
-                                    op.out.slice_mut()?);
+            cpu::ragged_dot::<T, T>(&op.shape, lhs, rhs, op.rhs_transposed, sizes, offset, op.out.slice_mut()?);
         }
     });
     Ok(())
@@ -52,11 +49,10 @@ fn ragged_dot_activation_cpu(op: RaggedDotActivation) -> Result<()> {
     let features = op.features();
     let RaggedDotActivation { product, activation, hidden } = op;
     let (sizes, offset) = (product.group_sizes.slice::<i32>()?, product.group_offset.slice::<i32>()?[0]);
-    let lhs_rows = product.lhs_rows.as_ref().map(|r| r.slice::<i32>()).transpose()?;
     with_real_type!(product.lhs.dtype(), T => {
         let pre_activation = product.out.slice_mut::<T>()?;
-        cpu::ragged_dot::<T, T>(&product.shape, product.lhs.slice()?, lhs_rows, product.rhs.slice()?, false, sizes,
-                                offset, pre_activation);
+        cpu::ragged_dot::<T, T>(&product.shape, product.lhs.slice()?, product.rhs.slice()?, false, sizes, offset,
+                                pre_activation);
         activation::cpu::activation_fwd::<T>(activation, features, pre_activation, hidden.slice_mut()?);
     });
     Ok(())

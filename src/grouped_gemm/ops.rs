@@ -75,10 +75,7 @@ fn decode_ragged_groups<'a>(call: &Call<'a>, first: usize, local_groups: usize) 
 }
 
 /// `oxmoe_ragged_dot`: lhs [M, K], rhs [Gl, K, N] (attribute
-/// `rhs_transposed`: [Gl, N, K]), group_sizes, group_offset, optionally
-/// lhs_rows -> out [M, N]. With `lhs_rows` ([M] int32), lhs is [T, K] and
-/// row i of the product takes its row `lhs_rows[i]`, zeros where that is
-/// outside `[0, T)` (a dispatch's rows read straight from the tokens).
+/// `rhs_transposed`: [Gl, N, K]), group_sizes, group_offset -> out [M, N].
 pub struct RaggedDot<'a> {
     pub shape: GroupedShape,
     pub rhs_transposed: bool,
@@ -86,50 +83,28 @@ pub struct RaggedDot<'a> {
     pub rhs: Arg<'a>,
     pub group_sizes: Arg<'a>,
     pub group_offset: Arg<'a>,
-    pub lhs_rows: Option<Arg<'a>>,
     pub out: Ret<'a>,
     pub workspace: Ret<'a>,
 }
 
 impl<'a> RaggedDot<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
-        let (lhs, lhs_rows, dtype, m, k) = decode_lhs(call)?;
+        call.expect_num_args(4, 4)?;
+        let lhs = call.arg(0, "lhs")?;
+        let dtype = lhs.expect_dtype(&FLOAT_TYPES)?;
+        let (m, k) = lhs.matrix()?;
         let (rhs, rhs_transposed, local_groups, n) = decode_weights(call, 1, k, dtype)?;
         let (group_sizes, group_offset, groups) = decode_ragged_groups(call, 2, local_groups)?;
         let out = call.ret(0, "out")?;
         check_out(&out, dtype, &[m, n])?;
         let workspace = call.workspace(1, workspace_bytes(1, local_groups))?;
         let shape = GroupedShape { m, k, n, groups, local_groups };
-        Ok(Self { shape, rhs_transposed, lhs, rhs, group_sizes, group_offset, lhs_rows, out, workspace })
+        Ok(Self { shape, rhs_transposed, lhs, rhs, group_sizes, group_offset, out, workspace })
     }
-
-    /// `lhs`'s rows: the product's own (`M`) or, gathered, `T`.
-    pub fn lhs_tokens(&self) -> usize {
-        self.lhs.dims().first().map_or(0, |&t| t as usize)
-    }
-}
-
-/// A ragged product's float `lhs` (argument 0) and its optional `lhs_rows`
-/// (argument 4, `[M]` int32, the rows of the product): returns them, their
-/// dtype, `M` and `K`. lhs's rows index int32.
-fn decode_lhs<'a>(call: &Call<'a>) -> Result<(Arg<'a>, Option<Arg<'a>>, DataType, usize, usize)> {
-    call.expect_num_args(4, 5)?;
-    let lhs = call.arg(0, "lhs")?;
-    let dtype = lhs.expect_dtype(&FLOAT_TYPES)?;
-    let (tokens, k) = lhs.matrix()?;
-    let lhs_rows = call.optional_arg(4, "lhs_rows")?;
-    let Some(rows) = &lhs_rows else { return Ok((lhs, None, dtype, tokens, k)) };
-    if tokens > i32::MAX as usize {
-        invalid!("lhs has {tokens} rows, but lhs_rows indexes them with int32: at most {}", i32::MAX)
-    }
-    let m = rows.len();
-    rows.expect(&[DataType::S32], &[m])?;
-    Ok((lhs, lhs_rows, dtype, m, k))
 }
 
 /// `oxmoe_ragged_dot_activation`: lhs [M, K], rhs [Gl, K, N], group_sizes,
-/// group_offset, optionally lhs_rows (as `oxmoe_ragged_dot` takes them;
-/// attribute `activation`) -> pre_activation [M, N] (the
+/// group_offset (attribute `activation`) -> pre_activation [M, N] (the
 /// product, as `oxmoe_ragged_dot` gives it) and hidden [M, F], its activation
 /// (`N = 2F` for a gated activation, `[gate, up]`; else `N = F`), both in
 /// lhs's type.
@@ -142,8 +117,11 @@ pub struct RaggedDotActivation<'a> {
 
 impl<'a> RaggedDotActivation<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(4, 4)?;
         let activation = Activation::parse(call.attr("activation")?)?;
-        let (lhs, lhs_rows, dtype, m, k) = decode_lhs(call)?;
+        let lhs = call.arg(0, "lhs")?;
+        let dtype = lhs.expect_dtype(&FLOAT_TYPES)?;
+        let (m, k) = lhs.matrix()?;
         let (rhs, local_groups, n) = decode_laid_out_weights(call, 1, k, dtype, false)?;
         if activation.gated() && n % 2 != 0 {
             invalid!("rhs has {n} columns, but {:?} takes [gate, up]: an even number", activation.name())
@@ -156,8 +134,7 @@ impl<'a> RaggedDotActivation<'a> {
         hidden.expect(&[dtype], &[m, features])?;
         let workspace = call.workspace(2, workspace_bytes(1, local_groups))?;
         let shape = GroupedShape { m, k, n, groups, local_groups };
-        let product =
-            RaggedDot { shape, rhs_transposed: false, lhs, rhs, group_sizes, group_offset, lhs_rows, out, workspace };
+        let product = RaggedDot { shape, rhs_transposed: false, lhs, rhs, group_sizes, group_offset, out, workspace };
         Ok(Self { product, activation, hidden })
     }
 

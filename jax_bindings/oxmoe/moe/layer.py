@@ -174,14 +174,17 @@ def _route_bwd(logits, routing_map, aux_tokens_per_expert, grad_probs, aux: MoEA
 
 # -- dispatch --------------------------------------------------------------------------
 
-@pytree_dataclass(("tokens", "group_sizes", "row_id_map", "probs", "row_probs", "exchange"), ("ring",))
+@pytree_dataclass(("rows", "tokens", "group_sizes", "row_id_map", "probs", "row_probs", "exchange"), ("ring",))
 class ExpertInput:
-    """The result of :func:`dispatch`: the tokens the local experts compute on,
-    the map that lays them out as rows, and what :func:`combine` needs to bring
-    their results back. (Named ``Dispatched`` before, like
-    :class:`oxmoe.permutation.Dispatched`, which is another thing: the result
-    of the local permutation.)"""
+    """The result of :func:`dispatch`: the rows the local experts compute on,
+    and what :func:`combine` needs to bring their results back. (Named
+    ``Dispatched`` before, like :class:`oxmoe.permutation.Dispatched`, which
+    is another thing: the result of the local permutation.)"""
 
+    rows: jax.Array | fp8.BlockQuantized
+    """``[N, H]`` in ``config.dtype``: the local experts' rows, expert by
+    expert, then zero rows: ``tokens`` permuted (with ``config.fp8``, their
+    FP8 values and scales)."""
     tokens: jax.Array | fp8.BlockQuantized
     """``[T', H]`` in ``config.dtype``: what the local permutation took: this
     shard's tokens, the rows the exchange brought, or the ring's gathered tokens.
@@ -200,15 +203,6 @@ class ExpertInput:
     """The exchange between expert shards; None without one."""
     ring: bool
     """Whether the tokens of the expert axis were gathered (``exchange="ring"``)."""
-
-    @property
-    def rows(self) -> jax.Array | fp8.BlockQuantized:
-        """``[N, H]`` in ``config.dtype``: the local experts' rows, expert by
-        expert, then zero rows: ``tokens`` permuted (with ``config.fp8``, their
-        FP8 values and scales). Permuted when asked for: :func:`expert_ffn`'s
-        16-bit up projection reads its rows from ``tokens`` through the map as
-        it loads them, so the layer never writes this copy."""
-        return _permuted(self.tokens, self.row_id_map)
 
 
 def dispatch(tokens, routing: Routing, config: MoEConfig, *, expert_axis=None, data_axes=()) -> ExpertInput:
@@ -243,13 +237,14 @@ def _dispatch(tokens, routing_map, probs, config: MoEConfig, axes: Axes, capacit
     elif method is not None:
         exchange, parts, weights = exchange_tokens(parts, routing_map, probs, config, axes, method, capacity)
         routing_map, probs = weights >= 0, jnp.maximum(weights, 0)
-    # The dispatch lays out the row map and permutes the weights; it moves no row (a width of 0):
-    # the rows are read through the map where they are used (ExpertInput.rows).
-    tokens = parts[-1]
-    local_rows = permutation.dispatch_fwd(tokens[:, :0], routing_map, probs, num_rows=dispatch_rows(
-        config, len(tokens), el, capacity), align_size=align)
+    # The last part (the rows, or the FP8 scales) is permuted by the dispatch, which makes the row map.
+    local_rows = permutation.dispatch_fwd(parts[-1], routing_map, probs, num_rows=dispatch_rows(
+        config, len(parts[-1]), el, capacity), align_size=align)
     assert local_rows.probs is not None  # given the weights, dispatch_fwd permutes them
-    return ExpertInput(_from_parts(parts), local_rows.group_sizes, local_rows.row_id_map, probs,
+    rows: jax.Array | fp8.BlockQuantized = local_rows.tokens
+    if config.fp8 is not None:  # the dispatch permuted the scales; the values follow its map
+        rows = fp8.BlockQuantized(rows_of(parts[0], local_rows.row_id_map), local_rows.tokens, fp8.ACTIVATION_BLOCK)
+    return ExpertInput(rows, _from_parts(parts), local_rows.group_sizes, local_rows.row_id_map, probs,
                        local_rows.probs.astype(_F32), exchange, method == "ring")
 
 
@@ -359,9 +354,7 @@ def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> E
     up_weight, down_weight = weights
     sizes, transposed = dispatched.group_sizes, config.fp8 is not None
     if config.fp8 is None:
-        # Each row read from its token as the product loads it: no permuted copy of the tokens.
-        up, hidden = grouped_gemm.ragged_dot_activation(dispatched.tokens, up_weight, sizes, config.activation,
-                                                        lhs_rows=dispatched.row_id_map.source_tokens)
+        up, hidden = grouped_gemm.ragged_dot_activation(dispatched.rows, up_weight, sizes, config.activation)
     else:
         up = _expert_product(dispatched.rows, up_weight, sizes, config, rhs_transposed=True)
         hidden = _activate(up, config.activation)
