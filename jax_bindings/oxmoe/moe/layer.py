@@ -352,13 +352,13 @@ def _expert_product(rows, weight, sizes, config: MoEConfig, *, rhs_transposed: b
 def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> ExpertOutput:
     """:func:`expert_ffn` with the forward's weights of :func:`_expert_weights`."""
     up_weight, down_weight = weights
-    sizes, transposed = dispatched.group_sizes, config.fp8 is not None
+    sizes = dispatched.group_sizes
     if config.fp8 is None:
         up, hidden = grouped_gemm.ragged_dot_activation(dispatched.rows, up_weight, sizes, config.activation)
-    else:
-        up = _expert_product(dispatched.rows, up_weight, sizes, config, rhs_transposed=True)
-        hidden = _activate(up, config.activation)
-    rows = _expert_product(hidden, down_weight, sizes, config, rhs_transposed=transposed)
+        return ExpertOutput(_expert_product(hidden, down_weight, sizes, config), up)
+    # FP8: the weights come transposed (both operands K-major), the activation is a pass of its own.
+    up = _expert_product(dispatched.rows, up_weight, sizes, config, rhs_transposed=True)
+    rows = _expert_product(_activate(up, config.activation), down_weight, sizes, config, rhs_transposed=True)
     return ExpertOutput(rows, up)
 
 
