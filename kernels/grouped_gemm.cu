@@ -353,33 +353,24 @@ constexpr int HOPPER_THREADS = 384;  // a producer warpgroup and two consumer wa
 constexpr int CONSUMER_WARPS = 8;
 
 // A Hopper kernel's tile width, its ring's stages, the most local groups
-// its tables hold, the blocks of its clusters and the 64-row halves of a tile
-// a consumer warpgroup holds: the launch's choices (src/grouped_gemm/cuda.rs),
-// passed as template arguments with the dynamic shared memory it gives them.
-// The blocks of a cluster take adjacent column tiles of the same rows (a tile
-// of the cluster, CLUSTER_BN columns wide) and share the rows' A tiles: each
-// loads its 64 rows' for all of them. With HALVES = 1 the two consumer
-// warpgroups share each tile (64 rows each); with 2 each takes whole tiles in
-// turn (ragged_dot_pingpong).
-template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_, int CLUSTER_ = 1, int HALVES_ = 1> struct HopperConfig {
+// its tables hold and the blocks of its clusters: the launch's choices
+// (src/grouped_gemm/cuda.rs), passed as template arguments with the dynamic
+// shared memory it gives them. The blocks of a cluster take adjacent column
+// tiles of the same rows (a tile of the cluster, CLUSTER_BN columns wide) and
+// share the rows' A tiles: each loads its 64 rows' for all of them.
+template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_, int CLUSTER_ = 1> struct HopperConfig {
   static constexpr int BN = BN_;
   static constexpr int STAGES = STAGES_;
   static constexpr int MAX_LOCAL_GROUPS = MAX_LOCAL_GROUPS_;
   static constexpr int CLUSTER = CLUSTER_;
-  static constexpr int HALVES = HALVES_;
   static constexpr int CLUSTER_BN = BN * CLUSTER;
   static constexpr int A_BYTES = BLOCK_M * BLOCK_K * 2;
   static constexpr int B_BYTES = BLOCK_K * BN * 2;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  // The consumer warps that read each stage: both warpgroups', or one's.
-  static constexpr int STAGE_READERS = CONSUMER_WARPS / HALVES;
-  // A consumer warpgroup's output rows of 16-bit elements on their way out:
-  // a half's 64 rows padded by 16 bytes (so that neither side conflicts on
-  // banks) for store_tile, or the tile's 64 x 64 boxes for TMA stores.
+  // A consumer warpgroup's 64 output rows of 16-bit elements on their way
+  // out, rows padded by 16 bytes so that neither side conflicts on banks.
   static constexpr int OUT_PITCH = BN + 8;
-  static constexpr int STAGING_BYTES =
-      64 * OUT_PITCH * 2 > HALVES * BN / 64 * CHUNK_BYTES ? 64 * OUT_PITCH * 2 : HALVES * BN / 64 * CHUNK_BYTES;
-  static constexpr int OUT_BYTES = 2 * STAGING_BYTES;
+  static constexpr int OUT_BYTES = 2 * 64 * OUT_PITCH * 2;
   static constexpr int SCALE_BYTES = 0;  // the stages carry no scales
   // Alignment slack, the stages, the output rows, full and empty barriers,
   // the group tables.
@@ -403,7 +394,7 @@ template <typename Config>
 struct Shared {
   unsigned char* a;  // STAGES x A_BYTES
   unsigned char* b;  // STAGES x B_BYTES
-  unsigned short* out;  // each consumer warpgroup's STAGING_BYTES of output rows
+  unsigned short* out;  // each consumer warpgroup's 64 x OUT_PITCH output rows
   unsigned long long* full;   // a stage's loads have landed
   unsigned long long* empty;  // the consumers are done with a stage
   float* scales;  // STAGES x SCALE_BYTES
@@ -424,15 +415,12 @@ struct Shared {
     return s;
   }
 
-  // Consumer warpgroup w's (0 or 1) output staging.
-  __device__ unsigned short* staging(int w) const { return out + w * Config::STAGING_BYTES / 2; }
-
-  // A stage is empty once the consumer warps that read it in every block of
-  // the cluster are done with it: the loads that refill it write each block's.
+  // A stage is empty once the consumer warps of every block of the cluster
+  // are done with it: the loads that refill it write each block's.
   __device__ void init_barriers() const {
     for (int s = 0; s < Config::STAGES; ++s) {
       barrier_init(&full[s], 1);
-      barrier_init(&empty[s], Config::STAGE_READERS * Config::CLUSTER);
+      barrier_init(&empty[s], CONSUMER_WARPS * Config::CLUSTER);
     }
     barrier_init_fence();
   }
@@ -461,13 +449,6 @@ struct Ring {
       stage = 0;
       phase ^= 1;
     }
-  }
-  // Past `count` stages (another warpgroup's).
-  template <int STAGES>
-  __device__ void skip(int count) {
-    const int at = stage + count;
-    stage = at % STAGES;
-    phase ^= at / STAGES & 1;
   }
 };
 
@@ -575,52 +556,38 @@ __device__ __forceinline__ void write_boxes(const float* sums, unsigned char* bo
   }
 }
 
-// Stores a consumer warpgroup's HALVES x 64 x BN sums of a tile at (row0,
-// col0) of out (row stride n), half h at rows row0 + 64 h: rows below
-// row_end. When all its rows are the tile's (none of another group, none past
-// the end), the warpgroup writes them into `staging` as boxes of 64 x 64,
-// laid out as the output map's 128-byte swizzle wants, and one thread stores
-// them with TMA (the map clips the columns at n): the consumers go on to the
-// next tile without waiting for the stores. Otherwise (and for float32
-// outputs) half by half through `store_tile`. Either path writes `staging`
-// only once the previous bulk store has read it.
-template <typename O, typename Config, int HALVES>
-__device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[HALVES][Config::BN / 2],
-                                                   unsigned short* staging, const TensorMap* out_map, O* out, int row0,
-                                                   int row_end, int col0, int n) {
-  constexpr int BOXES = Config::BN / 64;  // of a half
-  static_assert(Config::STAGING_BYTES % 1024 == 0, "each warpgroup's staging 1024-byte aligned, as the swizzle wants");
-  static_assert(HALVES * BOXES * CHUNK_BYTES <= Config::STAGING_BYTES, "the boxes fit a warpgroup's staging");
+// Stores a consumer warpgroup's 64 x BN sums of a tile at (row0, col0) of out
+// (row stride n): rows below row_end. When all 64 rows are the tile's (none
+// of another group, none past the end), the warpgroup writes them into
+// `staging` as BN / 64 boxes of 64 x 64, laid out as the output map's
+// 128-byte swizzle wants, and one thread stores them with TMA (the map clips
+// the columns at n): the consumers go on to the next tile without waiting
+// for the stores. Otherwise (and for float32 outputs) through `store_tile`.
+// Either path writes `staging` only once the previous bulk store has read it.
+template <typename O, typename Config>
+__device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::BN / 2], unsigned short* staging,
+                                                   const TensorMap* out_map, O* out, int row0, int row_end, int col0,
+                                                   int n) {
+  static_assert(64 * Config::OUT_PITCH * 2 % 1024 == 0, "each warpgroup's staging 1024-byte aligned, as the swizzle wants");
+  static_assert(Config::BN / 64 * CHUNK_BYTES <= 64 * Config::OUT_PITCH * 2, "the boxes fit a warpgroup's staging");
   const bool leader = stores_tiles_in_bulk();
   if (leader) bulk_wait_read();
   if constexpr (sizeof(O) == 2) {
-    if (row0 + 64 * HALVES <= row_end) {
+    if (row0 + 64 <= row_end) {
       unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
       staging_sync();
-#pragma unroll
-      for (int h = 0; h < HALVES; ++h) write_boxes<O, Config::BN>(sums[h], boxes + h * BOXES * CHUNK_BYTES);
+      write_boxes<O, Config::BN>(sums, boxes);
       fence_async_shared();
       staging_sync();
       if (leader) {
 #pragma unroll
-        for (int box = 0; box < HALVES * BOXES; ++box)
-          tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * (box % BOXES), row0 + 64 * (box / BOXES));
+        for (int box = 0; box < Config::BN / 64; ++box) tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
         bulk_commit();
       }
       return;
     }
   }
-#pragma unroll
-  for (int h = 0; h < HALVES; ++h) store_tile<O, Config>(sums[h], staging, out, row0 + 64 * h, row_end, col0, n);
-}
-
-// The same for a warpgroup's 64 rows of a tile it shares with the other.
-template <typename O, typename Config>
-__device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::BN / 2], unsigned short* staging,
-                                                   const TensorMap* out_map, O* out, int row0, int row_end, int col0,
-                                                   int n) {
-  store_tile_in_bulk<O, Config, 1>(reinterpret_cast<const float(&)[1][Config::BN / 2]>(sums), staging, out_map, out,
-                                   row0, row_end, col0, n);
+  store_tile<O, Config>(sums, staging, out, row0, row_end, col0, n);
 }
 
 // act(x) in the epilogue, without a branch: x sigmoid(z), z = x (SiLU) or
@@ -750,13 +717,13 @@ __device__ __forceinline__ void finish_bulk_stores() {
 }
 
 // Zeroes rows [row0, row_end) x columns [col0, col0 + BN) ∩ [0, n) of out
-// (row stride `stride`) with THREADS consumer threads, this one `thread` of
-// them (n, stride and out's offset multiples of 8).
-template <typename O, int BN, int THREADS>
-__device__ __forceinline__ void zero_tile(O* out, int row0, int row_end, int col0, int n, int stride, int thread) {
+// (row stride `stride`) with the 256 consumer threads (n, stride and out's
+// offset multiples of 8).
+template <typename O, int BN>
+__device__ __forceinline__ void zero_tile(O* out, int row0, int row_end, int col0, int n, int stride) {
   constexpr int PER = 16 / sizeof(O);
   const int rows = min(row_end - row0, BLOCK_M), columns = min(BN, n - col0) / PER;
-  for (int e = thread; e < rows * (BN / PER); e += THREADS) {
+  for (int e = threadIdx.x - 128; e < rows * (BN / PER); e += 256) {
     const int r = e / (BN / PER), c = e % (BN / PER);
     if (c < columns)
       *reinterpret_cast<uint4*>(out + static_cast<size_t>(row0 + r) * stride + col0 + c * PER) = make_uint4(0, 0, 0, 0);
@@ -878,47 +845,6 @@ __device__ __forceinline__ Shared<Config> start_transposed(unsigned char* raw) {
 __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;"); }
 __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;"); }
 
-// The producer of a ragged_dot kernel (one thread): every stage of the
-// block's tiles of the cluster's walk, in order. A: the tile's 128 rows, each
-// block of the cluster loading its share into all of them. B: the tile's BN
-// columns of this block (`rank`), W wide in the walk; gated, the gate's W
-// columns then the up's, F (`features`) columns on.
-template <typename Config, bool RHS_K_MAJOR, bool GATED, int W>
-__device__ __forceinline__ void load_ragged_dot_tiles(const Shared<Config>& s, RaggedTiles<W * Config::CLUSTER>& walk,
-                                                      const TensorMap* lhs_map, const TensorMap* rhs_map, int k_blocks,
-                                                      int rank, int features) {
-  constexpr int CLUSTER = Config::CLUSTER, BN = Config::BN;
-  Ring ring;
-  for (int t = blockIdx.x / CLUSTER; t < walk.total; t += gridDim.x / CLUSTER) {
-    const auto tile = walk.at(t);
-    if (tile.zeros) continue;
-    const int col0 = tile.col0 + rank * W;
-    for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
-      barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
-      unsigned long long* full = &s.full[ring.stage];
-      barrier_expect_bytes(full, Config::STAGE_BYTES);
-      unsigned char* a = s.a + ring.stage * Config::A_BYTES;
-      if constexpr (CLUSTER == 1) {
-        tma_load(a, lhs_map, full, kb * BLOCK_K, tile.row0);
-      } else {
-        constexpr int ROWS = BLOCK_M / CLUSTER;  // this block's rows of the A tile, for every block
-        tma_load_multicast(a + rank * ROWS * 128, lhs_map, full, kb * BLOCK_K, tile.row0 + rank * ROWS,
-                           (1 << CLUSTER) - 1);
-      }
-      unsigned char* b = s.b + ring.stage * Config::B_BYTES;
-      if constexpr (RHS_K_MAJOR) {
-        tma_load(b, rhs_map, full, kb * BLOCK_K, col0, tile.group);
-      } else {
-#pragma unroll
-        for (int j = 0; j < BN / 64; ++j) {
-          const int column = GATED ? col0 + 64 * (j % (W / 64)) + j / (W / 64) * features : col0 + 64 * j;
-          tma_load(b + j * CHUNK_BYTES, rhs_map, full, column, kb * BLOCK_K, tile.group);
-        }
-      }
-    }
-  }
-}
-
 // ragged_dot on Hopper, in clusters of CLUSTER blocks (1 or 2; with 2, the
 // launch's grid is even and n spans an even number of BN-column tiles).
 // lhs_map: lhs [m, k], box 64 x (128 / CLUSTER) rows. rhs_map: rhs [groups,
@@ -954,6 +880,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   const int k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
   // The cluster's tiles, and this block's columns of each.
   const int rank = CLUSTER > 1 ? cluster_rank() : 0, first = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
+  Ring ring;
 
   if (threadIdx.x < 128) {
     producer_registers();
@@ -963,7 +890,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
           const auto tile = walk.at(t);
           if (tile.zeros) continue;
           named_sync(STAGED_BARRIER, 256 + HELPERS);
-          store_staged_activation<O, ACTIVATION, W>(reinterpret_cast<unsigned char*>(s.out), Config::STAGING_BYTES,
+          store_staged_activation<O, ACTIVATION, W>(reinterpret_cast<unsigned char*>(s.out), 64 * Config::OUT_PITCH * 2,
                                                     &out_map, &hidden_map, out, hidden, tile.row0, tile.row_end,
                                                     tile.col0 + rank * W, features);
           named_arrive(DRAINED_BARRIER, 256 + HELPERS);
@@ -972,14 +899,41 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
         return;
       }
     }
-    if (threadIdx.x == 0)
-      load_ragged_dot_tiles<Config, RHS_K_MAJOR, GATED, W>(s, walk, &lhs_map, &rhs_map, k_blocks, rank, features);
+    if (threadIdx.x != 0) return;
+    for (int t = first; t < walk.total; t += clusters) {
+      const auto tile = walk.at(t);
+      if (tile.zeros) continue;
+      const int col0 = tile.col0 + rank * W;
+      for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
+        barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
+        unsigned long long* full = &s.full[ring.stage];
+        barrier_expect_bytes(full, Config::STAGE_BYTES);
+        unsigned char* a = s.a + ring.stage * Config::A_BYTES;
+        if constexpr (CLUSTER == 1) {
+          tma_load(a, &lhs_map, full, kb * BLOCK_K, tile.row0);
+        } else {
+          constexpr int ROWS = BLOCK_M / CLUSTER;  // this block's rows of the A tile, for every block
+          tma_load_multicast(a + rank * ROWS * 128, &lhs_map, full, kb * BLOCK_K, tile.row0 + rank * ROWS,
+                             (1 << CLUSTER) - 1);
+        }
+        unsigned char* b = s.b + ring.stage * Config::B_BYTES;
+        if constexpr (RHS_K_MAJOR) {
+          tma_load(b, &rhs_map, full, kb * BLOCK_K, col0, tile.group);
+        } else {
+#pragma unroll
+          for (int j = 0; j < BN / 64; ++j) {
+            // Gated, boxes W / 64 on are the up half's, F columns on.
+            const int column = GATED ? col0 + 64 * (j % (W / 64)) + j / (W / 64) * features : col0 + 64 * j;
+            tma_load(b + j * CHUNK_BYTES, &rhs_map, full, column, kb * BLOCK_K, tile.group);
+          }
+        }
+      }
+    }
     return;
   }
 
   consumer_registers();
   const int half = threadIdx.x / 128 - 1;  // this warpgroup's 64 rows of the tile
-  Ring ring;
   float d[BN / 2];
   bool staged = false;  // ACTIVATED: a tile is in the staging, with the helper warps
   for (int t = first; t < walk.total; t += clusters) {
@@ -987,12 +941,12 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     const int col0 = tile.col0 + rank * W;
     if (tile.zeros) {
       if constexpr (GATED) {
-        zero_tile<O, W, 256>(out, tile.row0, tile.row_end, col0, features, n, threadIdx.x - 128);
-        zero_tile<O, W, 256>(out + features, tile.row0, tile.row_end, col0, features, n, threadIdx.x - 128);
+        zero_tile<O, W>(out, tile.row0, tile.row_end, col0, features, n);
+        zero_tile<O, W>(out + features, tile.row0, tile.row_end, col0, features, n);
       } else {
-        zero_tile<O, BN, 256>(out, tile.row0, tile.row_end, col0, n, n, threadIdx.x - 128);
+        zero_tile<O, BN>(out, tile.row0, tile.row_end, col0, n, n);
       }
-      if constexpr (ACTIVATED) zero_tile<O, W, 256>(hidden, tile.row0, tile.row_end, col0, features, features, threadIdx.x - 128);
+      if constexpr (ACTIVATED) zero_tile<O, W>(hidden, tile.row0, tile.row_end, col0, features, features);
       continue;
     }
     // Zeroing d (rather than a first wgmma that ignores it) tells the compiler
@@ -1017,7 +971,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     wgmma_wait<0>();
     keep_in_registers(d);
     if (k_blocks > 0) release_stage<CLUSTER>(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
-    unsigned short* staging = s.staging(half);
+    unsigned short* staging = s.out + half * 64 * Config::OUT_PITCH;
     if constexpr (ACTIVATED) {
       if (staged) named_sync(DRAINED_BARRIER, 256 + HELPERS);
       write_boxes<O, BN>(d, reinterpret_cast<unsigned char*>(staging));
@@ -1029,95 +983,6 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     }
   }
   if (staged) named_sync(DRAINED_BARRIER, 256 + HELPERS);  // (ACTIVATED) the last tile's hand-over is matched
-  finish_bulk_stores();
-  // No block exits while another of its cluster may still arrive on its barriers.
-  if constexpr (CLUSTER > 1) cluster_sync();
-}
-
-// ragged_dot on Hopper with each consumer warpgroup on a whole 128 x BN tile
-// of its own, the block's tiles taken in turn (CUTLASS's "ping-pong"
-// schedule): the producer fills the ring in tile order, so one warpgroup's
-// epilogue (and its next tile's first wait) runs while the other's wgmmas
-// keep the tensor cores busy, where ragged_dot_hopper's two warpgroups store
-// each tile together with the tensor cores idle. A 128 x 128 tile reads a
-// third more operand bytes per product than ragged_dot_hopper's 128 x 256:
-// the launch takes it where the contraction is short (see
-// src/grouped_gemm/cuda.rs). Arguments and clusters as ragged_dot_hopper's
-// without an activation.
-//
-// The warpgroups take their turns at named barriers: a warpgroup starts a
-// tile once the other has issued its tile before (waited for all of its
-// stages). Without them a warpgroup would wait at a stage's full barrier
-// for a phase two or more ahead of the barrier's, which its parity cannot
-// tell from the current one.
-constexpr int TURN_BARRIER = 5;  // warpgroup w waits at TURN_BARRIER + w
-template <typename T, typename O, bool RHS_K_MAJOR, int CLUSTER, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS,
-          int SHARED_BYTES>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ragged_dot_pingpong(
-    const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
-    const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
-    int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map) {
-  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, CLUSTER, 2>;
-  static_assert(BN == 128, "a warpgroup's 128 x BN accumulators: 128 registers a thread");
-  check_hopper_launch<Config, THREADS, SHARED_BYTES>();
-  extern __shared__ unsigned char raw[];
-  const Shared<Config> s = start_ragged_dot<Config>(raw, group_sizes, groups, group_offset, local_groups, m, n);
-  RaggedTiles<Config::CLUSTER_BN> walk(s.bounds, s.tiles, local_groups, m, n);
-  const int k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
-  const int rank = CLUSTER > 1 ? cluster_rank() : 0, first = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
-
-  if (threadIdx.x < 128) {
-    producer_registers();
-    if (threadIdx.x == 0)
-      load_ragged_dot_tiles<Config, RHS_K_MAJOR, false, BN>(s, walk, &lhs_map, &rhs_map, k_blocks, rank, n);
-    return;
-  }
-
-  consumer_registers();
-  const int turn = threadIdx.x / 128 - 1;  // this warpgroup takes the block's tiles turn, turn + 2, ...
-  unsigned short* staging = s.staging(turn);
-  Ring ring;
-  float d[2][BN / 2];  // the tile's two 64-row halves
-  int i = 0;  // the block's tiles so far
-  for (int t = first; t < walk.total; t += clusters, ++i) {
-    const auto tile = walk.at(t);
-    if (i % 2 != turn) {
-      if (!tile.zeros) ring.skip<STAGES>(k_blocks);  // the other warpgroup's stages
-      continue;
-    }
-    const int col0 = tile.col0 + rank * BN;
-    const bool next = t + clusters < walk.total;  // the other warpgroup has a tile after this one
-    if (i > 0) named_sync(TURN_BARRIER + turn, 256);
-    if (tile.zeros) {
-      if (next) named_arrive(TURN_BARRIER + 1 - turn, 256);
-      zero_tile<O, BN, 128>(out, tile.row0, tile.row_end, col0, n, n, threadIdx.x % 128);
-      continue;
-    }
-#pragma unroll
-    for (int j = 0; j < BN / 2; ++j) d[0][j] = d[1][j] = 0.f;
-    for (int kb = 0; kb < k_blocks; ++kb, ring.advance<STAGES>()) {
-      barrier_wait(&s.full[ring.stage], ring.phase);
-      const unsigned char* a = s.a + ring.stage * Config::A_BYTES;
-      const unsigned char* b = s.b + ring.stage * Config::B_BYTES;
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-        const auto desc_b = RHS_K_MAJOR ? matrix_descriptor(b + kk * 32, 16)
-                                        : matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES);
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-          wgmma<T, BN, 0, RHS_K_MAJOR ? 0 : 1>(d[h], matrix_descriptor(a + h * 64 * 128 + kk * 32, 16), desc_b);
-      }
-      wgmma_commit();
-      release_previous_stage<CLUSTER>(s.empty, ring, STAGES, kb > 0);
-    }
-    if (next) named_arrive(TURN_BARRIER + 1 - turn, 256);
-    wgmma_wait<0>();
-    keep_in_registers(d[0]);
-    keep_in_registers(d[1]);
-    if (k_blocks > 0) release_stage<CLUSTER>(s.empty, (ring.stage + STAGES - 1) % STAGES);
-    store_tile_in_bulk<O, Config, 2>(d, staging, &out_map, out, tile.row0, tile.row_end, col0, n);
-  }
   finish_bulk_stores();
   // No block exits while another of its cluster may still arrive on its barriers.
   if constexpr (CLUSTER > 1) cluster_sync();
@@ -1225,7 +1090,7 @@ __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
     keep_in_registers(d);
     if (loaded) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
     // out's local groups are one [groups x k, n] matrix to the map.
-    store_tile_in_bulk<O, Config>(d, s.staging(half), &out_map, out,
+    store_tile_in_bulk<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, &out_map, out,
                                   g * k + out_row0 + half * 64, (g + 1) * k, col0, n);
   }
   finish_bulk_stores();
@@ -1257,10 +1122,8 @@ template <int STAGES_, int MAX_LOCAL_GROUPS_, int SCALE_BYTES_> struct Fp8Hopper
   static constexpr int A_BYTES = BLOCK_M * FP8_BLOCK;
   static constexpr int B_BYTES = BN * FP8_BLOCK;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGE_READERS = CONSUMER_WARPS;
   static constexpr int OUT_PITCH = BN + 8;
-  static constexpr int STAGING_BYTES = 64 * OUT_PITCH * 2;
-  static constexpr int OUT_BYTES = 2 * STAGING_BYTES;
+  static constexpr int OUT_BYTES = 2 * 64 * OUT_PITCH * 2;
   static constexpr int SCALE_BYTES = SCALE_BYTES_;
   static constexpr int SHARED_BYTES = 1024 + STAGES * STAGE_BYTES + OUT_BYTES + 2 * STAGES * 8 +
                                       STAGES * SCALE_BYTES + 2 * (MAX_LOCAL_GROUPS + 1) * 4;
@@ -1345,7 +1208,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
   for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
     const auto tile = walk.at(t);
     if (tile.zeros) {
-      zero_tile<O, BN, 256>(out, tile.row0, tile.row_end, tile.col0, n, n, threadIdx.x - 128);
+      zero_tile<O, BN>(out, tile.row0, tile.row_end, tile.col0, n, n);
       continue;
     }
 #pragma unroll
@@ -1374,7 +1237,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
         sums[4 * i + 3] += partial[4 * i + 3] * scale8;
       }
     }
-    store_tile_in_bulk<O, Config>(sums, s.staging(half), &out_map, out, tile.row0 + half * 64,
+    store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
                                   tile.row_end, tile.col0, n);
   }
   finish_bulk_stores();
@@ -1499,7 +1362,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
       }
     }
     // out's local groups are one [groups x k, n] matrix to the map.
-    store_tile_in_bulk<O, Config>(sums, s.staging(half), &out_map, out,
+    store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out,
                                   g * k + out_row0 + half * 64, (g + 1) * k, col0, n);
   }
   finish_bulk_stores();

@@ -29,9 +29,6 @@ const BLOCK_K: u32 = 64;
 /// The Hopper kernels keep each local group's bounds in shared memory.
 const MAX_LOCAL_GROUPS: usize = 1024;
 
-/// The output columns of a `ragged_dot_pingpong` tile.
-const PINGPONG_BLOCK_N: u32 = 128;
-
 /// The output columns of a Hopper tile for `n` columns: 256 unless that
 /// leaves most of the last tile empty.
 pub fn block_n(n: usize) -> u32 {
@@ -42,28 +39,24 @@ pub fn block_n(n: usize) -> u32 {
     }
 }
 
-/// Stages of a Hopper kernel's ring for `block_n` columns and consumer
-/// warpgroups holding `halves` 64-row halves of a tile (1: the two share each
-/// tile; 2: each takes whole tiles in turn, `ragged_dot_pingpong`): as many
-/// as fit the 227 KiB of a block beside the output rows and the group tables.
-fn hopper_stages(block_n: u32, halves: u32) -> u32 {
-    match (block_n, halves) {
-        (256, _) => 3,
-        (_, 2) => 4,
-        _ => 5,
+/// Stages of a Hopper kernel's ring for `block_n` columns: as many as fit
+/// the 227 KiB of a block beside the output rows and the group tables.
+fn hopper_stages(block_n: u32) -> u32 {
+    if block_n == 256 {
+        3
+    } else {
+        5
     }
 }
 
-/// Dynamic shared memory of a Hopper kernel with `block_n` columns and
-/// `halves` (see [`hopper_stages`]): the alignment slack, the stages, each
-/// consumer warpgroup's output rows (a half's padded rows, or its tile's 64 x
-/// 64 boxes, whichever is larger), the barriers and the group tables (the
-/// kernel checks its `HopperConfig::SHARED_BYTES` is this).
-fn hopper_shared_bytes(block_n: u32, halves: u32) -> u32 {
-    let stages = hopper_stages(block_n, halves);
+/// Dynamic shared memory of a Hopper kernel with `block_n` columns: the
+/// alignment slack, the stages, the output rows, the barriers and the group
+/// tables (the kernel checks its `HopperConfig::SHARED_BYTES` is this).
+fn hopper_shared_bytes(block_n: u32) -> u32 {
+    let stages = hopper_stages(block_n);
     let stage = (BLOCK_M * BLOCK_K + BLOCK_K * block_n) * 2;
-    let staging = (64 * (block_n + 8) * 2).max(halves * block_n / 64 * 64 * 128);
-    1024 + stages * stage + 2 * staging + 2 * stages * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
+    let out_rows = 2 * 64 * (block_n + 8) * 2;
+    1024 + stages * stage + out_rows + 2 * stages * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
 }
 
 /// Stages of the FP8 Hopper kernel's ring: 128-deep blocks of 128 x 128 bytes
@@ -117,12 +110,11 @@ fn takes_hopper(device: &Device, dtype: DataType, shape: &GroupedShape) -> bool 
     sixteen_bit && shape.k.is_multiple_of(8) && shape.n.is_multiple_of(8) && on_hopper(device, shape)
 }
 
-/// Launches a Hopper kernel (block `block_n` columns wide, `halves` as in
-/// [`hopper_stages`], in clusters of `cluster` blocks) with `args` (pointers
-/// to the kernel's arguments, in order).
-fn launch_hopper(stream: Stream, device: &Device, instance: &str, block_n: u32, halves: u32, cluster: u32,
+/// Launches a Hopper kernel (block `block_n` columns wide, in clusters of
+/// `cluster` blocks) with `args` (pointers to the kernel's arguments, in order).
+fn launch_hopper(stream: Stream, device: &Device, instance: &str, block_n: u32, cluster: u32,
                  args: &mut [*mut c_void]) -> Result<()> {
-    launch_persistent(stream, device, instance, hopper_shared_bytes(block_n, halves), cluster, args)
+    launch_persistent(stream, device, instance, hopper_shared_bytes(block_n), cluster, args)
 }
 
 /// Launches a persistent Hopper kernel, one block per multiprocessor (as many
@@ -146,25 +138,18 @@ fn ragged_dot_cluster(device: &Device, n: usize, width: u32) -> u32 {
 pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, cluster: u32,
                                   activation: Option<Activation>, block_n: u32) -> Result<String> {
     let instance = Instance::new("ragged_dot_hopper").dtype(dtype).dtype(out).flag(rhs_transposed).int(cluster);
-    hopper_instance(instance.int(activation.map_or(0, Activation::code)), block_n, 1)
-}
-
-/// ragged_dot with each consumer warpgroup on whole 128 x 128 tiles in turn.
-pub fn ragged_dot_pingpong_instance(dtype: DataType, out: DataType, rhs_transposed: bool, cluster: u32)
-                                    -> Result<String> {
-    let instance = Instance::new("ragged_dot_pingpong").dtype(dtype).dtype(out).flag(rhs_transposed).int(cluster);
-    hopper_instance(instance, PINGPONG_BLOCK_N, 2)
+    hopper_instance(instance.int(activation.map_or(0, Activation::code)), block_n)
 }
 
 pub fn transposed_hopper_instance(dtype: DataType, out: DataType, block_n: u32) -> Result<String> {
-    hopper_instance(Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out), block_n, 1)
+    hopper_instance(Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out), block_n)
 }
 
 /// A Hopper kernel's instance: its own arguments, then its tile width and
 /// the launch [`launch_hopper`] makes.
-fn hopper_instance(instance: Instance, block_n: u32, halves: u32) -> Result<String> {
-    let instance = instance.int(block_n).int(hopper_stages(block_n, halves)).int(MAX_LOCAL_GROUPS);
-    instance.int(HOPPER_THREADS).int(hopper_shared_bytes(block_n, halves)).build()
+fn hopper_instance(instance: Instance, block_n: u32) -> Result<String> {
+    let instance = instance.int(block_n).int(hopper_stages(block_n)).int(MAX_LOCAL_GROUPS);
+    instance.int(HOPPER_THREADS).int(hopper_shared_bytes(block_n)).build()
 }
 
 pub fn fp8_ragged_dot_hopper_instance(out: DataType) -> Result<String> {
@@ -311,8 +296,7 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
     let (dtype, out_dtype) = (a.lhs.dtype(), a.out.dtype());
     let [m, k, n] = g.dims;
     let (lhs, rhs, out) = (a.lhs.device_ptr(), a.rhs.device_ptr(), a.out.device_ptr());
-    let pingpong = epilogue.is_none() && takes_pingpong(shape);
-    let bn = if pingpong { PINGPONG_BLOCK_N } else { block_n(shape.n) };
+    let bn = block_n(shape.n);
     let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
     // A tile's columns: of the hidden activation with an epilogue (half the
     // product's, gated), and the columns they tile (the hidden activation's).
@@ -334,29 +318,16 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
     } else {
         out_map(out_dtype, out, n64, m64)?
     };
-    if pingpong {
-        let instance = ragged_dot_pingpong_instance(dtype, out_dtype, a.rhs_transposed, cluster)?;
-        return launch_hopper(stream, device, &instance, bn, 2, cluster, &mut [
-            arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
-            arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map),
-        ]);
-    }
     let (hidden, hidden_map) = match &epilogue {
         Some(e) => (e.hidden, TensorMap::tiled_16bit(e.hidden, &[columns as u64, m64], &[64, 64])?),
         None => (0, TensorMap::unused()),
     };
     let activation = epilogue.map(|e| e.activation);
     let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, cluster, activation, bn)?;
-    launch_hopper(stream, device, &instance, bn, 1, cluster, &mut [
+    launch_hopper(stream, device, &instance, bn, cluster, &mut [
         arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
         arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map), arg(&hidden), arg(&hidden_map),
     ])
-}
-
-/// Whether a ragged_dot without an epilogue takes `ragged_dot_pingpong`.
-/// (Experiment: every one.)
-fn takes_pingpong(_shape: &GroupedShape) -> bool {
-    true
 }
 
 fn ragged_dot_simt(stream: Stream, a: &RaggedDot, g: &Groups) -> Result<()> {
@@ -396,7 +367,7 @@ pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<
         }
         let out_map = out_map(out_dtype, out, n64, transposed_out_rows(shape)?)?;
         let instance = transposed_hopper_instance(dtype, out_dtype, bn)?;
-        launch_hopper(stream, &device, &instance, bn, 1, 1, &mut [
+        launch_hopper(stream, &device, &instance, bn, 1, &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ])
     } else {
@@ -553,9 +524,6 @@ mod tests {
                 for transposed in [false, true] {
                     for cluster in [1, 2] {
                         instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, None, bn).unwrap());
-                        if bn == PINGPONG_BLOCK_N {
-                            instances.push(ragged_dot_pingpong_instance(dtype, out, transposed, cluster).unwrap());
-                        }
                     }
                 }
                 instances.push(transposed_hopper_instance(dtype, out, bn).unwrap());
@@ -590,7 +558,7 @@ mod tests {
     #[test]
     fn a_hopper_launch_that_disagrees_with_the_kernels_layout_does_not_compile() {
         let instance = Instance::new("ragged_dot_hopper").dtype(DataType::BF16).dtype(DataType::BF16).flag(false).int(1).int(0);
-        let short = instance.int(256).int(hopper_stages(256, 1)).int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS).int(hopper_shared_bytes(256, 1) - 8);
+        let short = instance.int(256).int(hopper_stages(256)).int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS).int(hopper_shared_bytes(256) - 8);
         let error = compile_check(&GROUPED_GEMM, &[&short.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
         assert!(error.message().contains("the launch's dynamic shared memory is this layout's"), "{}", error.message());
     }
@@ -598,9 +566,8 @@ mod tests {
     /// Both configurations fit the 227 KiB a Hopper block may have.
     #[test]
     fn hopper_shared_memory_fits() {
-        for (bn, halves) in [(128, 1), (256, 1), (PINGPONG_BLOCK_N, 2)] {
-            let bytes = hopper_shared_bytes(bn, halves);
-            assert!(bytes <= 227 * 1024, "{bn} x {halves}: {bytes}");
+        for bn in [128, 256] {
+            assert!(hopper_shared_bytes(bn) <= 227 * 1024, "{bn}: {}", hopper_shared_bytes(bn));
         }
         for bytes in [fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES)] {
             assert!(bytes <= 227 * 1024, "FP8: {bytes}");
