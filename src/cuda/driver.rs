@@ -184,27 +184,28 @@ fn current_architecture() -> Result<Architecture> {
 }
 
 /// What the kernels' launch choices need to know of a device.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Device {
     pub architecture: Architecture,
     pub multiprocessors: u32,
 }
 
 impl Stream {
-    /// The stream's device, queried once per context and kept.
-    pub fn device(self) -> Result<Device> {
-        static DEVICES: OnceLock<Mutex<HashMap<usize, Device>>> = OnceLock::new();
+    /// The stream's device, queried once per context and kept for the life of
+    /// the process (like the kernel cache): a call that finds it allocates nothing.
+    pub fn device(self) -> Result<&'static Device> {
+        static DEVICES: OnceLock<Mutex<HashMap<usize, &'static Device>>> = OnceLock::new();
         let context = self.context()?;
         let mut devices = DEVICES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
         if let Some(device) = devices.get(&(context as usize)) {
-            return Ok(device.clone());
+            return Ok(device);
         }
         let _current = ContextGuard::push(context)?;
-        let device = Device {
+        let device: &'static Device = Box::leak(Box::new(Device {
             architecture: current_architecture()?,
             multiprocessors: device_attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)? as u32,
-        };
-        devices.insert(context as usize, device.clone());
+        }));
+        devices.insert(context as usize, device);
         Ok(device)
     }
 

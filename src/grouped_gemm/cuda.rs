@@ -244,7 +244,7 @@ struct ChunkMaps {
 
 pub fn ragged_dot(stream: Stream, a: &RaggedDot) -> Result<()> {
     let Some(g) = writes_something(a)? else { return Ok(()) };
-    plain_product(stream, &stream.device()?, a, &g)
+    plain_product(stream, stream.device()?, a, &g)
 }
 
 /// The product alone (no epilogue): on the Hopper kernel when it takes the
@@ -281,11 +281,11 @@ pub fn ragged_dot_activation(stream: Stream, a: &RaggedDotActivation) -> Result<
     let Some(g) = writes_something(product)? else { return Ok(()) };
     let device = stream.device()?;
     let features = a.features();
-    if takes_hopper(&device, product.lhs.dtype(), &product.shape) && features.is_multiple_of(8) {
+    if takes_hopper(device, product.lhs.dtype(), &product.shape) && features.is_multiple_of(8) {
         let epilogue = Epilogue { activation: a.activation, hidden: a.hidden.device_ptr() };
-        return ragged_dot_hopper(stream, &device, product, &g, Some(epilogue));
+        return ragged_dot_hopper(stream, device, product, &g, Some(epilogue));
     }
-    plain_product(stream, &device, product, &g)?;
+    plain_product(stream, device, product, &g)?;
     activation::cuda::activation_fwd(stream, product.lhs.dtype(), a.activation, product.shape.m, features,
                                      product.out.device_ptr(), a.hidden.device_ptr())
 }
@@ -355,7 +355,7 @@ pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<
     let bounds = chunk_bounds(stream, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows, a.workspace.device_ptr())?;
 
     let device = stream.device()?;
-    if shape.m > 0 && takes_hopper(&device, dtype, shape) {
+    if shape.m > 0 && takes_hopper(device, dtype, shape) {
         let bn = block_n(shape.n);
         let (k64, n64) = (shape.k as u64, shape.n as u64);
         let mut maps = ChunkMaps { lhs: std::array::from_fn(|_| TensorMap::unused()), rhs: std::array::from_fn(|_| TensorMap::unused()) };
@@ -367,7 +367,7 @@ pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<
         }
         let out_map = out_map(out_dtype, out, n64, transposed_out_rows(shape)?)?;
         let instance = transposed_hopper_instance(dtype, out_dtype, bn)?;
-        launch_hopper(stream, &device, &instance, bn, 1, &mut [
+        launch_hopper(stream, device, &instance, bn, 1, &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ])
     } else {
@@ -405,13 +405,13 @@ pub fn fp8_ragged_dot(stream: Stream, a: &Fp8RaggedDot) -> Result<()> {
     let g = Groups::of(shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr())?;
     let [m, k, n] = g.dims;
     let device = stream.device()?;
-    if a.rhs_transposed && on_hopper(&device, shape) {
+    if a.rhs_transposed && on_hopper(device, shape) {
         let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
         let lhs_map = TensorMap::tiled_8bit(a.lhs.device_ptr(), &[k64, m64], &[FP8_BLOCK, BLOCK_M])?;
         let rhs_map = TensorMap::tiled_8bit(a.rhs.device_ptr(), &[k64, n64, gl], &[FP8_BLOCK, FP8_BLOCK, 1])?;
         let (lhs_scales, rhs_scales, out) = (a.lhs_scales.device_ptr(), a.rhs_scales.device_ptr(), a.out.device_ptr());
         let out_map = out_map(a.out.dtype(), out, n64, m64)?;
-        return launch_persistent(stream, &device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), 1, &mut [
+        return launch_persistent(stream, device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), 1, &mut [
             arg(&lhs_map), arg(&lhs_scales), arg(&rhs_map), arg(&rhs_scales), arg(&g.sizes), arg(&g.groups), arg(&g.offset),
             arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
@@ -448,7 +448,7 @@ pub fn fp8_transposed_ragged_dot(stream: Stream, a: &Fp8TransposedRaggedDot) -> 
     let rows: Vec<usize> = a.chunks.iter().map(|c| c.rows).collect();
     let bounds = chunk_bounds(stream, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows, a.workspace.device_ptr())?;
     let device = stream.device()?;
-    if shape.m > 0 && on_hopper(&device, shape) {
+    if shape.m > 0 && on_hopper(device, shape) {
         let mut maps = Fp8ChunkMaps {
             lhs: std::array::from_fn(|_| TensorMap::unused()),
             rhs: std::array::from_fn(|_| TensorMap::unused()),
@@ -467,7 +467,7 @@ pub fn fp8_transposed_ragged_dot(stream: Stream, a: &Fp8TransposedRaggedDot) -> 
         }
         let out = a.out.device_ptr();
         let out_map = out_map(a.out.dtype(), out, shape.n as u64, transposed_out_rows(shape)?)?;
-        return launch_persistent(stream, &device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), 1, &mut [
+        return launch_persistent(stream, device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), 1, &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
     }
