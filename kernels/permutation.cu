@@ -336,8 +336,9 @@ __device__ __forceinline__ void check_block_routes(CheckedRoutes<E> (&routes)[TO
 // to each of its copies' rows of `out` (dispatch); with CHECK_MAP (combine's
 // backward), to the rows it writes (see CheckedRoutes), scaled by its weights
 // when WEIGHTED, and then, when WEIGHTED, the weights' gradient
-// grad_weights[t, e] = <src[t], expert_tokens[row]>. The blocks after them
-// write the rows no token writes (fill_unwritten_rows).
+// grad_weights[t, e] = <src[t], expert_tokens[row]>. Unweighted, a row of one
+// copy is the token's row bit for bit (any 32-bit words move as they are).
+// The blocks after them write the rows no token writes (fill_unwritten_rows).
 template <typename T, int H, int E, bool WEIGHTED, bool CHECK_MAP, int BLOCK, int TOKENS, int ZERO_ROWS>
 __global__ void __launch_bounds__(BLOCK)
 scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const int* __restrict__ source_tokens,
@@ -389,17 +390,19 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
             for (int j = i + 1; j < routes.count; ++j)
               if (routes.rows[j] == row) scale += WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[j]] : 1.f;
         }
+        // The token's row as it is: a dispatch's copy, or an unweighted copy of scale 1.
+        const bool as_is = !CHECK_MAP || (!WEIGHTED && scale == 1.f);
         float partial = 0.f;
 #pragma unroll
         for (int j = 0; j < Shape::PER_THREAD; ++j) {
           const int at = chunk + j * ROW_BLOCK + threadIdx.x;
           if (at >= Shape::VECTORS) continue;
-          if constexpr (CHECK_MAP) {
+          if (!as_is) {
             typename Shape::Vec scaled;
 #pragma unroll
             for (int e = 0; e < Shape::PER; ++e) scaled.elems[e] = from_float<T>(scale * to_float(v[j].elems[e]));
             if (writes) store_vector<T, H>(dst, at, scaled);
-          } else {
+          } else if (writes) {
             store_vector<T, H>(dst, at, v[j]);
           }
           if constexpr (WEIGHTED) {

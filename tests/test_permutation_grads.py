@@ -178,6 +178,22 @@ def test_combine_vjp_without_merging_probs_copies_the_cotangent(model, align_siz
                              context=f"{model.name}, align_size={align_size}, seed={seed}")
 
 
+@pytest.mark.parametrize("model", LAYER_SHAPES[:1], ids=lambda m: m.name)
+def test_combine_vjp_without_merging_probs_moves_any_32_bit_words_as_they_are(model, seed, rng):
+    # Random words: NaNs with payloads (quiet and signalling), infinities, subnormals and -0 among
+    # them. The layer moves float8 rows this way, four bytes a float32 word.
+    x, routing_map = model_inputs(model, rng, jnp.float32, "ragged")
+    d, layout = dispatch_with_layout(x, routing_map, model, 16)
+    words = rng.integers(0, 2**32, x.shape, dtype=np.uint32)
+    words[0, :4] = [0x7F800001, 0xFFC12345, 0x00000001, 0x80000000]  # sNaN, -qNaN, subnormal, -0
+    g_out = jax.lax.bitcast_convert_type(jnp.asarray(words), jnp.float32)
+    d_rows, _ = jax.jit(permutation.combine_bwd)(g_out, None, d.row_id_map)
+    got = np.asarray(jax.lax.bitcast_convert_type(d_rows, jnp.uint32))
+    source = layout.source_tokens
+    want = np.where((source >= 0)[:, None], words[np.maximum(source, 0)], 0)
+    checks.assert_bitwise_equal(got, want, what="d expert_tokens as words", context=f"{model.name}, seed={seed}")
+
+
 def test_combine_vjp_after_a_capacity_drop(seed, rng):
     model = QWEN3_30B_A3B_LAYER
     x, routing_map = model_inputs(model, rng, jnp.float32, "topk")

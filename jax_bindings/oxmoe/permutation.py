@@ -432,7 +432,8 @@ def combine_bwd(grad_out, rows, row_id_map: RowIdMap, merging_probs=None) -> tup
     """The gradient of :func:`combine_fwd` (same arguments after ``grad_out``):
     ``(grad_rows, grad_probs)``, ``[R, H]`` in ``grad_out``'s dtype and
     ``[T, E]`` float32 (None without ``merging_probs``). ``rows`` are read only
-    with ``merging_probs``, for the weights' gradient."""
+    with ``merging_probs``, for the weights' gradient. Without ``merging_probs``
+    each row of a dispatch's map is its token's row of ``grad_out``, bit for bit."""
     dest_rows, source_tokens = row_id_map.dest_rows, row_id_map.source_tokens
     if merging_probs is None:
         (grad_rows,) = _combine_bwd_p(grad_out, dest_rows, source_tokens)

@@ -167,6 +167,8 @@ pub struct CombineGrads<'a, T> {
 /// sums the weights `w[t, e]` (1 without weights) of the experts `e` whose
 /// `dest_rows[t, e]` is `r`, in increasing order; zero where `t` is -1, NaN
 /// where the maps disagree (`t` out of range, or no `dest_rows[t, e]` is `r`).
+/// Without weights a row of one copy is `grad_out[t]` bit for bit (NaN
+/// payloads too), so that the gather moves any 32-bit words as they are.
 /// For the maps of a dispatch this is the transpose of the forward. With
 /// weights, `grad_weights[t, e] = <grad_out[t], expert_tokens[dest_rows[t, e]]>`
 /// (summed in f64) for the routed `e`, 0 where `dest_rows[t, e]` is -1, NaN
@@ -194,7 +196,11 @@ pub fn combine_backward<T: Real>(
                 let Some(scale) = copies.map(|x| weights.map_or(1.0, |w| w[t * experts + x])).reduce(|a, b| a + b) else {
                     return out_row.fill(T::from_f32(f32::NAN));
                 };
-                for (o, &g) in out_row.iter_mut().zip(&grad_out[t * hidden..(t + 1) * hidden]) {
+                let grad_row = &grad_out[t * hidden..(t + 1) * hidden];
+                if weights.is_none() && scale == 1.0 {
+                    return out_row.copy_from_slice(grad_row);
+                }
+                for (o, &g) in out_row.iter_mut().zip(grad_row) {
                     *o = T::from_f32(scale * g.to_f32());
                 }
             });
