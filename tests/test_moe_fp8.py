@@ -245,15 +245,16 @@ def _equations(jaxpr):
 def test_the_fp8_step_quantizes_each_tensor_from_one_read(chunks):
     # The experts' weights (the forward's products take them [E, N, K], the backward's [E, K, N])
     # and each chunk's up-projection gradient rows (d lhs per row, the up weight's gradient
-    # transposed) are quantized both ways at once; each chunk's output gradient, which travelled
-    # per row, is requantized transposed from its FP8 values; XLA transposes no FP8 values.
+    # transposed) are quantized both ways at once; each chunk's output gradient and its dispatched
+    # rows, which travelled per row, are requantized transposed from their FP8 values; XLA
+    # transposes no FP8 values.
     eqns = list(_equations(fp8_step_jaxpr(chunks).jaxpr))
     kinds = collections.Counter(("requantized " if "dequantized_dtype" in e.params else "") + e.params["orientation"]
                                 for e in eqns if e.primitive.name == "oxmoe_fp8_quantize")
-    # Both ways: up, down, each chunk's gradient rows. Transposed: each chunk's rows and hidden activations
-    # for the weight gradients, and requantized its output gradient. As they are: each chunk's tokens,
-    # hidden activations and output gradient.
-    assert kinds == {"both": 2 + chunks, "transposed": 2 * chunks, "requantized transposed": chunks,
+    # Both ways: up, down, each chunk's gradient rows. Transposed: each chunk's hidden activations for the
+    # down weight's gradient, and requantized its rows and its output gradient. As they are: each chunk's
+    # tokens, hidden activations and output gradient.
+    assert kinds == {"both": 2 + chunks, "transposed": chunks, "requantized transposed": 2 * chunks,
                      "as_is": 3 * chunks}, kinds
     fp8_transposes = [e for e in eqns
                       if e.primitive.name == "transpose" and e.invars[0].aval.dtype == jnp.float8_e4m3fn]

@@ -399,16 +399,16 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     dispatched rows are permuted again from their tokens."""
     sizes = jnp.stack([chunk.group_sizes for chunk in kept])  # [C, El]
     groups = sizes.shape[1]
-    # FP8 tokens are dequantized before they are permuted again: the permutation kernel moves
-    # 16-bit rows, where XLA's gather of their bytes, fused into the 128 x 1 quantization
-    # below, took 4.5 ms of the FP8 step at Qwen3 on an H200 (bench/NOTES.md). The same values.
-    rows = [_permuted(_dequantized(chunk.tokens, config), chunk.row_id_map) for chunk in kept]
+    # FP8 tokens are permuted as they are (values and scales) and requantized below: half the
+    # bytes of a 16-bit copy of the rows, and the same values as quantizing that copy.
+    rows = [_permuted(chunk.tokens, chunk.row_id_map) for chunk in kept]
     down_operands: tuple = (weighted_hidden, grad_out_rows)
     up_operands: tuple = (rows, grad_up_rows)
     product: Callable = grouped_gemm.transposed_ragged_dot
     if config.fp8 is not None:
-        # Rows that travelled quantized per row (the output gradient) are quantized again per 128
-        # rows (DeepSeek-V3's way), read as their FP8 values and scales: no 16-bit copy of them.
+        # Rows that travelled quantized per row (the tokens, the output gradient) are quantized
+        # again per 128 rows (DeepSeek-V3's way), read as their FP8 values and scales: no 16-bit
+        # copy of them.
         def quantize(rows):
             if isinstance(rows, fp8.BlockQuantized):
                 return fp8.requantize(rows, fp8.ACTIVATION_BLOCK, dtype=config.dtype, transpose=True,
@@ -423,11 +423,6 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     grad_up = product(*up_operands, sizes, num_groups=groups,
                       preferred_element_type=_weight_grad_dtype(params.up, config))
     return grad_up, grad_down
-
-
-def _dequantized(rows, config: MoEConfig):
-    """``rows`` in ``config.dtype`` if they are FP8, else as they are."""
-    return fp8.dequantize(rows, config.dtype) if isinstance(rows, fp8.BlockQuantized) else rows
 
 
 def _weight_grad_dtype(weight, config: MoEConfig):
