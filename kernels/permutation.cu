@@ -201,13 +201,11 @@ struct Routes {
 // source_tokens names for that row, once (a token listing one row for several
 // experts writes it with their weights summed). first[i]: no earlier copy of
 // the token lists copy i's row; repeated[i]: a later one does too (rare: only
-// maps no dispatch made); writes[i]: first[i] and source_tokens names the
-// token for copy i's row (filled by scatter_rows per token).
+// maps no dispatch made).
 template <int E>
 struct CheckedRoutes : Routes<E> {
   bool first[E];
   bool repeated[E];
-  bool writes[E];
 };
 
 // Either<C, A, B>::type is A if C, else B (NVRTC has no <type_traits>).
@@ -378,16 +376,6 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
         const int at = chunk + j * ROW_BLOCK + threadIdx.x;
         if (at < Shape::VECTORS) v[j] = load_vector<T, H>(in, at);
       }
-      if constexpr (CHECK_MAP) {
-        // Which copies write their rows: every copy's source_tokens entry loaded
-        // at once, under the row's loads (loaded copy after copy in the loop
-        // below, they were a chain of round trips that narrow rows waited on).
-        if (chunk == 0) {
-          for (int i = threadIdx.x; i < routes.count; i += ROW_BLOCK)
-            block_routes[k].writes[i] = routes.first[i] && source_tokens[routes.rows[i]] == t;
-          __syncthreads();
-        }
-      }
       for (int i = 0; i < routes.count; ++i) {
         const int row = routes.rows[i];
         T* dst = out + static_cast<size_t>(row) * H;
@@ -397,7 +385,7 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
         bool writes = true;
         float scale = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i]] : 1.f;
         if constexpr (CHECK_MAP) {
-          writes = routes.writes[i];
+          writes = routes.first[i] && source_tokens[row] == t;
           if (routes.repeated[i])
             for (int j = i + 1; j < routes.count; ++j)
               if (routes.rows[j] == row) scale += WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[j]] : 1.f;
