@@ -293,15 +293,9 @@ __device__ __forceinline__ void fill_unwritten_rows(T* __restrict__ out, const i
     if (threadIdx.x < ZERO_ROWS) source[threadIdx.x] = first + threadIdx.x < rows ? source_tokens[first + threadIdx.x] : -1;
     if (threadIdx.x == 0) agrees = 0;
     __syncthreads();
-    // A fixed number of entries a thread, unrolled so that their loads are in
-    // flight together: a loop that compared each entry before loading the next
-    // was 32 round trips a thread at E = 128.
-    constexpr int PER_THREAD = (ZERO_ROWS * E + ROW_BLOCK - 1) / ROW_BLOCK;
     unsigned mine = 0;
-#pragma unroll 16
-    for (int q = 0; q < PER_THREAD; ++q) {
-      const int p = q * ROW_BLOCK + threadIdx.x, i = p / E;
-      const int s = p < ZERO_ROWS * E ? source[i] : -1;
+    for (int p = threadIdx.x; p < ZERO_ROWS * E; p += ROW_BLOCK) {
+      const int i = p / E, s = source[i];
       if (s >= 0 && s < tokens && dest_rows[static_cast<size_t>(s) * E + p % E] == first + i) mine |= 1u << i;
     }
     if (mine) atomicOr(&agrees, mine);
