@@ -200,8 +200,8 @@ def rows_of(x, row_map: permutation.RowIdMap):
     """``[T, X]`` → ``[R, X]``: each row's token's ``x`` (``row_map.source_tokens``),
     zero on rows of no token: the permutation's gather (:func:`oxmoe.permutation.combine_bwd`
     without weights), which copies each row bit for bit. Float8 values travel through it as
-    float32 words, four bytes each (XLA's gather of their words ran at about 60% of the
-    kernel's speed on an H200)."""
+    float32 words, four bytes each (on an H200, two such gathers took the kernel 310 us at
+    DeepSeek-V3's one-GPU shape against XLA's 446, and the same at Qwen3's: 229 against 236)."""
     if not _is_byte_float(x):
         return permutation.combine_bwd(x, None, row_map)[0]
     tokens, width = x.shape
