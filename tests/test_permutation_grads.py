@@ -22,7 +22,7 @@ from oxmoe import permutation
 from oxmoe.model_shapes import LAYER_SHAPES, MIXTRAL_LAYER, QWEN3_30B_A3B_LAYER
 from test_permutation_values import (ALIGN_SIZES, DTYPES, capacity_that_drops, dispatch_combine_cases,
                                      dispatch_with_layout, draw, draw_probs,
-                                     expert_rows_for, model_inputs, random_chunks)
+                                     expert_rows_for, model_inputs, np_dtype, random_chunks)
 
 ALIGNS = pytest.mark.parametrize("align_size", ALIGN_SIZES, ids=lambda a: f"align{a}")
 DTYPE_PARAMS = pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
@@ -164,34 +164,26 @@ def test_combine_vjp_matches_reference(model, align_size, dtype, seed, rng):
     check_combine_grads(d_rows, d_probs, g_out, expert_tokens, merging_probs, layout, context=context)
 
 
+# Bit patterns the copy must keep: a signalling NaN, a negative quiet NaN with a payload, the
+# smallest subnormal and -0, as 16- and 32-bit words.
+SPECIAL_BITS = {np.uint16: [0x7F81, 0xFFC1, 0x0001, 0x8000], np.uint32: [0x7F800001, 0xFFC12345, 0x00000001, 0x80000000]}
+
+
 @pytest.mark.parametrize("model", LAYER_SHAPES, ids=lambda m: m.name)
 @pytest.mark.parametrize("align_size", [None, 16], ids=lambda a: f"align{a}")
-def test_combine_vjp_without_merging_probs_copies_the_cotangent(model, align_size, seed, rng):
-    x, routing_map = model_inputs(model, rng, jnp.bfloat16, "idle_experts")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=lambda d: jnp.dtype(d).name)
+def test_combine_vjp_without_merging_probs_copies_the_cotangent(model, align_size, dtype, seed, rng):
+    x, routing_map = model_inputs(model, rng, dtype, "idle_experts")
     d, layout = dispatch_with_layout(x, routing_map, model, align_size)
-    expert_tokens = expert_rows_for(layout, rng, model.hidden, jnp.bfloat16)
-    g_out = draw(rng, x.shape, jnp.bfloat16)
-    _, d_rows, _ = combine_with_vjp(d.row_id_map, False)(expert_tokens, None, g_out)
-    # With weight one, row dest_rows[t, e] of d expert_tokens is d_out[t] itself (zero elsewhere).
-    expected = ref.gather_rows(g_out, layout.source_tokens)
-    checks.assert_bitwise_equal(d_rows, expected, what="d expert_tokens",
-                             context=f"{model.name}, align_size={align_size}, seed={seed}")
-
-
-def test_combine_vjp_without_merging_probs_moves_any_32_bit_words_as_they_are(seed, rng):
-    # Random words: NaNs with payloads (quiet and signalling), infinities, subnormals and -0 among
-    # them. The layer moves float8 rows this way, four bytes a float32 word.
-    model = QWEN3_30B_A3B_LAYER
-    x, routing_map = model_inputs(model, rng, jnp.float32, "ragged")
-    d, layout = dispatch_with_layout(x, routing_map, model, 16)
-    words = rng.integers(0, 2**32, x.shape, dtype=np.uint32)
-    words[0, :4] = [0x7F800001, 0xFFC12345, 0x00000001, 0x80000000]  # sNaN, -qNaN, subnormal, -0
-    g_out = jax.lax.bitcast_convert_type(jnp.asarray(words), jnp.float32)
-    d_rows, _ = jax.jit(permutation.combine_bwd)(g_out, None, d.row_id_map)
-    got = np.asarray(jax.lax.bitcast_convert_type(d_rows, jnp.uint32))
-    source = layout.source_tokens
-    want = np.where((source >= 0)[:, None], words[np.maximum(source, 0)], 0)
-    checks.assert_bitwise_equal(got, want, what="d expert_tokens as words", context=f"{model.name}, seed={seed}")
+    expert_tokens = expert_rows_for(layout, rng, model.hidden, dtype)
+    # Any bits: with weight one, row dest_rows[t, e] of d expert_tokens is d_out[t] itself, bit for
+    # bit (zero elsewhere). The layer moves float8 rows this way, four bytes a float32 word.
+    bits = {2: np.uint16, 4: np.uint32}[jnp.dtype(dtype).itemsize]
+    g_bits = rng.integers(0, np.iinfo(bits).max, x.shape, dtype=bits, endpoint=True)
+    g_bits[0, :4] = SPECIAL_BITS[bits]
+    _, d_rows, _ = combine_with_vjp(d.row_id_map, False)(expert_tokens, None, g_bits.view(np_dtype(dtype)))
+    checks.assert_bitwise_equal(np.asarray(d_rows).view(bits), ref.gather_rows(g_bits, layout.source_tokens),
+                                what="d expert_tokens", context=f"{model.name}, align_size={align_size}, seed={seed}")
 
 
 def test_combine_vjp_after_a_capacity_drop(seed, rng):
