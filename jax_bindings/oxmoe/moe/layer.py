@@ -399,8 +399,6 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     dispatched rows are permuted again from their tokens."""
     sizes = jnp.stack([chunk.group_sizes for chunk in kept])  # [C, El]
     groups = sizes.shape[1]
-    # FP8 tokens are permuted as they are (values and scales) and requantized below: half the
-    # bytes of a 16-bit copy of the rows, and the same values as quantizing that copy.
     rows = [_permuted(chunk.tokens, chunk.row_id_map) for chunk in kept]
     down_operands: tuple = (weighted_hidden, grad_out_rows)
     up_operands: tuple = (rows, grad_up_rows)
@@ -408,7 +406,7 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     if config.fp8 is not None:
         # Rows that travelled quantized per row (the tokens, the output gradient) are quantized
         # again per 128 rows (DeepSeek-V3's way), read as their FP8 values and scales: no 16-bit
-        # copy of them.
+        # copy of them, and the same values as quantizing one.
         def quantize(rows):
             if isinstance(rows, fp8.BlockQuantized):
                 return fp8.requantize(rows, fp8.ACTIVATION_BLOCK, dtype=config.dtype, transpose=True,
