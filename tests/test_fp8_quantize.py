@@ -295,22 +295,6 @@ def test_group_aligned_transposes_are_those_of_the_aligned_rows(case, power_of_t
                                                    power_of_two, transpose=True), f"{context}: requantize")
 
 
-def test_the_products_of_group_aligned_operands_are_the_layouts_weight_gradient(rng, seed):
-    """fp8.transposed_ragged_dot of two group-aligned transposes with aligned_group_sizes: per group,
-    the float64 product of the dequantized operands' aligned rows over that group's columns."""
-    rows, k, n, groups = 700, 256, 384, 6
-    sizes = draw_group_sizes(rng, groups, rows - 60)
-    lhs = fp8.quantize(draw(rng, (rows, k), jnp.bfloat16), ACT, transpose=True, group_sizes=jnp.asarray(sizes))
-    rhs = fp8.quantize(draw(rng, (rows, n), jnp.bfloat16), ACT, transpose=True, group_sizes=jnp.asarray(sizes))
-    got = np.asarray(fp8.transposed_ragged_dot(lhs, rhs, fp8.aligned_group_sizes(jnp.asarray(sizes))))
-    a, b = (np.asarray(fp8.dequantize(q), np.float64) for q in (lhs, rhs))
-    starts = np.concatenate([[0], np.cumsum(-(-sizes // 128) * 128)])
-    for g in range(groups):
-        want = a[:, starts[g]:starts[g + 1]] @ b[:, starts[g]:starts[g + 1]].T
-        np.testing.assert_allclose(got[g], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(initial=1),
-                                   err_msg=f"group {g} of sizes {sizes.tolist()}, seed={seed}")
-
-
 @pytest.mark.parametrize("call, error, message", [
     (lambda s: fp8.quantize(jnp.zeros((256, 128)), ACT, group_sizes=s), ValueError,
      r"group_sizes asks for a group-aligned transpose: it needs transpose=True, block ACTIVATION_BLOCK \(1, 128\) "
