@@ -61,6 +61,9 @@
 
 constexpr int QUANTIZE_TILE = 128;
 constexpr int QUANTIZE_THREADS = 256;
+// Tiles of one block of a group-aligned result's columns that a block of
+// threads quantizes in turn (src/quantize/cuda.rs's GROUP_ALIGNED_COLUMN_TILES).
+constexpr int QUANTIZE_GROUP_ALIGNED_COLUMN_TILES = 4;
 // 1 / 448 rounded to float (cpu.rs's INVERSE_E4M3_MAX), and 448 * 2^-126, the
 // smallest largest magnitude whose scale is a normal float (SMALLEST_SCALED_AMAX).
 constexpr float INVERSE_E4M3_MAX = 0x1.24924ap-9f;
@@ -478,12 +481,17 @@ quantize(const void* __restrict__ x, const float* __restrict__ x_scales, int bat
   constexpr Blocks AS_IS_BLOCKS = blocks_in_x<BLOCK_ROWS, BLOCK_COLS>();
   constexpr Blocks TRANSPOSED_BLOCKS = blocks_in_x<BLOCK_COLS, BLOCK_ROWS>();
 
-  // Tiles of x's rows; group-aligned, a tile per block of the result's columns.
+  // Tiles of x's rows; group-aligned, a tile per block of the result's columns,
+  // and a block of threads takes COLUMN_TILES of them in turn (one search of the
+  // groups for them all).
+  constexpr int COLUMN_TILES = GROUP_ALIGNED ? QUANTIZE_GROUP_ALIGNED_COLUMN_TILES : 1;
   const int tiles_r = GROUP_ALIGNED ? out_rows / TILE : (rows + TILE - 1) / TILE, tiles_c = (cols + TILE - 1) / TILE;
-  const int tile_index = blockIdx.x;
+  const int column_runs = (tiles_c + COLUMN_TILES - 1) / COLUMN_TILES;
+  const int run_index = blockIdx.x;
   TilePlace at;
-  at.b = tile_index / (tiles_r * tiles_c), at.rows = rows, at.cols = cols, at.out_rows = out_rows;
-  at.out_r0 = tile_index / tiles_c % tiles_r * TILE, at.c0 = tile_index % tiles_c * TILE;
+  at.b = run_index / (tiles_r * column_runs), at.rows = rows, at.cols = cols, at.out_rows = out_rows;
+  at.out_r0 = run_index / column_runs % tiles_r * TILE;
+  const int first_tile_c = run_index % column_runs * COLUMN_TILES;
   if constexpr (GROUP_ALIGNED) {
     const HeldRows held = rows_of_aligned_block(group_sizes, groups, rows, at.out_r0 / TILE);
     at.r0 = held.first, at.row_end = held.end;
@@ -492,48 +500,52 @@ quantize(const void* __restrict__ x, const float* __restrict__ x_scales, int bat
   }
   at.lane = threadIdx.x % 32, at.warp = threadIdx.x / 32;
   at.piece = threadIdx.x % L::LANES, at.group = threadIdx.x / L::LANES;
-  at.r_first = at.r0 + at.group * L::ROWS, at.c = at.c0 + at.piece * L::VEC;
-  uint4 tile[L::ROWS];
-  if constexpr (FP8_INPUT) {
-    load_dequantized<T>(static_cast<const unsigned char*>(x), x_scales, at, tile);
-  } else {
-    load_tile<T>(static_cast<const T*>(x), at, tile);
-  }
-
-  // Each result's scale of x's element (r, c)'s block.
-  const auto as_is_scale = [&](int r, int c) -> float& {
-    return scales[(static_cast<long long>(at.b) * (rows / BLOCK_ROWS) + r / BLOCK_ROWS) * (cols / BLOCK_COLS) +
-                  c / BLOCK_COLS];
-  };
-  const auto transposed_scale = [&](int r, int c) -> float& {
-    return transposed_scales[(static_cast<long long>(at.b) * (cols / BLOCK_ROWS) + c / BLOCK_ROWS) *
-                             (out_rows / BLOCK_COLS) + (r - at.r0 + at.out_r0) / BLOCK_COLS];
-  };
-  // Each result's reciprocal scales, its scales written on the way, then its
-  // values: the as-is ones first, so that their stores are in flight while the
-  // transposed ones' maxima are reduced and their bytes staged, and the as-is
-  // reciprocals are dead by then (registers: the float tile takes 64). When
-  // both results' blocks are 128 x 128, the tile's one reduction serves both.
-  constexpr bool ONE_REDUCTION = AS_IS && TRANSPOSED && AS_IS_BLOCKS == TRANSPOSED_BLOCKS;
-  Inverses<AS_IS_BLOCKS, T> as_is_inverse;
-  if constexpr (AS_IS) {
-    as_is_inverse = block_inverses<AS_IS_BLOCKS, POWER_OF_TWO, T>(tile, at, [&](int r, int c, float scale) {
-      as_is_scale(r, c) = scale;
-      if constexpr (ONE_REDUCTION) transposed_scale(r, c) = scale;
-    });
-    store_rows<T>(tile, as_is_inverse, at, values);
-  }
-  if constexpr (TRANSPOSED) {
-    Inverses<TRANSPOSED_BLOCKS, T> transposed_inverse;
-    if constexpr (ONE_REDUCTION) {
-      transposed_inverse = as_is_inverse;
+  at.r_first = at.r0 + at.group * L::ROWS;
+  for (int tile_c = first_tile_c; tile_c < min(first_tile_c + COLUMN_TILES, tiles_c); ++tile_c) {
+    if (tile_c != first_tile_c) __syncthreads();  // the last tile's shared memory is free again
+    at.c0 = tile_c * TILE, at.c = at.c0 + at.piece * L::VEC;
+    uint4 tile[L::ROWS];
+    if constexpr (FP8_INPUT) {
+      load_dequantized<T>(static_cast<const unsigned char*>(x), x_scales, at, tile);
     } else {
-      transposed_inverse = block_inverses<TRANSPOSED_BLOCKS, POWER_OF_TWO, T>(
-          tile, at, [&](int r, int c, float scale) { transposed_scale(r, c) = scale; });
+      load_tile<T>(static_cast<const T*>(x), at, tile);
     }
-    __shared__ __align__(16) unsigned char stage[TILE * TILE];
-    stage_columns<T>(tile, transposed_inverse, at, stage);
-    __syncthreads();
-    store_staged<T>(stage, at, transposed_values);
+
+    // Each result's scale of x's element (r, c)'s block.
+    const auto as_is_scale = [&](int r, int c) -> float& {
+      return scales[(static_cast<long long>(at.b) * (rows / BLOCK_ROWS) + r / BLOCK_ROWS) * (cols / BLOCK_COLS) +
+                    c / BLOCK_COLS];
+    };
+    const auto transposed_scale = [&](int r, int c) -> float& {
+      return transposed_scales[(static_cast<long long>(at.b) * (cols / BLOCK_ROWS) + c / BLOCK_ROWS) *
+                               (out_rows / BLOCK_COLS) + (r - at.r0 + at.out_r0) / BLOCK_COLS];
+    };
+    // Each result's reciprocal scales, its scales written on the way, then its
+    // values: the as-is ones first, so that their stores are in flight while the
+    // transposed ones' maxima are reduced and their bytes staged, and the as-is
+    // reciprocals are dead by then (registers: the float tile takes 64). When
+    // both results' blocks are 128 x 128, the tile's one reduction serves both.
+    constexpr bool ONE_REDUCTION = AS_IS && TRANSPOSED && AS_IS_BLOCKS == TRANSPOSED_BLOCKS;
+    Inverses<AS_IS_BLOCKS, T> as_is_inverse;
+    if constexpr (AS_IS) {
+      as_is_inverse = block_inverses<AS_IS_BLOCKS, POWER_OF_TWO, T>(tile, at, [&](int r, int c, float scale) {
+        as_is_scale(r, c) = scale;
+        if constexpr (ONE_REDUCTION) transposed_scale(r, c) = scale;
+      });
+      store_rows<T>(tile, as_is_inverse, at, values);
+    }
+    if constexpr (TRANSPOSED) {
+      Inverses<TRANSPOSED_BLOCKS, T> transposed_inverse;
+      if constexpr (ONE_REDUCTION) {
+        transposed_inverse = as_is_inverse;
+      } else {
+        transposed_inverse = block_inverses<TRANSPOSED_BLOCKS, POWER_OF_TWO, T>(
+            tile, at, [&](int r, int c, float scale) { transposed_scale(r, c) = scale; });
+      }
+      __shared__ __align__(16) unsigned char stage[TILE * TILE];
+      stage_columns<T>(tile, transposed_inverse, at, stage);
+      __syncthreads();
+      store_staged<T>(stage, at, transposed_values);
+    }
   }
 }

@@ -12,6 +12,10 @@ use crate::ffi::{DataType, Result};
 /// `QUANTIZE_THREADS`, `QUANTIZE_TILE`).
 const THREADS: u32 = 256;
 const TILE: usize = 128;
+/// Tiles along x's columns that a block of threads quantizes in turn in a
+/// group-aligned transpose, finding the block's rows once (the kernel's
+/// `QUANTIZE_GROUP_ALIGNED_COLUMN_TILES`).
+const GROUP_ALIGNED_COLUMN_TILES: usize = 4;
 
 /// The kernel for x of `dtype` (with `fp8_input`: FP8 values dequantized to
 /// it; with `group_aligned`, the transpose group-aligned).
@@ -40,7 +44,11 @@ pub fn quantize(stream: Stream, op: &Quantize) -> Result<()> {
     // The transposed result's columns: x's rows, or their group-aligned columns.
     let out_rows = op.transposed.as_ref().map_or(rows, |t| t.shape.result_matrix().1);
     let (group_sizes, groups) = op.group_sizes.as_ref().map_or((0, 0), |s| (s.device_ptr(), s.len()));
-    let tiles = batch * if group_sizes != 0 { out_rows / TILE } else { rows.div_ceil(TILE) } * q.cols.div_ceil(TILE);
+    let blocks = batch * if group_sizes != 0 {
+        out_rows / TILE * q.cols.div_ceil(TILE).div_ceil(GROUP_ALIGNED_COLUMN_TILES)
+    } else {
+        rows.div_ceil(TILE) * q.cols.div_ceil(TILE)
+    };
     let (x, x_scales, fp8_input) = match &op.x {
         Input::Float(x) => (x.device_ptr(), 0, false),
         Input::Fp8 { values, scales, .. } => (values.device_ptr(), scales.device_ptr(), true),
@@ -51,7 +59,7 @@ pub fn quantize(stream: Stream, op: &Quantize) -> Result<()> {
     // A result the call does not write is a null pointer the kernel never follows.
     let pointers = |out: &Option<Output>| out.as_ref().map_or((0, 0), |o| (o.values.device_ptr(), o.scales.device_ptr()));
     let ((values, scales), (transposed_values, transposed_scales)) = (pointers(&op.as_is), pointers(&op.transposed));
-    launch(stream, kernel, LaunchConfig { grid: grid(tiles)?, block: THREADS, shared_bytes: 0 }, &mut [
+    launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: THREADS, shared_bytes: 0 }, &mut [
         arg(&x), arg(&x_scales), arg(&batch), arg(&rows), arg(&cols), arg(&group_sizes), arg(&groups), arg(&out_rows),
         arg(&values), arg(&scales), arg(&transposed_values), arg(&transposed_scales),
     ])
