@@ -5,12 +5,8 @@
 // AS_IS, x's quantization (values [batch, rows, cols]); TRANSPOSED, the quantization
 // of each batch element's transpose (values [batch, cols, rows]), read from x as it
 // is. With FP8_INPUT, x is FP8 values and their 1 x 128 blocks' scales, dequantized
-// to T as they are read (no copy of x in T). With GROUP_ALIGNED (one matrix,
-// 1 x 128 blocks of the transpose), the transposed result holds x's rows
-// group-aligned (src/quantize/mod.rs's group_aligned_starts): a block of
-// threads quantizes one 128-column block of it and finds which rows of x those
-// are. src/quantize/cpu.rs states the semantics; each step below says which of
-// it it computes.
+// to T as they are read (no copy of x in T). src/quantize/cpu.rs states the
+// semantics; each step below says which of it it computes.
 //
 // Layout, and why. The op moves bytes: 2 (or 4) read and 1 written per
 // element and result, a few integer and float operations each. So everything
@@ -61,9 +57,6 @@
 
 constexpr int QUANTIZE_TILE = 128;
 constexpr int QUANTIZE_THREADS = 256;
-// Tiles of one block of a group-aligned result's columns that a block of
-// threads quantizes in turn (src/quantize/cuda.rs's GROUP_ALIGNED_COLUMN_TILES).
-constexpr int QUANTIZE_GROUP_ALIGNED_COLUMN_TILES = 4;
 // 1 / 448 rounded to float (cpu.rs's INVERSE_E4M3_MAX), and 448 * 2^-126, the
 // smallest largest magnitude whose scale is a normal float (SMALLEST_SCALED_AMAX).
 constexpr float INVERSE_E4M3_MAX = 0x1.24924ap-9f;
@@ -120,83 +113,11 @@ struct TileLayout {
 };
 
 // Where a block of threads' tile lies and where a thread's part of it does:
-// batch element b's x [rows, cols] from (r0, c0), its rows before row_end (the
-// rest of the tile reads as zeros); the thread's ROWS rows from r_first, its
-// piece's VEC columns from c. Row r0 is column out_r0 of the transposed result
-// [cols, out_rows] (r0 itself but in a group-aligned one).
+// batch element b's x [rows, cols] from (r0, c0); the thread's ROWS rows from
+// r_first, its piece's VEC columns from c.
 struct TilePlace {
-  int b, rows, cols, r0, c0, r_first, c, piece, group, lane, warp, row_end, out_r0, out_rows;
+  int b, rows, cols, r0, c0, r_first, c, piece, group, lane, warp;
 };
-
-// The rows of x, from `first` and before `end`, that column block `block` of a
-// group-aligned transpose holds (mod.rs's group_aligned_starts: each group's
-// rows clamped to x's, then the rows after the last group, each from a
-// multiple of 128 columns); {rows, rows} past them. Each warp finds them
-// itself (no barrier), PER_LANE consecutive groups a lane: their sizes loaded
-// at once, two warp scans a pass of 32 x PER_LANE groups. (A scan a step of 32
-// groups, each step's load after the last's, took the FP8-input kernel from
-// 67% of copy to 51% at Qwen3's 128 groups: a tile's loads wait for it.)
-struct HeldRows {
-  int first, end;
-};
-// The sum of v over lanes 0 .. lane, at most cap (v >= 0): each partial sum
-// capped, which caps the total the same.
-__device__ __forceinline__ int warp_capped_inclusive_sum(int v, int lane, int cap) {
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int below = __shfl_up_sync(0xffffffffu, v, d);
-    if (lane >= d) v = min(v + below, cap);
-  }
-  return v;
-}
-__device__ HeldRows rows_of_aligned_block(const int* __restrict__ group_sizes, int groups, int rows, int block) {
-  constexpr int PER_LANE = 8;
-  const int lane = threadIdx.x % 32;
-  int start = 0, blocks_before = 0;  // where this pass's first group starts, in rows and in blocks
-  for (int g0 = 0; g0 < groups; g0 += 32 * PER_LANE) {
-    int size[PER_LANE];
-#pragma unroll
-    for (int s = 0; s < PER_LANE; ++s) {
-      const int g = g0 + lane * PER_LANE + s;
-      size[s] = g < groups ? min(max(group_sizes[g], 0), rows) : 0;
-    }
-    int lane_rows = 0;
-#pragma unroll
-    for (int s = 0; s < PER_LANE; ++s) lane_rows = min(lane_rows + size[s], rows);
-    const int rows_through = warp_capped_inclusive_sum(lane_rows, lane, rows);
-    const int rows_before = __shfl_up_sync(0xffffffffu, rows_through, 1);
-    // The lane's groups' ends and blocks, from where its first group starts.
-    const int lane_first = min(start + (lane == 0 ? 0 : rows_before), rows);
-    int end[PER_LANE], blocks[PER_LANE], lane_blocks = 0, row = lane_first;
-#pragma unroll
-    for (int s = 0; s < PER_LANE; ++s) {
-      end[s] = min(row + size[s], rows);
-      blocks[s] = (end[s] - row + 127) / 128;
-      lane_blocks += blocks[s];
-      row = end[s];
-    }
-    const int blocks_through = warp_capped_inclusive_sum(lane_blocks, lane, 0x7fffffff);
-    int from = blocks_before + blocks_through - lane_blocks;
-    HeldRows held{0, 0};
-    bool holds = false;
-    row = lane_first;
-#pragma unroll
-    for (int s = 0; s < PER_LANE; ++s) {
-      if (block >= from && block < from + blocks[s]) held = {row + 128 * (block - from), end[s]}, holds = true;
-      from += blocks[s];
-      row = end[s];
-    }
-    const unsigned holder = __ballot_sync(0xffffffffu, holds);
-    if (holder != 0) {
-      const int l = __ffs(holder) - 1;
-      return {__shfl_sync(0xffffffffu, held.first, l), __shfl_sync(0xffffffffu, held.end, l)};
-    }
-    start = __shfl_sync(0xffffffffu, row, 31);
-    blocks_before = __shfl_sync(0xffffffffu, from, 31);
-  }
-  if (block < blocks_before + (rows - start + 127) / 128) return {start + 128 * (block - blocks_before), rows};
-  return {rows, rows};
-}
 
 // How a result's blocks lie in x's tile: each one row of it (1 x 128 in x),
 // one column (128 x 1 in x), or the whole tile.
@@ -250,7 +171,7 @@ __device__ __forceinline__ Inverses<BLOCKS, T> block_inverses(const uint4 (&tile
     }
     static_assert(L::ROWS <= L::LANES, "a lane per row of a thread's rows");
     const float scale = block_scale<POWER_OF_TWO>(mine), inverse_scale = __frcp_rn(scale);
-    if (at.piece < L::ROWS && at.r_first + at.piece < at.row_end) put_scale(at.r_first + at.piece, at.c0, scale);
+    if (at.piece < L::ROWS && at.r_first + at.piece < at.rows) put_scale(at.r_first + at.piece, at.c0, scale);
 #pragma unroll
     for (int i = 0; i < L::ROWS; ++i) inverses.of[i] = __shfl_sync(0xffffffffu, inverse_scale, i, L::LANES);
   } else if constexpr (BLOCKS == Blocks::COLUMNS) {
@@ -321,7 +242,7 @@ __device__ __forceinline__ void store_rows(const uint4 (&tile)[TileLayout<T>::RO
       bytes.elems[w] = fp8_pair<T>(tile, inverse, i, 4 * w, i, 4 * w + 1) |
                        fp8_pair<T>(tile, inverse, i, 4 * w + 2, i, 4 * w + 3) << 16;
     unsigned char* dst = out + static_cast<long long>(r) * at.cols + at.c;
-    if (r >= at.row_end) continue;
+    if (r >= at.rows) continue;
     if (whole_pieces) {
       if (at.c < at.cols) *reinterpret_cast<typename VectorOf<L::VEC>::type*>(dst) = bytes.raw;
     } else {
@@ -361,23 +282,23 @@ __device__ __forceinline__ void store_staged(const unsigned char* stage, const T
   constexpr int UNITS = QUANTIZE_TILE / L::ROWS;
   constexpr int PIECES = QUANTIZE_TILE / 16;     // 16-byte pieces of a result row
   constexpr int UNITS_PER_PIECE = 16 / L::ROWS;  // 2 or 1
-  const bool whole_out_pieces = at.out_rows % 16 == 0;
+  const bool whole_out_pieces = at.rows % 16 == 0;
 #pragma unroll
   for (int pass = 0; pass < QUANTIZE_TILE * PIECES / QUANTIZE_THREADS; ++pass) {
     const int p = threadIdx.x % PIECES, s = threadIdx.x / PIECES + pass * (QUANTIZE_THREADS / PIECES);
     const int swizzle = s / L::VEC % UNITS;
     uint4 v = *reinterpret_cast<const uint4*>(stage + s * QUANTIZE_TILE + 16 * (p ^ swizzle / UNITS_PER_PIECE));
     if (UNITS_PER_PIECE == 2 && swizzle % 2 == 1) v = swap_halves(v);
-    const int out_row = at.c0 + s, out_col = at.out_r0 + 16 * p;
+    const int out_row = at.c0 + s, out_col = at.r0 + 16 * p;
     if (out_row >= at.cols) continue;
-    unsigned char* dst = values + (static_cast<long long>(at.b) * at.cols + out_row) * at.out_rows + out_col;
+    unsigned char* dst = values + (static_cast<long long>(at.b) * at.cols + out_row) * at.rows + out_col;
     if (whole_out_pieces) {
-      if (out_col < at.out_rows) *reinterpret_cast<uint4*>(dst) = v;
+      if (out_col < at.rows) *reinterpret_cast<uint4*>(dst) = v;
     } else {
       const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int j = 0; j < 16; ++j)
-        if (out_col + j < at.out_rows) dst[j] = words[j / 4] >> 8 * (j % 4) & 0xff;
+        if (out_col + j < at.rows) dst[j] = words[j / 4] >> 8 * (j % 4) & 0xff;
     }
   }
 }
@@ -395,11 +316,11 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ x, const TilePla
     const int r = at.r_first + i;
     const T* src = in + static_cast<long long>(r) * at.cols + at.c;
     if (whole_pieces) {
-      tile[i] = r < at.row_end && at.c < at.cols ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+      tile[i] = r < at.rows && at.c < at.cols ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
     } else {
       Pack<T, 16> pack;
 #pragma unroll
-      for (int e = 0; e < L::VEC; ++e) pack.elems[e] = r < at.row_end && at.c + e < at.cols ? src[e] : T{};
+      for (int e = 0; e < L::VEC; ++e) pack.elems[e] = r < at.rows && at.c + e < at.cols ? src[e] : T{};
       tile[i] = pack.raw;
     }
   }
@@ -438,7 +359,7 @@ __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict
   float scale[L::ROWS];
 #pragma unroll
   for (int i = 0; i < L::ROWS; ++i) {
-    const bool inside = at.r_first + i < at.row_end;
+    const bool inside = at.r_first + i < at.rows;
     const long long r = first_row + at.r_first + i;
     raw[i] = inside ? *reinterpret_cast<const Bytes*>(x + r * at.cols + at.c) : Bytes{};
     scale[i] = inside ? x_scales[r * blocks + at.c0 / QUANTIZE_TILE] : 0.f;
@@ -462,90 +383,69 @@ __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict
 // block loads half the bytes from FP8 values that it loads from bf16, so two
 // blocks kept too few in flight: 3 took requantize from 47% to 67% of copy on
 // an H200, with no spills (4 would spill).
-// out_rows: the transposed result's columns (rows, or group-aligned, the
-// columns of the groups of group_sizes [groups]).
 template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO, bool FP8_INPUT,
-          bool GROUP_ALIGNED, int THREADS>
+          int THREADS>
 __global__ void __launch_bounds__(THREADS, FP8_INPUT ? 3 : 2)
 quantize(const void* __restrict__ x, const float* __restrict__ x_scales, int batch, int rows, int cols,
-         const int* __restrict__ group_sizes, int groups, int out_rows, unsigned char* __restrict__ values,
-         float* __restrict__ scales, unsigned char* __restrict__ transposed_values,
+         unsigned char* __restrict__ values, float* __restrict__ scales, unsigned char* __restrict__ transposed_values,
          float* __restrict__ transposed_scales) {
   static_assert(THREADS == QUANTIZE_THREADS, "the launch's threads are the layout's (src/quantize/cuda.rs)");
   static_assert(AS_IS || TRANSPOSED, "a result to write");
-  static_assert(!GROUP_ALIGNED || (TRANSPOSED && BLOCK_ROWS == 1 && BLOCK_COLS == QUANTIZE_TILE),
-                "a group-aligned transpose in 1 x 128 blocks");
   using L = TileLayout<T>;
   constexpr int TILE = QUANTIZE_TILE;
   // Each result's blocks in x: the transposed result's are its blocks the other way round.
   constexpr Blocks AS_IS_BLOCKS = blocks_in_x<BLOCK_ROWS, BLOCK_COLS>();
   constexpr Blocks TRANSPOSED_BLOCKS = blocks_in_x<BLOCK_COLS, BLOCK_ROWS>();
 
-  // Tiles of x's rows; group-aligned, a tile per block of the result's columns,
-  // and a block of threads takes COLUMN_TILES of them in turn (one search of the
-  // groups for them all).
-  constexpr int COLUMN_TILES = GROUP_ALIGNED ? QUANTIZE_GROUP_ALIGNED_COLUMN_TILES : 1;
-  const int tiles_r = GROUP_ALIGNED ? out_rows / TILE : (rows + TILE - 1) / TILE, tiles_c = (cols + TILE - 1) / TILE;
-  const int column_runs = (tiles_c + COLUMN_TILES - 1) / COLUMN_TILES;
-  const int run_index = blockIdx.x;
+  const int tiles_r = (rows + TILE - 1) / TILE, tiles_c = (cols + TILE - 1) / TILE;
+  const int tile_index = blockIdx.x;
   TilePlace at;
-  at.b = run_index / (tiles_r * column_runs), at.rows = rows, at.cols = cols, at.out_rows = out_rows;
-  at.out_r0 = run_index / column_runs % tiles_r * TILE;
-  const int first_tile_c = run_index % column_runs * COLUMN_TILES;
-  if constexpr (GROUP_ALIGNED) {
-    const HeldRows held = rows_of_aligned_block(group_sizes, groups, rows, at.out_r0 / TILE);
-    at.r0 = held.first, at.row_end = held.end;
-  } else {
-    at.r0 = at.out_r0, at.row_end = rows;
-  }
+  at.b = tile_index / (tiles_r * tiles_c), at.rows = rows, at.cols = cols;
+  at.r0 = tile_index / tiles_c % tiles_r * TILE, at.c0 = tile_index % tiles_c * TILE;
   at.lane = threadIdx.x % 32, at.warp = threadIdx.x / 32;
   at.piece = threadIdx.x % L::LANES, at.group = threadIdx.x / L::LANES;
-  at.r_first = at.r0 + at.group * L::ROWS;
-  for (int tile_c = first_tile_c; tile_c < min(first_tile_c + COLUMN_TILES, tiles_c); ++tile_c) {
-    if (tile_c != first_tile_c) __syncthreads();  // the last tile's shared memory is free again
-    at.c0 = tile_c * TILE, at.c = at.c0 + at.piece * L::VEC;
-    uint4 tile[L::ROWS];
-    if constexpr (FP8_INPUT) {
-      load_dequantized<T>(static_cast<const unsigned char*>(x), x_scales, at, tile);
-    } else {
-      load_tile<T>(static_cast<const T*>(x), at, tile);
-    }
+  at.r_first = at.r0 + at.group * L::ROWS, at.c = at.c0 + at.piece * L::VEC;
+  uint4 tile[L::ROWS];
+  if constexpr (FP8_INPUT) {
+    load_dequantized<T>(static_cast<const unsigned char*>(x), x_scales, at, tile);
+  } else {
+    load_tile<T>(static_cast<const T*>(x), at, tile);
+  }
 
-    // Each result's scale of x's element (r, c)'s block.
-    const auto as_is_scale = [&](int r, int c) -> float& {
-      return scales[(static_cast<long long>(at.b) * (rows / BLOCK_ROWS) + r / BLOCK_ROWS) * (cols / BLOCK_COLS) +
-                    c / BLOCK_COLS];
-    };
-    const auto transposed_scale = [&](int r, int c) -> float& {
-      return transposed_scales[(static_cast<long long>(at.b) * (cols / BLOCK_ROWS) + c / BLOCK_ROWS) *
-                               (out_rows / BLOCK_COLS) + (r - at.r0 + at.out_r0) / BLOCK_COLS];
-    };
-    // Each result's reciprocal scales, its scales written on the way, then its
-    // values: the as-is ones first, so that their stores are in flight while the
-    // transposed ones' maxima are reduced and their bytes staged, and the as-is
-    // reciprocals are dead by then (registers: the float tile takes 64). When
-    // both results' blocks are 128 x 128, the tile's one reduction serves both.
-    constexpr bool ONE_REDUCTION = AS_IS && TRANSPOSED && AS_IS_BLOCKS == TRANSPOSED_BLOCKS;
-    Inverses<AS_IS_BLOCKS, T> as_is_inverse;
-    if constexpr (AS_IS) {
-      as_is_inverse = block_inverses<AS_IS_BLOCKS, POWER_OF_TWO, T>(tile, at, [&](int r, int c, float scale) {
-        as_is_scale(r, c) = scale;
-        if constexpr (ONE_REDUCTION) transposed_scale(r, c) = scale;
-      });
-      store_rows<T>(tile, as_is_inverse, at, values);
+  // Each result's scale of x's element (r, c)'s block.
+  const auto as_is_scale = [&](int r, int c) -> float& {
+    return scales[(static_cast<long long>(at.b) * (rows / BLOCK_ROWS) + r / BLOCK_ROWS) * (cols / BLOCK_COLS) +
+                  c / BLOCK_COLS];
+  };
+  const auto transposed_scale = [&](int r, int c) -> float& {
+    return transposed_scales[(static_cast<long long>(at.b) * (cols / BLOCK_ROWS) + c / BLOCK_ROWS) *
+                             (rows / BLOCK_COLS) + r / BLOCK_COLS];
+  };
+  // Each result's reciprocal scales, its scales written on the way, then its
+  // values: the as-is ones first, so that their stores are in flight while the
+  // transposed ones' maxima are reduced and their bytes staged, and the as-is
+  // reciprocals are dead by then (registers: the float tile takes 64). When
+  // both results' blocks are 128 x 128, the tile's one reduction serves both.
+  constexpr bool ONE_REDUCTION = AS_IS && TRANSPOSED && AS_IS_BLOCKS == TRANSPOSED_BLOCKS;
+  Inverses<AS_IS_BLOCKS, T> as_is_inverse;
+  if constexpr (AS_IS) {
+    as_is_inverse = block_inverses<AS_IS_BLOCKS, POWER_OF_TWO, T>(tile, at, [&](int r, int c, float scale) {
+      as_is_scale(r, c) = scale;
+      if constexpr (ONE_REDUCTION) transposed_scale(r, c) = scale;
+    });
+    store_rows<T>(tile, as_is_inverse, at, values);
+  }
+  if constexpr (TRANSPOSED) {
+    Inverses<TRANSPOSED_BLOCKS, T> transposed_inverse;
+    if constexpr (ONE_REDUCTION) {
+      transposed_inverse = as_is_inverse;
+    } else {
+      transposed_inverse = block_inverses<TRANSPOSED_BLOCKS, POWER_OF_TWO, T>(
+          tile, at, [&](int r, int c, float scale) { transposed_scale(r, c) = scale; });
     }
-    if constexpr (TRANSPOSED) {
-      Inverses<TRANSPOSED_BLOCKS, T> transposed_inverse;
-      if constexpr (ONE_REDUCTION) {
-        transposed_inverse = as_is_inverse;
-      } else {
-        transposed_inverse = block_inverses<TRANSPOSED_BLOCKS, POWER_OF_TWO, T>(
-            tile, at, [&](int r, int c, float scale) { transposed_scale(r, c) = scale; });
-      }
-      __shared__ __align__(16) unsigned char stage[TILE * TILE];
-      stage_columns<T>(tile, transposed_inverse, at, stage);
-      __syncthreads();
-      store_staged<T>(stage, at, transposed_values);
-    }
+    __shared__ __align__(16) unsigned char stage[TILE * TILE];
+    stage_columns<T>(tile, transposed_inverse, at, stage);
+    __syncthreads();
+    store_staged<T>(stage, at, transposed_values);
   }
 }

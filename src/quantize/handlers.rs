@@ -4,7 +4,7 @@
 //! registered for the CUDA platform under the same target name) hands it to
 //! `cuda` with the call's [`Stream`](crate::cuda::Stream).
 
-use super::{cpu, cuda, Input, Quantization, Quantize};
+use super::{cpu, cuda, Input, Quantize};
 use crate::ffi::Result;
 use crate::{export_cuda_handler, export_handler, with_real_type};
 
@@ -23,16 +23,7 @@ fn quantize_cpu(op: Quantize) -> Result<()> {
             }
         };
         for out in op.as_is.into_iter().chain(op.transposed) {
-            let q = out.shape;
-            match (&op.group_sizes, q.transpose) {
-                (Some(sizes), true) => {
-                    let (_, aligned_rows) = q.result_matrix();
-                    let aligned = cpu::group_aligned(x, q.rows, q.cols, sizes.slice()?, aligned_rows);
-                    let q = Quantization { rows: aligned_rows, groups: None, ..q };
-                    cpu::quantize::<T>(&q, &aligned, out.values.slice_mut()?, out.scales.slice_mut()?);
-                }
-                _ => cpu::quantize::<T>(&q, x, out.values.slice_mut()?, out.scales.slice_mut()?),
-            }
+            cpu::quantize::<T>(&out.shape, x, out.values.slice_mut()?, out.scales.slice_mut()?);
         }
     });
     Ok(())
