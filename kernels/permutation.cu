@@ -397,13 +397,13 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
         for (int j = 0; j < Shape::PER_THREAD; ++j) {
           const int at = chunk + j * ROW_BLOCK + threadIdx.x;
           if (at >= Shape::VECTORS) continue;
-          if (!as_is) {
-            typename Shape::Vec scaled;
+          if (writes) {
+            typename Shape::Vec row = v[j];
+            if (!as_is) {
 #pragma unroll
-            for (int e = 0; e < Shape::PER; ++e) scaled.elems[e] = from_float<T>(scale * to_float(v[j].elems[e]));
-            if (writes) store_vector<T, H>(dst, at, scaled);
-          } else if (writes) {
-            store_vector<T, H>(dst, at, v[j]);
+              for (int e = 0; e < Shape::PER; ++e) row.elems[e] = from_float<T>(scale * to_float(v[j].elems[e]));
+            }
+            store_vector<T, H>(dst, at, row);
           }
           if constexpr (WEIGHTED) {
             const typename Shape::Vec other = load_vector<T, H>(y, at);
