@@ -237,6 +237,92 @@ def test_quantize_with_transpose_equals_the_plain_jax_reference(rng, seed):
             assert_same(as_float64(g), as_float64(w), f"{block}, {what}, seed={seed}")
 
 
+def group_aligned(x: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """x's rows [R, C] as a group-aligned transpose holds them, as rows [group_aligned_rows(R, G), C]:
+    each group's (sizes clamped to R), then the rows after the last group, from a multiple of 128 rows
+    on, zeros between and after."""
+    rows = x.shape[0]
+    aligned = np.zeros((fp8.group_aligned_rows(rows, len(sizes)), x.shape[1]), x.dtype)
+    bounds = np.concatenate([[0], np.minimum(np.cumsum(np.maximum(sizes, 0)), rows), [rows]])
+    at = 0
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        aligned[at:at + end - start] = x[start:end]
+        at += -(-(end - start) // 128) * 128
+    return aligned
+
+
+def draw_group_sizes(rng, groups: int, grouped_rows: int) -> np.ndarray:
+    """``groups`` sizes summing to ``grouped_rows``, uneven, a quarter of the groups empty."""
+    weights = rng.dirichlet(np.full(groups, 0.7)) * (rng.random(groups) > 0.25)
+    weights = weights / weights.sum() if weights.sum() else np.full(groups, 1 / groups)
+    return rng.multinomial(grouped_rows, weights).astype(np.int32)
+
+
+# (rows [R, C], dtype, groups, the rows after the last group): the weight gradients' rows at
+# DeepSeek-V3's and Qwen3's widths, as the FP8 layer quantizes them per expert.
+GROUP_ALIGNED_CASES = {
+    "tokens_deepseek_v3_bf16": ((1500, H_DEEPSEEK), jnp.bfloat16, 8, 0),
+    "hidden_qwen3_f32_rows_after_the_groups": ((900, F_QWEN3), jnp.float32, 16, 140),
+    "grad_up_qwen3_f16_many_small_groups": ((384, 2 * F_QWEN3), jnp.float16, 32, 0),
+    # More groups than the CUDA handler's table kernel takes in one pass (1024).
+    "more_groups_than_a_pass_f32": ((2600, 128), jnp.float32, 1100, 50),
+}
+
+
+@pytest.mark.parametrize("case", GROUP_ALIGNED_CASES)
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["float32_scales", "power_of_two_scales"])
+def test_group_aligned_transposes_are_those_of_the_aligned_rows(case, power_of_two, rng, seed):
+    """quantize, quantize_with_transpose and requantize with group_sizes: the float64 reference's
+    quantization of the rows laid out group-aligned, bit for bit, and the as-is half of
+    quantize_with_transpose unchanged; every padded column zero."""
+    (rows, cols), dtype, groups, after = GROUP_ALIGNED_CASES[case]
+    context = f"{case}, power_of_two={power_of_two}, seed={seed}"
+    x = draw(rng, (rows, cols), dtype)
+    sizes = draw_group_sizes(rng, groups, rows - after)
+    options = dict(power_of_two_scales=power_of_two, group_sizes=jnp.asarray(sizes))
+    aligned = group_aligned(np.asarray(x.astype(jnp.float32)), sizes)
+    want = reference(aligned, ACT, power_of_two, transpose=True)
+    got = jax.jit(lambda x, s: fp8.quantize(x, ACT, transpose=True, power_of_two_scales=power_of_two,
+                                            group_sizes=s))(x, jnp.asarray(sizes))
+    assert got.shape == (cols, fp8.group_aligned_rows(rows, groups)) and got.block == ACT, context
+    assert_same(as_float64(got), want, f"{context}: quantize")
+    zero_rows = ~np.any(aligned != 0, axis=1)
+    assert not np.asarray(got.values.astype(jnp.float32))[:, zero_rows].any(), context
+    as_is, transposed = fp8.quantize_with_transpose(x, ACT, **options)
+    assert_same(as_float64(transposed), want, f"{context}: quantize_with_transpose")
+    assert_same(as_float64(as_is), reference(np.asarray(x.astype(jnp.float32)), ACT, power_of_two), context)
+    q = fp8.quantize(x, ACT, power_of_two_scales=power_of_two)
+    requantized = fp8.requantize(q, ACT, dtype=dtype, transpose=True, **options)
+    assert_same(as_float64(requantized), reference(group_aligned(dequantized_reference(q, dtype), sizes), ACT,
+                                                   power_of_two, transpose=True), f"{context}: requantize")
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda s: fp8.quantize(jnp.zeros((256, 128)), ACT, group_sizes=s), ValueError,
+     r"group_sizes asks for a group-aligned transpose: it needs transpose=True, block ACTIVATION_BLOCK \(1, 128\) "
+     r"and rows \[R, C\]; got transpose=False"),
+    (lambda s: fp8.quantize(jnp.zeros((256, 128)), TACT, transpose=True, group_sizes=s), ValueError,
+     r"got transpose=True, block \(128, 1\)"),
+    (lambda s: fp8.quantize(jnp.zeros((2, 256, 128)), ACT, transpose=True, group_sizes=s), ValueError,
+     r"shape \[2, 256, 128\]"),
+    (lambda s: fp8.quantize(jnp.zeros((256, 128)), ACT, transpose=True, group_sizes=s.astype(jnp.float32)),
+     TypeError, r"group_sizes must be an integer array"),
+    (lambda s: fp8.quantize(jnp.zeros((256, 128)), ACT, transpose=True, group_sizes=s[None]), ValueError,
+     r"group_sizes must have shape \[num_groups\], got \(1, 3\)"),
+    (lambda s: fp8.quantize(jnp.zeros((100, 128)), ACT, transpose=True, group_sizes=s), ValueError,
+     r"group_sizes sum to 210, more than the 100 rows of x"),
+    (lambda s: fp8.requantize(fp8.quantize(jnp.zeros((100, 128))), ACT, transpose=True, group_sizes=s), ValueError,
+     r"more than the 100 rows of q"),
+    (lambda s: fp8.quantize_with_transpose(jnp.zeros((256, 128)), ACT, group_sizes=-s), ValueError,
+     r"group_sizes must be >= 0, got -100 at group 0"),
+    (lambda s: fp8.aligned_group_sizes(s.astype(jnp.float32)), TypeError, r"group_sizes must be an integer array"),
+], ids=["not_transposed", "block", "batched", "float_sizes", "sizes_2d", "past_the_rows", "past_the_rows_of_q",
+        "negative", "aligned_float_sizes"])
+def test_bad_group_sizes_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call(jnp.asarray([100, 10, 100], jnp.int32))
+
+
 def dequantized_reference(q: fp8.BlockQuantized, dtype) -> np.ndarray:
     """q's values times their 1 x 128 blocks' scales (float32 subnormal scales and products
     below 2^-126 zeros of their sign; the product exact in float64, rounded once to float32),
