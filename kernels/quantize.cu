@@ -5,11 +5,7 @@
 // AS_IS, x's quantization (values [batch, rows, cols]); TRANSPOSED, the quantization
 // of each batch element's transpose (values [batch, cols, rows]), read from x as it
 // is. With FP8_INPUT, x is FP8 values and their 1 x 128 blocks' scales, dequantized
-// to T as they are read (no copy of x in T). With GROUP_ALIGNED (one matrix,
-// 1 x 128 blocks of the transpose), the transposed result holds x's rows
-// group-aligned (src/quantize/mod.rs's group_aligned_starts): a block of
-// threads quantizes one 128-column block of it, the rows of x that
-// aligned_block_rows' table says it holds. src/quantize/cpu.rs states the
+// to T as they are read (no copy of x in T). src/quantize/cpu.rs states the
 // semantics; each step below says which of it it computes.
 //
 // Layout, and why. The op moves bytes: 2 (or 4) read and 1 written per
@@ -117,91 +113,11 @@ struct TileLayout {
 };
 
 // Where a block of threads' tile lies and where a thread's part of it does:
-// batch element b's x [rows, cols] from (r0, c0), its rows before row_end (the
-// rest of the tile reads as zeros); the thread's ROWS rows from r_first, its
-// piece's VEC columns from c. Row r0 is column out_r0 of the transposed result
-// [cols, out_rows] (r0 itself but in a group-aligned one).
+// batch element b's x [rows, cols] from (r0, c0); the thread's ROWS rows from
+// r_first, its piece's VEC columns from c.
 struct TilePlace {
-  int b, rows, cols, r0, c0, r_first, c, piece, group, lane, warp, row_end, out_r0, out_rows;
+  int b, rows, cols, r0, c0, r_first, c, piece, group, lane, warp;
 };
-
-// A group-aligned transpose: the rows of x, [first, end), that each 128-column
-// block of the result holds (mod.rs's group_aligned_starts: each group's rows
-// clamped to x's, then the rows after the last group, each from a multiple of
-// 128 columns); {rows, rows} past them. One block of threads writes the table
-// before the quantization, so that each of its tiles waits for one load of it:
-// each tile searching the group sizes itself took the transposes 1.08-1.32x the
-// plain ones' time on an H200, against the 1.06-1.12x of their extra columns.
-constexpr int ALIGNED_TABLE_THREADS = 1024;
-
-// The inclusive sum of v over the block's threads (each thread's), and the
-// block's total; `totals` is shared scratch of a value a warp.
-template <typename V>
-__device__ __forceinline__ V block_inclusive_sum(V v, V* totals, V& total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const V below = __shfl_up_sync(0xffffffffu, v, d);
-    if (lane >= d) v += below;
-  }
-  if (lane == 31) totals[warp] = v;
-  __syncthreads();
-  if (warp == 0) {
-    V t = lane < warps ? totals[lane] : V{};
-#pragma unroll
-    for (int d = 1; d < 32; d *= 2) {
-      const V below = __shfl_up_sync(0xffffffffu, t, d);
-      if (lane >= d) t += below;
-    }
-    if (lane < warps) totals[lane] = t;
-  }
-  __syncthreads();
-  total = totals[warps - 1];
-  if (warp > 0) v += totals[warp - 1];
-  __syncthreads();  // totals is free again
-  return v;
-}
-
-// held [blocks]: the table above for x's `rows` rows in groups of
-// group_sizes [groups], `blocks` blocks of 128 columns. A chunk of THREADS
-// groups at a time (the rows after the last group are group `groups`): each
-// group's rows and first block by two block-wide sums, then the chunk's
-// blocks, a thread each, find their group by a binary search of the chunk.
-template <int THREADS>
-__global__ void __launch_bounds__(THREADS) aligned_block_rows(const int* __restrict__ group_sizes, int groups, int rows,
-                                                              int blocks, int2* __restrict__ held) {
-  static_assert(THREADS == ALIGNED_TABLE_THREADS, "the launch's threads (src/quantize/cuda.rs)");
-  __shared__ long long row_totals[32];
-  __shared__ int block_totals[32];
-  __shared__ int first_block[THREADS], first_row[THREADS], end_row[THREADS];
-  long long rows_before = 0;  // the rows of the chunks before, at most x's
-  int blocks_before = 0;
-  for (int g0 = 0; g0 <= groups; g0 += THREADS) {
-    const int g = g0 + threadIdx.x;
-    const long long size = g < groups ? min(max(group_sizes[g], 0), rows) : g == groups ? rows : 0;
-    long long chunk_rows;
-    const long long through = rows_before + block_inclusive_sum(size, row_totals, chunk_rows);
-    const int first = static_cast<int>(min(through - size, static_cast<long long>(rows)));
-    const int end = static_cast<int>(min(through, static_cast<long long>(rows)));
-    const int own = (end - first + 127) / 128;
-    int chunk_blocks;
-    const int from = blocks_before + block_inclusive_sum(own, block_totals, chunk_blocks) - own;
-    first_block[threadIdx.x] = from, first_row[threadIdx.x] = first, end_row[threadIdx.x] = end;
-    __syncthreads();
-    for (int b = blocks_before + threadIdx.x; b < blocks_before + chunk_blocks && b < blocks; b += THREADS) {
-      int lo = 0, hi = THREADS - 1;  // the last group of the chunk whose blocks start at or before b
-      while (lo < hi) {
-        const int mid = (lo + hi + 1) / 2;
-        if (first_block[mid] <= b) lo = mid; else hi = mid - 1;
-      }
-      held[b] = make_int2(first_row[lo] + 128 * (b - first_block[lo]), end_row[lo]);
-    }
-    __syncthreads();
-    rows_before = min(rows_before + chunk_rows, static_cast<long long>(rows));
-    blocks_before += chunk_blocks;
-  }
-  for (int b = blocks_before + threadIdx.x; b < blocks; b += THREADS) held[b] = make_int2(rows, rows);
-}
 
 // How a result's blocks lie in x's tile: each one row of it (1 x 128 in x),
 // one column (128 x 1 in x), or the whole tile.
@@ -255,7 +171,7 @@ __device__ __forceinline__ Inverses<BLOCKS, T> block_inverses(const uint4 (&tile
     }
     static_assert(L::ROWS <= L::LANES, "a lane per row of a thread's rows");
     const float scale = block_scale<POWER_OF_TWO>(mine), inverse_scale = __frcp_rn(scale);
-    if (at.piece < L::ROWS && at.r_first + at.piece < at.row_end) put_scale(at.r_first + at.piece, at.c0, scale);
+    if (at.piece < L::ROWS && at.r_first + at.piece < at.rows) put_scale(at.r_first + at.piece, at.c0, scale);
 #pragma unroll
     for (int i = 0; i < L::ROWS; ++i) inverses.of[i] = __shfl_sync(0xffffffffu, inverse_scale, i, L::LANES);
   } else if constexpr (BLOCKS == Blocks::COLUMNS) {
@@ -326,7 +242,7 @@ __device__ __forceinline__ void store_rows(const uint4 (&tile)[TileLayout<T>::RO
       bytes.elems[w] = fp8_pair<T>(tile, inverse, i, 4 * w, i, 4 * w + 1) |
                        fp8_pair<T>(tile, inverse, i, 4 * w + 2, i, 4 * w + 3) << 16;
     unsigned char* dst = out + static_cast<long long>(r) * at.cols + at.c;
-    if (r >= at.row_end) continue;
+    if (r >= at.rows) continue;
     if (whole_pieces) {
       if (at.c < at.cols) *reinterpret_cast<typename VectorOf<L::VEC>::type*>(dst) = bytes.raw;
     } else {
@@ -366,23 +282,23 @@ __device__ __forceinline__ void store_staged(const unsigned char* stage, const T
   constexpr int UNITS = QUANTIZE_TILE / L::ROWS;
   constexpr int PIECES = QUANTIZE_TILE / 16;     // 16-byte pieces of a result row
   constexpr int UNITS_PER_PIECE = 16 / L::ROWS;  // 2 or 1
-  const bool whole_out_pieces = at.out_rows % 16 == 0;
+  const bool whole_out_pieces = at.rows % 16 == 0;
 #pragma unroll
   for (int pass = 0; pass < QUANTIZE_TILE * PIECES / QUANTIZE_THREADS; ++pass) {
     const int p = threadIdx.x % PIECES, s = threadIdx.x / PIECES + pass * (QUANTIZE_THREADS / PIECES);
     const int swizzle = s / L::VEC % UNITS;
     uint4 v = *reinterpret_cast<const uint4*>(stage + s * QUANTIZE_TILE + 16 * (p ^ swizzle / UNITS_PER_PIECE));
     if (UNITS_PER_PIECE == 2 && swizzle % 2 == 1) v = swap_halves(v);
-    const int out_row = at.c0 + s, out_col = at.out_r0 + 16 * p;
+    const int out_row = at.c0 + s, out_col = at.r0 + 16 * p;
     if (out_row >= at.cols) continue;
-    unsigned char* dst = values + (static_cast<long long>(at.b) * at.cols + out_row) * at.out_rows + out_col;
+    unsigned char* dst = values + (static_cast<long long>(at.b) * at.cols + out_row) * at.rows + out_col;
     if (whole_out_pieces) {
-      if (out_col < at.out_rows) *reinterpret_cast<uint4*>(dst) = v;
+      if (out_col < at.rows) *reinterpret_cast<uint4*>(dst) = v;
     } else {
       const unsigned words[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int j = 0; j < 16; ++j)
-        if (out_col + j < at.out_rows) dst[j] = words[j / 4] >> 8 * (j % 4) & 0xff;
+        if (out_col + j < at.rows) dst[j] = words[j / 4] >> 8 * (j % 4) & 0xff;
     }
   }
 }
@@ -400,11 +316,11 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ x, const TilePla
     const int r = at.r_first + i;
     const T* src = in + static_cast<long long>(r) * at.cols + at.c;
     if (whole_pieces) {
-      tile[i] = r < at.row_end && at.c < at.cols ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
+      tile[i] = r < at.rows && at.c < at.cols ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
     } else {
       Pack<T, 16> pack;
 #pragma unroll
-      for (int e = 0; e < L::VEC; ++e) pack.elems[e] = r < at.row_end && at.c + e < at.cols ? src[e] : T{};
+      for (int e = 0; e < L::VEC; ++e) pack.elems[e] = r < at.rows && at.c + e < at.cols ? src[e] : T{};
       tile[i] = pack.raw;
     }
   }
@@ -443,7 +359,7 @@ __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict
   float scale[L::ROWS];
 #pragma unroll
   for (int i = 0; i < L::ROWS; ++i) {
-    const bool inside = at.r_first + i < at.row_end;
+    const bool inside = at.r_first + i < at.rows;
     const long long r = first_row + at.r_first + i;
     raw[i] = inside ? *reinterpret_cast<const Bytes*>(x + r * at.cols + at.c) : Bytes{};
     scale[i] = inside ? x_scales[r * blocks + at.c0 / QUANTIZE_TILE] : 0.f;
@@ -467,37 +383,25 @@ __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict
 // block loads half the bytes from FP8 values that it loads from bf16, so two
 // blocks kept too few in flight: 3 took requantize from 47% to 67% of copy on
 // an H200, with no spills (4 would spill).
-// out_rows: the transposed result's columns (rows, or group-aligned, the
-// columns whose rows held_rows [out_rows / 128] gives).
 template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO, bool FP8_INPUT,
-          bool GROUP_ALIGNED, int THREADS>
+          int THREADS>
 __global__ void __launch_bounds__(THREADS, FP8_INPUT ? 3 : 2)
 quantize(const void* __restrict__ x, const float* __restrict__ x_scales, int batch, int rows, int cols,
-         const int2* __restrict__ held_rows, int out_rows, unsigned char* __restrict__ values,
-         float* __restrict__ scales, unsigned char* __restrict__ transposed_values,
+         unsigned char* __restrict__ values, float* __restrict__ scales, unsigned char* __restrict__ transposed_values,
          float* __restrict__ transposed_scales) {
   static_assert(THREADS == QUANTIZE_THREADS, "the launch's threads are the layout's (src/quantize/cuda.rs)");
   static_assert(AS_IS || TRANSPOSED, "a result to write");
-  static_assert(!GROUP_ALIGNED || (TRANSPOSED && BLOCK_ROWS == 1 && BLOCK_COLS == QUANTIZE_TILE),
-                "a group-aligned transpose in 1 x 128 blocks");
   using L = TileLayout<T>;
   constexpr int TILE = QUANTIZE_TILE;
   // Each result's blocks in x: the transposed result's are its blocks the other way round.
   constexpr Blocks AS_IS_BLOCKS = blocks_in_x<BLOCK_ROWS, BLOCK_COLS>();
   constexpr Blocks TRANSPOSED_BLOCKS = blocks_in_x<BLOCK_COLS, BLOCK_ROWS>();
 
-  // Tiles of x's rows; group-aligned, a tile per block of the result's columns.
-  const int tiles_r = GROUP_ALIGNED ? out_rows / TILE : (rows + TILE - 1) / TILE, tiles_c = (cols + TILE - 1) / TILE;
+  const int tiles_r = (rows + TILE - 1) / TILE, tiles_c = (cols + TILE - 1) / TILE;
   const int tile_index = blockIdx.x;
   TilePlace at;
-  at.b = tile_index / (tiles_r * tiles_c), at.rows = rows, at.cols = cols, at.out_rows = out_rows;
-  at.out_r0 = tile_index / tiles_c % tiles_r * TILE, at.c0 = tile_index % tiles_c * TILE;
-  if constexpr (GROUP_ALIGNED) {
-    const int2 held = held_rows[at.out_r0 / TILE];
-    at.r0 = held.x, at.row_end = held.y;
-  } else {
-    at.r0 = at.out_r0, at.row_end = rows;
-  }
+  at.b = tile_index / (tiles_r * tiles_c), at.rows = rows, at.cols = cols;
+  at.r0 = tile_index / tiles_c % tiles_r * TILE, at.c0 = tile_index % tiles_c * TILE;
   at.lane = threadIdx.x % 32, at.warp = threadIdx.x / 32;
   at.piece = threadIdx.x % L::LANES, at.group = threadIdx.x / L::LANES;
   at.r_first = at.r0 + at.group * L::ROWS, at.c = at.c0 + at.piece * L::VEC;
@@ -515,7 +419,7 @@ quantize(const void* __restrict__ x, const float* __restrict__ x_scales, int bat
   };
   const auto transposed_scale = [&](int r, int c) -> float& {
     return transposed_scales[(static_cast<long long>(at.b) * (cols / BLOCK_ROWS) + c / BLOCK_ROWS) *
-                             (out_rows / BLOCK_COLS) + (r - at.r0 + at.out_r0) / BLOCK_COLS];
+                             (rows / BLOCK_COLS) + r / BLOCK_COLS];
   };
   // Each result's reciprocal scales, its scales written on the way, then its
   // values: the as-is ones first, so that their stores are in flight while the

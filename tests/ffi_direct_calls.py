@@ -174,7 +174,7 @@ def _quantize_attrs(**changes):
     """oxmoe_fp8_quantize's attributes: (1, 128) blocks, orientation "as_is", unless `changes`
     say otherwise."""
     return dict(block_rows=np.int64(1), block_cols=np.int64(128), power_of_two_scales=np.bool_(False),
-                orientation="as_is", group_aligned=np.bool_(False)) | changes
+                orientation="as_is") | changes
 
 
 def quantize(x, values_shape=None, scales_dtype=jnp.float32, results=None, **changes):
@@ -286,38 +286,9 @@ CASES.update({
     "fp8_quantize_both_with_untransposed_values": (
         lambda: _call("oxmoe_fp8_quantize", (_spec((1, 128, 256), jnp.float8_e4m3fn), _spec((1, 128, 2), jnp.float32),
                                              _spec((1, 128, 256), jnp.float8_e4m3fn), _spec((1, 256, 1), jnp.float32)),
-                      np.zeros((1, 128, 256), np.float32), **_quantize_attrs(orientation="both")),
+                      np.zeros((1, 128, 256), np.float32), block_rows=np.int64(1), block_cols=np.int64(128),
+                      power_of_two_scales=np.bool_(False), orientation="both"),
         "oxmoe_fp8_quantize", [r"transposed_values has shape float8_e4m3fn\[1, 128, 256\], expected \[1, 256, 128\]"]),
-    "fp8_quantize_group_aligned_as_is": (
-        lambda: _call("oxmoe_fp8_quantize", (_spec((1, 128, 128), jnp.float8_e4m3fn), _spec((1, 128, 1), jnp.float32)),
-                      np.zeros((1, 128, 128), np.float32), np.array([128], np.int32),
-                      **_quantize_attrs(group_aligned=np.bool_(True))),
-        "oxmoe_fp8_quantize", [r"a group-aligned quantization is the transpose of one matrix in \(1, 128\) blocks",
-                               r"orientation AsIs"]),
-    "fp8_quantize_group_aligned_without_group_sizes": (
-        lambda: quantize(np.zeros((1, 128, 128), np.float32), orientation="transposed", group_aligned=np.bool_(True)),
-        "oxmoe_fp8_quantize", [r"got 1 arguments, expected 2 to 3"]),
-    "fp8_quantize_group_aligned_float_sizes": (
-        lambda: _call("oxmoe_fp8_quantize", (_spec((1, 128, 384), jnp.float8_e4m3fn), _spec((1, 128, 3), jnp.float32)),
-                      np.zeros((1, 128, 128), np.float32), np.array([64.0, 64.0], np.float32),
-                      **_quantize_attrs(orientation="transposed", group_aligned=np.bool_(True))),
-        "oxmoe_fp8_quantize", [r"group_sizes has dtype float32", r"int32"]),
-    "fp8_quantize_group_aligned_into_unaligned_values": (
-        lambda: _call("oxmoe_fp8_quantize", (_spec((1, 128, 128), jnp.float8_e4m3fn), _spec((1, 128, 1), jnp.float32)),
-                      np.zeros((1, 128, 128), np.float32), np.array([64, 64], np.int32),
-                      **_quantize_attrs(orientation="transposed", group_aligned=np.bool_(True))),
-        "oxmoe_fp8_quantize", [r"values has shape float8_e4m3fn\[1, 128, 128\], expected \[1, 128, 384\]"]),
-    "fp8_quantize_group_aligned_without_its_workspace": (
-        lambda: _call("oxmoe_fp8_quantize", (_spec((1, 128, 384), jnp.float8_e4m3fn), _spec((1, 128, 3), jnp.float32)),
-                      np.zeros((1, 128, 128), np.float32), np.array([64, 64], np.int32),
-                      **_quantize_attrs(orientation="transposed", group_aligned=np.bool_(True))),
-        "oxmoe_fp8_quantize", [r"result 2 \(workspace\) is missing: the call has 2 results"]),
-    "fp8_quantize_group_aligned_workspace_of_another_size": (
-        lambda: _call("oxmoe_fp8_quantize", (_spec((1, 128, 384), jnp.float8_e4m3fn), _spec((1, 128, 3), jnp.float32),
-                                             _spec((8,), jnp.uint8)),
-                      np.zeros((1, 128, 128), np.float32), np.array([64, 64], np.int32),
-                      **_quantize_attrs(orientation="transposed", group_aligned=np.bool_(True))),
-        "oxmoe_fp8_quantize", [r"the workspace \(result 2\) is uint8\[8\], but this call needs uint8\[24\]"]),
     "fp8_requantize_values_of_100_columns": (
         lambda: requantize(np.zeros((1, 128, 100), jnp.float8_e4m3fn), np.ones((1, 128, 1), np.float32)),
         "oxmoe_fp8_quantize", [r"values has 100 columns, expected a multiple of 128"]),

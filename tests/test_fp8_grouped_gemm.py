@@ -199,25 +199,6 @@ def test_transposed_ragged_dot_in_chunks(case, seed, rng):
                                  context=context)
 
 
-def test_transposed_ragged_dot_of_group_aligned_operands(seed, rng):
-    """The weight gradient as the FP8 layer takes it: rows of 6 groups (and rows after them)
-    quantized transposed group-aligned, the product on aligned_group_sizes, each group's
-    blocks starting at its first row."""
-    rows, k, n, groups = 700, QWEN3.ffn, 384, 6
-    sizes = draw_sizes(rng, rows, groups)
-
-    def aligned_transpose(cols):
-        x = rng.standard_normal((rows, cols)) * 2.0 ** rng.integers(-4, 5, (rows, 1))
-        return fp8.quantize(jnp.asarray(x, F32), fp8.ACTIVATION_BLOCK, transpose=True, group_sizes=jnp.asarray(sizes))
-
-    lhs, rhs = aligned_transpose(k), aligned_transpose(n)
-    aligned_sizes = np.asarray(fp8.aligned_group_sizes(jnp.asarray(sizes)))
-    np.testing.assert_array_equal(aligned_sizes, -(-sizes // 128) * 128)
-    got = fp8.transposed_ragged_dot(lhs, rhs, aligned_sizes, preferred_element_type=F32)
-    assert_fp8_weight_gradient_close(got, expected_transposed([lhs], [rhs], aligned_sizes), F32,
-                                     what="fp8.transposed_ragged_dot", context=f"sizes={sizes.tolist()}, seed={seed}")
-
-
 def test_under_jit_new_group_sizes_without_retracing(seed, rng):
     lhs, rhs = draw(rng, (256, 256), fp8.ACTIVATION_BLOCK), draw(rng, (4, 256, 128), fp8.WEIGHT_BLOCK)
     traces = []

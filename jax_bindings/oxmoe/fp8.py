@@ -20,11 +20,6 @@ both quantizations, ``x``'s and its transpose's, from one read of ``x``, and
 ``requantize(q, block, dtype=...)`` quantizes ``dequantize(q, dtype)`` again (in other blocks,
 or transposed) from ``q``'s FP8 values and scales.
 
-Rows that come in groups (each expert's tokens) are quantized transposed *group-aligned* with
-``group_sizes=``: each group's rows start at a multiple of 128 columns of the result, so that
-no ``(128, 1)`` block holds two groups' rows (DeepSeek-V3 lays each expert's tokens out so), and
-the weight gradient's product takes them with :func:`aligned_group_sizes`.
-
 The result is a :class:`BlockQuantized` pytree: the values (the input's shape, or with
 ``transpose`` its transpose's), the scales and the block shape. ``values * scales`` (each
 scale over its block) is the tensor it stands for: :func:`dequantize`.
@@ -95,14 +90,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe._checks import FLOAT_DTYPES, check_array, check_bool
-from oxmoe import _library
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 from oxmoe._pytree import pytree_dataclass
 from oxmoe.grouped_gemm import _check_groups, _check_num_groups, _chunks_of, _workspace_bytes
 
 __all__ = ["E4M3_MAX", "ACTIVATION_BLOCK", "WEIGHT_BLOCK", "TRANSPOSED_ACTIVATION_BLOCK", "BlockQuantized",
-           "BlockScaling", "quantize", "quantize_with_transpose", "requantize", "dequantize", "group_aligned_rows",
-           "aligned_group_sizes", "ragged_dot", "transposed_ragged_dot"]
+           "BlockScaling", "quantize", "quantize_with_transpose", "requantize", "dequantize", "ragged_dot",
+           "transposed_ragged_dot"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = 448.0
@@ -158,14 +152,12 @@ _RECIPE_BLOCKS = {ACTIVATION_BLOCK: "ACTIVATION_BLOCK", WEIGHT_BLOCK: "WEIGHT_BL
                   TRANSPOSED_ACTIVATION_BLOCK: "TRANSPOSED_ACTIVATION_BLOCK"}
 
 
-def _check_quantize_input(x, block, transpose: bool, name: str = "x", group_aligned: bool = False) -> None:
+def _check_quantize_input(x, block, transpose: bool, name: str = "x") -> None:
     ints = isinstance(block, tuple) and all(isinstance(b, int) and not isinstance(b, bool) for b in block)
     if not ints or block not in _RECIPE_BLOCKS:
         names = ", ".join(f"{name} {b}" for b, name in _RECIPE_BLOCKS.items())
         raise ValueError(f"block must be one of the FP8 recipe's blocks ({names}), got {block!r}")
     _check_float_blocks(x)
-    if group_aligned:  # (1, 128) blocks of the transpose, whose columns are multiples of 128 whatever x's rows
-        return
     rows, cols = x.shape[-2:]
     blocked = (cols, rows) if transpose else (rows, cols)
     if blocked[0] % block[0] or blocked[1] % block[1]:
@@ -185,16 +177,14 @@ def _check_float_blocks(x) -> None:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
 
 
-def _quantize_results(x, *operands, block_rows, block_cols, orientation, group_aligned, **__):
+def _quantize_results(x, *_, block_rows, block_cols, orientation, **__):
     batch, rows, cols = x.shape
 
     def quantization(rows, cols):
         return [jax.ShapeDtypeStruct((batch, rows, cols), E4M3),
                 jax.ShapeDtypeStruct((batch, rows // block_rows, cols // block_cols), jnp.float32)]
 
-    # Group-aligned, the last operand is the group sizes.
-    transposed_cols = group_aligned_rows(rows, operands[-1].shape[0]) if group_aligned else rows
-    as_is, transposed = quantization(rows, cols), quantization(cols, transposed_cols)
+    as_is, transposed = quantization(rows, cols), quantization(cols, rows)
     return {"as_is": as_is, "transposed": transposed, "both": as_is + transposed}[orientation]
 
 
@@ -211,57 +201,11 @@ _quantize_with_transpose_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout
 # dequantized to the attribute `dequantized_dtype` as they are read.
 _requantize_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.ROWS,) * 2, results=(Layout.ROWS,) * 2,
                              result_specs=_quantize_results)
-# The three with attribute `group_aligned` and the group sizes [G] last: x [1, R, C] (a group
-# spans rows, so the primitive sees them all). Their workspace holds the rows of each block of
-# the result, which the CUDA handler finds once per call.
 
 
-def _aligned_workspace(x, *operands, **_) -> int:
-    return _library.workspace_bytes("oxmoe_fp8_quantize", x.shape[1], operands[-1].shape[0])
-
-
-_aligned_quantize_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.DISPATCHED, Layout.WHOLE),
-                                   results=(Layout.DISPATCHED,) * 2, result_specs=_quantize_results,
-                                   workspace=_aligned_workspace)
-_aligned_quantize_with_transpose_p = FfiPrimitive(
-    "oxmoe_fp8_quantize", operands=(Layout.DISPATCHED, Layout.WHOLE), results=(Layout.DISPATCHED,) * 4,
-    result_specs=_quantize_results, workspace=_aligned_workspace)
-_aligned_requantize_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.DISPATCHED,) * 2 + (Layout.WHOLE,),
-                                     results=(Layout.DISPATCHED,) * 2, result_specs=_quantize_results,
-                                     workspace=_aligned_workspace)
-
-
-def group_aligned_rows(rows: int, groups: int) -> int:
-    """The columns of a group-aligned transpose of ``rows`` rows in ``groups`` groups
-    (``quantize(..., group_sizes=...)``): each group's rows, and the rows after the last
-    group, start at a multiple of 128 columns, so at most ``127 x (groups + 1)`` columns
-    of zeros are added, rounded down to a multiple of 128."""
-    return (rows + 127 * (groups + 1)) // 128 * 128
-
-
-def aligned_group_sizes(group_sizes) -> jax.Array:
-    """Each group's size rounded up to a multiple of 128 (int32): the group sizes of a
-    group-aligned transpose's columns, which :func:`transposed_ragged_dot` takes with
-    operands quantized with ``group_sizes`` (that sum to at most their rows)."""
-    check_array("group_sizes", group_sizes)
-    if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
-        raise TypeError(f"group_sizes must be an integer array, got {group_sizes.dtype}")
-    return (jnp.maximum(jnp.asarray(group_sizes, jnp.int32), 0) + 127) // 128 * 128
-
-
-def _aligned_sizes(group_sizes, block, transpose: bool, shape: tuple[int, ...], name: str):
-    """The checked ``group_sizes`` of a group-aligned quantization, as int32 [G]."""
-    if not transpose or block != ACTIVATION_BLOCK or len(shape) != 2:
-        raise ValueError(f"group_sizes asks for a group-aligned transpose: it needs transpose=True, block "
-                         f"ACTIVATION_BLOCK {ACTIVATION_BLOCK} and rows [R, C]; got transpose={transpose}, block "
-                         f"{block}, shape {list(shape)}")
-    _, sizes, _ = _check_groups(group_sizes, None, None, "group_sizes", (shape[0],), rows_of=name)
-    return sizes
-
-
-def _block_attrs(block: tuple[int, int], power_of_two_scales: bool, group_aligned: bool = False) -> dict:
+def _block_attrs(block: tuple[int, int], power_of_two_scales: bool) -> dict:
     return dict(block_rows=np.int64(block[0]), block_cols=np.int64(block[1]),
-                power_of_two_scales=np.bool_(power_of_two_scales), group_aligned=np.bool_(group_aligned))
+                power_of_two_scales=np.bool_(power_of_two_scales))
 
 
 def _matrices(shape: tuple[int, ...], block: tuple[int, int], transpose: bool) -> tuple[int, int]:
@@ -280,7 +224,7 @@ def _quantized(values, scales, shape: tuple[int, ...], block: tuple[int, int]) -
 
 
 def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scales: bool = False,
-             transpose: bool = False, group_sizes=None) -> BlockQuantized:
+             transpose: bool = False) -> BlockQuantized:
     """``x`` as ``float8_e4m3fn`` values with one float32 scale per block (the module's
     semantics).
 
@@ -296,24 +240,9 @@ def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scale
         gradient's operands, token-contiguous as Hopper's FP8 ``wgmma`` reads them, are
         ``quantize(rows, ACTIVATION_BLOCK, transpose=True)``. For both quantizations of
         one ``x``, :func:`quantize_with_transpose` reads it once.
-      group_sizes: with ``transpose``, :data:`ACTIVATION_BLOCK` and ``x [R, C]``: ``[G]``
-        integer sizes (on the device, summing to at most ``R``) of groups of ``x``'s rows,
-        which the result holds group-aligned: values ``[C, group_aligned_rows(R, G)]``,
-        group ``g``'s rows from column ``128 x`` (the blocks of the groups before it) on,
-        the rows after the last group likewise, zeros between and after; bit for bit
-        ``quantize(padded, block, transpose=True)`` of ``x``'s rows so laid out, zero rows
-        between (``R`` need not be a multiple of 128). Its weight-gradient product:
-        ``transposed_ragged_dot(lhs, rhs, aligned_group_sizes(group_sizes))``.
     """
     power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
     transpose = check_bool("transpose", transpose)
-    if group_sizes is not None:
-        _check_quantize_input(x, block, transpose, group_aligned=True)
-        sizes = _aligned_sizes(group_sizes, block, transpose, x.shape, "x")
-        values, scales = _aligned_quantize_p(jax.lax.stop_gradient(x)[None], sizes,
-                                             **_block_attrs(block, power_of_two_scales, group_aligned=True),
-                                             orientation="transposed")
-        return _quantized(values, scales, values.shape[1:], block)
     _check_quantize_input(x, block, transpose)
     *lead, rows, cols = x.shape
     values, scales = _quantize_p(jax.lax.stop_gradient(x).reshape(*_matrices(x.shape, block, transpose), cols),
@@ -322,8 +251,8 @@ def quantize(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scale
     return _quantized(values, scales, (*lead, cols, rows) if transpose else x.shape, block)
 
 
-def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, power_of_two_scales: bool = False,
-                            group_sizes=None) -> tuple[BlockQuantized, BlockQuantized]:
+def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *,
+                            power_of_two_scales: bool = False) -> tuple[BlockQuantized, BlockQuantized]:
     """``(quantize(x, block), quantize(x, block, transpose=True))``, bit for bit, from one
     read of ``x``: for a tensor that two products take, one in each layout (the layer's
     expert weights, whose forward products read them ``[E, N, K]`` and whose backward
@@ -336,8 +265,6 @@ def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, pow
         :data:`TRANSPOSED_ACTIVATION_BLOCK`, the block of each result; it must divide
         ``R`` and ``C`` both ways round (for the recipe's blocks: both multiples of 128).
       power_of_two_scales: round each scale up to a power of two.
-      group_sizes: ``qt`` group-aligned, as :func:`quantize`'s (:data:`ACTIVATION_BLOCK`,
-        ``x [R, C]``).
 
     Returns:
       ``(q, qt)``: ``q`` the values ``[..., R, C]`` and their scales, ``qt`` those of
@@ -345,13 +272,6 @@ def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, pow
     """
     power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
     _check_quantize_input(x, block, False)
-    if group_sizes is not None:
-        sizes = _aligned_sizes(group_sizes, block, True, x.shape, "x")
-        values, scales, transposed_values, transposed_scales = _aligned_quantize_with_transpose_p(
-            jax.lax.stop_gradient(x)[None], sizes, **_block_attrs(block, power_of_two_scales, group_aligned=True),
-            orientation="both")
-        return (_quantized(values, scales, x.shape, block),
-                _quantized(transposed_values, transposed_scales, transposed_values.shape[1:], block))
     _check_quantize_input(x, block, True)
     *lead, rows, cols = x.shape
     values, scales, transposed_values, transposed_scales = _quantize_with_transpose_p(
@@ -362,7 +282,7 @@ def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *, pow
 
 
 def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, dtype=jnp.float32,
-               power_of_two_scales: bool = False, transpose: bool = False, group_sizes=None) -> BlockQuantized:
+               power_of_two_scales: bool = False, transpose: bool = False) -> BlockQuantized:
     """``quantize(dequantize(q, dtype), block, ...)``, bit for bit, read from ``q``'s FP8
     values and scales: the tensor ``q`` stands for, in ``dtype``, quantized in other blocks
     (or transposed) without a copy of it in ``dtype`` (the layer's output gradient, which
@@ -380,7 +300,6 @@ def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, 
         up to ``2**-126`` in ``dtype``).
       power_of_two_scales: round each scale up to a power of two.
       transpose: quantize the transpose (values ``[..., C, R]``), as :func:`quantize`.
-      group_sizes: the transpose group-aligned, as :func:`quantize`'s (``q [R, C]``).
     """
     _check_quantized("q", q, ACTIVATION_BLOCK, "[..., R, C]")
     dtype = jnp.dtype(dtype)
@@ -388,14 +307,6 @@ def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, 
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
     transpose = check_bool("transpose", transpose)
-    if group_sizes is not None:
-        _check_quantize_input(jax.ShapeDtypeStruct(q.shape, dtype), block, transpose, name="q", group_aligned=True)
-        sizes = _aligned_sizes(group_sizes, block, transpose, q.shape, "q")
-        values, scales = _aligned_requantize_p(
-            jax.lax.stop_gradient(q.values)[None], jax.lax.stop_gradient(q.scales)[None], sizes,
-            **_block_attrs(block, power_of_two_scales, group_aligned=True), orientation="transposed",
-            dequantized_dtype=dtype.name)
-        return _quantized(values, scales, values.shape[1:], block)
     _check_quantize_input(jax.ShapeDtypeStruct(q.shape, dtype), block, transpose, name="q")
     *lead, rows, cols = q.shape
     view = _matrices(q.shape, block, transpose)

@@ -96,12 +96,12 @@ def _out_dtype(preferred_element_type, dtype):
 
 
 def _check_groups(group_sizes, group_offset, local_groups: int | None, local_groups_name: str,
-                  rows: tuple[int, ...], chunked: bool = False, rows_of: str = "lhs"):
+                  rows: tuple[int, ...], chunked: bool = False):
     """Checks the group arguments; returns ``(G, group_sizes as int32, group_offset
     as int32 [1])``. ``local_groups`` is the window's group count, which the
     argument named ``local_groups_name`` gives (None: not given, the window is
-    every group). ``rows``: the rows of each chunk (of the operand named ``rows_of``);
-    ``chunked``: group_sizes is ``[chunks, G]``, else ``[G]``."""
+    every group). ``rows``: the rows of each chunk; ``chunked``: group_sizes is
+    ``[chunks, G]``, else ``[G]``."""
     check_array("group_sizes", group_sizes)
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be an integer array (int32, or another integer dtype that is cast "
@@ -125,7 +125,7 @@ def _check_groups(group_sizes, group_offset, local_groups: int | None, local_gro
         if local_groups is not None and local_groups > groups:
             raise ValueError(f"{local_groups_name} is {local_groups}, more than the {groups} groups of group_sizes")
         offset = jnp.reshape(_as_int32("group_offset", group_offset), (1,))
-    _check_concrete(group_sizes, group_offset, rows, chunked, rows_of)
+    _check_concrete(group_sizes, group_offset, rows, chunked)
     return groups, _as_int32("group_sizes", group_sizes), offset
 
 
@@ -150,7 +150,7 @@ def _as_int32(name: str, values):
     return values.astype(jnp.int32)
 
 
-def _check_concrete(group_sizes, group_offset, rows: tuple[int, ...], chunked: bool, rows_of: str) -> None:
+def _check_concrete(group_sizes, group_offset, rows: tuple[int, ...], chunked: bool) -> None:
     """Called eagerly, out-of-range sizes are errors, not clamped."""
     if not called_eagerly():
         return
@@ -163,7 +163,7 @@ def _check_concrete(group_sizes, group_offset, rows: tuple[int, ...], chunked: b
         total = int(chunk_sizes.sum(dtype=np.int64))
         if total > m:
             of = f"chunk {chunk}'s sizes" if chunked else "group_sizes"
-            lhs = f"{rows_of}[{chunk}]" if chunked else rows_of
+            lhs = f"lhs[{chunk}]" if chunked else "lhs"
             raise ValueError(f"{of} sum to {total}, more than the {m} rows of {lhs}")
     if group_offset is not None:
         offset = int(np.asarray(group_offset).reshape(()))

@@ -16,10 +16,9 @@
 //!   correctly rounded, one float32 product, rounded to nearest even.
 //!
 //! An FP8 input (requantization: values and their 1 x 128 blocks' scales) is
-//! [`dequantized`] first, as `oxmoe.fp8.dequantize` computes it on XLA:CPU. A
-//! group-aligned transpose is the transpose of [`group_aligned`]'s rows.
+//! [`dequantized`] first, as `oxmoe.fp8.dequantize` computes it on XLA:CPU.
 
-use super::{group_aligned_starts, Quantization};
+use super::Quantization;
 use crate::real::{Real, E4m3};
 use rayon::prelude::*;
 
@@ -59,17 +58,6 @@ fn flushed_product(a: f32, b: f32) -> f32 {
 /// `oxmoe.fp8.dequantize(q, T)`.
 pub fn dequantized<T: Real>(values: &[E4m3], scales: &[f32]) -> Vec<T> {
     values.par_iter().enumerate().map(|(i, v)| T::from_f32(flushed_product(v.to_f32(), scales[i / 128]))).collect()
-}
-
-/// `x [rows, cols]`'s rows as a group-aligned transpose lays them out, as rows:
-/// `[aligned_rows, cols]`, each group's from row `at` of
-/// [`group_aligned_starts`] on, zeros elsewhere.
-pub fn group_aligned<T: Real>(x: &[T], rows: usize, cols: usize, group_sizes: &[i32], aligned_rows: usize) -> Vec<T> {
-    let mut aligned = vec![T::from_f32(0.0); aligned_rows * cols];
-    for ((start, end), at) in group_aligned_starts(group_sizes, rows) {
-        aligned[at * cols..(at + end - start) * cols].copy_from_slice(&x[start * cols..end * cols]);
-    }
-    aligned
 }
 
 /// The smallest power of two at least `r`, a positive normal float32 (below
@@ -149,7 +137,7 @@ mod tests {
 
     fn quantization(batch: usize, rows: usize, cols: usize, block: (usize, usize), transpose: bool) -> Quantization {
         let block = Block { rows: block.0, cols: block.1 };
-        Quantization { batch, rows, cols, block, power_of_two_scales: false, transpose, groups: None }
+        Quantization { batch, rows, cols, block, power_of_two_scales: false, transpose }
     }
 
     fn run(q: &Quantization, x: &[f32]) -> (Vec<u8>, Vec<f32>) {

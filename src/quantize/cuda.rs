@@ -1,10 +1,9 @@
 //! The CUDA quantization: `kernels/quantize.cu`'s `quantize`, one block of
 //! threads per 128 x 128 tile of `x` (see the kernel for its layout and why),
 //! which writes a call's quantizations (as it is, transposed, or both) from one
-//! read of the tile (of x, or of FP8 values dequantized as they are read); a
-//! group-aligned transpose, one block of threads per 128 of its columns.
+//! read of the tile (of x, or of FP8 values dequantized as they are read).
 
-use super::{Block, GroupAligned, Input, Orientation, Output, Quantize};
+use super::{Block, Input, Orientation, Output, Quantize};
 use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, QUANTIZE};
 use crate::ffi::{DataType, Result};
 
@@ -13,13 +12,11 @@ use crate::ffi::{DataType, Result};
 const THREADS: u32 = 256;
 const TILE: usize = 128;
 
-/// The kernel for x of `dtype` (with `fp8_input`: FP8 values dequantized to
-/// it; with `group_aligned`, the transpose group-aligned).
-pub fn quantize_instance(dtype: DataType, block: Block, orientation: Orientation, power_of_two_scales: bool, fp8_input: bool,
-                         group_aligned: bool) -> Result<String> {
+/// The kernel for x of `dtype` (with `fp8_input`: FP8 values dequantized to it).
+pub fn quantize_instance(dtype: DataType, block: Block, orientation: Orientation, power_of_two_scales: bool, fp8_input: bool) -> Result<String> {
     let instance = Instance::new("quantize").dtype(dtype).int(block.rows).int(block.cols);
     let instance = instance.flag(orientation.as_is()).flag(orientation.transposed()).flag(power_of_two_scales);
-    instance.flag(fp8_input).flag(group_aligned).int(THREADS).build()
+    instance.flag(fp8_input).int(THREADS).build()
 }
 
 pub fn quantize(stream: Stream, op: &Quantize) -> Result<()> {
@@ -37,54 +34,28 @@ pub fn quantize(stream: Stream, op: &Quantize) -> Result<()> {
     // Without a transpose, no block straddles two batch elements (their rows
     // are a multiple of the block's): the kernel sees one matrix of all rows.
     let (batch, rows) = if orientation.transposed() { (q.batch, q.rows) } else { (1, q.batch * q.rows) };
-    // The transposed result's columns: x's rows, or their group-aligned columns.
-    let out_rows = op.transposed.as_ref().map_or(rows, |t| t.shape.result_matrix().1);
-    let held_rows = match &op.group_aligned {
-        Some(aligned) => aligned_block_rows(stream, aligned, rows, out_rows / TILE)?,
-        None => 0,
-    };
-    let tiles = batch * if held_rows != 0 { out_rows / TILE } else { rows.div_ceil(TILE) } * q.cols.div_ceil(TILE);
+    let tiles = batch * rows.div_ceil(TILE) * q.cols.div_ceil(TILE);
     let (x, x_scales, fp8_input) = match &op.x {
         Input::Float(x) => (x.device_ptr(), 0, false),
         Input::Fp8 { values, scales, .. } => (values.device_ptr(), scales.device_ptr(), true),
     };
-    let instance = quantize_instance(op.x.dtype(), q.block, orientation, q.power_of_two_scales, fp8_input, held_rows != 0)?;
+    let instance = quantize_instance(op.x.dtype(), q.block, orientation, q.power_of_two_scales, fp8_input)?;
     let kernel = Kernel::get(stream, &QUANTIZE, &instance)?;
-    let (batch, rows, cols, out_rows) = (int(batch)?, int(rows)?, int(q.cols)?, int(out_rows)?);
+    let (batch, rows, cols) = (int(batch)?, int(rows)?, int(q.cols)?);
     // A result the call does not write is a null pointer the kernel never follows.
     let pointers = |out: &Option<Output>| out.as_ref().map_or((0, 0), |o| (o.values.device_ptr(), o.scales.device_ptr()));
     let ((values, scales), (transposed_values, transposed_scales)) = (pointers(&op.as_is), pointers(&op.transposed));
     launch(stream, kernel, LaunchConfig { grid: grid(tiles)?, block: THREADS, shared_bytes: 0 }, &mut [
-        arg(&x), arg(&x_scales), arg(&batch), arg(&rows), arg(&cols), arg(&held_rows), arg(&out_rows), arg(&values),
-        arg(&scales), arg(&transposed_values), arg(&transposed_scales),
+        arg(&x), arg(&x_scales), arg(&batch), arg(&rows), arg(&cols), arg(&values), arg(&scales), arg(&transposed_values),
+        arg(&transposed_scales),
     ])
-}
-
-/// Writes the rows that each of a group-aligned transpose's `blocks` 128-column
-/// blocks holds (the kernel's `aligned_block_rows`) into the call's workspace;
-/// returns its address.
-fn aligned_block_rows(stream: Stream, aligned: &GroupAligned, rows: usize, blocks: usize) -> Result<u64> {
-    let kernel = Kernel::get(stream, &QUANTIZE, &aligned_table_instance()?)?;
-    let (group_sizes, held) = (aligned.group_sizes.device_ptr(), aligned.workspace.device_ptr());
-    let (groups, rows, blocks) = (int(aligned.group_sizes.len())?, int(rows)?, int(blocks)?);
-    launch(stream, kernel, LaunchConfig { grid: 1, block: ALIGNED_TABLE_THREADS, shared_bytes: 0 }, &mut [
-        arg(&group_sizes), arg(&groups), arg(&rows), arg(&blocks), arg(&held),
-    ])?;
-    Ok(held)
-}
-
-/// Threads of `aligned_block_rows`' one block (the kernel's `ALIGNED_TABLE_THREADS`).
-const ALIGNED_TABLE_THREADS: u32 = 1024;
-
-fn aligned_table_instance() -> Result<String> {
-    Instance::new("aligned_block_rows").int(ALIGNED_TABLE_THREADS).build()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::cuda::{assert_compiles, compile_check, Architecture};
-    use crate::quantize::{Block, RECIPE_BLOCKS};
+    use crate::quantize::RECIPE_BLOCKS;
 
     fn instances() -> Vec<String> {
         let mut instances = Vec::new();
@@ -93,16 +64,12 @@ mod tests {
                 for orientation in [Orientation::AsIs, Orientation::Transposed, Orientation::Both] {
                     for power_of_two in [false, true] {
                         for fp8_input in [false, true] {
-                            instances.push(quantize_instance(dtype, block, orientation, power_of_two, fp8_input, false).unwrap());
-                            if block == (Block { rows: 1, cols: 128 }) && orientation.transposed() {
-                                instances.push(quantize_instance(dtype, block, orientation, power_of_two, fp8_input, true).unwrap());
-                            }
+                            instances.push(quantize_instance(dtype, block, orientation, power_of_two, fp8_input).unwrap());
                         }
                     }
                 }
             }
         }
-        instances.push(aligned_table_instance().unwrap());
         instances
     }
 
@@ -118,7 +85,7 @@ mod tests {
     /// The kernel checks the launch's threads against its layout.
     #[test]
     fn a_launch_of_other_threads_does_not_compile() {
-        let instance = Instance::new("quantize").dtype(DataType::BF16).int(1).int(128).flag(true).flag(false).flag(false).flag(false).flag(false).int(128);
+        let instance = Instance::new("quantize").dtype(DataType::BF16).int(1).int(128).flag(true).flag(false).flag(false).flag(false).int(128);
         let error = compile_check(&QUANTIZE, &[&instance.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
         assert!(error.message().contains("the launch's threads"), "{}", error.message());
     }

@@ -1,7 +1,7 @@
 //! The quantization's call, decoded (and checked) once into the typed struct
 //! that the CPU and CUDA backends both take.
 
-use super::{group_aligned_rows, Block, Orientation, Quantization, RECIPE_BLOCKS};
+use super::{Block, Orientation, Quantization, RECIPE_BLOCKS};
 use crate::ffi::{Arg, Call, DataType, Result, Ret};
 use crate::invalid;
 use crate::real::FLOAT_TYPES;
@@ -13,15 +13,8 @@ use crate::real::FLOAT_TYPES;
 /// block_rows, C / block_cols]; with `"transposed"`, those of each batch
 /// element's transpose, values [B, C, R] and scales [B, C / block_rows, R /
 /// block_cols]; with `"both"`, the two pairs in that order, from one read of x.
-/// With attribute `group_aligned`, a last argument, group_sizes int32 [G]
-/// (B = 1, 1 x 128 blocks): the transposed values are [1, C, R'] with each
-/// group's rows, and the rows after them, from a multiple of 128 columns
-/// (R' = `group_aligned_rows(R, G)`), zeros between; and a last result, the
-/// workspace ([`aligned_workspace_bytes`]).
 pub struct Quantize<'a> {
     pub x: Input<'a>,
-    /// The groups of x's rows that the transposed result aligns, if it does.
-    pub group_aligned: Option<GroupAligned<'a>>,
     /// x's quantization as it is, if the call writes it.
     pub as_is: Option<Output<'a>>,
     /// The quantization of x's transpose, if the call writes it.
@@ -49,19 +42,6 @@ impl Input<'_> {
     }
 }
 
-/// A group-aligned transpose's groups, and the workspace where the CUDA
-/// handler writes which rows each of its 128-column blocks holds.
-pub struct GroupAligned<'a> {
-    pub group_sizes: Arg<'a>,
-    pub workspace: Ret<'a>,
-}
-
-/// The bytes of a group-aligned call's workspace, for `rows` rows in `groups`
-/// groups: two int32 (the first row and the end) per block of 128 columns.
-pub fn aligned_workspace_bytes(rows: usize, groups: usize) -> usize {
-    group_aligned_rows(rows, groups) / 128 * 8
-}
-
 /// One quantization of a call and the results it writes.
 pub struct Output<'a> {
     pub shape: Quantization,
@@ -71,10 +51,8 @@ pub struct Output<'a> {
 
 impl<'a> Quantize<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
-        let group_aligned: bool = call.attr("group_aligned")?;
-        call.expect_num_args(1 + group_aligned as usize, 2 + group_aligned as usize)?;
-        let inputs = call.num_args() - group_aligned as usize;
-        let (x, [batch, rows, cols]) = Input::decode(call, inputs)?;
+        call.expect_num_args(1, 2)?;
+        let (x, [batch, rows, cols]) = Input::decode(call)?;
         let block = Block { rows: call.count("block_rows")?, cols: call.count("block_cols")? };
         if !RECIPE_BLOCKS.contains(&block) {
             invalid!("the block is ({}, {}) (attributes `block_rows`, `block_cols`), expected one of the FP8 recipe's: (1, 128), (128, 128) or (128, 1)",
@@ -82,19 +60,7 @@ impl<'a> Quantize<'a> {
         }
         let power_of_two_scales = call.attr("power_of_two_scales")?;
         let orientation = Orientation::parse(call.attr("orientation")?)?;
-        let group_sizes = if group_aligned {
-            if !orientation.transposed() || block != (Block { rows: 1, cols: 128 }) || batch != 1 {
-                invalid!("a group-aligned quantization is the transpose of one matrix in (1, 128) blocks; got orientation {orientation:?}, block ({}, {}), {batch} matrices",
-                         block.rows, block.cols)
-            }
-            let sizes = call.arg(inputs, "group_sizes")?;
-            sizes.expect(&[DataType::S32], &[sizes.len()])?;
-            Some(sizes)
-        } else {
-            None
-        };
-        let groups = group_sizes.as_ref().map(|s| s.len());
-        let shape = |transpose| Quantization { batch, rows, cols, block, power_of_two_scales, transpose, groups };
+        let shape = |transpose| Quantization { batch, rows, cols, block, power_of_two_scales, transpose };
         // Results 0 and 1 are the first quantization the call writes, 2 and 3 the second.
         let as_is = if orientation.as_is() { Some(Output::decode(call, shape(false), 0, ["values", "scales"])?) } else { None };
         let transposed = if orientation.transposed() {
@@ -103,21 +69,14 @@ impl<'a> Quantize<'a> {
         } else {
             None
         };
-        let group_aligned = match group_sizes {
-            Some(group_sizes) => {
-                let workspace = call.workspace(if as_is.is_some() { 4 } else { 2 }, aligned_workspace_bytes(rows, group_sizes.len()))?;
-                Some(GroupAligned { group_sizes, workspace })
-            }
-            None => None,
-        };
-        Ok(Self { x, group_aligned, as_is, transposed })
+        Ok(Self { x, as_is, transposed })
     }
 }
 
 impl<'a> Input<'a> {
-    /// The call's x (its first `inputs` arguments) and its dimensions.
-    fn decode(call: &Call<'a>, inputs: usize) -> Result<(Self, [usize; 3])> {
-        if inputs == 1 {
+    /// The call's x and its dimensions.
+    fn decode(call: &Call<'a>) -> Result<(Self, [usize; 3])> {
+        if call.num_args() == 1 {
             let x = call.arg(0, "x")?;
             x.expect_dtype(&FLOAT_TYPES)?;
             let dims = matrices("x", &x)?;

@@ -379,13 +379,12 @@ def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config
     grad_up_rows, weighted_hidden, grad_row_probs = activation.activation_bwd(
         grad_hidden, kept.up_rows, kept.row_probs, config.activation)
     # The d lhs product's operand and the up weight gradient's: with FP8, quantized per row
-    # and transposed (group-aligned) from one read.
+    # and transposed from one read.
     lhs_rows: jax.Array | fp8.BlockQuantized = grad_up_rows
     weight_grad_rows: jax.Array | fp8.BlockQuantized = grad_up_rows
     if config.fp8 is not None:
         lhs_rows, weight_grad_rows = fp8.quantize_with_transpose(
-            grad_up_rows, fp8.ACTIVATION_BLOCK, power_of_two_scales=config.fp8.power_of_two_scales,
-            group_sizes=kept.group_sizes)
+            grad_up_rows, fp8.ACTIVATION_BLOCK, power_of_two_scales=config.fp8.power_of_two_scales)
     grad_in = _expert_product(lhs_rows, up_weight, kept.group_sizes, config, rhs_transposed=True)
     return grad_in, weighted_hidden, weight_grad_rows, grad_row_probs
 
@@ -395,9 +394,8 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     """``(grad_up, grad_down)`` of the local experts over every chunk's rows: one
     weight-gradient product per weight, its rows kept in their chunks' buffers
     (with ``config.fp8``, each quantized in 128 x 1 blocks, one scale per 128 rows
-    of a column, and transposed group-aligned: each column's rows contiguous, as the
-    FP8 product takes them, and no block shared by two experts' rows, as DeepSeek-V3
-    lays them out; ``grad_up_rows`` come so from :func:`_expert_ffn_bwd`). The
+    of a column, and transposed: each column's rows contiguous, as the FP8 product
+    takes them; ``grad_up_rows`` come so from :func:`_expert_ffn_bwd`). The
     dispatched rows are permuted again from their tokens."""
     sizes = jnp.stack([chunk.group_sizes for chunk in kept])  # [C, El]
     groups = sizes.shape[1]
@@ -409,16 +407,15 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
         # Rows that travelled quantized per row (the tokens, the output gradient) are quantized
         # again per 128 rows (DeepSeek-V3's way), read as their FP8 values and scales: no 16-bit
         # copy of them, and the same values as quantizing one.
-        def quantize(rows, chunk: ExpertResiduals):
-            options = dict(transpose=True, power_of_two_scales=config.fp8.power_of_two_scales,
-                           group_sizes=chunk.group_sizes)
+        def quantize(rows):
             if isinstance(rows, fp8.BlockQuantized):
-                return fp8.requantize(rows, fp8.ACTIVATION_BLOCK, dtype=config.dtype, **options)
-            return fp8.quantize(rows, fp8.ACTIVATION_BLOCK, **options)
-        down_operands = tuple([quantize(r, chunk) for r, chunk in zip(chunks, kept)] for chunks in down_operands)
-        up_operands = ([quantize(r, chunk) for r, chunk in zip(rows, kept)], grad_up_rows)
+                return fp8.requantize(rows, fp8.ACTIVATION_BLOCK, dtype=config.dtype, transpose=True,
+                                      power_of_two_scales=config.fp8.power_of_two_scales)
+            return fp8.quantize(rows, fp8.ACTIVATION_BLOCK, transpose=True,
+                                power_of_two_scales=config.fp8.power_of_two_scales)
+        down_operands = tuple([quantize(r) for r in chunks] for chunks in down_operands)
+        up_operands = ([quantize(r) for r in rows], grad_up_rows)
         product = fp8.transposed_ragged_dot
-        sizes = fp8.aligned_group_sizes(sizes)
     grad_down = product(*down_operands, sizes, num_groups=groups,
                         preferred_element_type=_weight_grad_dtype(params.down, config))
     grad_up = product(*up_operands, sizes, num_groups=groups,
