@@ -14,6 +14,9 @@ over its devices, then the same per-device work on one device (E / devices exper
 --data-parallel, that one-device layer is traced data-parallel over the EP case's devices
 instead, its expert weights replicated, then sharded over the data axis (issue 17). With
 --fp8, the one-device layer is traced again with ``MoEConfig.fp8 = BlockScaling()`` (issue 18).
+Each step's untraced time comes with each busy GPU's median SM clock and power while it was
+timed, and how often the power cap held the clock down: at the layers' shapes an H200 runs
+these steps at its power limit, so two steps' times compare only with their clocks beside them.
 """
 
 import argparse
@@ -172,8 +175,11 @@ def main() -> None:
             config = dataclasses.replace(layer.config, fp8=fp8.BlockScaling())
             runs.append((f"{layer.name}, fp8", jax.jit(bench_moe.step(bench_moe.oxmoe_layer(config))), sets))
     for n, (label, fn, fn_args) in enumerate(runs):
-        timing_ = timing.measure(timing.rotated(fn), [fn_args], bench_moe.step_settings(timing.FULL))
+        clocks = timing.ClockSampler()
+        timing_ = timing.measure(timing.rotated(fn), [fn_args], bench_moe.step_settings(timing.FULL), clocks)
         print(f"{label}: step {timing_.median_s * 1e6:.0f} us (median, untraced, steps back to back)")
+        if clocks.result:
+            print(f"  while timed: {clocks.describe()}")
         summarise(label, traced(fn, fn_args, args.steps, args.out / str(n)), args.steps)
 
 

@@ -15,15 +15,22 @@ host. Instead:
   the median sample over ``R``.
 - :func:`copy_ceiling` measures the device-to-device copy bandwidth in the same
   process: the ceiling that byte counts are compared against.
+- :class:`ClockSampler` records each NVIDIA GPU's SM clock and board power while
+  :func:`measure` times (``nvidia-smi`` every 50 ms): an H200 runs the layer's
+  training steps at its 700 W limit, its clock lowered by the power cap, so a step's
+  time follows its energy, and an A/B of two steps says which ran at which clock.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import functools
 import math
+import shutil
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -188,11 +195,12 @@ def rotated(fn: Callable) -> Callable:
     return jax.jit(run)
 
 
-def measure(run: Callable, arg_sets: Sequence, settings: Settings) -> Timing:
+def measure(run: Callable, arg_sets: Sequence, settings: Settings, clocks: ClockSampler | None = None) -> Timing:
     """Times ``run(arg_sets)`` (a :func:`rotated` jit); returns seconds per op call.
 
     The first call (compilation, and oxmoe's kernel compilation at first use)
-    and ``settings.warmup`` more are not timed.
+    and ``settings.warmup`` more are not timed. ``clocks`` samples the GPUs'
+    clocks and power over the timed samples only.
     """
     num_sets = len(arg_sets)
     for _ in range(1 + settings.warmup):
@@ -203,15 +211,105 @@ def measure(run: Callable, arg_sets: Sequence, settings: Settings) -> Timing:
     calls = max(1, min(1000, math.ceil(settings.min_sample_s / max(per_call, 1e-9))))
 
     samples = []
-    for _ in range(settings.repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = run(arg_sets)
-        jax.block_until_ready(out)
-        samples.append((time.perf_counter() - start) / (calls * num_sets))
-        del out
+    with clocks if clocks is not None else contextlib.nullcontext():
+        for _ in range(settings.repeats):
+            start = time.perf_counter()
+            for _ in range(calls):
+                out = run(arg_sets)
+            jax.block_until_ready(out)
+            samples.append((time.perf_counter() - start) / (calls * num_sets))
+            del out
     return Timing(median_s=statistics.median(samples), min_s=min(samples), max_s=max(samples),
                   num_sets=num_sets, calls_per_sample=calls, samples_s=tuple(samples))
+
+
+#: ``clocks_event_reasons.active``'s bit for the software power cap (nvidia-smi).
+POWER_CAP_REASON = 0x4
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuClocks:
+    """One GPU's SM clock and board power over a measurement (medians of nvidia-smi's samples)."""
+
+    index: int
+    sm_mhz: float
+    max_sm_mhz: float
+    power_w: float
+    power_limit_w: float
+    power_capped: float
+    """The share of the samples whose clock the software power cap held down."""
+    samples: int
+
+    def describe(self) -> str:
+        return (f"GPU {self.index}: SM clock {self.sm_mhz:.0f} of {self.max_sm_mhz:.0f} MHz, {self.power_w:.0f} of "
+                f"{self.power_limit_w:.0f} W, power-capped in {self.power_capped:.0%} of {self.samples} samples")
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def gpu_clocks(limits: str, samples: str) -> list[GpuClocks]:
+    """Each GPU's :class:`GpuClocks` from nvidia-smi's CSV (no header, no units): ``limits``
+    rows ``index, clocks.max.sm, power.limit``; ``samples`` rows ``index, clocks.sm,
+    power.draw, clocks_event_reasons.active`` (the reasons in hex). Rows that do not parse
+    (a GPU's "[N/A]") are left out."""
+    def rows(text: str, width: int) -> list[list[str]]:
+        return [fields for line in text.splitlines() if len(fields := [f.strip() for f in line.split(",")]) == width]
+
+    maxima = {}
+    for index, max_mhz, limit_w in rows(limits, 3):
+        try:
+            maxima[int(index)] = (float(max_mhz), float(limit_w))
+        except ValueError:
+            continue
+    taken = collections.defaultdict(list)
+    for index, mhz, watts, reasons in rows(samples, 4):
+        try:
+            taken[int(index)].append((float(mhz), float(watts), int(reasons, 16) & POWER_CAP_REASON != 0))
+        except ValueError:
+            continue
+    return [GpuClocks(index=index, sm_mhz=statistics.median(m for m, _, _ in got),
+                      max_sm_mhz=maxima[index][0], power_w=statistics.median(w for _, w, _ in got),
+                      power_limit_w=maxima[index][1], power_capped=sum(c for _, _, c in got) / len(got),
+                      samples=len(got))
+            for index, got in sorted(taken.items()) if index in maxima]
+
+
+class ClockSampler:
+    """Samples every NVIDIA GPU's SM clock, power and clock-event reasons every 50 ms
+    (``nvidia-smi``, in a subprocess) while its ``with`` block runs. ``result`` is then one
+    :class:`GpuClocks` a GPU, or empty where ``nvidia-smi`` is not installed (a CPU machine)."""
+
+    INTERVAL_MS = 50
+
+    def __init__(self) -> None:
+        self.result: list[GpuClocks] = []
+        self._smi = shutil.which("nvidia-smi")
+        self._process: subprocess.Popen | None = None
+        self._limits = ""
+
+    def __enter__(self) -> ClockSampler:
+        if self._smi is not None:
+            self._limits = subprocess.run([self._smi, "--query-gpu=index,clocks.max.sm,power.limit",
+                                           "--format=csv,noheader,nounits"], capture_output=True, text=True).stdout
+            self._process = subprocess.Popen(
+                [self._smi, "--query-gpu=index,clocks.sm,power.draw,clocks_event_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", str(self.INTERVAL_MS)],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        return self
+
+    def __exit__(self, *_) -> None:
+        if self._process is None:
+            return
+        self._process.terminate()
+        samples, _ = self._process.communicate()
+        self.result = gpu_clocks(self._limits, samples)
+
+    def describe(self) -> str:
+        """A clause a GPU (those that drew power above a third of their limit, the busy ones;
+        all where none did), or "" without samples."""
+        busy = [c for c in self.result if c.power_w > c.power_limit_w / 3] or self.result
+        return "; ".join(c.describe() for c in busy)
 
 
 @dataclasses.dataclass(frozen=True)
