@@ -244,9 +244,6 @@ class GpuClocks:
         return (f"GPU {self.index}: SM clock {self.sm_mhz:.0f} of {self.max_sm_mhz:.0f} MHz, {self.power_w:.0f} of "
                 f"{self.power_limit_w:.0f} W, power-capped in {self.power_capped:.0%} of {self.samples} samples")
 
-    def to_json(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
 
 def gpu_clocks(limits: str, samples: str) -> list[GpuClocks]:
     """Each GPU's :class:`GpuClocks` from nvidia-smi's CSV (no header, no units): ``limits``
