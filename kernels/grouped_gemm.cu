@@ -845,6 +845,20 @@ __device__ __forceinline__ Shared<Config> start_transposed(unsigned char* raw) {
 __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;"); }
 __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;"); }
 
+// A stage's A tile at `a`: 128 rows of 128 bytes from (c0, row0) of `map`.
+// In a cluster (whose blocks take the same rows) block `rank` loads its share
+// of the rows into every block's stage, whose full barriers count them.
+template <int CLUSTER>
+__device__ __forceinline__ void load_a_tile(unsigned char* a, const TensorMap* map, unsigned long long* full, int c0,
+                                            int row0, int rank) {
+  if constexpr (CLUSTER == 1) {
+    tma_load(a, map, full, c0, row0);
+  } else {
+    constexpr int ROWS = BLOCK_M / CLUSTER;
+    tma_load_multicast(a + rank * ROWS * 128, map, full, c0, row0 + rank * ROWS, (1 << CLUSTER) - 1);
+  }
+}
+
 // ragged_dot on Hopper, in clusters of CLUSTER blocks (1 or 2; with 2, the
 // launch's grid is even and n spans an even number of BN-column tiles).
 // lhs_map: lhs [m, k], box 64 x (128 / CLUSTER) rows. rhs_map: rhs [groups,
@@ -908,14 +922,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
         barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
         unsigned long long* full = &s.full[ring.stage];
         barrier_expect_bytes(full, Config::STAGE_BYTES);
-        unsigned char* a = s.a + ring.stage * Config::A_BYTES;
-        if constexpr (CLUSTER == 1) {
-          tma_load(a, &lhs_map, full, kb * BLOCK_K, tile.row0);
-        } else {
-          constexpr int ROWS = BLOCK_M / CLUSTER;  // this block's rows of the A tile, for every block
-          tma_load_multicast(a + rank * ROWS * 128, &lhs_map, full, kb * BLOCK_K, tile.row0 + rank * ROWS,
-                             (1 << CLUSTER) - 1);
-        }
+        load_a_tile<CLUSTER>(s.a + ring.stage * Config::A_BYTES, &lhs_map, full, kb * BLOCK_K, tile.row0, rank);
         unsigned char* b = s.b + ring.stage * Config::B_BYTES;
         if constexpr (RHS_K_MAJOR) {
           tma_load(b, &rhs_map, full, kb * BLOCK_K, col0, tile.group);
@@ -1114,11 +1121,11 @@ constexpr int FP8_BN = 128;  // the partial and the sums: 2 x 64 registers a thr
 
 // SCALE_BYTES: the scales a stage carries beside its tiles (0: the consumers
 // load them from global memory).
-template <int STAGES_, int MAX_LOCAL_GROUPS_, int SCALE_BYTES_> struct Fp8HopperConfig {
+template <int STAGES_, int MAX_LOCAL_GROUPS_, int SCALE_BYTES_, int CLUSTER_> struct Fp8HopperConfig {
   static constexpr int BN = FP8_BN;
   static constexpr int STAGES = STAGES_;
   static constexpr int MAX_LOCAL_GROUPS = MAX_LOCAL_GROUPS_;
-  static constexpr int CLUSTER = 1, CLUSTER_BN = BN;
+  static constexpr int CLUSTER = CLUSTER_, CLUSTER_BN = BN * CLUSTER;
   static constexpr int A_BYTES = BLOCK_M * FP8_BLOCK;
   static constexpr int B_BYTES = BN * FP8_BLOCK;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
@@ -1164,36 +1171,41 @@ __device__ __forceinline__ void fp8_block_product(float (&partial)[FP8_BN / 2], 
 
 // out[r] for the rows r of local group i: for each 128 of K, the partial of
 // lhs[r] · rhs[i][col] times lhs_scales[r, b] rhs_scales[i, col / 128, b];
-// zero for rows outside the window. lhs_map: lhs, box 128 x 128 rows;
-// rhs_map: rhs, box 128 x 128 rows x 1; out_map: out, 64 x 64 boxes (16-bit
-// outputs). K (not 0) and N are multiples of FP8_BLOCK.
-template <typename O, int STAGES, int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
-__global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
+// zero for rows outside the window; in clusters of CLUSTER blocks (1 or 2;
+// with 2, the grid is even and n spans an even number of 128-column tiles)
+// that share each A tile, as ragged_dot_hopper's. lhs_map: lhs, box 128 x
+// (128 / CLUSTER) rows; rhs_map: rhs, box 128 x 128 rows x 1; out_map: out,
+// 64 x 64 boxes (16-bit outputs). K (not 0) and N are multiples of FP8_BLOCK.
+template <typename O, int CLUSTER, int STAGES, int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const float* __restrict__ lhs_scales,
     const __grid_constant__ TensorMap rhs_map, const float* __restrict__ rhs_scales,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
     int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map) {
-  using Config = Fp8HopperConfig<STAGES, MAX_LOCAL_GROUPS, 0>;
+  using Config = Fp8HopperConfig<STAGES, MAX_LOCAL_GROUPS, 0, CLUSTER>;
   constexpr int BN = Config::BN;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
   const Shared<Config> s = start_ragged_dot<Config>(raw, group_sizes, groups, group_offset, local_groups, m, n);
-  RaggedTiles<BN> walk(s.bounds, s.tiles, local_groups, m, n);
+  RaggedTiles<Config::CLUSTER_BN> walk(s.bounds, s.tiles, local_groups, m, n);
   const int k_blocks = k / FP8_BLOCK, n_blocks = n / FP8_BLOCK;
+  // The cluster's tiles, and this block's columns of each.
+  const int rank = CLUSTER > 1 ? cluster_rank() : 0, first = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
   Ring ring;
 
   if (threadIdx.x < 128) {
     producer_registers();
     if (threadIdx.x != 0) return;
-    for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+    for (int t = first; t < walk.total; t += clusters) {
       const auto tile = walk.at(t);
       if (tile.zeros) continue;
       for (int kb = 0; kb < k_blocks; ++kb, ring.advance<STAGES>()) {
         barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
         unsigned long long* full = &s.full[ring.stage];
         barrier_expect_bytes(full, Config::STAGE_BYTES);
-        tma_load(s.a + ring.stage * Config::A_BYTES, &lhs_map, full, kb * FP8_BLOCK, tile.row0);
-        tma_load(s.b + ring.stage * Config::B_BYTES, &rhs_map, full, kb * FP8_BLOCK, tile.col0, tile.group);
+        load_a_tile<CLUSTER>(s.a + ring.stage * Config::A_BYTES, &lhs_map, full, kb * FP8_BLOCK, tile.row0, rank);
+        tma_load(s.b + ring.stage * Config::B_BYTES, &rhs_map, full, kb * FP8_BLOCK, tile.col0 + rank * BN,
+                 tile.group);
       }
     }
     return;
@@ -1205,10 +1217,11 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
   // The tile rows of this thread's accumulators: row and row + 8.
   const int row = half * 64 + threadIdx.x / 32 % 4 * 16 + threadIdx.x % 32 / 4;
   float partial[BN / 2], sums[BN / 2];
-  for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+  for (int t = first; t < walk.total; t += clusters) {
     const auto tile = walk.at(t);
+    const int col0 = tile.col0 + rank * BN;
     if (tile.zeros) {
-      zero_tile<O, BN>(out, tile.row0, tile.row_end, tile.col0, n, n);
+      zero_tile<O, BN>(out, tile.row0, tile.row_end, col0, n, n);
       continue;
     }
 #pragma unroll
@@ -1216,7 +1229,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
     // Rows past m are never stored: they read the last row's scales.
     const float* row_scales = lhs_scales + static_cast<size_t>(min(tile.row0 + row, m - 1)) * k_blocks;
     const float* row8_scales = lhs_scales + static_cast<size_t>(min(tile.row0 + row + 8, m - 1)) * k_blocks;
-    const float* block_scales = rhs_scales + (static_cast<size_t>(tile.group) * n_blocks + tile.col0 / FP8_BLOCK) * k_blocks;
+    const float* block_scales = rhs_scales + (static_cast<size_t>(tile.group) * n_blocks + col0 / FP8_BLOCK) * k_blocks;
     // Each block's scales are loaded a block ahead: loaded with the block's
     // wgmmas, their L2 latency outlasted them (ncu on an H200).
     float block_scale = block_scales[0], row_scale = row_scales[0], row8_scale = row8_scales[0];
@@ -1228,7 +1241,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
       fp8_block_product<Config>(partial, descriptors, ring.stage);
       wgmma_wait<0>();
       keep_in_registers(partial);
-      release_stage(s.empty, ring.stage);
+      release_stage<CLUSTER>(s.empty, ring.stage);
 #pragma unroll
       for (int i = 0; i < BN / 8; ++i) {
         sums[4 * i] += partial[4 * i] * scale;
@@ -1238,9 +1251,11 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_ragged_dot_hopper(
       }
     }
     store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
-                                  tile.row_end, tile.col0, n);
+                                  tile.row_end, col0, n);
   }
   finish_bulk_stores();
+  // No block exits while another of its cluster may still arrive on its barriers.
+  if constexpr (CLUSTER > 1) cluster_sync();
 }
 
 // Each chunk's K-major FP8 operands of the weight gradient: lhsᵀ [k, m_c] and
@@ -1281,34 +1296,41 @@ __device__ __forceinline__ void zero_columns_outside(unsigned char* a, unsigned 
 // carries its block's scales of the tile's rows and columns (2 x 512 bytes,
 // contiguous in global memory): loaded by the consumers, their L2 latency
 // outlasted the block's four wgmmas (ncu on an H200: a third of the stalls).
-// out_map: out's local groups as one [groups x k, n] matrix, 64 x 64 boxes
-// (16-bit outputs).
-template <typename O, int STAGES, int THREADS, int SHARED_BYTES>
-__global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
+// In clusters of CLUSTER blocks (1 or 2; with 2, the grid is even and n spans
+// an even number of 128-column tiles) that share each A tile, as
+// ragged_dot_hopper's: lhs's maps then have boxes of 128 x (128 / CLUSTER)
+// rows. out_map: out's local groups as one [groups x k, n] matrix, 64 x 64
+// boxes (16-bit outputs).
+template <typename O, int CLUSTER, int STAGES, int THREADS, int SHARED_BYTES>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
     const __grid_constant__ Fp8ChunkMaps operands, int chunks, const ChunkBounds rows, int k, int n,
     O* __restrict__ out, const __grid_constant__ TensorMap out_map) {
-  using Config = Fp8HopperConfig<STAGES, 0, 2 * FP8_BLOCK * 4>;
+  using Config = Fp8HopperConfig<STAGES, 0, 2 * FP8_BLOCK * 4, CLUSTER>;
   constexpr int BN = Config::BN;
   static_assert((Config::STAGES * Config::STAGE_BYTES + Config::OUT_BYTES + 2 * Config::STAGES * 8) % 16 == 0,
                 "the stages' scales start 16-byte aligned");
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
   const Shared<Config> s = start_transposed<Config>(raw);
-  const TransposedTiles<BN> walk(rows.local_groups, k, n);
+  const TransposedTiles<Config::CLUSTER_BN> walk(rows.local_groups, k, n);
+  // The cluster's tiles, and this block's columns of each.
+  const int rank = CLUSTER > 1 ? cluster_rank() : 0, first = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
   Ring ring;
 
   if (threadIdx.x < 128) {
     producer_registers();
     if (threadIdx.x != 0) return;
-    for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
-      const auto [g, out_row0, col0] = walk.at(t);
+    for (int t = first; t < walk.total; t += clusters) {
+      const auto tile = walk.at(t);
+      const int g = tile.group, out_row0 = tile.row0, col0 = tile.col0 + rank * BN;
       for (int c = 0; c < chunks; ++c) {
         const int begin = rows.begin(c, g), end = rows.end(c, g);
         for (int b = begin / FP8_BLOCK; begin < end && b * FP8_BLOCK < end; ++b, ring.advance<STAGES>()) {
           barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
           unsigned long long* full = &s.full[ring.stage];
           barrier_expect_bytes(full, Config::STAGE_BYTES + Config::SCALE_BYTES);
-          tma_load(s.a + ring.stage * Config::A_BYTES, &operands.lhs[c], full, b * FP8_BLOCK, out_row0);
+          load_a_tile<CLUSTER>(s.a + ring.stage * Config::A_BYTES, &operands.lhs[c], full, b * FP8_BLOCK, out_row0,
+                               rank);
           tma_load(s.b + ring.stage * Config::B_BYTES, &operands.rhs[c], full, b * FP8_BLOCK, col0);
           float* scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
           bulk_load(scales, operands.lhs_scales[c] + static_cast<size_t>(b) * k + out_row0, FP8_BLOCK * 4, full);
@@ -1327,8 +1349,9 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
   // first column (then + 1, and 8 columns apart).
   const int row = half * 64 + threadIdx.x / 32 % 4 * 16 + threadIdx.x % 32 / 4, col = 2 * (threadIdx.x % 4);
   float partial[BN / 2], sums[BN / 2];
-  for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
-    const auto [g, out_row0, col0] = walk.at(t);
+  for (int t = first; t < walk.total; t += clusters) {
+    const auto tile = walk.at(t);
+    const int g = tile.group, out_row0 = tile.row0, col0 = tile.col0 + rank * BN;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) sums[i] = 0.f;
     for (int c = 0; c < chunks; ++c) {
@@ -1351,7 +1374,7 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
         for (int i = 0; i < BN / 8; ++i) column_scale[i] = *reinterpret_cast<const float2*>(column_scales + 8 * i);
         wgmma_wait<0>();
         keep_in_registers(partial);
-        release_stage(s.empty, ring.stage);
+        release_stage<CLUSTER>(s.empty, ring.stage);
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i) {
           sums[4 * i] += partial[4 * i] * (row_scale * column_scale[i].x);
@@ -1366,6 +1389,8 @@ __global__ void __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
                                   g * k + out_row0 + half * 64, (g + 1) * k, col0, n);
   }
   finish_bulk_stores();
+  // No block exits while another of its cluster may still arrive on its barriers.
+  if constexpr (CLUSTER > 1) cluster_sync();
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL

@@ -127,10 +127,10 @@ fn launch_persistent(stream: Stream, device: &Device, instance: &str, shared: u3
     launch(stream, kernel, LaunchConfig { grid, block: HOPPER_THREADS, shared_bytes: shared }, args)
 }
 
-/// The blocks of a ragged_dot cluster for `n` columns in tiles of `width`:
+/// The blocks of a Hopper product's cluster for `n` columns in tiles of `width`:
 /// two, sharing each A tile (half the A loads from L2), when the tiles pair
 /// up; else one.
-fn ragged_dot_cluster(device: &Device, n: usize, width: u32) -> u32 {
+fn hopper_cluster(device: &Device, n: usize, width: u32) -> u32 {
     if n.div_ceil(width as usize).is_multiple_of(2) && device.multiprocessors >= 2 { 2 } else { 1 }
 }
 
@@ -152,13 +152,13 @@ fn hopper_instance(instance: Instance, block_n: u32) -> Result<String> {
     instance.int(HOPPER_THREADS).int(hopper_shared_bytes(block_n)).build()
 }
 
-pub fn fp8_ragged_dot_hopper_instance(out: DataType) -> Result<String> {
-    let instance = Instance::new("fp8_ragged_dot_hopper").dtype(out).int(FP8_HOPPER_STAGES).int(MAX_LOCAL_GROUPS);
-    instance.int(HOPPER_THREADS).int(fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0)).build()
+pub fn fp8_ragged_dot_hopper_instance(out: DataType, cluster: u32) -> Result<String> {
+    let instance = Instance::new("fp8_ragged_dot_hopper").dtype(out).int(cluster).int(FP8_HOPPER_STAGES);
+    instance.int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS).int(fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0)).build()
 }
 
-pub fn fp8_transposed_hopper_instance(out: DataType) -> Result<String> {
-    let instance = Instance::new("fp8_transposed_ragged_dot_hopper").dtype(out).int(FP8_HOPPER_STAGES);
+pub fn fp8_transposed_hopper_instance(out: DataType, cluster: u32) -> Result<String> {
+    let instance = Instance::new("fp8_transposed_ragged_dot_hopper").dtype(out).int(cluster).int(FP8_HOPPER_STAGES);
     instance.int(HOPPER_THREADS).int(fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES)).build()
 }
 
@@ -303,7 +303,7 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
     let gated = epilogue.as_ref().is_some_and(|e| e.activation.gated());
     let columns = epilogue.as_ref().map_or(shape.n, |e| e.activation.hidden_columns(shape.n));
     let width = if gated { bn / 2 } else { bn };
-    let cluster = ragged_dot_cluster(device, columns, width);
+    let cluster = hopper_cluster(device, columns, width);
     // Each block of a cluster loads its share of the A tile's rows for all.
     let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, BLOCK_M / cluster])?;
     let rhs_map = if a.rhs_transposed {
@@ -407,11 +407,13 @@ pub fn fp8_ragged_dot(stream: Stream, a: &Fp8RaggedDot) -> Result<()> {
     let device = stream.device()?;
     if a.rhs_transposed && on_hopper(device, shape) {
         let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
-        let lhs_map = TensorMap::tiled_8bit(a.lhs.device_ptr(), &[k64, m64], &[FP8_BLOCK, BLOCK_M])?;
+        let cluster = hopper_cluster(device, shape.n, FP8_BLOCK);
+        // Each block of a cluster loads its share of the A tile's rows for all.
+        let lhs_map = TensorMap::tiled_8bit(a.lhs.device_ptr(), &[k64, m64], &[FP8_BLOCK, BLOCK_M / cluster])?;
         let rhs_map = TensorMap::tiled_8bit(a.rhs.device_ptr(), &[k64, n64, gl], &[FP8_BLOCK, FP8_BLOCK, 1])?;
         let (lhs_scales, rhs_scales, out) = (a.lhs_scales.device_ptr(), a.rhs_scales.device_ptr(), a.out.device_ptr());
         let out_map = out_map(a.out.dtype(), out, n64, m64)?;
-        return launch_persistent(stream, device, &fp8_ragged_dot_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), 1, &mut [
+        return launch_persistent(stream, device, &fp8_ragged_dot_hopper_instance(a.out.dtype(), cluster)?, fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), cluster, &mut [
             arg(&lhs_map), arg(&lhs_scales), arg(&rhs_map), arg(&rhs_scales), arg(&g.sizes), arg(&g.groups), arg(&g.offset),
             arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
@@ -449,6 +451,7 @@ pub fn fp8_transposed_ragged_dot(stream: Stream, a: &Fp8TransposedRaggedDot) -> 
     let bounds = chunk_bounds(stream, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows, a.workspace.device_ptr())?;
     let device = stream.device()?;
     if shape.m > 0 && on_hopper(device, shape) {
+        let cluster = hopper_cluster(device, shape.n, FP8_BLOCK);
         let mut maps = Fp8ChunkMaps {
             lhs: std::array::from_fn(|_| TensorMap::unused()),
             rhs: std::array::from_fn(|_| TensorMap::unused()),
@@ -462,12 +465,13 @@ pub fn fp8_transposed_ragged_dot(stream: Stream, a: &Fp8TransposedRaggedDot) -> 
                 continue;
             }
             let m64 = chunk.rows as u64;
-            maps.lhs[c] = TensorMap::tiled_8bit(chunk.lhs.device_ptr(), &[m64, shape.k as u64], &[FP8_BLOCK, BLOCK_M])?;
+            // Each block of a cluster loads its share of the A tile's rows for all.
+            maps.lhs[c] = TensorMap::tiled_8bit(chunk.lhs.device_ptr(), &[m64, shape.k as u64], &[FP8_BLOCK, BLOCK_M / cluster])?;
             maps.rhs[c] = TensorMap::tiled_8bit(chunk.rhs.device_ptr(), &[m64, shape.n as u64], &[FP8_BLOCK, FP8_BLOCK])?;
         }
         let out = a.out.device_ptr();
         let out_map = out_map(a.out.dtype(), out, shape.n as u64, transposed_out_rows(shape)?)?;
-        return launch_persistent(stream, device, &fp8_transposed_hopper_instance(a.out.dtype())?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), 1, &mut [
+        return launch_persistent(stream, device, &fp8_transposed_hopper_instance(a.out.dtype(), cluster)?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), cluster, &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
     }
@@ -538,8 +542,10 @@ mod tests {
             }
         }
         for out in [DataType::BF16, DataType::F16, DataType::F32] {
-            instances.push(fp8_ragged_dot_hopper_instance(out).unwrap());
-            instances.push(fp8_transposed_hopper_instance(out).unwrap());
+            for cluster in [1, 2] {
+                instances.push(fp8_ragged_dot_hopper_instance(out, cluster).unwrap());
+                instances.push(fp8_transposed_hopper_instance(out, cluster).unwrap());
+            }
         }
         instances
     }
