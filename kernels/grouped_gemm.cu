@@ -1023,33 +1023,25 @@ struct ChunkMaps {
 // transposed_ragged_dot on Hopper: out[i] ([k, n]) = lhs_iᵀ · rhs_i over the
 // rows of local group i in each chunk. lhs's columns are out's rows, so A is
 // MN-major, and B is MN-major. A tile is 128 rows of out[i] by BN columns; the
-// contraction walks the group's rows 64 at a time, chunk after chunk. In
-// clusters of CLUSTER blocks (1 or 2; with 2, the grid is even and n spans an
-// even number of BN-column tiles) that share each A tile, as
-// ragged_dot_hopper's: block r of a cluster loads the A tile's box r (its 64
-// rows of out) into both. out_map: out's local groups as one [groups x k, n]
-// matrix, 64 x 64 boxes (16-bit outputs).
-template <typename T, typename O, int CLUSTER, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS,
-          int SHARED_BYTES>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
+// contraction walks the group's rows 64 at a time, chunk after chunk.
+// out_map: out's local groups as one [groups x k, n] matrix, 64 x 64 boxes
+// (16-bit outputs).
+template <typename T, typename O, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
+__global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
     const __grid_constant__ ChunkMaps maps, int chunks, const ChunkBounds rows, int k, int n, O* __restrict__ out,
     const __grid_constant__ TensorMap out_map) {
-  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, CLUSTER>;
-  static_assert(BLOCK_M / CLUSTER == 64 || CLUSTER == 1, "a block of a cluster loads one 64-row box of A");
+  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
   const Shared<Config> s = start_transposed<Config>(raw);
-  const TransposedTiles<Config::CLUSTER_BN> walk(rows.local_groups, k, n);
-  // The cluster's tiles, and this block's columns of each.
-  const int rank = CLUSTER > 1 ? cluster_rank() : 0, first = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
+  const TransposedTiles<BN> walk(rows.local_groups, k, n);
   Ring ring;
 
   if (threadIdx.x < 128) {
     producer_registers();
     if (threadIdx.x != 0) return;
-    for (int t = first; t < walk.total; t += clusters) {
-      const auto tile = walk.at(t);
-      const int g = tile.group, out_row0 = tile.row0, col0 = tile.col0 + rank * BN;
+    for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+      const auto [g, out_row0, col0] = walk.at(t);
       for (int c = 0; c < chunks; ++c) {
         const int end = rows.end(c, g);
         for (int row = rows.begin(c, g); row < end; row += 64, ring.advance<Config::STAGES>()) {
@@ -1057,13 +1049,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) tr
           unsigned long long* full = &s.full[ring.stage];
           barrier_expect_bytes(full, Config::STAGE_BYTES);
           unsigned char* a = s.a + ring.stage * Config::A_BYTES;
-          if constexpr (CLUSTER == 1) {
-            tma_load(a, &maps.lhs[c], full, out_row0, row);
-            tma_load(a + CHUNK_BYTES, &maps.lhs[c], full, out_row0 + 64, row);
-          } else {
-            tma_load_multicast(a + rank * CHUNK_BYTES, &maps.lhs[c], full, out_row0 + 64 * rank, row,
-                               (1 << CLUSTER) - 1);
-          }
+          tma_load(a, &maps.lhs[c], full, out_row0, row);
+          tma_load(a + CHUNK_BYTES, &maps.lhs[c], full, out_row0 + 64, row);
           unsigned char* b = s.b + ring.stage * Config::B_BYTES;
 #pragma unroll
           for (int j = 0; j < BN / 64; ++j) tma_load(b + j * CHUNK_BYTES, &maps.rhs[c], full, col0 + 64 * j, row);
@@ -1076,9 +1063,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) tr
   consumer_registers();
   const int half = threadIdx.x / 128 - 1;
   float d[BN / 2];
-  for (int t = first; t < walk.total; t += clusters) {
-    const auto tile = walk.at(t);
-    const int g = tile.group, out_row0 = tile.row0, col0 = tile.col0 + rank * BN;
+  for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+    const auto [g, out_row0, col0] = walk.at(t);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
     bool loaded = false;  // whether a stage of this tile has been multiplied
@@ -1103,20 +1089,18 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) tr
                              matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES));
         }
         wgmma_commit();
-        release_previous_stage<CLUSTER>(s.empty, ring, Config::STAGES, loaded);
+        release_previous_stage(s.empty, ring, Config::STAGES, loaded);
         loaded = true;
       }
     }
     wgmma_wait<0>();
     keep_in_registers(d);
-    if (loaded) release_stage<CLUSTER>(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
+    if (loaded) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
     // out's local groups are one [groups x k, n] matrix to the map.
     store_tile_in_bulk<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, &out_map, out,
                                   g * k + out_row0 + half * 64, (g + 1) * k, col0, n);
   }
   finish_bulk_stores();
-  // No block exits while another of its cluster may still arrive on its barriers.
-  if constexpr (CLUSTER > 1) cluster_sync();
 }
 
 // ---------------------------------------------------------------------------

@@ -141,8 +141,8 @@ pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed
     hopper_instance(instance.int(activation.map_or(0, Activation::code)), block_n)
 }
 
-pub fn transposed_hopper_instance(dtype: DataType, out: DataType, cluster: u32, block_n: u32) -> Result<String> {
-    hopper_instance(Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out).int(cluster), block_n)
+pub fn transposed_hopper_instance(dtype: DataType, out: DataType, block_n: u32) -> Result<String> {
+    hopper_instance(Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out), block_n)
 }
 
 /// A Hopper kernel's instance: its own arguments, then its tile width and
@@ -366,9 +366,8 @@ pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<
             maps.rhs[c] = TensorMap::tiled_16bit(chunk.rhs.device_ptr(), &[n64, m64], &[64, 64])?;
         }
         let out_map = out_map(out_dtype, out, n64, transposed_out_rows(shape)?)?;
-        let cluster = hopper_cluster(device, shape.n, bn);
-        let instance = transposed_hopper_instance(dtype, out_dtype, cluster, bn)?;
-        launch_hopper(stream, device, &instance, bn, cluster, &mut [
+        let instance = transposed_hopper_instance(dtype, out_dtype, bn)?;
+        launch_hopper(stream, device, &instance, bn, 1, &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ])
     } else {
@@ -531,9 +530,7 @@ mod tests {
                         instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, None, bn).unwrap());
                     }
                 }
-                for cluster in [1, 2] {
-                    instances.push(transposed_hopper_instance(dtype, out, cluster, bn).unwrap());
-                }
+                instances.push(transposed_hopper_instance(dtype, out, bn).unwrap());
             }
         }
         // ragged_dot_activation's: outputs in the inputs' 16-bit type, rhs [G, K, N].
