@@ -1366,10 +1366,6 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
           consumers_publish_shared();
         }
         fp8_block_product<Config>(partial, descriptors, ring.stage);
-        // Keeps the scale loads, and the factors that wait for them, after the
-        // last wgmma's issue: ptxas otherwise put them before the second, and
-        // three of the four waited for the loads (ncu on an H200).
-        __syncwarp();
         const float* row_scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
         const float* column_scales = row_scales + FP8_BLOCK + col;
         const float row_scale = row_scales[row], row8_scale = row_scales[row + 8];
