@@ -716,6 +716,27 @@ __device__ __forceinline__ void finish_bulk_stores() {
   if (stores_tiles_in_bulk()) bulk_wait();
 }
 
+// Before the consumer warpgroups of a block of a CLUSTER-block cluster exit:
+// their bulk stores have completed, and no block exits while another of its
+// cluster may still arrive on its barriers.
+template <int CLUSTER>
+__device__ __forceinline__ void finish_clustered_consumers() {
+  finish_bulk_stores();
+  if constexpr (CLUSTER > 1) cluster_sync();
+}
+
+// A block's share of a persistent kernel's tiles in clusters of CLUSTER
+// blocks: every block of a cluster takes the cluster's tiles (first, then
+// every stride-th), each block the columns of its rank.
+struct ClusterTiles {
+  int rank, first, stride;
+};
+template <int CLUSTER>
+__device__ __forceinline__ ClusterTiles cluster_tiles() {
+  return {CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0, static_cast<int>(blockIdx.x / CLUSTER),
+          static_cast<int>(gridDim.x / CLUSTER)};
+}
+
 // Zeroes rows [row0, row_end) x columns [col0, col0 + BN) ∩ [0, n) of out
 // (row stride `stride`) with the 256 consumer threads (n, stride and out's
 // offset multiples of 8).
@@ -892,8 +913,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
       start_ragged_dot<Config, W * CLUSTER>(raw, group_sizes, groups, group_offset, local_groups, m, features);
   RaggedTiles<W * CLUSTER> walk(s.bounds, s.tiles, local_groups, m, features);
   const int k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
-  // The cluster's tiles, and this block's columns of each.
-  const int rank = CLUSTER > 1 ? cluster_rank() : 0, first = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
+  const auto [rank, first, clusters] = cluster_tiles<CLUSTER>();
   Ring ring;
 
   if (threadIdx.x < 128) {
@@ -990,9 +1010,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     }
   }
   if (staged) named_sync(DRAINED_BARRIER, 256 + HELPERS);  // (ACTIVATED) the last tile's hand-over is matched
-  finish_bulk_stores();
-  // No block exits while another of its cluster may still arrive on its barriers.
-  if constexpr (CLUSTER > 1) cluster_sync();
+  finish_clustered_consumers<CLUSTER>();
 }
 
 // Zeroes rows [valid, 64) of `chunks` consecutive 64-row boxes at `boxes`
@@ -1189,8 +1207,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
   const Shared<Config> s = start_ragged_dot<Config>(raw, group_sizes, groups, group_offset, local_groups, m, n);
   RaggedTiles<Config::CLUSTER_BN> walk(s.bounds, s.tiles, local_groups, m, n);
   const int k_blocks = k / FP8_BLOCK, n_blocks = n / FP8_BLOCK;
-  // The cluster's tiles, and this block's columns of each.
-  const int rank = CLUSTER > 1 ? cluster_rank() : 0, first = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
+  const auto [rank, first, clusters] = cluster_tiles<CLUSTER>();
   Ring ring;
 
   if (threadIdx.x < 128) {
@@ -1253,9 +1270,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
     store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
                                   tile.row_end, col0, n);
   }
-  finish_bulk_stores();
-  // No block exits while another of its cluster may still arrive on its barriers.
-  if constexpr (CLUSTER > 1) cluster_sync();
+  finish_clustered_consumers<CLUSTER>();
 }
 
 // Each chunk's K-major FP8 operands of the weight gradient: lhsᵀ [k, m_c] and
@@ -1313,8 +1328,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
   extern __shared__ unsigned char raw[];
   const Shared<Config> s = start_transposed<Config>(raw);
   const TransposedTiles<Config::CLUSTER_BN> walk(rows.local_groups, k, n);
-  // The cluster's tiles, and this block's columns of each.
-  const int rank = CLUSTER > 1 ? cluster_rank() : 0, first = blockIdx.x / CLUSTER, clusters = gridDim.x / CLUSTER;
+  const auto [rank, first, clusters] = cluster_tiles<CLUSTER>();
   Ring ring;
 
   if (threadIdx.x < 128) {
@@ -1388,9 +1402,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
     store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out,
                                   g * k + out_row0 + half * 64, (g + 1) * k, col0, n);
   }
-  finish_bulk_stores();
-  // No block exits while another of its cluster may still arrive on its barriers.
-  if constexpr (CLUSTER > 1) cluster_sync();
+  finish_clustered_consumers<CLUSTER>();
 }
 
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
