@@ -134,6 +134,12 @@ fn hopper_cluster(device: &Device, n: usize, width: u32) -> u32 {
     if n.div_ceil(width as usize).is_multiple_of(2) && device.multiprocessors >= 2 { 2 } else { 1 }
 }
 
+/// The rows of the boxes a Hopper product loads its A tiles in: each block
+/// of a cluster loads its share of a tile's rows for all of them.
+fn a_box_rows(cluster: u32) -> u32 {
+    BLOCK_M / cluster
+}
+
 /// `activation`: ragged_dot_activation's, applied in the epilogue.
 pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, cluster: u32,
                                   activation: Option<Activation>, block_n: u32) -> Result<String> {
@@ -304,8 +310,7 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
     let columns = epilogue.as_ref().map_or(shape.n, |e| e.activation.hidden_columns(shape.n));
     let width = if gated { bn / 2 } else { bn };
     let cluster = hopper_cluster(device, columns, width);
-    // Each block of a cluster loads its share of the A tile's rows for all.
-    let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, BLOCK_M / cluster])?;
+    let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, a_box_rows(cluster)])?;
     let rhs_map = if a.rhs_transposed {
         TensorMap::tiled_16bit(rhs, &[k64, n64, gl], &[BLOCK_K, bn, 1])?
     } else {
@@ -408,8 +413,7 @@ pub fn fp8_ragged_dot(stream: Stream, a: &Fp8RaggedDot) -> Result<()> {
     if a.rhs_transposed && on_hopper(device, shape) {
         let (k64, n64, m64, gl) = (shape.k as u64, shape.n as u64, shape.m as u64, shape.local_groups as u64);
         let cluster = hopper_cluster(device, shape.n, FP8_BLOCK);
-        // Each block of a cluster loads its share of the A tile's rows for all.
-        let lhs_map = TensorMap::tiled_8bit(a.lhs.device_ptr(), &[k64, m64], &[FP8_BLOCK, BLOCK_M / cluster])?;
+        let lhs_map = TensorMap::tiled_8bit(a.lhs.device_ptr(), &[k64, m64], &[FP8_BLOCK, a_box_rows(cluster)])?;
         let rhs_map = TensorMap::tiled_8bit(a.rhs.device_ptr(), &[k64, n64, gl], &[FP8_BLOCK, FP8_BLOCK, 1])?;
         let (lhs_scales, rhs_scales, out) = (a.lhs_scales.device_ptr(), a.rhs_scales.device_ptr(), a.out.device_ptr());
         let out_map = out_map(a.out.dtype(), out, n64, m64)?;
@@ -465,8 +469,7 @@ pub fn fp8_transposed_ragged_dot(stream: Stream, a: &Fp8TransposedRaggedDot) -> 
                 continue;
             }
             let m64 = chunk.rows as u64;
-            // Each block of a cluster loads its share of the A tile's rows for all.
-            maps.lhs[c] = TensorMap::tiled_8bit(chunk.lhs.device_ptr(), &[m64, shape.k as u64], &[FP8_BLOCK, BLOCK_M / cluster])?;
+            maps.lhs[c] = TensorMap::tiled_8bit(chunk.lhs.device_ptr(), &[m64, shape.k as u64], &[FP8_BLOCK, a_box_rows(cluster)])?;
             maps.rhs[c] = TensorMap::tiled_8bit(chunk.rhs.device_ptr(), &[m64, shape.n as u64], &[FP8_BLOCK, FP8_BLOCK])?;
         }
         let out = a.out.device_ptr();
