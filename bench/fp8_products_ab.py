@@ -19,15 +19,14 @@ number. Needs a GPU (``--smoke``: the benchmark's tiny layers, a check of this s
 
 import argparse
 import dataclasses
-import hashlib
 import json
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import fp8_gemm
 import oxmoe
+from gemm_ab import digest
 from oxmoe import fp8
 from oxmoe.bench import timing
 from profile_fp8_weight_grad import layer_group_sizes
@@ -36,10 +35,6 @@ from profile_fp8_weight_grad import layer_group_sizes
 SETTINGS = dataclasses.replace(timing.FULL, repeats=100)
 #: Input sets a product rotates through (each call reads its operands from device memory).
 SETS = 4
-
-
-def digest(x) -> str:
-    return hashlib.sha1(np.asarray(x).view(np.uint16).tobytes()).hexdigest()[:12]
 
 
 def products(hidden: int, ffn: int) -> list[tuple[str, str, int, int]]:
@@ -54,11 +49,10 @@ def products(hidden: int, ffn: int) -> list[tuple[str, str, int, int]]:
 def operands(key, kind: str, rows: int, groups: int, k: int, n: int):
     """One input set of a product: normal values, quantized as the layer quantizes them."""
     a, b = jax.random.split(key)
+    lhs = jax.random.normal(a, (rows, k), jnp.bfloat16)
     if kind == "rows":
-        lhs = jax.random.normal(a, (rows, k), jnp.bfloat16)
         rhs = jax.random.normal(b, (groups, n, k), jnp.bfloat16) * 0.02
         return fp8.quantize(lhs), fp8.quantize(rhs, fp8.WEIGHT_BLOCK)
-    lhs = jax.random.normal(a, (rows, k), jnp.bfloat16)
     rhs = jax.random.normal(b, (rows, n), jnp.bfloat16)
     return fp8.quantize(lhs, transpose=True), fp8.quantize(rhs, transpose=True)
 
