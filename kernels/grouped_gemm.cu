@@ -1303,27 +1303,6 @@ __device__ __forceinline__ void zero_columns_outside(unsigned char* a, unsigned 
   }
 }
 
-// The 128-row blocks that hold any of group g's rows, chunk by chunk: the
-// block in chunk `chunk` and the bounds [lo, hi) of the group's rows in it.
-struct GroupBlocks {
-  const ChunkBounds& rows;
-  const int chunks, group;
-  int chunk = -1, block = 0, begin = 0, end = 0;
-  __device__ GroupBlocks(const ChunkBounds& rows, int chunks, int group) : rows(rows), chunks(chunks), group(group) {}
-  // Moves to the next block; false past the last.
-  __device__ bool next() {
-    if (chunk >= 0 && ++block * FP8_BLOCK < end) return true;
-    while (++chunk < chunks) {
-      begin = rows.begin(chunk, group), end = rows.end(chunk, group);
-      block = begin / FP8_BLOCK;
-      if (begin < end) return true;
-    }
-    return false;
-  }
-  __device__ int lo() const { return max(begin - block * FP8_BLOCK, 0); }
-  __device__ int hi() const { return min(end - block * FP8_BLOCK, FP8_BLOCK); }
-};
-
 // fp8_transposed_ragged_dot_simt on Hopper: out[i] ([k, n]) over the rows of
 // local group i in each chunk, a stage per 128-row block that holds any of
 // them (its other rows zeroed), each block's partial scaled by the row's
@@ -1357,19 +1336,21 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
     if (threadIdx.x != 0) return;
     for (int t = first; t < walk.total; t += clusters) {
       const auto tile = walk.at(t);
-      const int out_row0 = tile.row0, col0 = tile.col0 + rank * BN;
-      for (GroupBlocks blocks(rows, chunks, tile.group); blocks.next(); ring.advance<STAGES>()) {
-        const int c = blocks.chunk, b = blocks.block;
-        barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
-        unsigned long long* full = &s.full[ring.stage];
-        barrier_expect_bytes(full, Config::STAGE_BYTES + Config::SCALE_BYTES);
-        load_a_tile<CLUSTER>(s.a + ring.stage * Config::A_BYTES, &operands.lhs[c], full, b * FP8_BLOCK, out_row0,
-                             rank);
-        tma_load(s.b + ring.stage * Config::B_BYTES, &operands.rhs[c], full, b * FP8_BLOCK, col0);
-        float* scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
-        bulk_load(scales, operands.lhs_scales[c] + static_cast<size_t>(b) * k + out_row0, FP8_BLOCK * 4, full);
-        bulk_load(scales + FP8_BLOCK, operands.rhs_scales[c] + static_cast<size_t>(b) * n + col0, FP8_BLOCK * 4,
-                  full);
+      const int g = tile.group, out_row0 = tile.row0, col0 = tile.col0 + rank * BN;
+      for (int c = 0; c < chunks; ++c) {
+        const int begin = rows.begin(c, g), end = rows.end(c, g);
+        for (int b = begin / FP8_BLOCK; begin < end && b * FP8_BLOCK < end; ++b, ring.advance<STAGES>()) {
+          barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
+          unsigned long long* full = &s.full[ring.stage];
+          barrier_expect_bytes(full, Config::STAGE_BYTES + Config::SCALE_BYTES);
+          load_a_tile<CLUSTER>(s.a + ring.stage * Config::A_BYTES, &operands.lhs[c], full, b * FP8_BLOCK, out_row0,
+                               rank);
+          tma_load(s.b + ring.stage * Config::B_BYTES, &operands.rhs[c], full, b * FP8_BLOCK, col0);
+          float* scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
+          bulk_load(scales, operands.lhs_scales[c] + static_cast<size_t>(b) * k + out_row0, FP8_BLOCK * 4, full);
+          bulk_load(scales + FP8_BLOCK, operands.rhs_scales[c] + static_cast<size_t>(b) * n + col0, FP8_BLOCK * 4,
+                    full);
+        }
       }
     }
     return;
@@ -1381,67 +1362,40 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
   // The tile rows of this thread's accumulators (row and row + 8) and their
   // first column (then + 1, and 8 columns apart).
   const int row = half * 64 + threadIdx.x / 32 % 4 * 16 + threadIdx.x % 32 / 4, col = 2 * (threadIdx.x % 4);
-  // Waits for the next block's stage, zeroes its other groups' rows, and
-  // issues its wgmmas into `partial`; returns the stage.
-  auto issue = [&](GroupBlocks& blocks, float(&partial)[BN / 2]) {
-    const int stage = ring.stage;
-    barrier_wait(&s.full[stage], ring.phase);
-    const int lo = blocks.lo(), hi = blocks.hi();
-    if (lo > 0 || hi < FP8_BLOCK) {  // block-uniform
-      zero_columns_outside(s.a + stage * Config::A_BYTES, s.b + stage * Config::B_BYTES, lo, hi);
-      consumers_publish_shared();
-    }
-    fp8_block_product<Config>(partial, descriptors, stage);
-    ring.advance<STAGES>();
-    return stage;
-  };
-  // Adds a completed block's partial, scaled, to the sums; frees its stage.
-  auto promote = [&](float(&partial)[BN / 2], float(&sums)[BN / 2], int stage) {
-    keep_in_registers(partial);
-    const float* row_scales = s.scales + stage * Config::SCALE_BYTES / 4;
-    const float* column_scales = row_scales + FP8_BLOCK + col;
-    const float row_scale = row_scales[row], row8_scale = row_scales[row + 8];
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      const float2 column_scale = *reinterpret_cast<const float2*>(column_scales + 8 * i);
-      sums[4 * i] += partial[4 * i] * (row_scale * column_scale.x);
-      sums[4 * i + 1] += partial[4 * i + 1] * (row_scale * column_scale.y);
-      sums[4 * i + 2] += partial[4 * i + 2] * (row8_scale * column_scale.x);
-      sums[4 * i + 3] += partial[4 * i + 3] * (row8_scale * column_scale.y);
-    }
-    release_stage<CLUSTER>(s.empty, stage);
-  };
-  // Two partials: each block's wgmmas are issued before the previous block's
-  // promotion, which then runs while the tensor cores work. With one, both
-  // warpgroups promoted while the tensor cores idled (36% of their peak at
-  // 1.8-1.9 GHz on an H200, ncu: a third of the samples on the wait for the
-  // wgmmas and the scales' loads).
-  float even[BN / 2], odd[BN / 2], sums[BN / 2];
+  float partial[BN / 2], sums[BN / 2];
   for (int t = first; t < walk.total; t += clusters) {
     const auto tile = walk.at(t);
     const int g = tile.group, out_row0 = tile.row0, col0 = tile.col0 + rank * BN;
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) sums[i] = 0.f;
-    GroupBlocks blocks(rows, chunks, g);
-    if (blocks.next()) {
-      int even_stage = issue(blocks, even), odd_stage;
-      while (true) {
-        if (!blocks.next()) {
-          wgmma_wait<0>();
-          promote(even, sums, even_stage);
-          break;
+    for (int c = 0; c < chunks; ++c) {
+      const int begin = rows.begin(c, g), end = rows.end(c, g);
+      for (int b = begin / FP8_BLOCK; begin < end && b * FP8_BLOCK < end; ++b, ring.advance<STAGES>()) {
+        barrier_wait(&s.full[ring.stage], ring.phase);
+        unsigned char* a = s.a + ring.stage * Config::A_BYTES;
+        unsigned char* w = s.b + ring.stage * Config::B_BYTES;
+        const int lo = max(begin - b * FP8_BLOCK, 0), hi = min(end - b * FP8_BLOCK, FP8_BLOCK);
+        if (lo > 0 || hi < FP8_BLOCK) {  // block-uniform
+          zero_columns_outside(a, w, lo, hi);
+          consumers_publish_shared();
         }
-        odd_stage = issue(blocks, odd);
-        wgmma_wait<1>();
-        promote(even, sums, even_stage);
-        if (!blocks.next()) {
-          wgmma_wait<0>();
-          promote(odd, sums, odd_stage);
-          break;
+        fp8_block_product<Config>(partial, descriptors, ring.stage);
+        const float* row_scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
+        const float* column_scales = row_scales + FP8_BLOCK + col;
+        const float row_scale = row_scales[row], row8_scale = row_scales[row + 8];
+        float2 column_scale[BN / 8];
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) column_scale[i] = *reinterpret_cast<const float2*>(column_scales + 8 * i);
+        wgmma_wait<0>();
+        keep_in_registers(partial);
+        release_stage<CLUSTER>(s.empty, ring.stage);
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i) {
+          sums[4 * i] += partial[4 * i] * (row_scale * column_scale[i].x);
+          sums[4 * i + 1] += partial[4 * i + 1] * (row_scale * column_scale[i].y);
+          sums[4 * i + 2] += partial[4 * i + 2] * (row8_scale * column_scale[i].x);
+          sums[4 * i + 3] += partial[4 * i + 3] * (row8_scale * column_scale[i].y);
         }
-        even_stage = issue(blocks, even);
-        wgmma_wait<1>();
-        promote(odd, sums, odd_stage);
       }
     }
     // out's local groups are one [groups x k, n] matrix to the map.
