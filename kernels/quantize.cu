@@ -52,7 +52,9 @@
 // - FP8 input: each thread loads the same elements, VEC bytes a row (a warp
 //   128 contiguous bytes of a row or two), and its rows' scales (one a row:
 //   its piece lies in one 1 x 128 block), and holds them dequantized in T,
-//   the layout above from there on.
+//   the layout above from there on. Its rows may be gathered through a map
+//   (source_rows: the layer's tokens read as the dispatch's rows, with no
+//   copy of those rows): the same loads, from the rows the map names.
 #include "common.cuh"
 
 constexpr int QUANTIZE_TILE = 128;
@@ -347,22 +349,42 @@ __device__ __forceinline__ float2 e4m3x2_to_floats(unsigned short pair) {
 // row's loads are issued before any conversion: loaded and converted row by row
 // (a branch a row), a thread had one load in flight at a time, and the kernel
 // ran at 32% of copy on an H200.
+//
+// With source_rows (batch 1), x's row r is the FP8 input's row source_rows[r]
+// of its input_rows: zeros for -1 (scale 0, as past the end), NaNs for an
+// entry out of range (FP8 NaNs, scale 1), as src/quantize/ops.rs's SourceRow.
 template <typename T>
 __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict__ x,
-                                                 const float* __restrict__ x_scales, const TilePlace& at,
-                                                 uint4 (&tile)[TileLayout<T>::ROWS]) {
+                                                 const float* __restrict__ x_scales,
+                                                 const int* __restrict__ source_rows, int input_rows,
+                                                 const TilePlace& at, uint4 (&tile)[TileLayout<T>::ROWS]) {
   using L = TileLayout<T>;
   using Bytes = typename VectorOf<L::VEC>::type;  // VEC FP8 values
   const long long first_row = static_cast<long long>(at.b) * at.rows;
   const int blocks = at.cols / QUANTIZE_TILE;
+  long long source[L::ROWS];  // the FP8 row each of the thread's rows reads; -1: zeros, -2: NaNs
+#pragma unroll
+  for (int i = 0; i < L::ROWS; ++i) {
+    const int r = at.r_first + i;
+    if (r >= at.rows) {
+      source[i] = -1;
+    } else if (source_rows == nullptr) {
+      source[i] = first_row + r;
+    } else {
+      const int entry = source_rows[r];
+      source[i] = entry >= 0 && entry < input_rows ? entry : entry == -1 ? -1 : -2;
+    }
+  }
+  Pack<unsigned, L::VEC> nans;  // float8_e4m3fn NaNs (0x7f)
+#pragma unroll
+  for (int w = 0; w < L::VEC / 4; ++w) nans.elems[w] = 0x7f7f7f7fu;
   Bytes raw[L::ROWS];
   float scale[L::ROWS];
 #pragma unroll
   for (int i = 0; i < L::ROWS; ++i) {
-    const bool inside = at.r_first + i < at.rows;
-    const long long r = first_row + at.r_first + i;
-    raw[i] = inside ? *reinterpret_cast<const Bytes*>(x + r * at.cols + at.c) : Bytes{};
-    scale[i] = inside ? x_scales[r * blocks + at.c0 / QUANTIZE_TILE] : 0.f;
+    const long long r = source[i];
+    raw[i] = r >= 0 ? *reinterpret_cast<const Bytes*>(x + r * at.cols + at.c) : r == -1 ? Bytes{} : nans.raw;
+    scale[i] = r >= 0 ? x_scales[r * blocks + at.c0 / QUANTIZE_TILE] : r == -1 ? 0.f : 1.f;
   }
 #pragma unroll
   for (int i = 0; i < L::ROWS; ++i) {
@@ -386,7 +408,8 @@ __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict
 template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO, bool FP8_INPUT,
           int THREADS>
 __global__ void __launch_bounds__(THREADS, FP8_INPUT ? 3 : 2)
-quantize(const void* __restrict__ x, const float* __restrict__ x_scales, int batch, int rows, int cols,
+quantize(const void* __restrict__ x, const float* __restrict__ x_scales, const int* __restrict__ source_rows,
+         int input_rows, int batch, int rows, int cols,
          unsigned char* __restrict__ values, float* __restrict__ scales, unsigned char* __restrict__ transposed_values,
          float* __restrict__ transposed_scales) {
   static_assert(THREADS == QUANTIZE_THREADS, "the launch's threads are the layout's (src/quantize/cuda.rs)");
@@ -407,7 +430,7 @@ quantize(const void* __restrict__ x, const float* __restrict__ x_scales, int bat
   at.r_first = at.r0 + at.group * L::ROWS, at.c = at.c0 + at.piece * L::VEC;
   uint4 tile[L::ROWS];
   if constexpr (FP8_INPUT) {
-    load_dequantized<T>(static_cast<const unsigned char*>(x), x_scales, at, tile);
+    load_dequantized<T>(static_cast<const unsigned char*>(x), x_scales, source_rows, input_rows, at, tile);
   } else {
     load_tile<T>(static_cast<const T*>(x), at, tile);
   }

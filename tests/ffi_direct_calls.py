@@ -205,13 +205,17 @@ def activation_bwd(grad_hidden, pre_activation, row_probs=None, activation="swig
     return _call("oxmoe_activation_bwd", rets, grad_hidden, pre_activation, row_probs, activation=activation)
 
 
-def requantize(values, scales, dequantized_dtype="bfloat16", **changes):
-    """oxmoe_fp8_quantize of FP8 values [B, R, C] and their scales, as quantize's call (a
-    `dequantized_dtype` of None: the attribute left out)."""
+def requantize(values, scales, dequantized_dtype="bfloat16", source_rows=None, **changes):
+    """oxmoe_fp8_quantize of FP8 values [B, R, C] and their scales (and `source_rows`, if
+    given: then the results have its rows), as quantize's call (a `dequantized_dtype` of None:
+    the attribute left out)."""
     attrs = _quantize_attrs(dequantized_dtype=dequantized_dtype, **changes)
     b, r, c = values.shape
+    sources = () if source_rows is None else (source_rows,)
+    r = r if source_rows is None else source_rows.shape[0]
     rets = (_spec((b, r, c), jnp.float8_e4m3fn), _spec((b, r, max(c // 128, 1)), jnp.float32))
-    return _call("oxmoe_fp8_quantize", rets, values, scales, **{k: v for k, v in attrs.items() if v is not None})
+    return _call("oxmoe_fp8_quantize", rets, values, scales, *sources,
+                 **{k: v for k, v in attrs.items() if v is not None})
 
 
 CASES.update({
@@ -302,6 +306,14 @@ CASES.update({
         lambda: requantize(np.zeros((1, 128, 256), jnp.float8_e4m3fn), np.ones((1, 128, 2), np.float32),
                            dequantized_dtype="int32"),
         "oxmoe_fp8_quantize", [r"dequantized_dtype is \"int32\", expected \"float32\", \"bfloat16\" or \"float16\""]),
+    "fp8_requantize_float_source_rows": (
+        lambda: requantize(np.zeros((1, 128, 256), jnp.float8_e4m3fn), np.ones((1, 128, 2), np.float32),
+                           source_rows=np.zeros((128,), np.float32)),
+        "oxmoe_fp8_quantize", [r"source_rows has dtype float32, expected int32"]),
+    "fp8_requantize_source_rows_of_two_matrices": (
+        lambda: requantize(np.zeros((2, 128, 256), jnp.float8_e4m3fn), np.ones((2, 128, 2), np.float32),
+                           source_rows=np.zeros((128,), np.int32)),
+        "oxmoe_fp8_quantize", [r"values has shape \[2, 128, 256\], expected one matrix \[1, rows, columns\] with source_rows"]),
     "fp8_requantize_without_its_dtype": (
         lambda: requantize(np.zeros((1, 128, 256), jnp.float8_e4m3fn), np.ones((1, 128, 2), np.float32),
                            dequantized_dtype=None),

@@ -301,6 +301,64 @@ def test_requantize_equals_the_plain_jax_reference(rng, seed):
         assert_same(as_float64(got), as_float64(want), f"{jnp.dtype(dtype).name}, {block}, seed={seed}")
 
 
+def dispatch_like_rows(rng, tokens: int, rows: int) -> np.ndarray:
+    """A dispatch's source_tokens [rows]: each token on a few rows, in no order, and -1 on
+    the padding rows."""
+    source = np.full(rows, -1, np.int32)
+    routed = rng.choice(rows, size=min(rows, 3 * tokens) * 7 // 8, replace=False)
+    source[routed] = rng.integers(0, tokens, len(routed))
+    return source
+
+
+def gathered(q: fp8.BlockQuantized, source_rows: np.ndarray) -> fp8.BlockQuantized:
+    """q's rows that source_rows names, bytes and scales copied, zeros where it is -1."""
+    values, scales = np.asarray(q.values).view(np.uint8), np.asarray(q.scales)
+    routed, at = source_rows >= 0, np.maximum(source_rows, 0)
+    return fp8.BlockQuantized(jnp.asarray(np.where(routed[:, None], values[at], 0).view(jnp.float8_e4m3fn)),
+                              jnp.asarray(np.where(routed[:, None], scales[at], 0)), ACT)
+
+
+# (tokens [T, C] quantized per row, the rows gathered, the dequantized dtype, the block,
+# transpose): the layer's tokens read as the dispatch's rows for the up weight's gradient.
+REQUANTIZE_ROWS_CASES = {
+    "tokens_qwen3_bf16": ((200, H_QWEN3), 384, jnp.bfloat16, ACT, True),
+    "tokens_deepseek_v3_bf16": ((100, H_DEEPSEEK), 256, jnp.bfloat16, ACT, True),
+    "tokens_per_row_f32": ((150, F_QWEN3), 300, jnp.float32, ACT, False),
+    "tokens_per_128_x_128_f16": ((90, 256), 256, jnp.float16, WEIGHT, False),
+}
+
+
+@pytest.mark.parametrize("case", REQUANTIZE_ROWS_CASES)
+def test_requantize_through_source_rows_is_that_of_the_gathered_rows(case, rng, seed):
+    (tokens, cols), rows, dtype, block, transpose = REQUANTIZE_ROWS_CASES[case]
+    q = fp8.quantize(draw(rng, (tokens, cols), jnp.float32), ACT)
+    source_rows = dispatch_like_rows(rng, tokens, rows)
+    got = jax.jit(fp8.requantize, static_argnums=1, static_argnames=("dtype", "transpose"))(
+        q, block, dtype=dtype, transpose=transpose, source_rows=jnp.asarray(source_rows))
+    context = f"{case}, seed={seed}"
+    assert got.shape == ((cols, rows) if transpose else (rows, cols)) and got.block == block, context
+    assert_requantize_matches(gathered(q, source_rows), block, dtype, context, transpose=transpose)
+    want = _requantize(gathered(q, source_rows), block, dtype=dtype, transpose=transpose)
+    np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8), np.asarray(want.values).view(np.uint8),
+                                  err_msg=f"{context}: the values' bits against requantize of the gathered rows")
+    np.testing.assert_array_equal(np.asarray(got.scales).view(np.uint32), np.asarray(want.scales).view(np.uint32),
+                                  err_msg=f"{context}: the scales' bits against requantize of the gathered rows")
+
+
+def test_requantize_through_source_rows_out_of_range_gives_nan_rows(rng):
+    tokens, cols = 64, 256
+    q = fp8.quantize(draw(rng, (tokens, cols), jnp.bfloat16), ACT)
+    source_rows = dispatch_like_rows(rng, tokens, 128)
+    bad = [3, 50, 99]
+    source_rows[bad] = [tokens, -2, np.iinfo(np.int32).max]
+    got = fp8.requantize(q, ACT, dtype=jnp.bfloat16, source_rows=jnp.asarray(source_rows))
+    good = np.setdiff1d(np.arange(128), bad)
+    assert np.isnan(np.asarray(got.scales)[bad]).all() and np.isnan(np.asarray(got.values, np.float32)[bad]).all()
+    want = _requantize(gathered(q, np.where(np.isin(np.arange(128), bad), -1, source_rows)), ACT, dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got.values).view(np.uint8)[good], np.asarray(want.values).view(np.uint8)[good])
+    np.testing.assert_array_equal(np.asarray(got.scales)[good], np.asarray(want.scales)[good])
+
+
 def special_fp8_rows() -> fp8.BlockQuantized:
     """[256, 256] FP8 rows in 1 x 128 blocks whose products with their scales are special: a
     NaN value, a NaN scale, a subnormal scale, zeros, values near float16's largest (past it,
@@ -588,6 +646,20 @@ _Q = fp8.BlockQuantized(jnp.zeros((100, 256), jnp.float8_e4m3fn), jnp.ones((100,
 def test_bad_input_to_requantize_is_named(q, block, kwargs, error, message):
     with pytest.raises(error, match=message):
         fp8.requantize(q, block, **kwargs)
+
+
+@pytest.mark.parametrize("q, kwargs, error, message", [
+    (_Q, {"source_rows": jnp.zeros((128,), jnp.float32)}, TypeError, r"source_rows must be int32 \[rows\], got float32\[128\]"),
+    (_Q, {"source_rows": jnp.zeros((2, 64), jnp.int32)}, TypeError, r"source_rows must be int32 \[rows\], got int32\[2, 64\]"),
+    (fp8.BlockQuantized(jnp.zeros((2, 100, 256), jnp.float8_e4m3fn), jnp.ones((2, 100, 2)), ACT),
+     {"source_rows": jnp.zeros((128,), jnp.int32)}, ValueError,
+     r"q must be one matrix \[R, C\] with source_rows, got shape \(2, 100, 256\)"),
+    (_Q, {"source_rows": jnp.zeros((100,), jnp.int32), "transpose": True}, ValueError,
+     r"q\[source_rows\]'s last two dimensions \(100, 256\), transposed \(256, 100\), must be multiples"),
+], ids=["float_rows", "matrix_of_rows", "batched_q", "rows_not_a_multiple_of_the_block"])
+def test_bad_source_rows_to_requantize_are_named(q, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        fp8.requantize(q, ACT, **kwargs)
 
 
 def test_dequantize_takes_only_a_quantized_tensor():

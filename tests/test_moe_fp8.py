@@ -246,8 +246,8 @@ def test_the_fp8_step_quantizes_each_tensor_from_one_read(chunks):
     # The experts' weights (the forward's products take them [E, N, K], the backward's [E, K, N])
     # and each chunk's up-projection gradient rows (d lhs per row, the up weight's gradient
     # transposed) are quantized both ways at once; each chunk's output gradient and its dispatched
-    # rows, which travelled per row, are requantized transposed from their FP8 values; XLA
-    # transposes no FP8 values.
+    # rows, which travelled per row, are requantized transposed from their FP8 values (the rows
+    # read from their tokens); XLA transposes no FP8 values.
     eqns = list(_equations(fp8_step_jaxpr(chunks).jaxpr))
     kinds = collections.Counter(("requantized " if "dequantized_dtype" in e.params else "") + e.params["orientation"]
                                 for e in eqns if e.primitive.name == "oxmoe_fp8_quantize")
@@ -256,6 +256,10 @@ def test_the_fp8_step_quantizes_each_tensor_from_one_read(chunks):
     # tokens, hidden activations and output gradient.
     assert kinds == {"both": 2 + chunks, "transposed": chunks, "requantized transposed": 2 * chunks,
                      "as_is": 3 * chunks}, kinds
+    # Each chunk's dispatched rows are requantized from its tokens through the dispatch's map
+    # (source_rows), not from a gathered copy.
+    through_maps = [e for e in eqns if e.primitive.name == "oxmoe_fp8_quantize" and len(e.invars) == 3]
+    assert len(through_maps) == chunks, through_maps
     fp8_transposes = [e for e in eqns
                       if e.primitive.name == "transpose" and e.invars[0].aval.dtype == jnp.float8_e4m3fn]
     assert not fp8_transposes, fp8_transposes

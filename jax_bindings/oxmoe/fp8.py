@@ -201,6 +201,12 @@ _quantize_with_transpose_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout
 # dequantized to the attribute `dequantized_dtype` as they are read.
 _requantize_p = FfiPrimitive("oxmoe_fp8_quantize", operands=(Layout.ROWS,) * 2, results=(Layout.ROWS,) * 2,
                              result_specs=_quantize_results)
+# The same with a third operand, source_rows [R'] int32: x [1, R', C] is the rows of the FP8
+# values [1, R, C] it names, so no result row is the operands' row of the same index.
+_requantize_rows_p = FfiPrimitive(
+    "oxmoe_fp8_quantize", operands=(Layout.DISPATCHED,) * 3, results=(Layout.DISPATCHED,) * 2,
+    result_specs=lambda values, scales, source_rows, **params: _quantize_results(
+        jax.ShapeDtypeStruct((1, source_rows.shape[0], values.shape[2]), values.dtype), **params))
 
 
 def _block_attrs(block: tuple[int, int], power_of_two_scales: bool) -> dict:
@@ -282,11 +288,15 @@ def quantize_with_transpose(x, block: tuple[int, int] = ACTIVATION_BLOCK, *,
 
 
 def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, dtype=jnp.float32,
-               power_of_two_scales: bool = False, transpose: bool = False) -> BlockQuantized:
+               power_of_two_scales: bool = False, transpose: bool = False,
+               source_rows: jax.Array | None = None) -> BlockQuantized:
     """``quantize(dequantize(q, dtype), block, ...)``, bit for bit, read from ``q``'s FP8
     values and scales: the tensor ``q`` stands for, in ``dtype``, quantized in other blocks
     (or transposed) without a copy of it in ``dtype`` (the layer's output gradient, which
     travels per row in 1 x 128 blocks, for the down weight's gradient per 128 rows).
+    With ``source_rows``, the same of the rows of ``q`` it names, gathered as they are
+    read (the layer's tokens as the dispatch's rows, for the up weight's gradient, with
+    no copy of those rows).
 
     Args:
       q: ``[..., R, C]`` in :data:`ACTIVATION_BLOCK` blocks (:func:`quantize`'s result, or
@@ -300,6 +310,11 @@ def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, 
         up to ``2**-126`` in ``dtype``).
       power_of_two_scales: round each scale up to a power of two.
       transpose: quantize the transpose (values ``[..., C, R]``), as :func:`quantize`.
+      source_rows: ``[R']`` int32, or None: requantize ``[R', C]`` rows instead, row ``r``
+        being ``q``'s row ``source_rows[r]`` (``q`` ``[R, C]``, one matrix), zeros where
+        the entry is -1 (a dispatch's ``row_id_map.source_tokens`` marks its padding rows
+        so) and NaNs where it is any other value outside ``[0, R)`` (a map that does not
+        belong to ``q``, as the permutation's gathers treat it).
     """
     _check_quantized("q", q, ACTIVATION_BLOCK, "[..., R, C]")
     dtype = jnp.dtype(dtype)
@@ -307,6 +322,8 @@ def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, 
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
     transpose = check_bool("transpose", transpose)
+    if source_rows is not None:
+        return _requantize_rows(q, block, dtype, power_of_two_scales, transpose, source_rows)
     _check_quantize_input(jax.ShapeDtypeStruct(q.shape, dtype), block, transpose, name="q")
     *lead, rows, cols = q.shape
     view = _matrices(q.shape, block, transpose)
@@ -316,6 +333,23 @@ def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, 
         **_block_attrs(block, power_of_two_scales), orientation="transposed" if transpose else "as_is",
         dequantized_dtype=dtype.name)
     return _quantized(values, scales, (*lead, cols, rows) if transpose else q.shape, block)
+
+
+def _requantize_rows(q: BlockQuantized, block, dtype, power_of_two_scales: bool, transpose: bool, source_rows):
+    """:func:`requantize` with ``source_rows``, its arguments checked but these two."""
+    if len(q.shape) != 2:
+        raise ValueError(f"q must be one matrix [R, C] with source_rows, got shape {q.shape}")
+    source_rows = jnp.asarray(source_rows)
+    if source_rows.ndim != 1 or source_rows.dtype != jnp.int32:
+        raise TypeError(f"source_rows must be int32 [rows], got {source_rows.dtype}{list(source_rows.shape)}")
+    cols = q.shape[1]
+    gathered = (len(source_rows), cols)
+    _check_quantize_input(jax.ShapeDtypeStruct(gathered, dtype), block, transpose, name="q[source_rows]")
+    values, scales = _requantize_rows_p(
+        jax.lax.stop_gradient(q.values)[None], jax.lax.stop_gradient(q.scales)[None], source_rows,
+        **_block_attrs(block, power_of_two_scales), orientation="transposed" if transpose else "as_is",
+        dequantized_dtype=dtype.name)
+    return _quantized(values, scales, gathered[::-1] if transpose else gathered, block)
 
 
 def _blocks(x, block: tuple[int, int]):

@@ -18,7 +18,7 @@
 //! An FP8 input (requantization: values and their 1 x 128 blocks' scales) is
 //! [`dequantized`] first, as `oxmoe.fp8.dequantize` computes it on XLA:CPU.
 
-use super::Quantization;
+use super::{Quantization, SourceRow};
 use crate::real::{Real, E4m3};
 use rayon::prelude::*;
 
@@ -58,6 +58,24 @@ fn flushed_product(a: f32, b: f32) -> f32 {
 /// `oxmoe.fp8.dequantize(q, T)`.
 pub fn dequantized<T: Real>(values: &[E4m3], scales: &[f32]) -> Vec<T> {
     values.par_iter().enumerate().map(|(i, v)| T::from_f32(flushed_product(v.to_f32(), scales[i / 128]))).collect()
+}
+
+/// [`dequantized`] of the FP8 rows (`cols` values each) that `source_rows`
+/// names, in its order: x's row `r` is the input's row `source_rows[r]`
+/// dequantized, zeros or NaNs as [`SourceRow`] says.
+pub fn dequantized_rows<T: Real>(values: &[E4m3], scales: &[f32], cols: usize, source_rows: &[i32]) -> Vec<T> {
+    let rows = if cols == 0 { 0 } else { values.len() / cols };
+    let mut x = vec![T::from_f32(0.0); source_rows.len() * cols];
+    if cols == 0 {
+        return x;
+    }
+    x.par_chunks_mut(cols).zip(source_rows.par_iter()).for_each(|(row, &entry)| match SourceRow::of(entry, rows) {
+        SourceRow::At(i) => row.copy_from_slice(&dequantized(&values[i * cols..(i + 1) * cols],
+                                                              &scales[i * cols / 128..(i + 1) * cols / 128])),
+        SourceRow::Zeros => {}
+        SourceRow::Nans => row.fill(T::from_f32(f32::NAN)),
+    });
+    x
 }
 
 /// The smallest power of two at least `r`, a positive normal float32 (below

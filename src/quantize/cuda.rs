@@ -35,19 +35,23 @@ pub fn quantize(stream: Stream, op: &Quantize) -> Result<()> {
     // are a multiple of the block's): the kernel sees one matrix of all rows.
     let (batch, rows) = if orientation.transposed() { (q.batch, q.rows) } else { (1, q.batch * q.rows) };
     let tiles = batch * rows.div_ceil(TILE) * q.cols.div_ceil(TILE);
-    let (x, x_scales, fp8_input) = match &op.x {
-        Input::Float(x) => (x.device_ptr(), 0, false),
-        Input::Fp8 { values, scales, .. } => (values.device_ptr(), scales.device_ptr(), true),
+    // An FP8 input's own rows, and the pointer to the rows of x it gives (null: x's row r is its row r).
+    let (x, x_scales, fp8_input, source_rows, input_rows) = match &op.x {
+        Input::Float(x) => (x.device_ptr(), 0, false, 0, 0),
+        Input::Fp8 { values, scales, source_rows, .. } => {
+            let source = source_rows.as_ref().map_or(0, |s| s.device_ptr());
+            (values.device_ptr(), scales.device_ptr(), true, source, values.dims()[1].max(0) as usize)
+        }
     };
     let instance = quantize_instance(op.x.dtype(), q.block, orientation, q.power_of_two_scales, fp8_input)?;
     let kernel = Kernel::get(stream, &QUANTIZE, &instance)?;
-    let (batch, rows, cols) = (int(batch)?, int(rows)?, int(q.cols)?);
+    let (batch, rows, cols, input_rows) = (int(batch)?, int(rows)?, int(q.cols)?, int(input_rows)?);
     // A result the call does not write is a null pointer the kernel never follows.
     let pointers = |out: &Option<Output>| out.as_ref().map_or((0, 0), |o| (o.values.device_ptr(), o.scales.device_ptr()));
     let ((values, scales), (transposed_values, transposed_scales)) = (pointers(&op.as_is), pointers(&op.transposed));
     launch(stream, kernel, LaunchConfig { grid: grid(tiles)?, block: THREADS, shared_bytes: 0 }, &mut [
-        arg(&x), arg(&x_scales), arg(&batch), arg(&rows), arg(&cols), arg(&values), arg(&scales), arg(&transposed_values),
-        arg(&transposed_scales),
+        arg(&x), arg(&x_scales), arg(&source_rows), arg(&input_rows), arg(&batch), arg(&rows), arg(&cols), arg(&values),
+        arg(&scales), arg(&transposed_values), arg(&transposed_scales),
     ])
 }
 

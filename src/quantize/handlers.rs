@@ -17,8 +17,13 @@ fn quantize_cpu(op: Quantize) -> Result<()> {
         let dequantized: Vec<T>;
         let x = match &op.x {
             Input::Float(x) => x.slice()?,
-            Input::Fp8 { values, scales, .. } => {
+            Input::Fp8 { values, scales, source_rows: None, .. } => {
                 dequantized = cpu::dequantized(values.slice()?, scales.slice()?);
+                &dequantized
+            }
+            Input::Fp8 { values, scales, source_rows: Some(source_rows), .. } => {
+                let cols = values.dims()[2].max(0) as usize;
+                dequantized = cpu::dequantized_rows(values.slice()?, scales.slice()?, cols, source_rows.slice()?);
                 &dequantized
             }
         };

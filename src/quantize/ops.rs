@@ -29,7 +29,30 @@ pub enum Input<'a> {
     /// [B, R, C / 128] (two arguments; `requantize`): each element their
     /// product rounded to `dtype` (attribute `dequantized_dtype`: float32,
     /// bfloat16 or float16), as `oxmoe.fp8.dequantize(q, dtype)` gives it.
-    Fp8 { values: Arg<'a>, scales: Arg<'a>, dtype: DataType },
+    /// With a third argument, `source_rows` int32 [R'] (and B = 1), x is
+    /// [1, R', C], row r the FP8 row `source_rows[r]` of the R ([`SourceRow`]).
+    Fp8 { values: Arg<'a>, scales: Arg<'a>, dtype: DataType, source_rows: Option<Arg<'a>> },
+}
+
+/// What an entry of `source_rows` gives x's row: the FP8 input's row `i`
+/// (`At(i)`, for `0 <= i < R`), zeros (`-1`: a padding row of a dispatch's
+/// map), or NaNs (any other value: a map that does not belong to the input,
+/// as the permutation's gathers treat it).
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum SourceRow {
+    At(usize),
+    Zeros,
+    Nans,
+}
+
+impl SourceRow {
+    pub fn of(entry: i32, rows: usize) -> Self {
+        match entry {
+            -1 => Self::Zeros,
+            i if i >= 0 && (i as usize) < rows => Self::At(i as usize),
+            _ => Self::Nans,
+        }
+    }
 }
 
 impl Input<'_> {
@@ -51,7 +74,7 @@ pub struct Output<'a> {
 
 impl<'a> Quantize<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(1, 2)?;
+        call.expect_num_args(1, 3)?;
         let (x, [batch, rows, cols]) = Input::decode(call)?;
         let block = Block { rows: call.count("block_rows")?, cols: call.count("block_cols")? };
         if !RECIPE_BLOCKS.contains(&block) {
@@ -94,7 +117,18 @@ impl<'a> Input<'a> {
         let Some(&dtype) = FLOAT_TYPES.iter().find(|t| t.name() == name) else {
             invalid!("dequantized_dtype is {name:?}, expected \"float32\", \"bfloat16\" or \"float16\"")
         };
-        Ok((Self::Fp8 { values, scales, dtype }, dims))
+        if call.num_args() == 2 {
+            return Ok((Self::Fp8 { values, scales, dtype, source_rows: None }, dims));
+        }
+        let source_rows = call.arg(2, "source_rows")?;
+        let &[x_rows] = source_rows.dims() else {
+            invalid!("source_rows has shape {:?}, expected [rows]", source_rows.dims())
+        };
+        source_rows.expect(&[DataType::S32], &[x_rows.max(0) as usize])?;
+        if batch != 1 {
+            invalid!("values has shape [{batch}, {rows}, {cols}], expected one matrix [1, rows, columns] with source_rows")
+        }
+        Ok((Self::Fp8 { values, scales, dtype, source_rows: Some(source_rows) }, [1, x_rows.max(0) as usize, cols]))
     }
 }
 
