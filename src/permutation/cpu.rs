@@ -7,7 +7,7 @@
 //! `source_tokens[r]`, the token output row `r` holds (-1: a padding or unused
 //! row, which is zero).
 
-use super::DispatchLayout;
+use super::{DispatchLayout, Entry};
 use crate::real::Real;
 use rayon::prelude::*;
 
@@ -97,22 +97,6 @@ pub fn dispatch_rows<T: Real>(tokens: &[T], hidden: usize, source_tokens: &[i32]
     );
 }
 
-/// Where an entry of a row map points (a `dest_rows` entry into the expert
-/// rows, a `source_tokens` entry into the tokens): nowhere (-1), an index
-/// below `len`, or out of range (a map that does not belong to them).
-enum Entry {
-    None,
-    At(usize),
-    Invalid,
-}
-
-fn entry(value: i32, len: usize) -> Entry {
-    match value {
-        -1 => Entry::None,
-        i if i >= 0 && (i as usize) < len => Entry::At(i as usize),
-        _ => Entry::Invalid,
-    }
-}
 
 /// `out[t] = sum over e (in increasing order) of w[t, e] * expert_tokens[dest_rows[t, e]]`
 /// for the routed `e`, with `w = 1` without `weights`; NaN if an entry is out of range.
@@ -133,7 +117,7 @@ pub fn combine<T: Real>(
         |sum, (t, out_row)| {
             sum.fill(0.0);
             for x in 0..experts {
-                let row = match entry(dest_rows[t * experts + x], rows) {
+                let row = match Entry::of(dest_rows[t * experts + x], rows) {
                     Entry::None => continue,
                     Entry::At(row) => row,
                     Entry::Invalid => {
@@ -187,7 +171,7 @@ pub fn combine_backward<T: Real>(
     if hidden > 0 {
         grad_expert_tokens.par_chunks_mut(hidden).zip(source_tokens.par_iter()).enumerate()
             .with_min_len(ROWS_PER_TASK).for_each(|(r, (out_row, &source))| {
-                let t = match entry(source, tokens) {
+                let t = match Entry::of(source, tokens) {
                     Entry::None => return out_row.fill(T::from_f32(0.0)),
                     Entry::Invalid => return out_row.fill(T::from_f32(f32::NAN)),
                     Entry::At(t) => t,
@@ -210,7 +194,7 @@ pub fn combine_backward<T: Real>(
     grad_weights.par_chunks_mut(experts).enumerate().with_min_len(ROWS_PER_TASK).for_each(|(t, grad_row)| {
         let g = &grad_out[t * hidden..(t + 1) * hidden];
         for (x, out) in grad_row.iter_mut().enumerate() {
-            *out = match entry(dest_rows[t * experts + x], rows) {
+            *out = match Entry::of(dest_rows[t * experts + x], rows) {
                 Entry::None => 0.0,
                 Entry::Invalid => f32::NAN,
                 Entry::At(row) => {

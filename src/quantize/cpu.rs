@@ -18,7 +18,8 @@
 //! An FP8 input (requantization: values and their 1 x 128 blocks' scales) is
 //! [`dequantized`] first, as `oxmoe.fp8.dequantize` computes it on XLA:CPU.
 
-use super::{Quantization, SourceRow};
+use super::Quantization;
+use crate::permutation::Entry;
 use crate::real::{Real, E4m3};
 use rayon::prelude::*;
 
@@ -57,23 +58,33 @@ fn flushed_product(a: f32, b: f32) -> f32 {
 /// 128]`: element `i`'s is `scales[i / 128]`), each product rounded to `T`:
 /// `oxmoe.fp8.dequantize(q, T)`.
 pub fn dequantized<T: Real>(values: &[E4m3], scales: &[f32]) -> Vec<T> {
-    values.par_iter().enumerate().map(|(i, v)| T::from_f32(flushed_product(v.to_f32(), scales[i / 128]))).collect()
+    values.par_iter().enumerate().map(|(i, v)| dequantized_value(*v, scales[i / 128])).collect()
+}
+
+/// An FP8 value times its scale, rounded to `T`.
+fn dequantized_value<T: Real>(value: E4m3, scale: f32) -> T {
+    T::from_f32(flushed_product(value.to_f32(), scale))
 }
 
 /// [`dequantized`] of the FP8 rows (`cols` values each) that `source_rows`
-/// names, in its order: x's row `r` is the input's row `source_rows[r]`
-/// dequantized, zeros or NaNs as [`SourceRow`] says.
+/// names, in its order, gathered as the permutation's gathers do: x's row `r`
+/// is the input's row `source_rows[r]` dequantized, zeros where the entry is
+/// -1, NaNs where it is out of range ([`Entry`]).
 pub fn dequantized_rows<T: Real>(values: &[E4m3], scales: &[f32], cols: usize, source_rows: &[i32]) -> Vec<T> {
-    let rows = if cols == 0 { 0 } else { values.len() / cols };
-    let mut x = vec![T::from_f32(0.0); source_rows.len() * cols];
     if cols == 0 {
-        return x;
+        return Vec::new();
     }
-    x.par_chunks_mut(cols).zip(source_rows.par_iter()).for_each(|(row, &entry)| match SourceRow::of(entry, rows) {
-        SourceRow::At(i) => row.copy_from_slice(&dequantized(&values[i * cols..(i + 1) * cols],
-                                                              &scales[i * cols / 128..(i + 1) * cols / 128])),
-        SourceRow::Zeros => {}
-        SourceRow::Nans => row.fill(T::from_f32(f32::NAN)),
+    let rows = values.len() / cols;
+    let mut x = vec![T::from_f32(0.0); source_rows.len() * cols];
+    x.par_chunks_mut(cols).zip(source_rows.par_iter()).for_each(|(row, &entry)| match Entry::of(entry, rows) {
+        Entry::At(i) => {
+            let (values, scales) = (&values[i * cols..(i + 1) * cols], &scales[i * cols / 128..]);
+            for (j, (x, &v)) in row.iter_mut().zip(values).enumerate() {
+                *x = dequantized_value(v, scales[j / 128]);
+            }
+        }
+        Entry::None => {}
+        Entry::Invalid => row.fill(T::from_f32(f32::NAN)),
     });
     x
 }

@@ -16,7 +16,7 @@ pub mod cuda;
 pub mod handlers;
 mod ops;
 
-pub use ops::{Input, Output, Quantize, SourceRow};
+pub use ops::{Input, Output, Quantize};
 
 use crate::ffi::Result;
 use crate::invalid;

@@ -30,29 +30,9 @@ pub enum Input<'a> {
     /// product rounded to `dtype` (attribute `dequantized_dtype`: float32,
     /// bfloat16 or float16), as `oxmoe.fp8.dequantize(q, dtype)` gives it.
     /// With a third argument, `source_rows` int32 [R'] (and B = 1), x is
-    /// [1, R', C], row r the FP8 row `source_rows[r]` of the R ([`SourceRow`]).
+    /// [1, R', C], row r the FP8 row `source_rows[r]` of the R, gathered as
+    /// the permutation's gathers do ([`Entry`](crate::permutation::Entry)).
     Fp8 { values: Arg<'a>, scales: Arg<'a>, dtype: DataType, source_rows: Option<Arg<'a>> },
-}
-
-/// What an entry of `source_rows` gives x's row: the FP8 input's row `i`
-/// (`At(i)`, for `0 <= i < R`), zeros (`-1`: a padding row of a dispatch's
-/// map), or NaNs (any other value: a map that does not belong to the input,
-/// as the permutation's gathers treat it).
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-pub enum SourceRow {
-    At(usize),
-    Zeros,
-    Nans,
-}
-
-impl SourceRow {
-    pub fn of(entry: i32, rows: usize) -> Self {
-        match entry {
-            -1 => Self::Zeros,
-            i if i >= 0 && (i as usize) < rows => Self::At(i as usize),
-            _ => Self::Nans,
-        }
-    }
 }
 
 impl Input<'_> {
@@ -124,11 +104,12 @@ impl<'a> Input<'a> {
         let &[x_rows] = source_rows.dims() else {
             invalid!("source_rows has shape {:?}, expected [rows]", source_rows.dims())
         };
-        source_rows.expect(&[DataType::S32], &[x_rows.max(0) as usize])?;
+        let x_rows = x_rows.max(0) as usize;
+        source_rows.expect(&[DataType::S32], &[x_rows])?;
         if batch != 1 {
             invalid!("values has shape [{batch}, {rows}, {cols}], expected one matrix [1, rows, columns] with source_rows")
         }
-        Ok((Self::Fp8 { values, scales, dtype, source_rows: Some(source_rows) }, [1, x_rows.max(0) as usize, cols]))
+        Ok((Self::Fp8 { values, scales, dtype, source_rows: Some(source_rows) }, [1, x_rows, cols]))
     }
 }
 
