@@ -322,33 +322,23 @@ def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, 
         raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
     power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
     transpose = check_bool("transpose", transpose)
-    if source_rows is not None:
-        return _requantize_rows(q, block, dtype, power_of_two_scales, transpose, source_rows)
-    _check_quantize_input(jax.ShapeDtypeStruct(q.shape, dtype), block, transpose, name="q")
-    *lead, rows, cols = q.shape
-    view = _matrices(q.shape, block, transpose)
-    values, scales = _requantize_p(
-        jax.lax.stop_gradient(q.values).reshape(*view, cols),
-        jax.lax.stop_gradient(q.scales).reshape(*view, cols // 128),
-        **_block_attrs(block, power_of_two_scales), orientation="transposed" if transpose else "as_is",
-        dequantized_dtype=dtype.name)
-    return _quantized(values, scales, (*lead, cols, rows) if transpose else q.shape, block)
-
-
-def _requantize_rows(q: BlockQuantized, block, dtype, power_of_two_scales: bool, transpose: bool, source_rows):
-    """:func:`requantize` with ``source_rows``, its arguments checked but these two."""
+    attrs = dict(_block_attrs(block, power_of_two_scales), orientation="transposed" if transpose else "as_is",
+                 dequantized_dtype=dtype.name)
+    values, scales = jax.lax.stop_gradient(q.values), jax.lax.stop_gradient(q.scales)
+    if source_rows is None:
+        _check_quantize_input(jax.ShapeDtypeStruct(q.shape, dtype), block, transpose, name="q")
+        *lead, rows, cols = q.shape
+        view = _matrices(q.shape, block, transpose)
+        values, scales = _requantize_p(values.reshape(*view, cols), scales.reshape(*view, cols // 128), **attrs)
+        return _quantized(values, scales, (*lead, cols, rows) if transpose else q.shape, block)
     if len(q.shape) != 2:
         raise ValueError(f"q must be one matrix [R, C] with source_rows, got shape {q.shape}")
     source_rows = jnp.asarray(source_rows)
     if source_rows.ndim != 1 or source_rows.dtype != jnp.int32:
         raise TypeError(f"source_rows must be int32 [rows], got {source_rows.dtype}{list(source_rows.shape)}")
-    cols = q.shape[1]
-    gathered = (len(source_rows), cols)
+    gathered = (len(source_rows), q.shape[1])
     _check_quantize_input(jax.ShapeDtypeStruct(gathered, dtype), block, transpose, name="q[source_rows]")
-    values, scales = _requantize_rows_p(
-        jax.lax.stop_gradient(q.values)[None], jax.lax.stop_gradient(q.scales)[None], source_rows,
-        **_block_attrs(block, power_of_two_scales), orientation="transposed" if transpose else "as_is",
-        dequantized_dtype=dtype.name)
+    values, scales = _requantize_rows_p(values[None], scales[None], source_rows, **attrs)
     return _quantized(values, scales, gathered[::-1] if transpose else gathered, block)
 
 
