@@ -412,17 +412,19 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
         # copy of them, and the same values as quantizing one. The dispatched rows are read
         # from their tokens through the dispatch's map, with no copy of them either.
         power_of_two_scales = config.fp8.power_of_two_scales
+        requantize = functools.partial(fp8.requantize, block=fp8.ACTIVATION_BLOCK, dtype=config.dtype,
+                                       transpose=True, power_of_two_scales=power_of_two_scales)
 
-        def quantize(rows, row_map: permutation.RowIdMap | None = None):
+        def quantize(rows):
             if isinstance(rows, fp8.BlockQuantized):
-                source_rows = None if row_map is None else row_map.source_tokens
-                return fp8.requantize(rows, fp8.ACTIVATION_BLOCK, dtype=config.dtype, transpose=True,
-                                      power_of_two_scales=power_of_two_scales, source_rows=source_rows)
-            if row_map is not None:
-                rows = _permuted(rows, row_map)
+                return requantize(rows)
             return fp8.quantize(rows, fp8.ACTIVATION_BLOCK, transpose=True, power_of_two_scales=power_of_two_scales)
+
+        def dispatched_rows(chunk: ExpertResiduals):
+            assert isinstance(chunk.tokens, fp8.BlockQuantized)  # kept as they travelled (_token_parts)
+            return requantize(chunk.tokens, source_rows=chunk.row_id_map.source_tokens)
         down_operands = tuple([quantize(r) for r in chunks] for chunks in down_operands)
-        up_operands = ([quantize(chunk.tokens, chunk.row_id_map) for chunk in kept], grad_up_rows)
+        up_operands = ([dispatched_rows(chunk) for chunk in kept], grad_up_rows)
         product = fp8.transposed_ragged_dot
     grad_down = product(*down_operands, sizes, num_groups=groups,
                         preferred_element_type=_weight_grad_dtype(params.down, config))
