@@ -401,48 +401,30 @@ __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict
   }
 }
 
-// Blocks an SM: 2 (up to 128 registers a thread), 3 for FP8 input (80). A
-// block loads half the bytes from FP8 values that it loads from bf16, so two
-// blocks kept too few in flight: 3 took requantize from 47% to 67% of copy on
-// an H200, with no spills (4 would spill).
-template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO, bool FP8_INPUT,
-          int THREADS>
-__global__ void __launch_bounds__(THREADS, FP8_INPUT ? 3 : 2)
-quantize(const void* __restrict__ x, const float* __restrict__ x_scales, const int* __restrict__ source_rows,
-         int input_rows, int batch, int rows, int cols,
-         unsigned char* __restrict__ values, float* __restrict__ scales, unsigned char* __restrict__ transposed_values,
-         float* __restrict__ transposed_scales) {
-  static_assert(THREADS == QUANTIZE_THREADS, "the launch's threads are the layout's (src/quantize/cuda.rs)");
+// A tile held by its threads (load_tile's layout) to its quantizations in
+// BLOCK_ROWS x BLOCK_COLS blocks: as it is (AS_IS: values [b][rows][cols]) and
+// transposed (TRANSPOSED: values [b][cols][rows]), with their scales. at says
+// where the tile lies in x [b][rows][cols].
+// stage: QUANTIZE_TILE^2 bytes of shared memory (16-byte aligned) for the
+// transposed values, written only after a barrier that every thread reaches
+// once it holds its part of the tile.
+template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO>
+__device__ __forceinline__ void quantize_tile(const uint4 (&tile)[TileLayout<T>::ROWS], const TilePlace& at,
+                                              unsigned char* __restrict__ values, float* __restrict__ scales,
+                                              unsigned char* __restrict__ transposed_values,
+                                              float* __restrict__ transposed_scales, unsigned char* stage) {
   static_assert(AS_IS || TRANSPOSED, "a result to write");
-  using L = TileLayout<T>;
-  constexpr int TILE = QUANTIZE_TILE;
   // Each result's blocks in x: the transposed result's are its blocks the other way round.
   constexpr Blocks AS_IS_BLOCKS = blocks_in_x<BLOCK_ROWS, BLOCK_COLS>();
   constexpr Blocks TRANSPOSED_BLOCKS = blocks_in_x<BLOCK_COLS, BLOCK_ROWS>();
-
-  const int tiles_r = (rows + TILE - 1) / TILE, tiles_c = (cols + TILE - 1) / TILE;
-  const int tile_index = blockIdx.x;
-  TilePlace at;
-  at.b = tile_index / (tiles_r * tiles_c), at.rows = rows, at.cols = cols;
-  at.r0 = tile_index / tiles_c % tiles_r * TILE, at.c0 = tile_index % tiles_c * TILE;
-  at.lane = threadIdx.x % 32, at.warp = threadIdx.x / 32;
-  at.piece = threadIdx.x % L::LANES, at.group = threadIdx.x / L::LANES;
-  at.r_first = at.r0 + at.group * L::ROWS, at.c = at.c0 + at.piece * L::VEC;
-  uint4 tile[L::ROWS];
-  if constexpr (FP8_INPUT) {
-    load_dequantized<T>(static_cast<const unsigned char*>(x), x_scales, source_rows, input_rows, at, tile);
-  } else {
-    load_tile<T>(static_cast<const T*>(x), at, tile);
-  }
-
   // Each result's scale of x's element (r, c)'s block.
   const auto as_is_scale = [&](int r, int c) -> float& {
-    return scales[(static_cast<long long>(at.b) * (rows / BLOCK_ROWS) + r / BLOCK_ROWS) * (cols / BLOCK_COLS) +
+    return scales[(static_cast<long long>(at.b) * (at.rows / BLOCK_ROWS) + r / BLOCK_ROWS) * (at.cols / BLOCK_COLS) +
                   c / BLOCK_COLS];
   };
   const auto transposed_scale = [&](int r, int c) -> float& {
-    return transposed_scales[(static_cast<long long>(at.b) * (cols / BLOCK_ROWS) + c / BLOCK_ROWS) *
-                             (rows / BLOCK_COLS) + r / BLOCK_COLS];
+    return transposed_scales[(static_cast<long long>(at.b) * (at.cols / BLOCK_ROWS) + c / BLOCK_ROWS) *
+                             (at.rows / BLOCK_COLS) + r / BLOCK_COLS];
   };
   // Each result's reciprocal scales, its scales written on the way, then its
   // values: the as-is ones first, so that their stores are in flight while the
@@ -466,9 +448,194 @@ quantize(const void* __restrict__ x, const float* __restrict__ x_scales, const i
       transposed_inverse = block_inverses<TRANSPOSED_BLOCKS, POWER_OF_TWO, T>(
           tile, at, [&](int r, int c, float scale) { transposed_scale(r, c) = scale; });
     }
-    __shared__ __align__(16) unsigned char stage[TILE * TILE];
+    // Reused by a block's next tile: its first __syncthreads (block_inverses') is
+    // past every thread's reads of this one.
     stage_columns<T>(tile, transposed_inverse, at, stage);
     __syncthreads();
     store_staged<T>(stage, at, transposed_values);
   }
+}
+
+// The tile of block blockIdx.x (tiles row-major over each batch element's x
+// [rows, cols]), and the thread's part of it.
+template <typename T>
+__device__ __forceinline__ TilePlace tile_place(int tile_index, int rows, int cols) {
+  using L = TileLayout<T>;
+  const int tiles_r = (rows + QUANTIZE_TILE - 1) / QUANTIZE_TILE, tiles_c = (cols + QUANTIZE_TILE - 1) / QUANTIZE_TILE;
+  TilePlace at;
+  at.b = tile_index / (tiles_r * tiles_c), at.rows = rows, at.cols = cols;
+  at.r0 = tile_index / tiles_c % tiles_r * QUANTIZE_TILE, at.c0 = tile_index % tiles_c * QUANTIZE_TILE;
+  at.lane = threadIdx.x % 32, at.warp = threadIdx.x / 32;
+  at.piece = threadIdx.x % L::LANES, at.group = threadIdx.x / L::LANES;
+  at.r_first = at.r0 + at.group * L::ROWS, at.c = at.c0 + at.piece * L::VEC;
+  return at;
+}
+
+// at moved to the tile of x [rows, cols] whose first column is c0 (same rows).
+__device__ __forceinline__ TilePlace at_columns(TilePlace at, int cols, int c0) {
+  at.c += c0 - at.c0;
+  at.cols = cols, at.c0 = c0;
+  return at;
+}
+
+// Blocks an SM: 2 (up to 128 registers a thread), 3 for FP8 input (80). A
+// block loads half the bytes from FP8 values that it loads from bf16, so two
+// blocks kept too few in flight: 3 took requantize from 47% to 67% of copy on
+// an H200, with no spills (4 would spill).
+template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO, bool FP8_INPUT,
+          int THREADS>
+__global__ void __launch_bounds__(THREADS, FP8_INPUT ? 3 : 2)
+quantize(const void* __restrict__ x, const float* __restrict__ x_scales, const int* __restrict__ source_rows,
+         int input_rows, int batch, int rows, int cols,
+         unsigned char* __restrict__ values, float* __restrict__ scales, unsigned char* __restrict__ transposed_values,
+         float* __restrict__ transposed_scales) {
+  static_assert(THREADS == QUANTIZE_THREADS, "the launch's threads are the layout's (src/quantize/cuda.rs)");
+  const TilePlace at = tile_place<T>(blockIdx.x, rows, cols);
+  uint4 tile[TileLayout<T>::ROWS];
+  if constexpr (FP8_INPUT) {
+    load_dequantized<T>(static_cast<const unsigned char*>(x), x_scales, source_rows, input_rows, at, tile);
+  } else {
+    load_tile<T>(static_cast<const T*>(x), at, tile);
+  }
+  __shared__ __align__(16) unsigned char stage[QUANTIZE_TILE * QUANTIZE_TILE];
+  quantize_tile<T, BLOCK_ROWS, BLOCK_COLS, AS_IS, TRANSPOSED, POWER_OF_TWO>(tile, at, values, scales,
+                                                                           transposed_values, transposed_scales, stage);
+}
+
+// The FP8 layer's activation backward (oxmoe.fp8.activation_bwd): activation.cu's
+// activation_bwd, element for element, with its 16-bit results quantized as the
+// backward's products take them, never written in T: the pre-activation's
+// gradient [rows, W] (W = 2F gated, else F) in 1 x 128 blocks and, transposed
+// ([W, rows]), in 128 x 1 blocks; the weighted hidden activation transposed
+// ([F, rows]) in 128 x 1 blocks; each row weight's gradient [rows] float32.
+// rows and F are multiples of 128 (src/activation/ops.rs checks), so every
+// tile is whole.
+//
+// One block of threads per 128 rows, along the F / 128 tiles of its rows in
+// turn: for each, the tiles of grad_hidden, gate and up in load_tile's layout,
+// their three results computed element by element, then quantize_tile on each.
+// Registers decide the layout: a tile's quantization takes ~126 registers a
+// thread with the tile (the quantize kernel's), and two blocks an SM (16
+// warps, for the ~60 instructions an element) allow 128. So the input tiles
+// arrive in shared memory (cp.async, 16 bytes a thread and row: nothing held
+// in registers while in flight), the results overwrite them in place and wait
+// there for their quantization, and each quantization stages its transposed
+// values in the tile it has just read into registers. A thread reads back only
+// the parts it wrote: no barrier, and no bank conflicts (a warp's 16-byte parts
+// are consecutive). The weight's gradient, a sum over the whole row, is summed
+// per tile over the row's lanes and added to the row's running sum in shared
+// memory, in a fixed order (no atomics: the same on every run).
+__device__ __forceinline__ void copy_async_16(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<unsigned>(__cvta_generic_to_shared(shared))),
+               "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void wait_copies() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Tiles of T in the kernel's dynamic shared memory: ACTIVATION_BWD_TILES * QUANTIZE_TILE^2 * sizeof(T) bytes.
+constexpr int ACTIVATION_BWD_TILES = 3;
+
+// The thread's part of tile k of tiles, row i.
+template <typename T>
+__device__ __forceinline__ uint4& tile_part(uint4* tiles, int k, int i) {
+  return tiles[(k * TileLayout<T>::ROWS + i) * QUANTIZE_THREADS + threadIdx.x];
+}
+
+// Tile k of tiles quantized in 1 x 128 blocks (if AS_IS) and transposed, staged
+// in its own bytes.
+template <typename T, bool AS_IS, bool POWER_OF_TWO>
+__device__ __forceinline__ void quantize_held(uint4* tiles, int k, const TilePlace& place, unsigned char* values,
+                                              float* scales, unsigned char* transposed_values,
+                                              float* transposed_scales) {
+  using L = TileLayout<T>;
+  unsigned char* stage = reinterpret_cast<unsigned char*>(&tiles[k * L::ROWS * QUANTIZE_THREADS]);
+  // Opaque to the compiler: otherwise it hoists the addresses of all five
+  // quantizations out of the kernel's loop, and their registers spilled.
+  TilePlace at = place;
+  asm volatile("" : "+r"(at.r0), "+r"(at.r_first), "+r"(at.c0), "+r"(at.c), "+r"(at.rows), "+r"(at.cols));
+  uint4 tile[L::ROWS];
+#pragma unroll
+  for (int i = 0; i < L::ROWS; ++i) tile[i] = tile_part<T>(tiles, k, i);
+  quantize_tile<T, 1, QUANTIZE_TILE, AS_IS, true, POWER_OF_TWO>(tile, at, values, scales, transposed_values,
+                                                                transposed_scales, stage);
+}
+
+template <typename T, int ACTIVATION, bool POWER_OF_TWO, int THREADS>
+__global__ void __launch_bounds__(THREADS, sizeof(T) == 4 ? 1 : 2)
+activation_bwd_quantized(const T* __restrict__ grad_hidden, const T* __restrict__ pre_activation,
+                         const float* __restrict__ row_probs, int rows, int features,
+                         unsigned char* __restrict__ grad_values, float* __restrict__ grad_scales,
+                         unsigned char* __restrict__ grad_transposed_values,
+                         float* __restrict__ grad_transposed_scales,
+                         unsigned char* __restrict__ weighted_transposed_values,
+                         float* __restrict__ weighted_transposed_scales, float* __restrict__ grad_row_probs) {
+  static_assert(THREADS == QUANTIZE_THREADS, "the launch's threads are the layout's (src/activation/cuda.rs)");
+  using L = TileLayout<T>;
+  constexpr bool GATED = is_gated(ACTIVATION);
+  // The tiles: grad_hidden's, then the first gradient (gate's or x's); the gate's
+  // (or x's), then the weighted hidden activation; the up's, then its gradient.
+  constexpr int FIRST = 0, WEIGHTED = 1, UP = 2;
+  static_assert(UP < ACTIVATION_BWD_TILES, "the tiles the launch gives");
+  extern __shared__ uint4 tiles[];
+  const auto part = [&](int k, int i) -> uint4& { return tile_part<T>(tiles, k, i); };
+  // The rows' weights and the running sums of their products.
+  __shared__ float weights[QUANTIZE_TILE], sums[QUANTIZE_TILE];
+
+  const int width = GATED ? 2 * features : features;
+  const TilePlace rows_at = tile_place<T>(blockIdx.x, rows, QUANTIZE_TILE);
+  if (threadIdx.x < QUANTIZE_TILE) {
+    weights[threadIdx.x] = row_probs[rows_at.r0 + threadIdx.x];
+    sums[threadIdx.x] = 0.f;
+  }
+  __syncthreads();
+  for (int c0 = 0; c0 < features; c0 += QUANTIZE_TILE) {
+    const TilePlace hidden_at = at_columns(rows_at, features, c0), gate_at = at_columns(rows_at, width, c0),
+                    up_at = at_columns(rows_at, width, features + c0);
+    const long long first_row = rows_at.r_first;
+#pragma unroll
+    for (int i = 0; i < L::ROWS; ++i) {
+      copy_async_16(&part(FIRST, i), grad_hidden + (first_row + i) * features + hidden_at.c);
+      copy_async_16(&part(WEIGHTED, i), pre_activation + (first_row + i) * width + gate_at.c);
+      if constexpr (GATED) copy_async_16(&part(UP, i), pre_activation + (first_row + i) * width + up_at.c);
+    }
+    wait_copies();
+#pragma unroll 1
+    for (int i = 0; i < L::ROWS; ++i) {
+      const uint4 g = part(FIRST, i), x = part(WEIGHTED, i);
+      uint4 u{};
+      if constexpr (GATED) u = part(UP, i);
+      const int row = rows_at.group * L::ROWS + i;
+      const float p = weights[row];
+      float sum = 0.f;
+      Pack<T, 16> grad_first, weighted, grad_up;
+#pragma unroll
+      for (int e = 0; e < L::VEC; ++e) {
+        float value, slope;
+        value_and_slope<is_gelu(ACTIVATION)>(element<T>(x, e), value, slope);
+        float up = 1.f;  // ungated: the products below are then exactly value and c * slope
+        if constexpr (GATED) up = element<T>(u, e);
+        const float hidden = rounded<T>(value * up), gh = element<T>(g, e);
+        sum += hidden * gh;
+        const float c = rounded<T>(gh * p);
+        grad_first.elems[e] = from_float<T>(c * up * slope);
+        grad_up.elems[e] = from_float<T>(c * value);
+        weighted.elems[e] = from_float<T>(hidden * p);
+      }
+#pragma unroll
+      for (int d = L::LANES / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+      if (rows_at.piece == 0) sums[row] += sum;
+      part(FIRST, i) = grad_first.raw, part(WEIGHTED, i) = weighted.raw;
+      if constexpr (GATED) part(UP, i) = grad_up.raw;
+    }
+    quantize_held<T, true, POWER_OF_TWO>(tiles, FIRST, gate_at, grad_values, grad_scales, grad_transposed_values,
+                                         grad_transposed_scales);
+    if constexpr (GATED)
+      quantize_held<T, true, POWER_OF_TWO>(tiles, UP, up_at, grad_values, grad_scales, grad_transposed_values,
+                                           grad_transposed_scales);
+    quantize_held<T, false, POWER_OF_TWO>(tiles, WEIGHTED, hidden_at, nullptr, nullptr, weighted_transposed_values,
+                                          weighted_transposed_scales);
+    // The next tile's copies land in the stages: every thread past its reads of them.
+    __syncthreads();
+  }
+  if (threadIdx.x < QUANTIZE_TILE) grad_row_probs[rows_at.r0 + threadIdx.x] = sums[threadIdx.x];
 }

@@ -205,6 +205,20 @@ def activation_bwd(grad_hidden, pre_activation, row_probs=None, activation="swig
     return _call("oxmoe_activation_bwd", rets, grad_hidden, pre_activation, row_probs, activation=activation)
 
 
+def fp8_activation_bwd(grad_hidden, pre_activation, activation="swiglu", power_of_two_scales=np.bool_(False)):
+    """oxmoe_fp8_activation_bwd of grad_hidden [R, F] and pre_activation, its results shaped
+    as a valid call's would be for those arguments."""
+    (rows, features), width = grad_hidden.shape, pre_activation.shape[1]
+
+    def quantization(r, c):
+        return (_spec((r, c), jnp.float8_e4m3fn), _spec((r, max(c // 128, 1)), jnp.float32))
+
+    rets = (*quantization(rows, width), *quantization(width, rows), *quantization(features, rows),
+            _spec((rows,), jnp.float32))
+    return _call("oxmoe_fp8_activation_bwd", rets, grad_hidden, pre_activation, np.ones((rows,), np.float32),
+                 activation=activation, power_of_two_scales=power_of_two_scales)
+
+
 def requantize(values, scales, dequantized_dtype="bfloat16", source_rows=None, **changes):
     """oxmoe_fp8_quantize of FP8 values [B, R, C] and their scales (and `source_rows`, if
     given: then the results have its rows), as quantize's call (a `dequantized_dtype` of None:
@@ -361,6 +375,19 @@ CASES.update({
         lambda: activation_bwd(np.zeros((4, 16), np.float32), np.zeros((4, 32), np.float32),
                                row_probs=np.ones((4, 16), np.float32)),
         "oxmoe_activation_bwd", [r"row_probs has shape float32\[4, 16\], expected \[4\]"]),
+    "fp8_activation_bwd_rows_not_a_multiple_of_128": (
+        lambda: fp8_activation_bwd(np.zeros((100, 128), np.float32), np.zeros((100, 256), np.float32)),
+        "oxmoe_fp8_activation_bwd", [r"grad_hidden is \[100, 128\], expected rows and features multiples of 128"]),
+    "fp8_activation_bwd_features_not_a_multiple_of_128": (
+        lambda: fp8_activation_bwd(np.zeros((128, 64), np.float32), np.zeros((128, 128), np.float32)),
+        "oxmoe_fp8_activation_bwd", [r"grad_hidden is \[128, 64\], expected rows and features multiples of 128"]),
+    "fp8_activation_bwd_ungated_width_for_swiglu": (
+        lambda: fp8_activation_bwd(np.zeros((128, 128), np.float32), np.zeros((128, 128), np.float32)),
+        "oxmoe_fp8_activation_bwd", [r"pre_activation has shape float32\[128, 128\], expected \[128, 256\]"]),
+    "fp8_activation_bwd_power_of_two_not_a_bool": (
+        lambda: fp8_activation_bwd(np.zeros((128, 128), np.float32), np.zeros((128, 256), np.float32),
+                                   power_of_two_scales=np.int64(1)),
+        "oxmoe_fp8_activation_bwd", [r"attribute `power_of_two_scales` has type int64, expected a bool"]),
     "ragged_dot_activation_odd_gated_width": (
         lambda: _call("oxmoe_ragged_dot_activation", (_spec((6, 7), jnp.float32), _spec((6, 3), jnp.float32),
                                                       _spec((12,), jnp.uint8)),

@@ -85,6 +85,13 @@ def activation_bwd(grad_hidden, pre_activation, row_probs, activation: str = "sw
     Returns:
       :class:`ActivationGrads`.
     """
+    _check_inputs(grad_hidden, pre_activation, row_probs, activation)
+    return ActivationGrads(*_activation_bwd_p(grad_hidden, pre_activation, row_probs, activation=activation))
+
+
+def _check_inputs(grad_hidden, pre_activation, row_probs, activation: str) -> None:
+    """:func:`activation_bwd`'s operands and activation, checked (also for
+    :func:`oxmoe.fp8.activation_bwd`)."""
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     for name, x in (("grad_hidden", grad_hidden), ("pre_activation", pre_activation), ("row_probs", row_probs)):
@@ -101,4 +108,3 @@ def activation_bwd(grad_hidden, pre_activation, row_probs, activation: str = "sw
     if tuple(row_probs.shape) != (rows,) or row_probs.dtype != np.float32:
         raise ValueError(f"row_probs must be float32[{rows}] (one weight a row of grad_hidden), got "
                          f"{row_probs.dtype}{list(row_probs.shape)}")
-    return ActivationGrads(*_activation_bwd_p(grad_hidden, pre_activation, row_probs, activation=activation))

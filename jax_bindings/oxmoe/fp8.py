@@ -47,7 +47,8 @@ in Rust, is the specification, CUDA kernels compute the same, and
   clipped to a finite number).
 
 On a GPU, a CUDA kernel reads ``x`` once and writes the values and scales once (``x``'s,
-its transpose's, or both) from the same pass. The quantization is not differentiated: the FP8 GEMMs that
+its transpose's, or both) from the same pass. :func:`activation_bwd` is the FP8 layer's
+activation backward with its results quantized in the same pass, never written in 16 bits. The quantization is not differentiated: the FP8 GEMMs that
 consume it define their own gradients.
 
 The grouped products on quantized operands (the expert GEMMs of an FP8 training step, as
@@ -84,6 +85,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import typing
 
 import jax
 import jax.numpy as jnp
@@ -92,11 +94,12 @@ import numpy as np
 from oxmoe._checks import FLOAT_DTYPES, check_array, check_bool
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 from oxmoe._pytree import pytree_dataclass
+from oxmoe.activation import _check_inputs as _check_activation_inputs
 from oxmoe.grouped_gemm import _check_groups, _check_num_groups, _chunks_of, _workspace_bytes
 
 __all__ = ["E4M3_MAX", "ACTIVATION_BLOCK", "WEIGHT_BLOCK", "TRANSPOSED_ACTIVATION_BLOCK", "BlockQuantized",
-           "BlockScaling", "quantize", "quantize_with_transpose", "requantize", "dequantize", "ragged_dot",
-           "transposed_ragged_dot"]
+           "BlockScaling", "QuantizedActivationGrads", "quantize", "quantize_with_transpose", "requantize",
+           "dequantize", "activation_bwd", "ragged_dot", "transposed_ragged_dot"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = 448.0
@@ -340,6 +343,81 @@ def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, 
     _check_quantize_input(jax.ShapeDtypeStruct(gathered, dtype), block, transpose, name="q[source_rows]")
     values, scales = _requantize_rows_p(values[None], scales[None], source_rows, **attrs)
     return _quantized(values, scales, gathered[::-1] if transpose else gathered, block)
+
+
+class QuantizedActivationGrads(typing.NamedTuple):
+    """The result of :func:`activation_bwd`: :class:`oxmoe.activation.ActivationGrads`
+    quantized as the FP8 layer's backward products take them.
+
+    Attributes:
+      grad_pre_activation: the up projection's gradient ``[R, W]`` in
+        :data:`ACTIVATION_BLOCK` blocks (the d lhs product's operand).
+      grad_pre_activation_transposed: its transpose's quantization, ``[W, R]`` in
+        :data:`ACTIVATION_BLOCK` blocks (the up weight gradient's operand).
+      weighted_hidden_transposed: the weighted hidden activation's transpose's,
+        ``[F, R]`` in :data:`ACTIVATION_BLOCK` blocks (the down weight gradient's).
+      grad_row_probs: ``[R]`` float32, each row weight's gradient.
+    """
+
+    grad_pre_activation: BlockQuantized
+    grad_pre_activation_transposed: BlockQuantized
+    weighted_hidden_transposed: BlockQuantized
+    grad_row_probs: jax.Array
+
+
+def _activation_bwd_results(grad_hidden, pre_activation, row_probs, **_):
+    rows, features = grad_hidden.shape
+    width = pre_activation.shape[1]
+
+    def quantization(rows, cols):
+        return [jax.ShapeDtypeStruct((rows, cols), E4M3), jax.ShapeDtypeStruct((rows, cols // 128), jnp.float32)]
+
+    return [*quantization(rows, width), *quantization(width, rows), *quantization(features, rows),
+            jax.ShapeDtypeStruct((rows,), jnp.float32)]
+
+
+# Dispatched rows: the 128 x 1 blocks of the transposed results span rows, so every shard sees all of them.
+_activation_bwd_p = FfiPrimitive("oxmoe_fp8_activation_bwd", operands=(Layout.DISPATCHED,) * 3,
+                                 results=(Layout.DISPATCHED,) * 7, result_specs=_activation_bwd_results)
+
+
+def activation_bwd(grad_hidden, pre_activation, row_probs, activation: str = "swiglu", *,
+                   power_of_two_scales: bool = False) -> QuantizedActivationGrads:
+    """:func:`oxmoe.activation.activation_bwd` with its two 16-bit results quantized
+    as the FP8 layer's backward takes them, from the same pass (on a GPU they are
+    never written in 16 bits).
+
+    With ``g = oxmoe.activation.activation_bwd(grad_hidden, pre_activation, row_probs,
+    activation)``, bit for bit: ``grad_pre_activation, grad_pre_activation_transposed =
+    quantize_with_transpose(g.grad_pre_activation)``, ``weighted_hidden_transposed =
+    quantize(g.weighted_hidden, transpose=True)`` (:data:`ACTIVATION_BLOCK` blocks,
+    ``power_of_two_scales`` as given); ``grad_row_probs`` is ``g.grad_row_probs``
+    (a sum in float32, whose order may differ by backend, as there). Not differentiable.
+
+    Args:
+      grad_hidden: ``[R, F]`` float32, bfloat16 or float16, ``R`` and ``F`` multiples
+        of 128.
+      pre_activation, row_probs, activation: as for :func:`oxmoe.activation.activation_bwd`.
+      power_of_two_scales: round each scale up to a power of two.
+
+    Returns:
+      :class:`QuantizedActivationGrads`.
+    """
+    _check_activation_inputs(grad_hidden, pre_activation, row_probs, activation)
+    power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
+    rows, features = grad_hidden.shape
+    if rows % 128 or features % 128:
+        raise ValueError(f"grad_hidden must be [R, F] with R and F multiples of 128 (the blocks 1 x 128 along F "
+                         f"and 128 x 1 along R), got {list(grad_hidden.shape)}")
+    width = pre_activation.shape[1]
+    operands = [jax.lax.stop_gradient(x) for x in (grad_hidden, pre_activation, row_probs)]
+    (values, scales, transposed_values, transposed_scales, weighted_values, weighted_scales,
+     grad_row_probs) = _activation_bwd_p(*operands, activation=activation,
+                                         power_of_two_scales=np.bool_(power_of_two_scales))
+    return QuantizedActivationGrads(
+        _quantized(values, scales, (rows, width), ACTIVATION_BLOCK),
+        _quantized(transposed_values, transposed_scales, (width, rows), ACTIVATION_BLOCK),
+        _quantized(weighted_values, weighted_scales, (features, rows), ACTIVATION_BLOCK), grad_row_probs)
 
 
 def _blocks(x, block: tuple[int, int]):

@@ -1,9 +1,10 @@
 //! The CUDA activation: `kernels/activation.cu`'s `activation_bwd` and
-//! `activation_fwd`, one warp per row (see the kernels for their layout and
-//! why).
+//! `activation_fwd`, one warp per row, and `kernels/quantize.cu`'s
+//! `activation_bwd_quantized`, one block per 128 rows (see the kernels for
+//! their layout and why).
 
-use super::{ActivationBwd, Activation};
-use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, ACTIVATION};
+use super::{Activation, ActivationBwd, ActivationBwdFp8};
+use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, ACTIVATION, QUANTIZE};
 use crate::ffi::{DataType, Result};
 
 /// Threads of a block, a row a warp (the kernel's `ACTIVATION_THREADS`).
@@ -55,6 +56,44 @@ pub fn activation_bwd(stream: Stream, op: &ActivationBwd) -> Result<()> {
     ])
 }
 
+/// Rows a block of `activation_bwd_quantized` takes, and the tiles of them it
+/// holds in dynamic shared memory (the kernel's `QUANTIZE_TILE`,
+/// `ACTIVATION_BWD_TILES`; gated activations use all three).
+const QUANTIZED_ROWS: usize = 128;
+const QUANTIZED_TILES: usize = 3;
+
+pub fn activation_bwd_fp8_instance(dtype: DataType, activation: Activation, power_of_two_scales: bool) -> Result<String> {
+    Instance::new("activation_bwd_quantized").dtype(dtype).int(activation.code()).flag(power_of_two_scales).int(THREADS).build()
+}
+
+/// The dynamic shared memory of a block of `activation_bwd_quantized`: its tiles of 128 x 128 elements.
+fn quantized_shared_bytes(dtype: DataType, activation: Activation) -> u32 {
+    let tiles = if activation.gated() { QUANTIZED_TILES } else { QUANTIZED_TILES - 1 };
+    (tiles * QUANTIZED_ROWS * QUANTIZED_ROWS * dtype.size().unwrap_or(4)) as u32
+}
+
+pub fn activation_bwd_fp8(stream: Stream, op: &ActivationBwdFp8) -> Result<()> {
+    if op.rows == 0 {
+        return Ok(());
+    }
+    let dtype = op.grad_hidden.dtype();
+    let shared_bytes = quantized_shared_bytes(dtype, op.activation);
+    let instance = activation_bwd_fp8_instance(dtype, op.activation, op.power_of_two_scales)?;
+    let kernel = Kernel::get_with_shared_bytes(stream, &QUANTIZE, &instance, shared_bytes)?;
+    let (rows, features) = (int(op.rows)?, int(op.features)?);
+    let pointers = |out: &super::QuantizedRet| (out.values.device_ptr(), out.scales.device_ptr());
+    let (grad_values, grad_scales) = pointers(&op.grad_pre_activation);
+    let (grad_transposed_values, grad_transposed_scales) = pointers(&op.grad_pre_activation_transposed);
+    let (weighted_values, weighted_scales) = pointers(&op.weighted_hidden_transposed);
+    let config = LaunchConfig { grid: grid(op.rows / QUANTIZED_ROWS)?, block: THREADS, shared_bytes };
+    launch(stream, kernel, config, &mut [
+        arg(&op.grad_hidden.device_ptr()), arg(&op.pre_activation.device_ptr()), arg(&op.row_probs.device_ptr()),
+        arg(&rows), arg(&features), arg(&grad_values), arg(&grad_scales), arg(&grad_transposed_values),
+        arg(&grad_transposed_scales), arg(&weighted_values), arg(&weighted_scales),
+        arg(&op.grad_row_probs.device_ptr()),
+    ])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,12 +112,26 @@ mod tests {
         instances
     }
 
+    fn fp8_instances() -> Vec<String> {
+        let mut instances = Vec::new();
+        for dtype in [DataType::F32, DataType::BF16, DataType::F16] {
+            for activation in Activation::ALL {
+                for power_of_two in [false, true] {
+                    instances.push(activation_bwd_fp8_instance(dtype, activation, power_of_two).unwrap());
+                }
+            }
+        }
+        instances
+    }
+
     /// CI has no GPU but has NVRTC: every instance a call can ask for
     /// compiles for Ampere, Hopper and Blackwell.
     #[test]
     fn activation_kernels_compile_for_ampere_hopper_and_blackwell() {
         let all = instances();
         assert_compiles(&ACTIVATION, &[("sm_80", &all), ("sm_90a", &all), ("sm_100", &all)]);
+        let fp8 = fp8_instances();
+        assert_compiles(&QUANTIZE, &[("sm_80", &fp8), ("sm_90a", &fp8), ("sm_100", &fp8)]);
     }
 
     /// The kernel checks the launch's threads against its layout.

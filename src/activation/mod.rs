@@ -4,7 +4,9 @@
 //! before the activation and the row's weight, the up projection's gradient,
 //! the hidden activation times the weight (the down weight gradient's
 //! operand) and the weight's gradient. What three passes of XLA fusions
-//! computed, each reading the up projection's output again.
+//! computed, each reading the up projection's output again. Its FP8 form
+//! (`oxmoe.fp8.activation_bwd`) gives the two 16-bit results quantized as the
+//! FP8 layer's backward products take them, from the same pass.
 //!
 //! [`cpu`] is the executable specification, [`cuda`] runs
 //! `kernels/activation.cu` with the same semantics. Both take a call decoded
@@ -15,7 +17,7 @@ pub mod cuda;
 pub mod handlers;
 mod ops;
 
-pub use ops::ActivationBwd;
+pub use ops::{ActivationBwd, ActivationBwdFp8, QuantizedRet};
 
 use crate::ffi::Result;
 use crate::invalid;

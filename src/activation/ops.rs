@@ -1,8 +1,10 @@
-//! The activation backward's call, decoded (and checked) once into the typed
+//! The activation backward's calls, decoded (and checked) once into the typed
 //! struct that the CPU and CUDA backends both take.
 
 use super::Activation;
 use crate::ffi::{Arg, Call, DataType, Result, Ret};
+use crate::invalid;
+use crate::quantize::{Block, Quantization};
 use crate::real::float_matrix;
 
 /// `oxmoe_activation_bwd`: grad_hidden [R, F], pre_activation [R, 2F] (gated
@@ -43,5 +45,75 @@ impl<'a> ActivationBwd<'a> {
         grad_row_probs.expect(&[DataType::F32], &[rows])?;
         Ok(Self { activation, rows, features, grad_hidden, pre_activation, row_probs, grad_pre_activation,
                   weighted_hidden, grad_row_probs })
+    }
+}
+
+/// `oxmoe_fp8_activation_bwd`: `oxmoe_activation_bwd`'s operands and
+/// attribute `activation`, with rows and `F` multiples of 128 and attribute
+/// `power_of_two_scales` -> its results as the FP8 layer's backward products
+/// take them, each the quantization (`oxmoe_fp8_quantize`'s semantics) of
+/// what `oxmoe_activation_bwd` gives, never materialised: the
+/// pre-activation's gradient `[R, W]` in 1 x 128 blocks (values float8_e4m3fn
+/// `[R, W]`, scales float32 `[R, W / 128]`) and its transpose's (`[W, R]`,
+/// `[W, R / 128]`), the weighted hidden activation's transpose's (`[F, R]`,
+/// `[F, R / 128]`), then grad_row_probs `[R]` float32.
+pub struct ActivationBwdFp8<'a> {
+    pub activation: Activation,
+    pub rows: usize,
+    pub features: usize,
+    pub power_of_two_scales: bool,
+    pub grad_hidden: Arg<'a>,
+    pub pre_activation: Arg<'a>,
+    pub row_probs: Arg<'a>,
+    pub grad_pre_activation: QuantizedRet<'a>,
+    pub grad_pre_activation_transposed: QuantizedRet<'a>,
+    pub weighted_hidden_transposed: QuantizedRet<'a>,
+    pub grad_row_probs: Ret<'a>,
+}
+
+/// A quantized result: its shape as a quantization, its values and scales.
+pub struct QuantizedRet<'a> {
+    pub shape: Quantization,
+    pub values: Ret<'a>,
+    pub scales: Ret<'a>,
+}
+
+impl<'a> ActivationBwdFp8<'a> {
+    pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(3, 3)?;
+        let activation = Activation::parse(call.attr("activation")?)?;
+        let power_of_two_scales = call.attr("power_of_two_scales")?;
+        let grad_hidden = call.arg(0, "grad_hidden")?;
+        let (rows, features) = float_matrix(&grad_hidden)?;
+        if !rows.is_multiple_of(128) || !features.is_multiple_of(128) {
+            invalid!("grad_hidden is [{rows}, {features}], expected rows and features multiples of 128 (the FP8 recipe's \
+                      blocks: 1 x 128 along the features, 128 x 1 along the rows)")
+        }
+        let dtype = [grad_hidden.dtype()];
+        let width = activation.input_columns(features);
+        let pre_activation = call.arg(1, "pre_activation")?;
+        pre_activation.expect(&dtype, &[rows, width])?;
+        let row_probs = call.arg(2, "row_probs")?;
+        row_probs.expect(&[DataType::F32], &[rows])?;
+        let block = Block { rows: 1, cols: 128 };
+        let quantized = |first, names: [&'static str; 2], rows, cols, transpose| -> Result<QuantizedRet<'a>> {
+            let shape = Quantization { batch: 1, rows, cols, block, power_of_two_scales, transpose };
+            let values = call.ret(first, names[0])?;
+            let (result_rows, result_cols) = shape.result_matrix();
+            values.expect(&[DataType::F8E4M3FN], &[result_rows, result_cols])?;
+            let scales = call.ret(first + 1, names[1])?;
+            let (scale_rows, scale_cols) = shape.scales_matrix();
+            scales.expect(&[DataType::F32], &[scale_rows, scale_cols])?;
+            Ok(QuantizedRet { shape, values, scales })
+        };
+        let grad_pre_activation = quantized(0, ["grad_values", "grad_scales"], rows, width, false)?;
+        let grad_pre_activation_transposed =
+            quantized(2, ["grad_transposed_values", "grad_transposed_scales"], rows, width, true)?;
+        let weighted_hidden_transposed =
+            quantized(4, ["weighted_transposed_values", "weighted_transposed_scales"], rows, features, true)?;
+        let grad_row_probs = call.ret(6, "grad_row_probs")?;
+        grad_row_probs.expect(&[DataType::F32], &[rows])?;
+        Ok(Self { activation, rows, features, power_of_two_scales, grad_hidden, pre_activation, row_probs,
+                  grad_pre_activation, grad_pre_activation_transposed, weighted_hidden_transposed, grad_row_probs })
     }
 }

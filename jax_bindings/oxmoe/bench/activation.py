@@ -17,6 +17,15 @@ the two on every input set before timing (relative error of each result).
 Byte floor: each input read once, each output written once: ``R * (12 F + 8)``
 bytes (bf16 ``[R, F]`` read and written once each, ``[R, 2F]`` read and written once
 each, float32 ``[R]`` read and written).
+
+``<model> bf16 swiglu bwd fp8``: :func:`oxmoe.fp8.activation_bwd`, the FP8 layer's
+form, whose results are quantized in the same pass (the pre-activation's gradient in
+1 x 128 blocks and transposed, the weighted hidden activation transposed), against what
+it replaces, oxmoe's unfused path (:func:`oxmoe.activation.activation_bwd`, then
+:func:`oxmoe.fp8.quantize_with_transpose` and :func:`oxmoe.fp8.quantize`: three
+kernels), whose results must be the same bit for bit. Byte floor: ``R * (11 F + 8)``
+(bf16 inputs, FP8 values of ``[R, 2F]`` twice and ``[R, F]`` once) plus the scales,
+``R * 5 F / 32``.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from oxmoe import activation, reference
+from oxmoe import activation, fp8, reference
 from oxmoe.bench.cases import Case, Family, Goals, rel_err
 from oxmoe.model_shapes import LAYER_SHAPES, LayerShape
 
@@ -74,10 +83,42 @@ def swiglu_bwd_case(model: LayerShape, rows: int, features: int) -> Case:
         info=dict(op=ACTIVATION, direction="bwd", dtype="bfloat16", rows=rows, features=features, model=model.name))
 
 
+def fp8_activation_bwd(grad_hidden, pre_activation, row_probs):
+    return tuple(fp8.activation_bwd(grad_hidden, pre_activation, row_probs, ACTIVATION))
+
+
+def unfused_fp8_activation_bwd(grad_hidden, pre_activation, row_probs):
+    g = activation.activation_bwd(grad_hidden, pre_activation, row_probs, ACTIVATION)
+    return (*fp8.quantize_with_transpose(g.grad_pre_activation), fp8.quantize(g.weighted_hidden, transpose=True),
+            g.grad_row_probs)
+
+
+#: The quantized results are the unfused path's bit for bit; the row sums' order differs on a GPU.
+MAX_FP8_REL_ERR = {name: 0.0 for name in fp8.QuantizedActivationGrads._fields[:3]} | {"grad_row_probs": 1e-5}
+
+
+@jax.jit
+def _compare_fp8(fused, unfused, context):
+    del context
+    as_float = lambda x: fp8.dequantize(x) if isinstance(x, fp8.BlockQuantized) else x  # noqa: E731
+    return {f"{name}_rel_err": rel_err(as_float(a), as_float(b))
+            for name, a, b in zip(fp8.QuantizedActivationGrads._fields, fused, unfused)}
+
+
+def swiglu_bwd_fp8_case(model: LayerShape, rows: int, features: int) -> Case:
+    case = swiglu_bwd_case(model, rows, features)
+    return Case(
+        name=f"{case.name} fp8", bytes=rows * (11 * features + 8) + rows * 5 * features // 32,
+        draw=case.draw, prepare=None, oxmoe=fp8_activation_bwd, plain=unfused_fp8_activation_bwd,
+        compare=_compare_fp8, limits={f"{name}_rel_err": limit for name, limit in MAX_FP8_REL_ERR.items()},
+        primitive="oxmoe_fp8_activation_bwd", info=dict(case.info, fp8=True))
+
+
 def cases(smoke: bool) -> list[Case]:
-    """One case per benchmark layer shape, in the order of :data:`oxmoe.model_shapes.LAYER_SHAPES`."""
-    return [swiglu_bwd_case(m, SMOKE_ROWS, SMOKE_FEATURES) if smoke else swiglu_bwd_case(m, m.tokens * m.topk, m.ffn)
-            for m in LAYER_SHAPES]
+    """Per benchmark layer shape, in the order of :data:`oxmoe.model_shapes.LAYER_SHAPES`, the
+    activation's backward, then its FP8 form."""
+    sizes = [(m, SMOKE_ROWS, SMOKE_FEATURES) if smoke else (m, m.tokens * m.topk, m.ffn) for m in LAYER_SHAPES]
+    return [make(*size) for size in sizes for make in (swiglu_bwd_case, swiglu_bwd_fp8_case)]
 
 
 FAMILY = Family(name="activation", goals=GOALS, cases=cases,
