@@ -244,18 +244,19 @@ def _equations(jaxpr):
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_the_fp8_step_quantizes_each_tensor_from_one_read(chunks):
     # The experts' weights (the forward's products take them [E, N, K], the backward's [E, K, N])
-    # and each chunk's up-projection gradient rows (d lhs per row, the up weight's gradient
-    # transposed) are quantized both ways at once; each chunk's output gradient and its dispatched
-    # rows, which travelled per row, are requantized transposed from their FP8 values (the rows
-    # read from their tokens); XLA transposes no FP8 values.
+    # are quantized both ways at once; each chunk's up-projection gradient rows (d lhs per row, the
+    # up weight's gradient transposed) and weighted hidden activations (the down weight's
+    # gradient, transposed) by the activation's backward that computes them; each chunk's output
+    # gradient and its dispatched rows, which travelled per row, are requantized transposed from
+    # their FP8 values (the rows read from their tokens); XLA transposes no FP8 values.
     eqns = list(_equations(fp8_step_jaxpr(chunks).jaxpr))
     kinds = collections.Counter(("requantized " if "dequantized_dtype" in e.params else "") + e.params["orientation"]
                                 for e in eqns if e.primitive.name == "oxmoe_fp8_quantize")
-    # Both ways: up, down, each chunk's gradient rows. Transposed: each chunk's hidden activations for the
-    # down weight's gradient, and requantized its rows and its output gradient. As they are: each chunk's
-    # tokens, hidden activations and output gradient.
-    assert kinds == {"both": 2 + chunks, "transposed": chunks, "requantized transposed": 2 * chunks,
-                     "as_is": 3 * chunks}, kinds
+    # Both ways: up, down. Transposed: each chunk's rows and output gradient, requantized. As they
+    # are: each chunk's tokens, hidden activations and output gradient.
+    assert kinds == {"both": 2, "requantized transposed": 2 * chunks, "as_is": 3 * chunks}, kinds
+    activations = [e for e in eqns if e.primitive.name.startswith("oxmoe_") and "activation_bwd" in e.primitive.name]
+    assert [e.primitive.name for e in activations] == ["oxmoe_fp8_activation_bwd"] * chunks, activations
     # Each chunk's dispatched rows are requantized from its tokens through the dispatch's map
     # (source_rows), not from a gathered copy.
     through_maps = [e for e in eqns if e.primitive.name == "oxmoe_fp8_quantize" and len(e.invars) == 3]

@@ -367,24 +367,29 @@ def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config
     ``(grad_in, weighted_hidden, grad_up_rows, grad_row_probs)``: the gradient of the
     dispatched rows, the activation's output times each row's weight and the up
     projection's gradient (what the weight gradients, :func:`_expert_weight_grads`,
-    take besides the rows; with ``config.fp8`` the up projection's gradient as that
-    product takes it, quantized transposed in the same pass as the d lhs product's
-    operand), and each row's weight's gradient, ``<row output, its gradient> = <hidden,
-    its gradient times downᵀ>``: from values the backward computes anyway, so the
-    forward keeps neither the rows nor their outputs (as SonicMoE does). The last three
-    from one pass over the rows, :func:`oxmoe.activation.activation_bwd`. ``weights``:
-    the backward's of :func:`_expert_weights`."""
+    take besides the rows; with ``config.fp8`` both as those products take them,
+    quantized transposed in 128 x 1 blocks), and each row's weight's gradient, ``<row
+    output, its gradient> = <hidden, its gradient times downᵀ>``: from values the
+    backward computes anyway, so the forward keeps neither the rows nor their outputs
+    (as SonicMoE does). The last three, and the d lhs product's operand, from one pass
+    over the rows: :func:`oxmoe.activation.activation_bwd`, or with ``config.fp8``
+    :func:`oxmoe.fp8.activation_bwd`, which quantizes them in the same pass (one
+    pass where there were three: the activation's backward and two quantizations).
+    ``weights``: the backward's of :func:`_expert_weights`."""
     up_weight, down_weight = weights
     grad_hidden = _expert_product(grad_out_rows, down_weight, kept.group_sizes, config, rhs_transposed=True)
-    grad_up_rows, weighted_hidden, grad_row_probs = activation.activation_bwd(
-        grad_hidden, kept.up_rows, kept.row_probs, config.activation)
-    # The d lhs product's operand and the up weight gradient's: with FP8, quantized per row
-    # and transposed from one read.
-    lhs_rows: jax.Array | fp8.BlockQuantized = grad_up_rows
-    weight_grad_rows: jax.Array | fp8.BlockQuantized = grad_up_rows
-    if config.fp8 is not None:
-        lhs_rows, weight_grad_rows = fp8.quantize_with_transpose(
-            grad_up_rows, fp8.ACTIVATION_BLOCK, power_of_two_scales=config.fp8.power_of_two_scales)
+    lhs_rows: jax.Array | fp8.BlockQuantized
+    weight_grad_rows: jax.Array | fp8.BlockQuantized
+    weighted_hidden: jax.Array | fp8.BlockQuantized
+    if config.fp8 is None:
+        lhs_rows, weighted_hidden, grad_row_probs = activation.activation_bwd(
+            grad_hidden, kept.up_rows, kept.row_probs, config.activation)
+        weight_grad_rows = lhs_rows
+    else:
+        # The d lhs product's operand and both weight gradients' rows, quantized in the same pass.
+        lhs_rows, weight_grad_rows, weighted_hidden, grad_row_probs = fp8.activation_bwd(
+            grad_hidden, kept.up_rows, kept.row_probs, config.activation,
+            power_of_two_scales=config.fp8.power_of_two_scales)
     grad_in = _expert_product(lhs_rows, up_weight, kept.group_sizes, config, rhs_transposed=True)
     return grad_in, weighted_hidden, weight_grad_rows, grad_row_probs
 
@@ -395,7 +400,8 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     weight-gradient product per weight, its rows kept in their chunks' buffers
     (with ``config.fp8``, each quantized in 128 x 1 blocks, one scale per 128 rows
     of a column, and transposed: each column's rows contiguous, as the FP8 product
-    takes them; ``grad_up_rows`` come so from :func:`_expert_ffn_bwd`). The
+    takes them; ``weighted_hidden`` and ``grad_up_rows`` come so from
+    :func:`_expert_ffn_bwd`). The
     dispatched rows are permuted again from their tokens (with ``config.fp8``, read
     from them through the dispatch's map by the requantization: on an H200 that kept
     the forward's copy of the rows out of the step's memory, 411 MB of 2,234 at
@@ -415,15 +421,11 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
         requantize = functools.partial(fp8.requantize, block=fp8.ACTIVATION_BLOCK, dtype=config.dtype,
                                        transpose=True, power_of_two_scales=power_of_two_scales)
 
-        def quantize(rows):
-            if isinstance(rows, fp8.BlockQuantized):
-                return requantize(rows)
-            return fp8.quantize(rows, fp8.ACTIVATION_BLOCK, transpose=True, power_of_two_scales=power_of_two_scales)
-
         def dispatched_rows(chunk: ExpertResiduals):
             assert isinstance(chunk.tokens, fp8.BlockQuantized)  # kept as they travelled (_token_parts)
             return requantize(chunk.tokens, source_rows=chunk.row_id_map.source_tokens)
-        down_operands = tuple([quantize(r) for r in chunks] for chunks in down_operands)
+        # The weighted hidden and the up projection's gradient come so from _expert_ffn_bwd.
+        down_operands = (weighted_hidden, [requantize(rows) for rows in grad_out_rows])
         up_operands = ([dispatched_rows(chunk) for chunk in kept], grad_up_rows)
         product = fp8.transposed_ragged_dot
     grad_down = product(*down_operands, sizes, num_groups=groups,
