@@ -588,22 +588,16 @@ activation_bwd_quantized(const T* __restrict__ grad_hidden, const T* __restrict_
     sums[threadIdx.x] = 0.f;
   }
   __syncthreads();
-  // Tile k of the column tile from c0 on its way (cp.async) into its place.
-  const long long first_row = rows_at.r_first;
-  const auto fetch = [&](int k, int c0) {
-    const T* source = k == FIRST ? grad_hidden + first_row * features + c0 + rows_at.piece * L::VEC
-                                 : pre_activation + first_row * width + (k == UP ? features : 0) + c0 +
-                                       rows_at.piece * L::VEC;
-    const int pitch = k == FIRST ? features : width;
-#pragma unroll
-    for (int i = 0; i < L::ROWS; ++i) copy_async_16(&part(k, i), source + static_cast<long long>(i) * pitch);
-  };
-  fetch(FIRST, 0);
-  fetch(WEIGHTED, 0);
-  if constexpr (GATED) fetch(UP, 0);
   for (int c0 = 0; c0 < features; c0 += QUANTIZE_TILE) {
     const TilePlace hidden_at = at_columns(rows_at, features, c0), gate_at = at_columns(rows_at, width, c0),
                     up_at = at_columns(rows_at, width, features + c0);
+    const long long first_row = rows_at.r_first;
+#pragma unroll
+    for (int i = 0; i < L::ROWS; ++i) {
+      copy_async_16(&part(FIRST, i), grad_hidden + (first_row + i) * features + hidden_at.c);
+      copy_async_16(&part(WEIGHTED, i), pre_activation + (first_row + i) * width + gate_at.c);
+      if constexpr (GATED) copy_async_16(&part(UP, i), pre_activation + (first_row + i) * width + up_at.c);
+    }
     wait_copies();
 #pragma unroll 1
     for (int i = 0; i < L::ROWS; ++i) {
@@ -633,24 +627,15 @@ activation_bwd_quantized(const T* __restrict__ grad_hidden, const T* __restrict_
       part(FIRST, i) = grad_first.raw, part(WEIGHTED, i) = weighted.raw;
       if constexpr (GATED) part(UP, i) = grad_up.raw;
     }
-    // Each tile, once quantized (and every thread past its reads of the values
-    // staged in it), takes the next column tile's copies, in flight while the
-    // other tiles are quantized.
-    const int next = c0 + QUANTIZE_TILE;
     quantize_held<T, true, POWER_OF_TWO>(tiles, FIRST, gate_at, grad_values, grad_scales, grad_transposed_values,
                                          grad_transposed_scales);
-    __syncthreads();
-    if (next < features) fetch(FIRST, next);
-    if constexpr (GATED) {
+    if constexpr (GATED)
       quantize_held<T, true, POWER_OF_TWO>(tiles, UP, up_at, grad_values, grad_scales, grad_transposed_values,
                                            grad_transposed_scales);
-      __syncthreads();
-      if (next < features) fetch(UP, next);
-    }
     quantize_held<T, false, POWER_OF_TWO>(tiles, WEIGHTED, hidden_at, nullptr, nullptr, weighted_transposed_values,
                                           weighted_transposed_scales);
+    // The next tile's copies land in the stages: every thread past its reads of them.
     __syncthreads();
-    if (next < features) fetch(WEIGHTED, next);
   }
   if (threadIdx.x < QUANTIZE_TILE) grad_row_probs[rows_at.r0 + threadIdx.x] = sums[threadIdx.x];
 }
