@@ -51,14 +51,9 @@ __global__ void __launch_bounds__(THREADS) activation_bwd(
     float grad_x[PER], grad_u[PER], out[PER];
 #pragma unroll
     for (int i = 0; i < PER; ++i) {
-      float value, slope;
-      value_and_slope<is_gelu(ACTIVATION)>(x[i], value, slope);
-      const float hidden = rounded<T>(GATED ? value * u[i] : value);
-      sum += hidden * g[i];
-      const float c = rounded<T>(g[i] * p);
-      grad_x[i] = GATED ? c * u[i] * slope : c * slope;
-      grad_u[i] = c * value;
-      out[i] = hidden * p;
+      const ActivationElementGrads e = activation_element_grads<T, ACTIVATION>(g[i], x[i], GATED ? u[i] : 1.f, p);
+      sum += e.product;
+      grad_x[i] = e.grad_x, grad_u[i] = e.grad_u, out[i] = e.weighted;
     }
     store_floats<T, PER, VECTOR_BYTES>(grad_pre + j, count, grad_x);
     if constexpr (GATED) store_floats<T, PER, VECTOR_BYTES>(grad_up + j, count, grad_u);

@@ -110,6 +110,26 @@ __device__ __forceinline__ void value_and_slope(float x, float& value, float& sl
 template <typename T>
 __device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }
 
+// One element of the activation's backward, src/activation/cpu.rs's
+// activation_bwd step for step: from grad_hidden's g, the pre-activation's x
+// (the gate when gated) and up u (unused ungated) and the row's weight p, the
+// pre-activation's gradient (x's, then up's when gated) and the weighted hidden
+// activation, each rounded to T where it is stored, and h * g, the element's
+// term of the weight's gradient.
+struct ActivationElementGrads {
+  float grad_x, grad_u, weighted, product;
+};
+
+template <typename T, int ACTIVATION>
+__device__ __forceinline__ ActivationElementGrads activation_element_grads(float g, float x, float u, float p) {
+  constexpr bool GATED = is_gated(ACTIVATION);
+  float value, slope;
+  value_and_slope<is_gelu(ACTIVATION)>(x, value, slope);
+  const float hidden = rounded<T>(GATED ? value * u : value);
+  const float c = rounded<T>(g * p);
+  return {GATED ? c * u * slope : c * slope, c * value, hidden * p, hidden * g};
+}
+
 // W bytes (16, 8, 4 or 2) moved as one vector, seen as elements of T.
 template <int W> struct VectorOf;
 template <> struct VectorOf<16> { using type = uint4; };

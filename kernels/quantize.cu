@@ -503,8 +503,9 @@ quantize(const void* __restrict__ x, const float* __restrict__ x_scales, const i
 }
 
 // The FP8 layer's activation backward (oxmoe.fp8.activation_bwd): activation.cu's
-// activation_bwd, element for element, with its 16-bit results quantized as the
-// backward's products take them, never written in T: the pre-activation's
+// activation_bwd, element for element (common.cuh's activation_element_grads),
+// with its 16-bit results quantized as the backward's products take them,
+// never written in T: the pre-activation's
 // gradient [rows, W] (W = 2F gated, else F) in 1 x 128 blocks and, transposed
 // ([W, rows]), in 128 x 1 blocks; the weighted hidden activation transposed
 // ([F, rows]) in 128 x 1 blocks; each row weight's gradient [rows] float32.
@@ -610,16 +611,12 @@ activation_bwd_quantized(const T* __restrict__ grad_hidden, const T* __restrict_
       Pack<T, 16> grad_first, weighted, grad_up;
 #pragma unroll
       for (int e = 0; e < L::VEC; ++e) {
-        float value, slope;
-        value_and_slope<is_gelu(ACTIVATION)>(element<T>(x, e), value, slope);
-        float up = 1.f;  // ungated: the products below are then exactly value and c * slope
-        if constexpr (GATED) up = element<T>(u, e);
-        const float hidden = rounded<T>(value * up), gh = element<T>(g, e);
-        sum += hidden * gh;
-        const float c = rounded<T>(gh * p);
-        grad_first.elems[e] = from_float<T>(c * up * slope);
-        grad_up.elems[e] = from_float<T>(c * value);
-        weighted.elems[e] = from_float<T>(hidden * p);
+        const ActivationElementGrads grads = activation_element_grads<T, ACTIVATION>(
+            element<T>(g, e), element<T>(x, e), GATED ? element<T>(u, e) : 1.f, p);
+        sum += grads.product;
+        grad_first.elems[e] = from_float<T>(grads.grad_x);
+        grad_up.elems[e] = from_float<T>(grads.grad_u);
+        weighted.elems[e] = from_float<T>(grads.weighted);
       }
 #pragma unroll
       for (int d = L::LANES / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
