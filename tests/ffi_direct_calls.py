@@ -211,7 +211,7 @@ def fp8_activation_bwd(grad_hidden, pre_activation, activation="swiglu", power_o
     (rows, features), width = grad_hidden.shape, pre_activation.shape[1]
 
     def quantization(r, c):
-        return (_spec((r, c), jnp.float8_e4m3fn), _spec((r, max(c // 128, 1)), jnp.float32))
+        return (_spec((1, r, c), jnp.float8_e4m3fn), _spec((1, r, max(c // 128, 1)), jnp.float32))
 
     rets = (*quantization(rows, width), *quantization(width, rows), *quantization(features, rows),
             _spec((rows,), jnp.float32))

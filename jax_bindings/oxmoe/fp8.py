@@ -180,14 +180,16 @@ def _check_float_blocks(x) -> None:
         raise TypeError(f"x must be float32, bfloat16 or float16, got {x.dtype}")
 
 
+def _quantization_results(batch: int, rows: int, cols: int, block: tuple[int, int]) -> list:
+    """The values and scales of ``batch`` matrices ``[rows, cols]`` quantized in ``block`` blocks."""
+    return [jax.ShapeDtypeStruct((batch, rows, cols), E4M3),
+            jax.ShapeDtypeStruct((batch, rows // block[0], cols // block[1]), jnp.float32)]
+
+
 def _quantize_results(x, *_, block_rows, block_cols, orientation, **__):
     batch, rows, cols = x.shape
-
-    def quantization(rows, cols):
-        return [jax.ShapeDtypeStruct((batch, rows, cols), E4M3),
-                jax.ShapeDtypeStruct((batch, rows // block_rows, cols // block_cols), jnp.float32)]
-
-    as_is, transposed = quantization(rows, cols), quantization(cols, rows)
+    block = (block_rows, block_cols)
+    as_is, transposed = _quantization_results(batch, rows, cols, block), _quantization_results(batch, cols, rows, block)
     return {"as_is": as_is, "transposed": transposed, "both": as_is + transposed}[orientation]
 
 
@@ -366,14 +368,11 @@ class QuantizedActivationGrads(typing.NamedTuple):
 
 
 def _activation_bwd_results(grad_hidden, pre_activation, row_probs, **_):
-    rows, features = grad_hidden.shape
-    width = pre_activation.shape[1]
-
-    def quantization(rows, cols):
-        return [jax.ShapeDtypeStruct((rows, cols), E4M3), jax.ShapeDtypeStruct((rows, cols // 128), jnp.float32)]
-
-    return [*quantization(rows, width), *quantization(width, rows), *quantization(features, rows),
-            jax.ShapeDtypeStruct((rows,), jnp.float32)]
+    (rows, features), width = grad_hidden.shape, pre_activation.shape[1]
+    # Each quantization as oxmoe_fp8_quantize's, of one batch element.
+    return [*_quantization_results(1, rows, width, ACTIVATION_BLOCK),
+            *_quantization_results(1, width, rows, ACTIVATION_BLOCK),
+            *_quantization_results(1, features, rows, ACTIVATION_BLOCK), jax.ShapeDtypeStruct((rows,), jnp.float32)]
 
 
 # Dispatched rows: the 128 x 1 blocks of the transposed results span rows, so every shard sees all of them.

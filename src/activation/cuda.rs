@@ -6,6 +6,7 @@
 use super::{Activation, ActivationBwd, ActivationBwdFp8};
 use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, ACTIVATION, QUANTIZE};
 use crate::ffi::{DataType, Result};
+use crate::quantize::{self, cuda::TILE};
 
 /// Threads of a block, a row a warp (the kernel's `ACTIVATION_THREADS`).
 const THREADS: u32 = 256;
@@ -56,20 +57,20 @@ pub fn activation_bwd(stream: Stream, op: &ActivationBwd) -> Result<()> {
     ])
 }
 
-/// Rows a block of `activation_bwd_quantized` takes, and the tiles of them it
-/// holds in dynamic shared memory (the kernel's `QUANTIZE_TILE`,
+/// The tiles of `QUANTIZE_TILE` x `QUANTIZE_TILE` elements a block of
+/// `activation_bwd_quantized` holds in dynamic shared memory (the kernel's
 /// `ACTIVATION_BWD_TILES`; gated activations use all three).
-const QUANTIZED_ROWS: usize = 128;
 const QUANTIZED_TILES: usize = 3;
 
 pub fn activation_bwd_fp8_instance(dtype: DataType, activation: Activation, power_of_two_scales: bool) -> Result<String> {
-    Instance::new("activation_bwd_quantized").dtype(dtype).int(activation.code()).flag(power_of_two_scales).int(THREADS).build()
+    let instance = Instance::new("activation_bwd_quantized").dtype(dtype).int(activation.code());
+    instance.flag(power_of_two_scales).int(quantize::cuda::THREADS).build()
 }
 
-/// The dynamic shared memory of a block of `activation_bwd_quantized`: its tiles of 128 x 128 elements.
+/// The dynamic shared memory of a block of `activation_bwd_quantized`: its tiles.
 fn quantized_shared_bytes(dtype: DataType, activation: Activation) -> u32 {
     let tiles = if activation.gated() { QUANTIZED_TILES } else { QUANTIZED_TILES - 1 };
-    (tiles * QUANTIZED_ROWS * QUANTIZED_ROWS * dtype.size().unwrap_or(4)) as u32
+    (tiles * TILE * TILE * dtype.size().unwrap_or(4)) as u32
 }
 
 pub fn activation_bwd_fp8(stream: Stream, op: &ActivationBwdFp8) -> Result<()> {
@@ -81,11 +82,10 @@ pub fn activation_bwd_fp8(stream: Stream, op: &ActivationBwdFp8) -> Result<()> {
     let instance = activation_bwd_fp8_instance(dtype, op.activation, op.power_of_two_scales)?;
     let kernel = Kernel::get_with_shared_bytes(stream, &QUANTIZE, &instance, shared_bytes)?;
     let (rows, features) = (int(op.rows)?, int(op.features)?);
-    let pointers = |out: &super::QuantizedRet| (out.values.device_ptr(), out.scales.device_ptr());
-    let (grad_values, grad_scales) = pointers(&op.grad_pre_activation);
-    let (grad_transposed_values, grad_transposed_scales) = pointers(&op.grad_pre_activation_transposed);
-    let (weighted_values, weighted_scales) = pointers(&op.weighted_hidden_transposed);
-    let config = LaunchConfig { grid: grid(op.rows / QUANTIZED_ROWS)?, block: THREADS, shared_bytes };
+    let (grad_values, grad_scales) = op.grad_pre_activation.device_ptrs();
+    let (grad_transposed_values, grad_transposed_scales) = op.grad_pre_activation_transposed.device_ptrs();
+    let (weighted_values, weighted_scales) = op.weighted_hidden_transposed.device_ptrs();
+    let config = LaunchConfig { grid: grid(op.rows / TILE)?, block: quantize::cuda::THREADS, shared_bytes };
     launch(stream, kernel, config, &mut [
         arg(&op.grad_hidden.device_ptr()), arg(&op.pre_activation.device_ptr()), arg(&op.row_probs.device_ptr()),
         arg(&rows), arg(&features), arg(&grad_values), arg(&grad_scales), arg(&grad_transposed_values),

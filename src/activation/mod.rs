@@ -17,7 +17,7 @@ pub mod cuda;
 pub mod handlers;
 mod ops;
 
-pub use ops::{ActivationBwd, ActivationBwdFp8, QuantizedRet};
+pub use ops::{ActivationBwd, ActivationBwdFp8};
 
 use crate::ffi::Result;
 use crate::invalid;

@@ -4,7 +4,7 @@
 use super::Activation;
 use crate::ffi::{Arg, Call, DataType, Result, Ret};
 use crate::invalid;
-use crate::quantize::{Block, Quantization};
+use crate::quantize::{Block, Output, Quantization};
 use crate::real::float_matrix;
 
 /// `oxmoe_activation_bwd`: grad_hidden [R, F], pre_activation [R, 2F] (gated
@@ -51,12 +51,13 @@ impl<'a> ActivationBwd<'a> {
 /// `oxmoe_fp8_activation_bwd`: `oxmoe_activation_bwd`'s operands and
 /// attribute `activation`, with rows and `F` multiples of 128 and attribute
 /// `power_of_two_scales` -> its results as the FP8 layer's backward products
-/// take them, each the quantization (`oxmoe_fp8_quantize`'s semantics) of
-/// what `oxmoe_activation_bwd` gives, never materialised: the
-/// pre-activation's gradient `[R, W]` in 1 x 128 blocks (values float8_e4m3fn
-/// `[R, W]`, scales float32 `[R, W / 128]`) and its transpose's (`[W, R]`,
-/// `[W, R / 128]`), the weighted hidden activation's transpose's (`[F, R]`,
-/// `[F, R / 128]`), then grad_row_probs `[R]` float32.
+/// take them, each the quantization (`oxmoe_fp8_quantize`'s semantics and
+/// results, one batch element) of what `oxmoe_activation_bwd` gives, never
+/// materialised: the pre-activation's gradient `[R, W]` in 1 x 128 blocks
+/// (values float8_e4m3fn `[1, R, W]`, scales float32 `[1, R, W / 128]`) and its
+/// transpose's (`[1, W, R]`, `[1, W, R / 128]`), the weighted hidden
+/// activation's transpose's (`[1, F, R]`, `[1, F, R / 128]`), then
+/// grad_row_probs `[R]` float32.
 pub struct ActivationBwdFp8<'a> {
     pub activation: Activation,
     pub rows: usize,
@@ -65,17 +66,10 @@ pub struct ActivationBwdFp8<'a> {
     pub grad_hidden: Arg<'a>,
     pub pre_activation: Arg<'a>,
     pub row_probs: Arg<'a>,
-    pub grad_pre_activation: QuantizedRet<'a>,
-    pub grad_pre_activation_transposed: QuantizedRet<'a>,
-    pub weighted_hidden_transposed: QuantizedRet<'a>,
+    pub grad_pre_activation: Output<'a>,
+    pub grad_pre_activation_transposed: Output<'a>,
+    pub weighted_hidden_transposed: Output<'a>,
     pub grad_row_probs: Ret<'a>,
-}
-
-/// A quantized result: its shape as a quantization, its values and scales.
-pub struct QuantizedRet<'a> {
-    pub shape: Quantization,
-    pub values: Ret<'a>,
-    pub scales: Ret<'a>,
 }
 
 impl<'a> ActivationBwdFp8<'a> {
@@ -95,16 +89,10 @@ impl<'a> ActivationBwdFp8<'a> {
         pre_activation.expect(&dtype, &[rows, width])?;
         let row_probs = call.arg(2, "row_probs")?;
         row_probs.expect(&[DataType::F32], &[rows])?;
-        let block = Block { rows: 1, cols: 128 };
-        let quantized = |first, names: [&'static str; 2], rows, cols, transpose| -> Result<QuantizedRet<'a>> {
-            let shape = Quantization { batch: 1, rows, cols, block, power_of_two_scales, transpose };
-            let values = call.ret(first, names[0])?;
-            let (result_rows, result_cols) = shape.result_matrix();
-            values.expect(&[DataType::F8E4M3FN], &[result_rows, result_cols])?;
-            let scales = call.ret(first + 1, names[1])?;
-            let (scale_rows, scale_cols) = shape.scales_matrix();
-            scales.expect(&[DataType::F32], &[scale_rows, scale_cols])?;
-            Ok(QuantizedRet { shape, values, scales })
+        // Each quantization's results: values [1, result rows, result columns] and their scales.
+        let quantized = |first, names, rows, cols, transpose| {
+            let block = Block { rows: 1, cols: 128 };
+            Output::decode(call, Quantization { batch: 1, rows, cols, block, power_of_two_scales, transpose }, first, names)
         };
         let grad_pre_activation = quantized(0, ["grad_values", "grad_scales"], rows, width, false)?;
         let grad_pre_activation_transposed =

@@ -7,10 +7,10 @@ use super::{Block, Input, Orientation, Output, Quantize};
 use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, QUANTIZE};
 use crate::ffi::{DataType, Result};
 
-/// Threads of a block, and the edge of the tile it quantizes (the kernel's
-/// `QUANTIZE_THREADS`, `QUANTIZE_TILE`).
-const THREADS: u32 = 256;
-const TILE: usize = 128;
+/// Threads of a block, and the edge of the tile it quantizes (the kernels'
+/// `QUANTIZE_THREADS`, `QUANTIZE_TILE`; also `activation_bwd_quantized`'s).
+pub(crate) const THREADS: u32 = 256;
+pub(crate) const TILE: usize = 128;
 
 /// The kernel for x of `dtype` (with `fp8_input`: FP8 values dequantized to it).
 pub fn quantize_instance(dtype: DataType, block: Block, orientation: Orientation, power_of_two_scales: bool, fp8_input: bool) -> Result<String> {
@@ -47,7 +47,7 @@ pub fn quantize(stream: Stream, op: &Quantize) -> Result<()> {
     let kernel = Kernel::get(stream, &QUANTIZE, &instance)?;
     let (batch, rows, cols, input_rows) = (int(batch)?, int(rows)?, int(q.cols)?, int(input_rows)?);
     // A result the call does not write is a null pointer the kernel never follows.
-    let pointers = |out: &Option<Output>| out.as_ref().map_or((0, 0), |o| (o.values.device_ptr(), o.scales.device_ptr()));
+    let pointers = |out: &Option<Output>| out.as_ref().map_or((0, 0), Output::device_ptrs);
     let ((values, scales), (transposed_values, transposed_scales)) = (pointers(&op.as_is), pointers(&op.transposed));
     launch(stream, kernel, LaunchConfig { grid: grid(tiles)?, block: THREADS, shared_bytes: 0 }, &mut [
         arg(&x), arg(&x_scales), arg(&source_rows), arg(&input_rows), arg(&batch), arg(&rows), arg(&cols), arg(&values),

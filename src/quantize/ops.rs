@@ -52,6 +52,13 @@ pub struct Output<'a> {
     pub scales: Ret<'a>,
 }
 
+impl Output<'_> {
+    /// The device pointers of its values and scales, as the kernels take them.
+    pub fn device_ptrs(&self) -> (u64, u64) {
+        (self.values.device_ptr(), self.scales.device_ptr())
+    }
+}
+
 impl<'a> Quantize<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
         call.expect_num_args(1, 3)?;
@@ -123,7 +130,7 @@ fn matrices(name: &str, arg: &Arg) -> Result<[usize; 3]> {
 
 impl<'a> Output<'a> {
     /// The quantization `shape`, whose values and scales are results `first` and `first + 1`.
-    fn decode(call: &Call<'a>, shape: Quantization, first: usize, names: [&'static str; 2]) -> Result<Self> {
+    pub(crate) fn decode(call: &Call<'a>, shape: Quantization, first: usize, names: [&'static str; 2]) -> Result<Self> {
         check_tiled(&shape)?;
         let values = call.ret(first, names[0])?;
         let (result_rows, result_cols) = shape.result_matrix();
