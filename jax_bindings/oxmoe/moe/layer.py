@@ -417,9 +417,8 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
         # again per 128 rows (DeepSeek-V3's way), read as their FP8 values and scales: no 16-bit
         # copy of them, and the same values as quantizing one. The dispatched rows are read
         # from their tokens through the dispatch's map, with no copy of them either.
-        power_of_two_scales = config.fp8.power_of_two_scales
         requantize = functools.partial(fp8.requantize, block=fp8.ACTIVATION_BLOCK, dtype=config.dtype,
-                                       transpose=True, power_of_two_scales=power_of_two_scales)
+                                       transpose=True, power_of_two_scales=config.fp8.power_of_two_scales)
 
         def dispatched_rows(chunk: ExpertResiduals):
             assert isinstance(chunk.tokens, fp8.BlockQuantized)  # kept as they travelled (_token_parts)
