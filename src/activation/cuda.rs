@@ -44,14 +44,15 @@ pub fn activation_fwd(stream: Stream, dtype: DataType, activation: Activation, r
 }
 
 pub fn activation_bwd(stream: Stream, op: &ActivationBwd) -> Result<()> {
-    if op.rows == 0 {
+    let x = &op.operands;
+    if x.rows == 0 {
         return Ok(());
     }
-    let instance = activation_bwd_instance(op.grad_hidden.dtype(), op.activation, op.features)?;
+    let instance = activation_bwd_instance(x.grad_hidden.dtype(), x.activation, x.features)?;
     let kernel = Kernel::get(stream, &ACTIVATION, &instance)?;
-    let (rows, features) = (int(op.rows)?, int(op.features)?);
-    launch(stream, kernel, LaunchConfig { grid: grid(op.rows.div_ceil(ROWS_PER_BLOCK))?, block: THREADS, shared_bytes: 0 }, &mut [
-        arg(&op.grad_hidden.device_ptr()), arg(&op.pre_activation.device_ptr()), arg(&op.row_probs.device_ptr()),
+    let (rows, features) = (int(x.rows)?, int(x.features)?);
+    launch(stream, kernel, LaunchConfig { grid: grid(x.rows.div_ceil(ROWS_PER_BLOCK))?, block: THREADS, shared_bytes: 0 }, &mut [
+        arg(&x.grad_hidden.device_ptr()), arg(&x.pre_activation.device_ptr()), arg(&x.row_probs.device_ptr()),
         arg(&rows), arg(&features), arg(&op.grad_pre_activation.device_ptr()), arg(&op.weighted_hidden.device_ptr()),
         arg(&op.grad_row_probs.device_ptr()),
     ])
@@ -74,20 +75,21 @@ fn quantized_shared_bytes(dtype: DataType, activation: Activation) -> u32 {
 }
 
 pub fn activation_bwd_fp8(stream: Stream, op: &ActivationBwdFp8) -> Result<()> {
-    if op.rows == 0 {
+    let x = &op.operands;
+    if x.rows == 0 {
         return Ok(());
     }
-    let dtype = op.grad_hidden.dtype();
-    let shared_bytes = quantized_shared_bytes(dtype, op.activation);
-    let instance = activation_bwd_fp8_instance(dtype, op.activation, op.power_of_two_scales)?;
+    let dtype = x.grad_hidden.dtype();
+    let shared_bytes = quantized_shared_bytes(dtype, x.activation);
+    let instance = activation_bwd_fp8_instance(dtype, x.activation, op.power_of_two_scales)?;
     let kernel = Kernel::get_with_shared_bytes(stream, &QUANTIZE, &instance, shared_bytes)?;
-    let (rows, features) = (int(op.rows)?, int(op.features)?);
+    let (rows, features) = (int(x.rows)?, int(x.features)?);
     let (grad_values, grad_scales) = op.grad_pre_activation.device_ptrs();
     let (grad_transposed_values, grad_transposed_scales) = op.grad_pre_activation_transposed.device_ptrs();
     let (weighted_values, weighted_scales) = op.weighted_hidden_transposed.device_ptrs();
-    let config = LaunchConfig { grid: grid(op.rows / TILE)?, block: quantize::cuda::THREADS, shared_bytes };
+    let config = LaunchConfig { grid: grid(x.rows / TILE)?, block: quantize::cuda::THREADS, shared_bytes };
     launch(stream, kernel, config, &mut [
-        arg(&op.grad_hidden.device_ptr()), arg(&op.pre_activation.device_ptr()), arg(&op.row_probs.device_ptr()),
+        arg(&x.grad_hidden.device_ptr()), arg(&x.pre_activation.device_ptr()), arg(&x.row_probs.device_ptr()),
         arg(&rows), arg(&features), arg(&grad_values), arg(&grad_scales), arg(&grad_transposed_values),
         arg(&grad_transposed_scales), arg(&weighted_values), arg(&weighted_scales),
         arg(&op.grad_row_probs.device_ptr()),

@@ -5,9 +5,10 @@
 //! (`<target>_cuda`, registered for the CUDA platform under the same target
 //! name) hands it to `cuda` with the call's [`Stream`](crate::cuda::Stream).
 
-use super::{cpu, cuda, ActivationBwd, ActivationBwdFp8};
+use super::{cpu, cuda, ActivationBwd, ActivationBwdFp8, ActivationOperands};
 use crate::ffi::Result;
 use crate::quantize::cpu::quantize;
+use crate::real::Real;
 use crate::{export_cuda_handler, export_handler, with_real_type};
 
 export_handler!(oxmoe_activation_bwd, ActivationBwd, |_, op| activation_bwd_cpu(op));
@@ -15,11 +16,18 @@ export_handler!(oxmoe_activation_bwd, ActivationBwd, |_, op| activation_bwd_cpu(
 export_cuda_handler!(oxmoe_activation_bwd_cuda, ActivationBwd, |stream, op| cuda::activation_bwd(stream, &op));
 
 fn activation_bwd_cpu(op: ActivationBwd) -> Result<()> {
-    with_real_type!(op.grad_hidden.dtype(), T => {
-        cpu::activation_bwd::<T>(op.activation, op.features, op.grad_hidden.slice()?, op.pre_activation.slice()?,
-                                 op.row_probs.slice()?, op.grad_pre_activation.slice_mut()?,
-                                 op.weighted_hidden.slice_mut()?, op.grad_row_probs.slice_mut()?);
+    with_real_type!(op.operands.grad_hidden.dtype(), T => {
+        run_cpu::<T>(&op.operands, op.grad_pre_activation.slice_mut()?, op.weighted_hidden.slice_mut()?,
+                     op.grad_row_probs.slice_mut()?)?;
     });
+    Ok(())
+}
+
+/// `cpu::activation_bwd` of the call's operands into the results given.
+fn run_cpu<T: Real>(x: &ActivationOperands, grad_pre_activation: &mut [T], weighted_hidden: &mut [T],
+                    grad_row_probs: &mut [f32]) -> Result<()> {
+    cpu::activation_bwd::<T>(x.activation, x.features, x.grad_hidden.slice()?, x.pre_activation.slice()?,
+                             x.row_probs.slice()?, grad_pre_activation, weighted_hidden, grad_row_probs);
     Ok(())
 }
 
@@ -28,13 +36,11 @@ export_handler!(oxmoe_fp8_activation_bwd, ActivationBwdFp8, |_, op| activation_b
 export_cuda_handler!(oxmoe_fp8_activation_bwd_cuda, ActivationBwdFp8, |stream, op| cuda::activation_bwd_fp8(stream, &op));
 
 fn activation_bwd_fp8_cpu(op: ActivationBwdFp8) -> Result<()> {
-    with_real_type!(op.grad_hidden.dtype(), T => {
-        let width = op.activation.input_columns(op.features);
-        let mut grad_pre_activation = vec![T::default(); op.rows * width];
-        let mut weighted_hidden = vec![T::default(); op.rows * op.features];
-        cpu::activation_bwd::<T>(op.activation, op.features, op.grad_hidden.slice()?, op.pre_activation.slice()?,
-                                 op.row_probs.slice()?, &mut grad_pre_activation, &mut weighted_hidden,
-                                 op.grad_row_probs.slice_mut()?);
+    let x = &op.operands;
+    with_real_type!(x.grad_hidden.dtype(), T => {
+        let mut grad_pre_activation = vec![T::default(); x.rows * x.width()];
+        let mut weighted_hidden = vec![T::default(); x.rows * x.features];
+        run_cpu::<T>(x, &mut grad_pre_activation, &mut weighted_hidden, op.grad_row_probs.slice_mut()?)?;
         for (out, x) in [(op.grad_pre_activation, &grad_pre_activation),
                          (op.grad_pre_activation_transposed, &grad_pre_activation),
                          (op.weighted_hidden_transposed, &weighted_hidden)] {

@@ -17,7 +17,7 @@ pub mod cuda;
 pub mod handlers;
 mod ops;
 
-pub use ops::{ActivationBwd, ActivationBwdFp8};
+pub use ops::{ActivationBwd, ActivationBwdFp8, ActivationOperands};
 
 use crate::ffi::Result;
 use crate::invalid;
