@@ -84,11 +84,7 @@ __global__ void __launch_bounds__(THREADS) activation_fwd(const T* __restrict__ 
     load_floats<T, PER, VECTOR_BYTES>(pre + j, count, x);
     if constexpr (GATED) load_floats<T, PER, VECTOR_BYTES>(up + j, count, u);
 #pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      float value, slope;
-      value_and_slope<is_gelu(ACTIVATION)>(x[i], value, slope);
-      h[i] = GATED ? value * u[i] : value;
-    }
+    for (int i = 0; i < PER; ++i) h[i] = hidden_activation<ACTIVATION>(x[i], GATED ? u[i] : 1.f);
     store_floats<T, PER, VECTOR_BYTES>(out + j, count, h);
   }
 }

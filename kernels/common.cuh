@@ -106,6 +106,15 @@ __device__ __forceinline__ void value_and_slope(float x, float& value, float& sl
   }
 }
 
+// The hidden activation of one element before its rounding: act(x) * u
+// gated (x the gate), act(x) otherwise.
+template <int ACTIVATION>
+__device__ __forceinline__ float hidden_activation(float x, float u) {
+  float value, slope;
+  value_and_slope<is_gelu(ACTIVATION)>(x, value, slope);
+  return is_gated(ACTIVATION) ? value * u : value;
+}
+
 // x rounded to T, as a float.
 template <typename T>
 __device__ __forceinline__ float rounded(float x) { return to_float(from_float<T>(x)); }

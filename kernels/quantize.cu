@@ -636,3 +636,39 @@ activation_bwd_quantized(const T* __restrict__ grad_hidden, const T* __restrict_
   }
   if (threadIdx.x < QUANTIZE_TILE) grad_row_probs[rows_at.r0 + threadIdx.x] = sums[threadIdx.x];
 }
+
+// The FP8 layer's forward activation (oxmoe.fp8.activation): activation.cu's
+// activation_fwd, element for element (common.cuh's hidden_activation, rounded
+// to T), quantized in 1 x 128 blocks as the down projection takes it, never
+// written in T: hidden [rows, F] from the pre-activation [rows, W] (W = 2F
+// gated, else F). F is a multiple of 128 (src/activation/ops.rs checks), so
+// only the last row tile is partial.
+//
+// The quantize kernel's layout: one block of threads per 128 x 128 tile of
+// hidden, the tile of the gate (or of x) and, gated, of the up loaded as
+// load_tile loads x, the hidden activation computed in place of the first and
+// quantized from there (quantize_tile). Two tiles in registers: 64 a thread in
+// 16 bits, so two blocks an SM as the quantize kernel runs; float32's 128 take
+// one.
+template <typename T, int ACTIVATION, bool POWER_OF_TWO, int THREADS>
+__global__ void __launch_bounds__(THREADS, sizeof(T) == 4 ? 1 : 2)
+activation_quantized(const T* __restrict__ pre_activation, int rows, int features, unsigned char* __restrict__ values,
+                     float* __restrict__ scales) {
+  static_assert(THREADS == QUANTIZE_THREADS, "the launch's threads are the layout's (src/activation/cuda.rs)");
+  using L = TileLayout<T>;
+  constexpr bool GATED = is_gated(ACTIVATION);
+  const int width = GATED ? 2 * features : features;
+  const TilePlace at = tile_place<T>(blockIdx.x, rows, features);
+  uint4 tile[L::ROWS], up[L::ROWS];
+  load_tile<T>(pre_activation, at_columns(at, width, at.c0), tile);
+  if constexpr (GATED) load_tile<T>(pre_activation, at_columns(at, width, features + at.c0), up);
+#pragma unroll
+  for (int i = 0; i < L::ROWS; ++i) {
+    Pack<T, 16> hidden;
+#pragma unroll
+    for (int e = 0; e < L::VEC; ++e)
+      hidden.elems[e] = from_float<T>(hidden_activation<ACTIVATION>(element<T>(tile[i], e), GATED ? element<T>(up[i], e) : 1.f));
+    tile[i] = hidden.raw;
+  }
+  quantize_tile<T, 1, QUANTIZE_TILE, true, false, POWER_OF_TWO>(tile, at, values, scales, nullptr, nullptr, nullptr);
+}

@@ -219,6 +219,14 @@ def fp8_activation_bwd(grad_hidden, pre_activation, activation="swiglu", power_o
                  activation=activation, power_of_two_scales=power_of_two_scales)
 
 
+def fp8_activation(pre_activation, features, activation="swiglu", power_of_two_scales=np.bool_(False)):
+    """oxmoe_fp8_activation of pre_activation [R, 1, W], its results those of `features` hidden columns."""
+    rows = pre_activation.shape[0]
+    rets = (_spec((rows, 1, features), jnp.float8_e4m3fn), _spec((rows, 1, max(features // 128, 1)), jnp.float32))
+    return _call("oxmoe_fp8_activation", rets, pre_activation, activation=activation,
+                 power_of_two_scales=power_of_two_scales)
+
+
 def requantize(values, scales, dequantized_dtype="bfloat16", source_rows=None, **changes):
     """oxmoe_fp8_quantize of FP8 values [B, R, C] and their scales (and `source_rows`, if
     given: then the results have its rows), as quantize's call (a `dequantized_dtype` of None:
@@ -388,6 +396,19 @@ CASES.update({
         lambda: fp8_activation_bwd(np.zeros((128, 128), np.float32), np.zeros((128, 256), np.float32),
                                    power_of_two_scales=np.int64(1)),
         "oxmoe_fp8_activation_bwd", [r"attribute `power_of_two_scales` has type int64, expected a bool"]),
+    "fp8_activation_width_not_blocks": (
+        lambda: fp8_activation(np.zeros((4, 1, 192), np.float32), 96),
+        "oxmoe_fp8_activation", [r"pre_activation has 192 columns, expected a multiple of 256 for \"swiglu\""]),
+    "fp8_activation_not_one_row_a_batch_element": (
+        lambda: fp8_activation(np.zeros((4, 256), np.float32), 128),
+        "oxmoe_fp8_activation", [r"pre_activation has shape \[4, 256\], expected \[rows, 1, columns\]"]),
+    "fp8_activation_values_of_other_rows": (
+        lambda: _call("oxmoe_fp8_activation", (_spec((5, 1, 128), jnp.float8_e4m3fn), _spec((4, 1, 1), jnp.float32)),
+                      np.zeros((4, 1, 256), np.float32), activation="swiglu", power_of_two_scales=np.bool_(False)),
+        "oxmoe_fp8_activation", [r"values has shape float8_e4m3fn\[5, 1, 128\], expected \[4, 1, 128\]"]),
+    "fp8_activation_integer_pre_activation": (
+        lambda: fp8_activation(np.zeros((4, 1, 256), np.int32), 128),
+        "oxmoe_fp8_activation", [r"pre_activation has dtype int32, expected float32 or bfloat16 or float16"]),
     "ragged_dot_activation_odd_gated_width": (
         lambda: _call("oxmoe_ragged_dot_activation", (_spec((6, 7), jnp.float32), _spec((6, 3), jnp.float32),
                                                       _spec((12,), jnp.uint8)),

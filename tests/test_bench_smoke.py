@@ -50,8 +50,8 @@ EXPECTED_CASES = {
         [f"{model} bf16 {op}{align} {direction}" for model in ("deepseek_v3", "mixtral")
          for align in ("", " align=128") for op in ("dispatch", "combine") for direction in ("fwd", "bwd")]
         + ["deepseek_v3 ep=8 bf16 sort_chunks fwd", "deepseek_v3 ep=8 bf16 sort_chunks bwd"]),
-    "activation": [f"{model} bf16 swiglu bwd{fp8}" for model in ("mixtral", "qwen3_30b_a3b", "deepseek_v3")
-                   for fp8 in ("", " fp8")],
+    "activation": [f"{model} bf16 swiglu {op}" for model in ("mixtral", "qwen3_30b_a3b", "deepseek_v3")
+                   for op in ("bwd", "bwd fp8", "fwd fp8")],
 }
 #: The grouped GEMM family's cases: per shape and draw of the group sizes, the forward, both
 #: backward products and the forward with [G, N, K] weights.
@@ -64,7 +64,7 @@ PRIMITIVES = {
     "router": {"oxmoe_topk_fwd", "oxmoe_topk_bwd", "oxmoe_aux_loss_scores_fwd", "oxmoe_aux_loss_scores_bwd",
                "oxmoe_aux_loss_fwd", "oxmoe_aux_loss_bwd"},
     "permutation": {"oxmoe_dispatch_fwd", "oxmoe_combine_fwd", "oxmoe_combine_bwd", "oxmoe_sort_chunks"},
-    "activation": {"oxmoe_activation_bwd", "oxmoe_fp8_activation_bwd"},
+    "activation": {"oxmoe_activation_bwd", "oxmoe_fp8_activation_bwd", "oxmoe_fp8_activation"},
 }
 
 

@@ -418,6 +418,27 @@ def activation_bwd_of_no_features(rng):
     return _check_activation_bwd(5, 0)
 
 
+def _check_fp8_activation(rows, features):
+    """oxmoe.fp8.activation (SwiGLU) of zeros [rows, 2 features]: its values and scales, each
+    with a dimension of 0."""
+    import jax.numpy as jnp
+
+    from oxmoe import fp8
+
+    q = fp8.activation(jnp.zeros((rows, 2 * features), jnp.bfloat16))
+    return _zero_quantization("", q, (rows, features), fp8.ACTIVATION_BLOCK, False)
+
+
+@case
+def fp8_activation_of_no_rows(rng):
+    return _check_fp8_activation(0, 768)
+
+
+@case
+def fp8_activation_of_no_features(rng):
+    return _check_fp8_activation(5, 0)
+
+
 # -- the child process ---------------------------------------------------------------
 
 

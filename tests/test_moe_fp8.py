@@ -98,9 +98,11 @@ def test_expert_ffn_is_the_fp8_reference_products(seed, rng):
     checks.assert_close(got.rows, rows, F32, what="rows", context=context, tolerance=(1e-2, 5e-2))
     # Its weights as the forward takes them, bit for bit the layer's (which also quantizes
     # the backward's layout, from the same read), and only that layout written.
-    eqns = _equations(jax.make_jaxpr(moe.expert_ffn, static_argnums=2)(dispatched, params, config).jaxpr)
+    eqns = list(_equations(jax.make_jaxpr(moe.expert_ffn, static_argnums=2)(dispatched, params, config).jaxpr))
     orientations = [e.params["orientation"] for e in eqns if e.primitive.name == "oxmoe_fp8_quantize"]
-    assert orientations == ["transposed", "transposed", "as_is"], orientations  # up, down, the hidden rows
+    assert orientations == ["transposed", "transposed"], orientations  # up, down
+    # The hidden rows are quantized by the activation that computes them.
+    assert [e.primitive.name for e in eqns if "activation" in e.primitive.name] == ["oxmoe_fp8_activation"]
     both_ways = fp8.quantize_with_transpose(params.up, fp8.WEIGHT_BLOCK)[1]
     forward = fp8.quantize(params.up, fp8.WEIGHT_BLOCK, transpose=True)
     np.testing.assert_array_equal(np.asarray(forward.values.view(jnp.uint8)),
@@ -248,15 +250,17 @@ def test_the_fp8_step_quantizes_each_tensor_from_one_read(chunks):
     # up weight's gradient transposed) and weighted hidden activations (the down weight's
     # gradient, transposed) by the activation's backward that computes them; each chunk's output
     # gradient and its dispatched rows, which travelled per row, are requantized transposed from
-    # their FP8 values (the rows read from their tokens); XLA transposes no FP8 values.
+    # their FP8 values (the rows read from their tokens); each chunk's hidden activations by the
+    # activation that computes them; XLA transposes no FP8 values.
     eqns = list(_equations(fp8_step_jaxpr(chunks).jaxpr))
     kinds = collections.Counter(("requantized " if "dequantized_dtype" in e.params else "") + e.params["orientation"]
                                 for e in eqns if e.primitive.name == "oxmoe_fp8_quantize")
     # Both ways: up, down. Transposed: each chunk's rows and output gradient, requantized. As they
-    # are: each chunk's tokens, hidden activations and output gradient.
-    assert kinds == {"both": 2, "requantized transposed": 2 * chunks, "as_is": 3 * chunks}, kinds
-    activations = [e for e in eqns if e.primitive.name.startswith("oxmoe_") and "activation_bwd" in e.primitive.name]
-    assert [e.primitive.name for e in activations] == ["oxmoe_fp8_activation_bwd"] * chunks, activations
+    # are: each chunk's tokens and output gradient.
+    assert kinds == {"both": 2, "requantized transposed": 2 * chunks, "as_is": 2 * chunks}, kinds
+    activations = collections.Counter(e.primitive.name for e in eqns
+                                      if e.primitive.name.startswith("oxmoe_") and "activation" in e.primitive.name)
+    assert activations == {"oxmoe_fp8_activation": chunks, "oxmoe_fp8_activation_bwd": chunks}, activations
     # Each chunk's dispatched rows are requantized from its tokens through the dispatch's map
     # (source_rows), not from a gathered copy.
     through_maps = [e for e in eqns if e.primitive.name == "oxmoe_fp8_quantize" and len(e.invars) == 3]

@@ -47,8 +47,9 @@ in Rust, is the specification, CUDA kernels compute the same, and
   clipped to a finite number).
 
 On a GPU, a CUDA kernel reads ``x`` once and writes the values and scales once (``x``'s,
-its transpose's, or both) from the same pass. :func:`activation_bwd` is the FP8 layer's
-activation backward with its results quantized in the same pass, never written in 16 bits. The quantization is not differentiated: the FP8 GEMMs that
+its transpose's, or both) from the same pass. :func:`activation` is the FP8 layer's
+activation with its result quantized in the same pass, and :func:`activation_bwd` its
+backward with its results quantized so, neither written in 16 bits. The quantization is not differentiated: the FP8 GEMMs that
 consume it define their own gradients.
 
 The grouped products on quantized operands (the expert GEMMs of an FP8 training step, as
@@ -91,15 +92,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from oxmoe._checks import FLOAT_DTYPES, check_array, check_bool
+from oxmoe._checks import FLOAT_DTYPES, check_array, check_bool, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 from oxmoe._pytree import pytree_dataclass
+from oxmoe.activation import ACTIVATIONS, gated
 from oxmoe.activation import _check_inputs as _check_activation_inputs
 from oxmoe.grouped_gemm import _check_groups, _check_num_groups, _chunks_of, _workspace_bytes
 
 __all__ = ["E4M3_MAX", "ACTIVATION_BLOCK", "WEIGHT_BLOCK", "TRANSPOSED_ACTIVATION_BLOCK", "BlockQuantized",
            "BlockScaling", "QuantizedActivationGrads", "quantize", "quantize_with_transpose", "requantize",
-           "dequantize", "activation_bwd", "ragged_dot", "transposed_ragged_dot"]
+           "dequantize", "activation", "activation_bwd", "ragged_dot", "transposed_ragged_dot"]
 
 E4M3 = jnp.dtype(jnp.float8_e4m3fn)
 E4M3_MAX = 448.0
@@ -345,6 +347,54 @@ def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, 
     _check_quantize_input(jax.ShapeDtypeStruct(gathered, dtype), block, transpose, name="q[source_rows]")
     values, scales = _requantize_rows_p(values[None], scales[None], source_rows, **attrs)
     return _quantized(values, scales, gathered[::-1] if transpose else gathered, block)
+
+
+# pre_activation [R, 1, W] -> the hidden activation's values [R, 1, F] and scales [R, 1, F / 128]:
+# each row its own batch element, as _quantize_p takes rows of 1 x 128 blocks (split as tokens).
+_activation_p = FfiPrimitive(
+    "oxmoe_fp8_activation", operands=(Layout.ROWS,), results=(Layout.ROWS,) * 2,
+    result_specs=lambda pre_activation, *, activation, **_: _quantization_results(
+        pre_activation.shape[0], 1, pre_activation.shape[2] // (2 if gated(activation) else 1), ACTIVATION_BLOCK))
+
+
+def activation(pre_activation, activation: str = "swiglu", *, power_of_two_scales: bool = False) -> BlockQuantized:
+    """The expert MLP's hidden activation quantized in :data:`ACTIVATION_BLOCK` blocks,
+    as the FP8 layer's down projection takes it, from one pass over the pre-activation
+    (on a GPU the hidden activation is never written in 16 bits).
+
+    Bit for bit ``quantize(h, ACTIVATION_BLOCK)`` (``power_of_two_scales`` as given) of
+    the hidden activation ``h`` ``[R, F]`` that the layer's forward computes, in float32
+    and rounded to the pre-activation's dtype: ``act(gate) * up`` for the gated
+    activations (the pre-activation ``[gate, up]``, ``2F`` columns), ``act(x)`` otherwise
+    (:mod:`oxmoe.activation`'s functions; it is the ``weighted_hidden`` that
+    :func:`oxmoe.activation.activation_bwd` gives for rows of weight 1). Not
+    differentiable.
+
+    Args:
+      pre_activation: ``[R, W]`` float32, bfloat16 or float16, the up projection's
+        output: ``W = 2F`` for ``"swiglu"`` and ``"geglu"``, ``F`` for ``"gelu"`` and
+        ``"silu"``, ``F`` a multiple of 128.
+      activation: ``"swiglu"``, ``"geglu"``, ``"gelu"`` or ``"silu"``.
+      power_of_two_scales: round each scale up to a power of two.
+
+    Returns:
+      :class:`BlockQuantized`: values ``[R, F]``, scales ``[R, F / 128]``.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
+    check_array("pre_activation", pre_activation)
+    check_float_dtype("pre_activation", pre_activation)
+    columns = 256 if gated(activation) else 128
+    if pre_activation.ndim != 2 or pre_activation.shape[1] % columns:
+        raise ValueError(f"pre_activation must be [R, W] with W a multiple of {columns} for {activation!r} (the "
+                         f"hidden activation's F columns a multiple of 128, the blocks 1 x 128), got shape "
+                         f"{tuple(pre_activation.shape)}")
+    rows, width = pre_activation.shape
+    features = width // 2 if gated(activation) else width
+    values, scales = _activation_p(jax.lax.stop_gradient(pre_activation).reshape(rows, 1, width),
+                                   activation=activation, power_of_two_scales=np.bool_(power_of_two_scales))
+    return _quantized(values, scales, (rows, features), ACTIVATION_BLOCK)
 
 
 class QuantizedActivationGrads(typing.NamedTuple):

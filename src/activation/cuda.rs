@@ -1,9 +1,10 @@
 //! The CUDA activation: `kernels/activation.cu`'s `activation_bwd` and
 //! `activation_fwd`, one warp per row, and `kernels/quantize.cu`'s
-//! `activation_bwd_quantized`, one block per 128 rows (see the kernels for
-//! their layout and why).
+//! `activation_bwd_quantized`, one block per 128 rows, and
+//! `activation_quantized`, one block per 128 x 128 tile of the hidden
+//! activation (see the kernels for their layout and why).
 
-use super::{Activation, ActivationBwd, ActivationBwdFp8};
+use super::{Activation, ActivationBwd, ActivationBwdFp8, ActivationFp8};
 use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, ACTIVATION, QUANTIZE};
 use crate::ffi::{DataType, Result};
 use crate::quantize::{self, cuda::TILE};
@@ -96,6 +97,28 @@ pub fn activation_bwd_fp8(stream: Stream, op: &ActivationBwdFp8) -> Result<()> {
     ])
 }
 
+pub fn activation_fp8_instance(dtype: DataType, activation: Activation, power_of_two_scales: bool) -> Result<String> {
+    let instance = Instance::new("activation_quantized").dtype(dtype).int(activation.code());
+    instance.flag(power_of_two_scales).int(quantize::cuda::THREADS).build()
+}
+
+pub fn activation_fp8(stream: Stream, op: &ActivationFp8) -> Result<()> {
+    let q = &op.hidden.shape;
+    if op.hidden.values.is_empty() {
+        return Ok(());
+    }
+    let dtype = op.pre_activation.dtype();
+    let instance = activation_fp8_instance(dtype, op.activation, q.power_of_two_scales)?;
+    let kernel = Kernel::get(stream, &QUANTIZE, &instance)?;
+    // Each row is a batch element of one row: the kernel sees one matrix of them.
+    let tiles = q.batch.div_ceil(TILE) * (q.cols / TILE);
+    let (rows, features) = (int(q.batch)?, int(q.cols)?);
+    let (values, scales) = op.hidden.device_ptrs();
+    launch(stream, kernel, LaunchConfig { grid: grid(tiles)?, block: quantize::cuda::THREADS, shared_bytes: 0 }, &mut [
+        arg(&op.pre_activation.device_ptr()), arg(&rows), arg(&features), arg(&values), arg(&scales),
+    ])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -120,6 +143,7 @@ mod tests {
             for activation in Activation::ALL {
                 for power_of_two in [false, true] {
                     instances.push(activation_bwd_fp8_instance(dtype, activation, power_of_two).unwrap());
+                    instances.push(activation_fp8_instance(dtype, activation, power_of_two).unwrap());
                 }
             }
         }

@@ -1,11 +1,12 @@
-//! XLA FFI handlers of the activation backward. Each decodes its call into
-//! [`ActivationBwd`] (or [`ActivationBwdFp8`]); the CPU handler then runs `cpu`
-//! on its slices (and, for the FP8 form, the quantization's `cpu` on its
-//! results: that composition is the FP8 form's specification), the CUDA handler
+//! XLA FFI handlers of the activation backward and of the FP8 forward. Each
+//! decodes its call into [`ActivationBwd`] (or [`ActivationBwdFp8`],
+//! [`ActivationFp8`]); the CPU handler then runs `cpu` on its slices (and, for
+//! the FP8 forms, the quantization's `cpu` on its results: that composition is
+//! the FP8 forms' specification), the CUDA handler
 //! (`<target>_cuda`, registered for the CUDA platform under the same target
 //! name) hands it to `cuda` with the call's [`Stream`](crate::cuda::Stream).
 
-use super::{cpu, cuda, ActivationBwd, ActivationBwdFp8, ActivationOperands};
+use super::{cpu, cuda, ActivationBwd, ActivationBwdFp8, ActivationFp8, ActivationOperands};
 use crate::ffi::Result;
 use crate::quantize::cpu::quantize;
 use crate::real::Real;
@@ -46,6 +47,20 @@ fn activation_bwd_fp8_cpu(op: ActivationBwdFp8) -> Result<()> {
                          (op.weighted_hidden_transposed, &weighted_hidden)] {
             quantize::<T>(&out.shape, x, out.values.slice_mut()?, out.scales.slice_mut()?);
         }
+    });
+    Ok(())
+}
+
+export_handler!(oxmoe_fp8_activation, ActivationFp8, |_, op| activation_fp8_cpu(op));
+
+export_cuda_handler!(oxmoe_fp8_activation_cuda, ActivationFp8, |stream, op| cuda::activation_fp8(stream, &op));
+
+fn activation_fp8_cpu(op: ActivationFp8) -> Result<()> {
+    let q = &op.hidden.shape;
+    with_real_type!(op.pre_activation.dtype(), T => {
+        let mut hidden = vec![T::default(); q.batch * q.cols];
+        cpu::activation_fwd::<T>(op.activation, q.cols, op.pre_activation.slice()?, &mut hidden);
+        quantize::<T>(q, &hidden, op.hidden.values.slice_mut()?, op.hidden.scales.slice_mut()?);
     });
     Ok(())
 }

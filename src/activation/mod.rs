@@ -6,7 +6,9 @@
 //! operand) and the weight's gradient. What three passes of XLA fusions
 //! computed, each reading the up projection's output again. Its FP8 form
 //! (`oxmoe.fp8.activation_bwd`) gives the two 16-bit results quantized as the
-//! FP8 layer's backward products take them, from the same pass.
+//! FP8 layer's backward products take them, from the same pass; the
+//! forward's (`oxmoe.fp8.activation`), the hidden activation quantized as the
+//! down projection takes it.
 //!
 //! [`cpu`] is the executable specification, [`cuda`] runs
 //! `kernels/activation.cu` with the same semantics. Both take a call decoded
@@ -17,7 +19,7 @@ pub mod cuda;
 pub mod handlers;
 mod ops;
 
-pub use ops::{ActivationBwd, ActivationBwdFp8, ActivationOperands};
+pub use ops::{ActivationBwd, ActivationBwdFp8, ActivationFp8, ActivationOperands};
 
 use crate::ffi::Result;
 use crate::invalid;

@@ -1,11 +1,11 @@
-//! The activation backward's calls, decoded (and checked) once into the typed
-//! struct that the CPU and CUDA backends both take.
+//! The activation's calls, decoded (and checked) once into the typed structs
+//! that the CPU and CUDA backends both take.
 
 use super::Activation;
 use crate::ffi::{Arg, Call, DataType, Result, Ret};
 use crate::invalid;
 use crate::quantize::{Block, Output, Quantization};
-use crate::real::float_matrix;
+use crate::real::{float_matrix, FLOAT_TYPES};
 
 /// The operands of both activation backward calls, and their attribute
 /// `activation`: grad_hidden [R, F], pre_activation [R, 2F] (gated
@@ -105,5 +105,42 @@ impl<'a> ActivationBwdFp8<'a> {
         grad_row_probs.expect(&[DataType::F32], &[rows])?;
         Ok(Self { operands, power_of_two_scales, grad_pre_activation, grad_pre_activation_transposed,
                   weighted_hidden_transposed, grad_row_probs })
+    }
+}
+
+/// `oxmoe_fp8_activation`: pre_activation `[R, 1, W]` float32, bfloat16 or
+/// float16 (each row its own batch element, as `oxmoe_fp8_quantize` takes
+/// rows of 1 x 128 blocks), attributes `activation` and `power_of_two_scales`
+/// -> the hidden activation `[R, 1, F]` (F = W / 2 gated, else W; a multiple of
+/// 128) quantized in 1 x 128 blocks: `oxmoe_fp8_quantize`'s semantics and
+/// results (values float8_e4m3fn `[R, 1, F]`, scales float32 `[R, 1, F / 128]`)
+/// of what `cpu::activation_fwd` gives, never materialised.
+pub struct ActivationFp8<'a> {
+    pub activation: Activation,
+    pub pre_activation: Arg<'a>,
+    pub hidden: Output<'a>,
+}
+
+impl<'a> ActivationFp8<'a> {
+    pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(1, 1)?;
+        let activation = Activation::parse(call.attr("activation")?)?;
+        let pre_activation = call.arg(0, "pre_activation")?;
+        pre_activation.expect_dtype(&FLOAT_TYPES)?;
+        let &[rows, 1, width] = pre_activation.dims() else {
+            invalid!("pre_activation has shape {:?}, expected [rows, 1, columns]", pre_activation.dims())
+        };
+        let (rows, width) = (rows.max(0) as usize, width.max(0) as usize);
+        let blocks_width = activation.input_columns(128);
+        if !width.is_multiple_of(blocks_width) {
+            invalid!("pre_activation has {width} columns, expected a multiple of {blocks_width} for {:?} (the hidden \
+                      activation's columns a multiple of 128: the FP8 recipe's 1 x 128 blocks)", activation.name())
+        }
+        let features = activation.hidden_columns(width);
+        let block = Block { rows: 1, cols: 128 };
+        let power_of_two_scales = call.attr("power_of_two_scales")?;
+        let shape = Quantization { batch: rows, rows: 1, cols: features, block, power_of_two_scales, transpose: false };
+        let hidden = Output::decode(call, shape, 0, ["values", "scales"])?;
+        Ok(Self { activation, pre_activation, hidden })
     }
 }

@@ -1,4 +1,5 @@
-"""The activation benchmark: oxmoe's activation backward against plain JAX's.
+"""The activation benchmark: oxmoe's activation backward against plain JAX's, and the FP8
+layer's activations against their unfused paths.
 
 Cases: ``<model> bf16 swiglu bwd``, :func:`oxmoe.activation.activation_bwd` of
 the MoE layer's backward at each benchmark layer's rows (``R = T * k`` routed
@@ -26,6 +27,13 @@ it replaces, oxmoe's unfused path (:func:`oxmoe.activation.activation_bwd`, then
 kernels), whose results must be the same bit for bit. Byte floor: ``R * (11 F + 8)``
 (bf16 inputs, FP8 values of ``[R, 2F]`` twice and ``[R, F]`` once) plus the scales,
 ``R * 5 F / 32``.
+
+``<model> bf16 swiglu fwd fp8``: :func:`oxmoe.fp8.activation`, the FP8 layer's forward
+activation, whose result is quantized per row in the same pass, against what the layer ran
+before it: the activation in plain JAX (float32, rounded to bf16; one XLA fusion), then
+:func:`oxmoe.fp8.quantize`. XLA's SiLU may differ from oxmoe's in a float32 ulp, so a few
+elements round the other way (to bf16, then to FP8). Byte floor: ``R * 5 F`` (the bf16
+pre-activation read, the FP8 values written) plus the scales, ``R * F / 32``.
 """
 
 from __future__ import annotations
@@ -114,11 +122,43 @@ def swiglu_bwd_fp8_case(model: LayerShape, rows: int, features: int) -> Case:
         primitive="oxmoe_fp8_activation_bwd", info=dict(case.info, fp8=True))
 
 
+def fp8_activation(pre_activation):
+    return fp8.activation(pre_activation, ACTIVATION)
+
+
+def unfused_fp8_activation(pre_activation):
+    gate, up = jnp.split(pre_activation.astype(jnp.float32), 2, axis=-1)
+    return fp8.quantize((jax.nn.silu(gate) * up).astype(pre_activation.dtype))
+
+
+#: A few elements of the hidden activation round the other way (XLA's SiLU against oxmoe's),
+#: each off by a bf16 ulp, or an FP8 one where that moves it across an FP8 rounding boundary.
+MAX_FP8_FWD_REL_ERR = 1e-2
+
+
+@jax.jit
+def _compare_fp8_fwd(fused, unfused, context):
+    del context
+    return {"hidden_rel_err": rel_err(fp8.dequantize(fused), fp8.dequantize(unfused))}
+
+
+def swiglu_fwd_fp8_case(model: LayerShape, rows: int, features: int) -> Case:
+    def draw(random):
+        return (random.normal((rows, 2 * features), jnp.bfloat16, 2.0),)
+
+    return Case(
+        name=f"{model.name} bf16 {ACTIVATION} fwd fp8", bytes=rows * 5 * features + rows * features // 32,
+        draw=draw, prepare=None, oxmoe=fp8_activation, plain=unfused_fp8_activation, compare=_compare_fp8_fwd,
+        limits={"hidden_rel_err": MAX_FP8_FWD_REL_ERR}, primitive="oxmoe_fp8_activation",
+        info=dict(op=ACTIVATION, direction="fwd", dtype="bfloat16", rows=rows, features=features, model=model.name,
+                  fp8=True))
+
+
 def cases(smoke: bool) -> list[Case]:
     """Per benchmark layer shape, in the order of :data:`oxmoe.model_shapes.LAYER_SHAPES`, the
-    activation's backward, then its FP8 form."""
+    activation's backward, its FP8 form, then the FP8 forward."""
     sizes = [(m, SMOKE_ROWS, SMOKE_FEATURES) if smoke else (m, m.tokens * m.topk, m.ffn) for m in LAYER_SHAPES]
-    return [make(*size) for size in sizes for make in (swiglu_bwd_case, swiglu_bwd_fp8_case)]
+    return [make(*size) for size in sizes for make in (swiglu_bwd_case, swiglu_bwd_fp8_case, swiglu_fwd_fp8_case)]
 
 
 FAMILY = Family(name="activation", goals=GOALS, cases=cases,

@@ -299,8 +299,8 @@ def expert_ffn(dispatched: ExpertInput, params: MoEParams, config: MoEConfig) ->
     """Each local expert's FFN on its rows: one grouped GEMM over the fused
     gate+up weight with the activation (in its epilogue on Hopper,
     :func:`oxmoe.grouped_gemm.ragged_dot_activation`), one grouped GEMM over
-    the down weight (with ``config.fp8``, FP8 products and the activation in a
-    pass of its own).
+    the down weight (with ``config.fp8``, FP8 products, and the activation in a
+    pass of its own that quantizes its result, :func:`oxmoe.fp8.activation`).
 
     Args:
       dispatched: :func:`dispatch`'s result.
@@ -356,10 +356,11 @@ def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> E
     if config.fp8 is None:
         up, hidden = grouped_gemm.ragged_dot_activation(dispatched.rows, up_weight, sizes, config.activation)
         return ExpertOutput(_expert_product(hidden, down_weight, sizes, config), up)
-    # FP8: the weights come transposed (both operands K-major), the activation is a pass of its own.
+    # FP8: the weights come transposed (both operands K-major); the activation is a pass of its
+    # own, which quantizes its result for the down projection.
     up = _expert_product(dispatched.rows, up_weight, sizes, config, rhs_transposed=True)
-    rows = _expert_product(_activate(up, config.activation), down_weight, sizes, config, rhs_transposed=True)
-    return ExpertOutput(rows, up)
+    hidden = fp8.activation(up, config.activation, power_of_two_scales=config.fp8.power_of_two_scales)
+    return ExpertOutput(_expert_product(hidden, down_weight, sizes, config, rhs_transposed=True), up)
 
 
 def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config: MoEConfig):
