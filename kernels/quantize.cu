@@ -639,36 +639,63 @@ activation_bwd_quantized(const T* __restrict__ grad_hidden, const T* __restrict_
 
 // The FP8 layer's forward activation (oxmoe.fp8.activation): activation.cu's
 // activation_fwd, element for element (common.cuh's hidden_activation, rounded
-// to T), quantized in 1 x 128 blocks as the down projection takes it, never
-// written in T: hidden [rows, F] from the pre-activation [rows, W] (W = 2F
-// gated, else F). F is a multiple of 128 (src/activation/ops.rs checks), so
-// only the last row tile is partial.
+// to T), quantized in 1 x 128 blocks as the down projection takes it (the
+// quantize kernel's steps for a block of one row), never written in T: hidden
+// [rows, F] from the pre-activation [rows, W] (W = 2F gated, else F). F is a
+// multiple of 128 (src/activation/ops.rs checks).
 //
-// The quantize kernel's layout: one block of threads per 128 x 128 tile of
-// hidden, the tile of the gate (or of x) and, gated, of the up loaded as
-// load_tile loads x, the hidden activation computed in place of the first and
-// quantized from there (quantize_tile). Two tiles in registers: 64 a thread in
-// 16 bits, so two blocks an SM as the quantize kernel runs; float32's 128 take
-// one.
-template <typename T, int ACTIVATION, bool POWER_OF_TWO, int THREADS>
-__global__ void __launch_bounds__(THREADS, sizeof(T) == 4 ? 1 : 2)
+// A 1 x 128 block is one row's: no thread needs another's rows, so a warp takes
+// ROWS_PER_WARP rows of one span of 32 pieces (16 bytes of T a lane: 256
+// columns in 16 bits, 128 in float32), issues all its rows' loads (gate and up)
+// first, then computes each row: the activation, the block's maximum over the
+// lanes holding it (shuffles), its scale, the values (8 or 4 bytes a lane). The
+// quantize kernel's 128 x 128 tiles held 64 elements a thread and ran two
+// blocks (16 warps) an SM: with the activation's ~20 instructions an element on
+// top of the quantization's, that ran at 56% of copy on an H200 (the warps'
+// serial phases, loads then work, with too few warps to overlap them). Here a
+// thread holds ROWS_PER_WARP pieces of each input and an SM runs 32 warps.
+template <typename T, int ACTIVATION, bool POWER_OF_TWO, int ROWS_PER_WARP, int THREADS>
+__global__ void __launch_bounds__(THREADS, 4)
 activation_quantized(const T* __restrict__ pre_activation, int rows, int features, unsigned char* __restrict__ values,
                      float* __restrict__ scales) {
   static_assert(THREADS == QUANTIZE_THREADS, "the launch's threads are the layout's (src/activation/cuda.rs)");
-  using L = TileLayout<T>;
   constexpr bool GATED = is_gated(ACTIVATION);
-  const int width = GATED ? 2 * features : features;
-  const TilePlace at = tile_place<T>(blockIdx.x, rows, features);
-  uint4 tile[L::ROWS], up[L::ROWS];
-  load_tile<T>(pre_activation, at_columns(at, width, at.c0), tile);
-  if constexpr (GATED) load_tile<T>(pre_activation, at_columns(at, width, features + at.c0), up);
+  constexpr int VEC = 16 / sizeof(T), LANES = QUANTIZE_TILE / VEC, SPAN = 32 * VEC;  // LANES hold a block
+  constexpr int ROWS_PER_BLOCK = THREADS / 32 * ROWS_PER_WARP;
+  using Bytes = typename VectorOf<VEC>::type;  // VEC FP8 values
+  const int width = GATED ? 2 * features : features, spans = (features + SPAN - 1) / SPAN;
+  const int lane = threadIdx.x % 32, c = blockIdx.x % spans * SPAN + lane * VEC;
+  const int first_row = blockIdx.x / spans * ROWS_PER_BLOCK + threadIdx.x / 32 * ROWS_PER_WARP;
+  // A span past F (F not a multiple of SPAN) leaves whole blocks of lanes idle.
+  const bool in_f = c < features;
+  uint4 x[ROWS_PER_WARP], up[ROWS_PER_WARP];
 #pragma unroll
-  for (int i = 0; i < L::ROWS; ++i) {
-    Pack<T, 16> hidden;
-#pragma unroll
-    for (int e = 0; e < L::VEC; ++e)
-      hidden.elems[e] = from_float<T>(hidden_activation<ACTIVATION>(element<T>(tile[i], e), GATED ? element<T>(up[i], e) : 1.f));
-    tile[i] = hidden.raw;
+  for (int i = 0; i < ROWS_PER_WARP; ++i) {
+    const bool loads = in_f && first_row + i < rows;
+    const T* row = pre_activation + static_cast<long long>(first_row + i) * width;
+    x[i] = loads ? *reinterpret_cast<const uint4*>(row + c) : make_uint4(0, 0, 0, 0);
+    if constexpr (GATED) up[i] = loads ? *reinterpret_cast<const uint4*>(row + features + c) : make_uint4(0, 0, 0, 0);
   }
-  quantize_tile<T, 1, QUANTIZE_TILE, true, false, POWER_OF_TWO>(tile, at, values, scales, nullptr, nullptr, nullptr);
+#pragma unroll
+  for (int i = 0; i < ROWS_PER_WARP; ++i) {
+    const int r = first_row + i;
+    float hidden[VEC];
+    unsigned amax = 0;
+#pragma unroll
+    for (int e = 0; e < VEC; ++e) {
+      hidden[e] = rounded<T>(hidden_activation<ACTIVATION>(element<T>(x[i], e), GATED ? element<T>(up[i], e) : 1.f));
+      amax = max(amax, magnitude_bits(hidden[e]));
+    }
+#pragma unroll
+    for (int d = LANES / 2; d > 0; d /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+    const float scale = block_scale<POWER_OF_TWO>(amax), inverse = __frcp_rn(scale);
+    if (r >= rows || !in_f) continue;
+    Pack<unsigned, VEC> bytes;  // VEC bytes: VEC / 4 words
+#pragma unroll
+    for (int w = 0; w < VEC / 4; ++w)
+      bytes.elems[w] = floats_to_e4m3x2(flushed_product(hidden[4 * w], inverse), flushed_product(hidden[4 * w + 1], inverse)) |
+                       floats_to_e4m3x2(flushed_product(hidden[4 * w + 2], inverse), flushed_product(hidden[4 * w + 3], inverse)) << 16;
+    *reinterpret_cast<Bytes*>(values + static_cast<long long>(r) * features + c) = bytes.raw;
+    if (lane % LANES == 0) scales[static_cast<long long>(r) * (features / QUANTIZE_TILE) + c / QUANTIZE_TILE] = scale;
+  }
 }

@@ -1,8 +1,8 @@
 //! The CUDA activation: `kernels/activation.cu`'s `activation_bwd` and
 //! `activation_fwd`, one warp per row, and `kernels/quantize.cu`'s
 //! `activation_bwd_quantized`, one block per 128 rows, and
-//! `activation_quantized`, one block per 128 x 128 tile of the hidden
-//! activation (see the kernels for their layout and why).
+//! `activation_quantized`, a few rows a warp (see the kernels for their
+//! layout and why).
 
 use super::{Activation, ActivationBwd, ActivationBwdFp8, ActivationFp8};
 use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, ACTIVATION, QUANTIZE};
@@ -97,9 +97,12 @@ pub fn activation_bwd_fp8(stream: Stream, op: &ActivationBwdFp8) -> Result<()> {
     ])
 }
 
+/// Rows a warp of `activation_quantized` takes, its loads all in flight together.
+const FP8_ROWS_PER_WARP: usize = 4;
+
 pub fn activation_fp8_instance(dtype: DataType, activation: Activation, power_of_two_scales: bool) -> Result<String> {
     let instance = Instance::new("activation_quantized").dtype(dtype).int(activation.code());
-    instance.flag(power_of_two_scales).int(quantize::cuda::THREADS).build()
+    instance.flag(power_of_two_scales).int(FP8_ROWS_PER_WARP).int(quantize::cuda::THREADS).build()
 }
 
 pub fn activation_fp8(stream: Stream, op: &ActivationFp8) -> Result<()> {
@@ -110,11 +113,14 @@ pub fn activation_fp8(stream: Stream, op: &ActivationFp8) -> Result<()> {
     let dtype = op.pre_activation.dtype();
     let instance = activation_fp8_instance(dtype, op.activation, q.power_of_two_scales)?;
     let kernel = Kernel::get(stream, &QUANTIZE, &instance)?;
-    // Each row is a batch element of one row: the kernel sees one matrix of them.
-    let tiles = q.batch.div_ceil(TILE) * (q.cols / TILE);
+    // Each row is a batch element of one row: the kernel sees one matrix of them. A block
+    // takes FP8_ROWS_PER_WARP rows a warp of one span of columns, 16 bytes of each a lane.
+    let block_rows = quantize::cuda::THREADS as usize / 32 * FP8_ROWS_PER_WARP;
+    let span = 32 * 16 / dtype.size().unwrap_or(4);
+    let blocks = q.batch.div_ceil(block_rows) * q.cols.div_ceil(span);
     let (rows, features) = (int(q.batch)?, int(q.cols)?);
     let (values, scales) = op.hidden.device_ptrs();
-    launch(stream, kernel, LaunchConfig { grid: grid(tiles)?, block: quantize::cuda::THREADS, shared_bytes: 0 }, &mut [
+    launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: quantize::cuda::THREADS, shared_bytes: 0 }, &mut [
         arg(&op.pre_activation.device_ptr()), arg(&rows), arg(&features), arg(&values), arg(&scales),
     ])
 }
