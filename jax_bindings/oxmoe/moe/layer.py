@@ -359,8 +359,8 @@ def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> E
     # FP8: the weights come transposed (both operands K-major); the activation is a pass of its
     # own, which quantizes its result for the down projection.
     up = _expert_product(dispatched.rows, up_weight, sizes, config, rhs_transposed=True)
-    hidden = fp8.activation(up, config.activation, power_of_two_scales=config.fp8.power_of_two_scales)
-    return ExpertOutput(_expert_product(hidden, down_weight, sizes, config, rhs_transposed=True), up)
+    quantized_hidden = fp8.activation(up, config.activation, power_of_two_scales=config.fp8.power_of_two_scales)
+    return ExpertOutput(_expert_product(quantized_hidden, down_weight, sizes, config, rhs_transposed=True), up)
 
 
 def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config: MoEConfig):
