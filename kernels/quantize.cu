@@ -220,12 +220,17 @@ __device__ __forceinline__ Inverses<BLOCKS, T> block_inverses(const uint4 (&tile
   return inverses;
 }
 
+// Two elements quantized (cpu.rs's quantized: each times its block's reciprocal
+// scale, then float8_e4m3fn), lo in the low byte.
+__device__ __forceinline__ unsigned quantized_pair(float lo, float lo_inverse, float hi, float hi_inverse) {
+  return floats_to_e4m3x2(flushed_product(lo, lo_inverse), flushed_product(hi, hi_inverse));
+}
+
 // The thread's element (i, e) as FP8 beside its element (i2, e2), in the low byte.
 template <typename T, typename Inverse>
 __device__ __forceinline__ unsigned fp8_pair(const uint4 (&tile)[TileLayout<T>::ROWS], const Inverse& inverse, int i,
                                              int e, int i2, int e2) {
-  return floats_to_e4m3x2(flushed_product(element<T>(tile[i], e), inverse(i, e)),
-                          flushed_product(element<T>(tile[i2], e2), inverse(i2, e2)));
+  return quantized_pair(element<T>(tile[i], e), inverse(i, e), element<T>(tile[i2], e2), inverse(i2, e2));
 }
 
 // The as-is values of the thread's elements: its piece of each of its rows.
@@ -693,8 +698,8 @@ activation_quantized(const T* __restrict__ pre_activation, int rows, int feature
     Pack<unsigned, VEC> bytes;  // VEC bytes: VEC / 4 words
 #pragma unroll
     for (int w = 0; w < VEC / 4; ++w)
-      bytes.elems[w] = floats_to_e4m3x2(flushed_product(hidden[4 * w], inverse), flushed_product(hidden[4 * w + 1], inverse)) |
-                       floats_to_e4m3x2(flushed_product(hidden[4 * w + 2], inverse), flushed_product(hidden[4 * w + 3], inverse)) << 16;
+      bytes.elems[w] = quantized_pair(hidden[4 * w], inverse, hidden[4 * w + 1], inverse) |
+                       quantized_pair(hidden[4 * w + 2], inverse, hidden[4 * w + 3], inverse) << 16;
     *reinterpret_cast<Bytes*>(values + static_cast<long long>(r) * features + c) = bytes.raw;
     if (lane % LANES == 0) scales[static_cast<long long>(r) * (features / QUANTIZE_TILE) + c / QUANTIZE_TILE] = scale;
   }
