@@ -35,6 +35,18 @@ def gated(activation: str) -> bool:
     return activation in ("swiglu", "geglu")
 
 
+def _check_activation(activation) -> None:
+    """``activation`` is one of :data:`ACTIVATIONS`."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def _hidden_columns(activation: str, columns: int) -> int:
+    """The hidden activation's columns of an up projection's output of ``columns``:
+    half of them when gated."""
+    return columns // 2 if gated(activation) else columns
+
+
 class ActivationGrads(typing.NamedTuple):
     """The result of :func:`activation_bwd`.
 
@@ -92,8 +104,7 @@ def activation_bwd(grad_hidden, pre_activation, row_probs, activation: str = "sw
 def _check_inputs(grad_hidden, pre_activation, row_probs, activation: str) -> None:
     """:func:`activation_bwd`'s operands and activation, checked (also for
     :func:`oxmoe.fp8.activation_bwd`)."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_activation(activation)
     for name, x in (("grad_hidden", grad_hidden), ("pre_activation", pre_activation), ("row_probs", row_probs)):
         check_array(name, x)
     check_float_dtype("grad_hidden", grad_hidden)

@@ -95,7 +95,7 @@ import numpy as np
 from oxmoe._checks import FLOAT_DTYPES, check_array, check_bool, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 from oxmoe._pytree import pytree_dataclass
-from oxmoe.activation import ACTIVATIONS, gated
+from oxmoe.activation import _check_activation, _hidden_columns, gated
 from oxmoe.activation import _check_inputs as _check_activation_inputs
 from oxmoe.grouped_gemm import _check_groups, _check_num_groups, _chunks_of, _workspace_bytes
 
@@ -354,7 +354,7 @@ def requantize(q: BlockQuantized, block: tuple[int, int] = ACTIVATION_BLOCK, *, 
 _activation_p = FfiPrimitive(
     "oxmoe_fp8_activation", operands=(Layout.ROWS,), results=(Layout.ROWS,) * 2,
     result_specs=lambda pre_activation, *, activation, **_: _quantization_results(
-        pre_activation.shape[0], 1, pre_activation.shape[2] // (2 if gated(activation) else 1), ACTIVATION_BLOCK))
+        pre_activation.shape[0], 1, _hidden_columns(activation, pre_activation.shape[2]), ACTIVATION_BLOCK))
 
 
 def activation(pre_activation, activation: str = "swiglu", *, power_of_two_scales: bool = False) -> BlockQuantized:
@@ -380,8 +380,7 @@ def activation(pre_activation, activation: str = "swiglu", *, power_of_two_scale
     Returns:
       :class:`BlockQuantized`: values ``[R, F]``, scales ``[R, F / 128]``.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_activation(activation)
     power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
     check_array("pre_activation", pre_activation)
     check_float_dtype("pre_activation", pre_activation)
@@ -391,10 +390,9 @@ def activation(pre_activation, activation: str = "swiglu", *, power_of_two_scale
                          f"hidden activation's F columns a multiple of 128, the blocks 1 x 128), got shape "
                          f"{tuple(pre_activation.shape)}")
     rows, width = pre_activation.shape
-    features = width // 2 if gated(activation) else width
     values, scales = _activation_p(jax.lax.stop_gradient(pre_activation).reshape(rows, 1, width),
                                    activation=activation, power_of_two_scales=np.bool_(power_of_two_scales))
-    return _quantized(values, scales, (rows, features), ACTIVATION_BLOCK)
+    return _quantized(values, scales, (rows, _hidden_columns(activation, width)), ACTIVATION_BLOCK)
 
 
 class QuantizedActivationGrads(typing.NamedTuple):

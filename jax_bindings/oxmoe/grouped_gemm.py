@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe import _library
-from oxmoe.activation import ACTIVATIONS, activation_bwd, gated
+from oxmoe.activation import _check_activation, _hidden_columns, activation_bwd, gated
 from oxmoe._checks import FLOAT_DTYPES, called_eagerly, check_array, check_bool, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 
@@ -67,7 +67,7 @@ _ragged_dot_activation_p = FfiPrimitive(
     "oxmoe_ragged_dot_activation", operands=(DISPATCHED, WHOLE, WHOLE, WHOLE), results=(DISPATCHED, DISPATCHED),
     result_specs=lambda lhs, rhs, *_, activation, **__: [
         jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2]), lhs.dtype),
-        jax.ShapeDtypeStruct((lhs.shape[0], rhs.shape[2] // (2 if gated(activation) else 1)), lhs.dtype)],
+        jax.ShapeDtypeStruct((lhs.shape[0], _hidden_columns(activation, rhs.shape[2])), lhs.dtype)],
     workspace=lambda lhs, rhs, *_, **__: _workspace_bytes(1, rhs.shape[0]))
 
 
@@ -269,8 +269,7 @@ def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, 
       group in the window are zero in both. Differentiable in ``lhs`` and
       ``rhs``, with cotangents for both results.
     """
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    _check_activation(activation)
     m, _ = _check_operands(lhs, rhs, rhs_transposed=False)
     if rhs.dtype != lhs.dtype:
         raise TypeError(f"rhs must have lhs's dtype {lhs.dtype}, got {rhs.dtype}")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe import router
-from oxmoe.activation import ACTIVATIONS, gated
+from oxmoe.activation import _check_activation, gated
 from oxmoe._checks import FLOAT_DTYPES, MAX_ROWS, check_array, check_bool, check_count, check_real
 from oxmoe._pytree import pytree_dataclass
 from oxmoe.fp8 import BlockScaling
@@ -157,8 +157,7 @@ class MoEConfig:
         self.topk_config  # checks the routing options
         for name in ("aux_loss_coeff", "z_loss_coeff"):
             check_real(name, getattr(self, name), low=0)
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {self.activation!r}")
+        _check_activation(self.activation)
         if self.align_size is not None:
             check_count("align_size", self.align_size, 1, MAX_ROWS, " (row indices are int32)")
         try:
