@@ -82,7 +82,9 @@ pub fn activation_bwd_fp8(stream: Stream, op: &ActivationBwdFp8) -> Result<()> {
     }
     let dtype = x.grad_hidden.dtype();
     let shared_bytes = quantized_shared_bytes(dtype, x.activation);
-    let instance = activation_bwd_fp8_instance(dtype, x.activation, op.power_of_two_scales)?;
+    // Every result's quantization takes the call's power_of_two_scales.
+    let power_of_two_scales = op.grad_pre_activation.shape.power_of_two_scales;
+    let instance = activation_bwd_fp8_instance(dtype, x.activation, power_of_two_scales)?;
     let kernel = Kernel::get_with_shared_bytes(stream, &QUANTIZE, &instance, shared_bytes)?;
     let (rows, features) = (int(x.rows)?, int(x.features)?);
     let (grad_values, grad_scales) = op.grad_pre_activation.device_ptrs();

@@ -4,7 +4,7 @@
 use super::Activation;
 use crate::ffi::{Arg, Call, DataType, Result, Ret};
 use crate::invalid;
-use crate::quantize::{Block, Output, Quantization};
+use crate::quantize::{Output, Quantization, ACTIVATION_BLOCK};
 use crate::real::{float_matrix, FLOAT_TYPES};
 
 /// The operands of both activation backward calls, and their attribute
@@ -75,7 +75,6 @@ impl<'a> ActivationBwd<'a> {
 /// grad_row_probs `[R]` float32.
 pub struct ActivationBwdFp8<'a> {
     pub operands: ActivationOperands<'a>,
-    pub power_of_two_scales: bool,
     pub grad_pre_activation: Output<'a>,
     pub grad_pre_activation_transposed: Output<'a>,
     pub weighted_hidden_transposed: Output<'a>,
@@ -93,7 +92,7 @@ impl<'a> ActivationBwdFp8<'a> {
         let power_of_two_scales = call.attr("power_of_two_scales")?;
         // Each quantization's results: values [1, result rows, result columns] and their scales.
         let quantized = |first, names, rows, cols, transpose| {
-            let block = Block { rows: 1, cols: 128 };
+            let block = ACTIVATION_BLOCK;
             Output::decode(call, Quantization { batch: 1, rows, cols, block, power_of_two_scales, transpose }, first, names)
         };
         let grad_pre_activation = quantized(0, ["grad_values", "grad_scales"], rows, width, false)?;
@@ -103,7 +102,7 @@ impl<'a> ActivationBwdFp8<'a> {
             quantized(4, ["weighted_transposed_values", "weighted_transposed_scales"], rows, features, true)?;
         let grad_row_probs = call.ret(6, "grad_row_probs")?;
         grad_row_probs.expect(&[DataType::F32], &[rows])?;
-        Ok(Self { operands, power_of_two_scales, grad_pre_activation, grad_pre_activation_transposed,
+        Ok(Self { operands, grad_pre_activation, grad_pre_activation_transposed,
                   weighted_hidden_transposed, grad_row_probs })
     }
 }
@@ -137,9 +136,9 @@ impl<'a> ActivationFp8<'a> {
                       activation's columns a multiple of 128: the FP8 recipe's 1 x 128 blocks)", activation.name())
         }
         let features = activation.hidden_columns(width);
-        let block = Block { rows: 1, cols: 128 };
         let power_of_two_scales = call.attr("power_of_two_scales")?;
-        let shape = Quantization { batch: rows, rows: 1, cols: features, block, power_of_two_scales, transpose: false };
+        let shape = Quantization { batch: rows, rows: 1, cols: features, block: ACTIVATION_BLOCK, power_of_two_scales,
+                                   transpose: false };
         let hidden = Output::decode(call, shape, 0, ["values", "scales"])?;
         Ok(Self { activation, pre_activation, hidden })
     }
