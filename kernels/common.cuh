@@ -28,6 +28,20 @@ template <> __device__ __forceinline__ f16 from_float<f16>(float x) {
   return r;
 }
 
+// Two floats rounded to a 16-bit T as from_float rounds each, lo in the low
+// half: one conversion instruction for both.
+template <typename T> __device__ __forceinline__ unsigned from_floats(float lo, float hi);
+template <> __device__ __forceinline__ unsigned from_floats<bf16>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+template <> __device__ __forceinline__ unsigned from_floats<f16>(float lo, float hi) {
+  unsigned r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 // A float8_e4m3fn (sign, 4 exponent bits of bias 7, 3 mantissa bits; no
 // infinities, S.1111.111 is NaN) as float, exactly, from its bits.
 __device__ __forceinline__ float e4m3_to_float(unsigned char bits) {

@@ -99,6 +99,64 @@ __device__ __forceinline__ float element(const uint4& piece, int e) {
   return to_float(pack.elems[e]);
 }
 
+// A 16-byte piece of T from VEC floats, each rounded to T (from_float's; two to
+// one conversion in 16 bits).
+template <typename T>
+__device__ __forceinline__ uint4 piece_of(const float (&v)[16 / sizeof(T)]) {
+  Pack<unsigned, 16> words;
+#pragma unroll
+  for (int w = 0; w < 4; ++w)
+    if constexpr (sizeof(T) == 2) words.elems[w] = from_floats<T>(v[2 * w], v[2 * w + 1]);
+    else words.elems[w] = __float_as_uint(v[w]);
+  return words.raw;
+}
+
+// Block maxima over 16-byte pieces of T, word by word: each word of a piece
+// holds two 16-bit elements (bf16, f16) or one float, and its magnitudes are
+// taken and compared in place, two at once in 16 bits (a 16-bit magnitude's
+// bits are ordered as the magnitudes, NaNs above infinity, as a float's), so
+// that a maximum over n 16-bit elements costs about n instructions, not 3n.
+template <typename T>
+struct Magnitudes {
+  static constexpr int PER_WORD = 4 / sizeof(T);  // elements of a word: 2 or 1
+  static constexpr unsigned MASK = sizeof(T) == 2 ? 0x7fff7fffu : 0x7fffffffu;
+
+  // Word w of the piece's magnitudes.
+  static __device__ __forceinline__ unsigned of(const uint4& piece, int w) {
+    Pack<unsigned, 16> words;
+    words.raw = piece;
+    return words.elems[w] & MASK;
+  }
+
+  // The larger of two words of magnitudes, element by element.
+  static __device__ __forceinline__ unsigned max(unsigned a, unsigned b) {
+    if constexpr (PER_WORD == 1) {
+      return ::max(a, b);
+    } else {
+#if __CUDA_ARCH__ >= 900
+      unsigned m;
+      asm("max.u16x2 %0, %1, %2;" : "=r"(m) : "r"(a), "r"(b));
+      return m;
+#else
+      return ::max(a & 0xffffu, b & 0xffffu) | ::max(a & 0xffff0000u, b & 0xffff0000u);
+#endif
+    }
+  }
+
+  // Element h of a word of magnitudes as a float's magnitude bits (magnitude_bits):
+  // the conversion keeps the order, so the maximum converted is the converted maximum.
+  static __device__ __forceinline__ unsigned as_float_bits(unsigned word, int h) {
+    if constexpr (PER_WORD == 1) return word;
+    else return magnitude_bits(to_float(T{static_cast<unsigned short>(word >> 16 * h)}));
+  }
+
+  // The largest of a word's elements, as a float's magnitude bits.
+  static __device__ __forceinline__ unsigned largest(unsigned word) {
+    if constexpr (PER_WORD == 1) return word;
+    else return ::max(as_float_bits(word, 0), as_float_bits(word, 1));
+  }
+};
+
 // The bytes of 16-byte staged unit pairs (16-bit inputs) come out swapped
 // where the swizzle is odd.
 __device__ __forceinline__ uint4 swap_halves(uint4 v) { return make_uint4(v.z, v.w, v.x, v.y); }
@@ -155,6 +213,7 @@ template <Blocks BLOCKS, bool POWER_OF_TWO, typename T, typename PutScale>
 __device__ __forceinline__ Inverses<BLOCKS, T> block_inverses(const uint4 (&tile)[TileLayout<T>::ROWS],
                                                               const TilePlace& at, PutScale put_scale) {
   using L = TileLayout<T>;
+  using M = Magnitudes<T>;
   Inverses<BLOCKS, T> inverses;
   if constexpr (BLOCKS == Blocks::ROWS) {
     // Every lane of a row ends with its block's maximum; lane `piece` of the row's
@@ -164,9 +223,10 @@ __device__ __forceinline__ Inverses<BLOCKS, T> block_inverses(const uint4 (&tile
     unsigned mine = 0;
 #pragma unroll
     for (int i = 0; i < L::ROWS; ++i) {
-      unsigned amax = 0;
+      unsigned word = M::of(tile[i], 0);
 #pragma unroll
-      for (int e = 0; e < L::VEC; ++e) amax = max(amax, magnitude_bits(element<T>(tile[i], e)));
+      for (int w = 1; w < 4; ++w) word = M::max(word, M::of(tile[i], w));
+      unsigned amax = M::largest(word);
 #pragma unroll
       for (int d = L::LANES / 2; d > 0; d /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, d));
       if (at.piece == i) mine = amax;
@@ -180,13 +240,16 @@ __device__ __forceinline__ Inverses<BLOCKS, T> block_inverses(const uint4 (&tile
     __shared__ unsigned warp_column_max[L::WARPS][QUANTIZE_TILE];
     __shared__ float column_inverses[QUANTIZE_TILE];
 #pragma unroll
-    for (int e = 0; e < L::VEC; ++e) {
-      unsigned amax = 0;
+    for (int w = 0; w < 4; ++w) {
+      unsigned word = M::of(tile[0], w);
 #pragma unroll
-      for (int i = 0; i < L::ROWS; ++i) amax = max(amax, magnitude_bits(element<T>(tile[i], e)));
+      for (int i = 1; i < L::ROWS; ++i) word = M::max(word, M::of(tile[i], w));
 #pragma unroll
-      for (int d = L::LANES; d < 32; d *= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, d));
-      if (at.lane < L::LANES) warp_column_max[at.warp][at.piece * L::VEC + e] = amax;
+      for (int d = L::LANES; d < 32; d *= 2) word = M::max(word, __shfl_xor_sync(0xffffffffu, word, d));
+      if (at.lane < L::LANES)
+#pragma unroll
+        for (int h = 0; h < M::PER_WORD; ++h)
+          warp_column_max[at.warp][at.piece * L::VEC + w * M::PER_WORD + h] = M::as_float_bits(word, h);
     }
     __syncthreads();
     if (threadIdx.x < QUANTIZE_TILE) {
@@ -202,11 +265,12 @@ __device__ __forceinline__ Inverses<BLOCKS, T> block_inverses(const uint4 (&tile
     for (int e = 0; e < L::VEC; ++e) inverses.of[e] = column_inverses[at.piece * L::VEC + e];
   } else {
     __shared__ unsigned warp_max[L::WARPS];
-    unsigned amax = 0;
+    unsigned word = 0;
 #pragma unroll
     for (int i = 0; i < L::ROWS; ++i)
 #pragma unroll
-      for (int e = 0; e < L::VEC; ++e) amax = max(amax, magnitude_bits(element<T>(tile[i], e)));
+      for (int w = 0; w < 4; ++w) word = M::max(word, M::of(tile[i], w));
+    unsigned amax = M::largest(word);
 #pragma unroll
     for (int d = 16; d > 0; d /= 2) amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, d));
     if (at.lane == 0) warp_max[at.warp] = amax;
@@ -395,14 +459,14 @@ __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict
   for (int i = 0; i < L::ROWS; ++i) {
     Pack<unsigned short, L::VEC> bytes;  // two FP8 values a pair
     bytes.raw = raw[i];
-    Pack<T, 16> pack;
+    float values[L::VEC];
 #pragma unroll
     for (int e = 0; e < L::VEC; e += 2) {
       const float2 pair = e4m3x2_to_floats(bytes.elems[e / 2]);
-      pack.elems[e] = from_float<T>(flushed_product(pair.x, scale[i]));
-      pack.elems[e + 1] = from_float<T>(flushed_product(pair.y, scale[i]));
+      values[e] = flushed_product(pair.x, scale[i]);
+      values[e + 1] = flushed_product(pair.y, scale[i]);
     }
-    tile[i] = pack.raw;
+    tile[i] = piece_of<T>(values);
   }
 }
 
@@ -613,21 +677,19 @@ activation_bwd_quantized(const T* __restrict__ grad_hidden, const T* __restrict_
       const int row = rows_at.group * L::ROWS + i;
       const float p = weights[row];
       float sum = 0.f;
-      Pack<T, 16> grad_first, weighted, grad_up;
+      float grad_first[L::VEC], weighted[L::VEC], grad_up[L::VEC];
 #pragma unroll
       for (int e = 0; e < L::VEC; ++e) {
         const ActivationElementGrads grads = activation_element_grads<T, ACTIVATION>(
             element<T>(g, e), element<T>(x, e), GATED ? element<T>(u, e) : 1.f, p);
         sum += grads.product;
-        grad_first.elems[e] = from_float<T>(grads.grad_x);
-        grad_up.elems[e] = from_float<T>(grads.grad_u);
-        weighted.elems[e] = from_float<T>(grads.weighted);
+        grad_first[e] = grads.grad_x, grad_up[e] = grads.grad_u, weighted[e] = grads.weighted;
       }
 #pragma unroll
       for (int d = L::LANES / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
       if (rows_at.piece == 0) sums[row] += sum;
-      part(FIRST, i) = grad_first.raw, part(WEIGHTED, i) = weighted.raw;
-      if constexpr (GATED) part(UP, i) = grad_up.raw;
+      part(FIRST, i) = piece_of<T>(grad_first), part(WEIGHTED, i) = piece_of<T>(weighted);
+      if constexpr (GATED) part(UP, i) = piece_of<T>(grad_up);
     }
     quantize_held<T, true, POWER_OF_TWO>(tiles, FIRST, gate_at, grad_values, grad_scales, grad_transposed_values,
                                          grad_transposed_scales);
