@@ -91,12 +91,20 @@ __device__ __forceinline__ float flushed_product(float a, float b) {
   return product;
 }
 
-// Element e of a 16-byte piece of T, as float.
+// Element e of a 16-byte piece of T, as float, taken from the piece's 32-bit
+// words: read through 16-bit elements, the compiler kept each half of a word
+// in a register of its own and rebuilt the words with byte permutes wherever
+// a word was needed (the block maxima), three instructions a word.
 template <typename T>
 __device__ __forceinline__ float element(const uint4& piece, int e) {
-  Pack<T, 16> pack;
-  pack.raw = piece;
-  return to_float(pack.elems[e]);
+  Pack<unsigned, 16> words;
+  words.raw = piece;
+  if constexpr (sizeof(T) == 4) {
+    return __uint_as_float(words.elems[e]);
+  } else {
+    const unsigned word = words.elems[e / 2];
+    return to_float(T{static_cast<unsigned short>(e % 2 == 0 ? word : word >> 16)});
+  }
 }
 
 // A 16-byte piece of T from VEC floats, each rounded to T (from_float's; two to
@@ -302,17 +310,16 @@ template <typename T, typename Inverse>
 __device__ __forceinline__ void store_rows(const uint4 (&tile)[TileLayout<T>::ROWS], const Inverse& inverse,
                                            const TilePlace& at, unsigned char* __restrict__ values) {
   using L = TileLayout<T>;
-  unsigned char* out = values + static_cast<long long>(at.b) * at.rows * at.cols;
+  unsigned char* dst = values + (static_cast<long long>(at.b) * at.rows + at.r_first) * at.cols + at.c;
   const bool whole_pieces = at.cols % L::VEC == 0;
 #pragma unroll
-  for (int i = 0; i < L::ROWS; ++i) {
+  for (int i = 0; i < L::ROWS; ++i, dst += at.cols) {
     const int r = at.r_first + i;
     Pack<unsigned, L::VEC> bytes;  // VEC bytes: VEC / 4 words
 #pragma unroll
     for (int w = 0; w < L::VEC / 4; ++w)
       bytes.elems[w] = fp8_pair<T>(tile, inverse, i, 4 * w, i, 4 * w + 1) |
                        fp8_pair<T>(tile, inverse, i, 4 * w + 2, i, 4 * w + 3) << 16;
-    unsigned char* dst = out + static_cast<long long>(r) * at.cols + at.c;
     if (r >= at.rows) continue;
     if (whole_pieces) {
       if (at.c < at.cols) *reinterpret_cast<typename VectorOf<L::VEC>::type*>(dst) = bytes.raw;
@@ -353,16 +360,19 @@ __device__ __forceinline__ void store_staged(const unsigned char* stage, const T
   constexpr int UNITS = QUANTIZE_TILE / L::ROWS;
   constexpr int PIECES = QUANTIZE_TILE / 16;     // 16-byte pieces of a result row
   constexpr int UNITS_PER_PIECE = 16 / L::ROWS;  // 2 or 1
+  constexpr int ROWS_A_PASS = QUANTIZE_THREADS / PIECES;
   const bool whole_out_pieces = at.rows % 16 == 0;
+  const int p = threadIdx.x % PIECES, out_col = at.r0 + 16 * p;
+  // The thread's piece of its first staged row's result row; each pass's is ROWS_A_PASS rows further.
+  unsigned char* dst =
+      values + (static_cast<long long>(at.b) * at.cols + at.c0 + threadIdx.x / PIECES) * at.rows + out_col;
 #pragma unroll
-  for (int pass = 0; pass < QUANTIZE_TILE * PIECES / QUANTIZE_THREADS; ++pass) {
-    const int p = threadIdx.x % PIECES, s = threadIdx.x / PIECES + pass * (QUANTIZE_THREADS / PIECES);
+  for (int pass = 0; pass < QUANTIZE_TILE / ROWS_A_PASS; ++pass, dst += ROWS_A_PASS * static_cast<long long>(at.rows)) {
+    const int s = threadIdx.x / PIECES + pass * ROWS_A_PASS;
     const int swizzle = s / L::VEC % UNITS;
     uint4 v = *reinterpret_cast<const uint4*>(stage + s * QUANTIZE_TILE + 16 * (p ^ swizzle / UNITS_PER_PIECE));
     if (UNITS_PER_PIECE == 2 && swizzle % 2 == 1) v = swap_halves(v);
-    const int out_row = at.c0 + s, out_col = at.r0 + 16 * p;
-    if (out_row >= at.cols) continue;
-    unsigned char* dst = values + (static_cast<long long>(at.b) * at.cols + out_row) * at.rows + out_col;
+    if (at.c0 + s >= at.cols) continue;
     if (whole_out_pieces) {
       if (out_col < at.rows) *reinterpret_cast<uint4*>(dst) = v;
     } else {
@@ -379,13 +389,14 @@ template <typename T>
 __device__ __forceinline__ void load_tile(const T* __restrict__ x, const TilePlace& at,
                                           uint4 (&tile)[TileLayout<T>::ROWS]) {
   using L = TileLayout<T>;
-  const T* in = x + static_cast<long long>(at.b) * at.rows * at.cols;
+  // The thread's first row's piece; each next row's is cols further (a 64-bit
+  // add a row, not a 64-bit product).
+  const T* src = x + (static_cast<long long>(at.b) * at.rows + at.r_first) * at.cols + at.c;
   // 16-byte pieces are aligned and wholly in or out of x when rows are whole pieces.
   const bool whole_pieces = at.cols % L::VEC == 0;
 #pragma unroll
-  for (int i = 0; i < L::ROWS; ++i) {
+  for (int i = 0; i < L::ROWS; ++i, src += at.cols) {
     const int r = at.r_first + i;
-    const T* src = in + static_cast<long long>(r) * at.cols + at.c;
     if (whole_pieces) {
       tile[i] = r < at.rows && at.c < at.cols ? *reinterpret_cast<const uint4*>(src) : make_uint4(0, 0, 0, 0);
     } else {
@@ -429,31 +440,42 @@ __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict
                                                  const TilePlace& at, uint4 (&tile)[TileLayout<T>::ROWS]) {
   using L = TileLayout<T>;
   using Bytes = typename VectorOf<L::VEC>::type;  // VEC FP8 values
-  const long long first_row = static_cast<long long>(at.b) * at.rows;
-  const int blocks = at.cols / QUANTIZE_TILE;
-  long long source[L::ROWS];  // the FP8 row each of the thread's rows reads; -1: zeros, -2: NaNs
+  // The FP8 row each of the thread's rows reads (of all x's rows, fewer than
+  // 2^31: x's values are 128 bytes or more a row); -1: zeros, -2: NaNs. An int,
+  // not a 64-bit offset: the 64-bit selects, compares and products of each
+  // row's two addresses were a quarter of requantize's instructions.
+  int source[L::ROWS];
 #pragma unroll
   for (int i = 0; i < L::ROWS; ++i) {
     const int r = at.r_first + i;
     if (r >= at.rows) {
       source[i] = -1;
     } else if (source_rows == nullptr) {
-      source[i] = first_row + r;
+      source[i] = at.b * at.rows + r;
     } else {
       const int entry = source_rows[r];
-      source[i] = entry >= 0 && entry < input_rows ? entry : entry == -1 ? -1 : -2;
+      source[i] = static_cast<unsigned>(entry) < static_cast<unsigned>(input_rows) ? entry : entry == -1 ? -1 : -2;
     }
   }
   Pack<unsigned, L::VEC> nans;  // float8_e4m3fn NaNs (0x7f)
 #pragma unroll
   for (int w = 0; w < L::VEC / 4; ++w) nans.elems[w] = 0x7f7f7f7fu;
+  // Row s's piece and its block's scale: s * cols + c and s * blocks + block.
+  const unsigned char* piece = x + at.c;
+  const float* block_scale = x_scales + at.c0 / QUANTIZE_TILE;
+  const int blocks = at.cols / QUANTIZE_TILE;
   Bytes raw[L::ROWS];
   float scale[L::ROWS];
 #pragma unroll
   for (int i = 0; i < L::ROWS; ++i) {
-    const long long r = source[i];
-    raw[i] = r >= 0 ? *reinterpret_cast<const Bytes*>(x + r * at.cols + at.c) : r == -1 ? Bytes{} : nans.raw;
-    scale[i] = r >= 0 ? x_scales[r * blocks + at.c0 / QUANTIZE_TILE] : r == -1 ? 0.f : 1.f;
+    const int s = source[i];
+    if (s >= 0) {
+      raw[i] = *reinterpret_cast<const Bytes*>(piece + static_cast<long long>(s) * at.cols);
+      scale[i] = block_scale[static_cast<long long>(s) * blocks];
+    } else {
+      raw[i] = s == -1 ? Bytes{} : nans.raw;
+      scale[i] = s == -1 ? 0.f : 1.f;
+    }
   }
 #pragma unroll
   for (int i = 0; i < L::ROWS; ++i) {
@@ -528,12 +550,15 @@ __device__ __forceinline__ void quantize_tile(const uint4 (&tile)[TileLayout<T>:
 // The tile of block blockIdx.x (tiles row-major over each batch element's x
 // [rows, cols]), and the thread's part of it.
 template <typename T>
-__device__ __forceinline__ TilePlace tile_place(int tile_index, int rows, int cols) {
+__device__ __forceinline__ TilePlace tile_place(unsigned tile_index, int rows, int cols) {
   using L = TileLayout<T>;
-  const int tiles_r = (rows + QUANTIZE_TILE - 1) / QUANTIZE_TILE, tiles_c = (cols + QUANTIZE_TILE - 1) / QUANTIZE_TILE;
+  const unsigned tiles_r = (rows + QUANTIZE_TILE - 1) / QUANTIZE_TILE, tiles_c = (cols + QUANTIZE_TILE - 1) / QUANTIZE_TILE;
+  // Two unsigned divisions (a division by a value known only at run time is
+  // some twenty instructions: three signed ones were a tenth of requantize's).
+  const unsigned row_tile = tile_index / tiles_c, b = row_tile / tiles_r;  // row_tile over all batch elements
   TilePlace at;
-  at.b = tile_index / (tiles_r * tiles_c), at.rows = rows, at.cols = cols;
-  at.r0 = tile_index / tiles_c % tiles_r * QUANTIZE_TILE, at.c0 = tile_index % tiles_c * QUANTIZE_TILE;
+  at.b = b, at.rows = rows, at.cols = cols;
+  at.r0 = (row_tile - b * tiles_r) * QUANTIZE_TILE, at.c0 = (tile_index - row_tile * tiles_c) * QUANTIZE_TILE;
   at.lane = threadIdx.x % 32, at.warp = threadIdx.x / 32;
   at.piece = threadIdx.x % L::LANES, at.group = threadIdx.x / L::LANES;
   at.r_first = at.r0 + at.group * L::ROWS, at.c = at.c0 + at.piece * L::VEC;
