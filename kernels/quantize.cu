@@ -572,13 +572,20 @@ __device__ __forceinline__ TilePlace at_columns(TilePlace at, int cols, int c0) 
   return at;
 }
 
-// Blocks an SM: 2 (up to 128 registers a thread), 3 for FP8 input (80). A
+// Blocks an SM: 2 (up to 128 registers a thread); for FP8 input 3 (85), and 4
+// (64) for a 16-bit tile quantized transposed only (the layer's requantize). A
 // block loads half the bytes from FP8 values that it loads from bf16, so two
 // blocks kept too few in flight: 3 took requantize from 47% to 67% of copy on
-// an H200, with no spills (4 would spill).
+// an H200; with its addresses and tile in fewer registers, 4 fit it without
+// spills (not float tiles, nor the as-is results).
+template <typename T, bool AS_IS, bool TRANSPOSED, bool FP8_INPUT>
+constexpr int quantize_blocks_an_sm() {
+  return !FP8_INPUT ? 2 : sizeof(T) == 2 && TRANSPOSED && !AS_IS ? 4 : 3;
+}
+
 template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO, bool FP8_INPUT,
           int THREADS>
-__global__ void __launch_bounds__(THREADS, FP8_INPUT ? 3 : 2)
+__global__ void __launch_bounds__(THREADS, quantize_blocks_an_sm<T, AS_IS, TRANSPOSED, FP8_INPUT>())
 quantize(const void* __restrict__ x, const float* __restrict__ x_scales, const int* __restrict__ source_rows,
          int input_rows, int batch, int rows, int cols,
          unsigned char* __restrict__ values, float* __restrict__ scales, unsigned char* __restrict__ transposed_values,
