@@ -122,8 +122,8 @@ __device__ __forceinline__ uint4 piece_of(const float (&v)[16 / sizeof(T)]) {
 // Block maxima over 16-byte pieces of T, word by word: each word of a piece
 // holds two 16-bit elements (bf16, f16) or one float, and its magnitudes are
 // taken and compared in place, two at once in 16 bits (a 16-bit magnitude's
-// bits are ordered as the magnitudes, NaNs above infinity, as a float's), so
-// that a maximum over n 16-bit elements costs about n instructions, not 3n.
+// bits are ordered as the magnitudes, NaNs above infinity, as a float's): no
+// element is converted to float for its maximum, only each block's maximum.
 template <typename T>
 struct Magnitudes {
   static constexpr int PER_WORD = 4 / sizeof(T);  // elements of a word: 2 or 1
