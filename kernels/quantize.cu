@@ -421,6 +421,14 @@ __device__ __forceinline__ float2 e4m3x2_to_floats(unsigned short pair) {
 #endif
 }
 
+// a * b, 64 bits from 32-bit unsigned operands: one instruction, where the
+// compiler left some such products as 64 x 64-bit ones (several).
+__device__ __forceinline__ unsigned long long wide_product(unsigned a, unsigned b) {
+  unsigned long long product;
+  asm("mul.wide.u32 %0, %1, %2;" : "=l"(product) : "r"(a), "r"(b));
+  return product;
+}
+
 // load_tile of x dequantized: x's FP8 values [rows, cols] times their 1 x 128
 // blocks' scales [rows, cols / 128] (one float32 product, subnormal operands and
 // results flushed to zeros of their sign, as cpu.rs's dequantized), rounded to T.
@@ -460,18 +468,20 @@ __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict
   Pack<unsigned, L::VEC> nans;  // float8_e4m3fn NaNs (0x7f)
 #pragma unroll
   for (int w = 0; w < L::VEC / 4; ++w) nans.elems[w] = 0x7f7f7f7fu;
-  // Row s's piece and its block's scale: s * cols + c and s * blocks + block.
+  // Row s's piece and its block's scale, s rows from the first row's: one
+  // 32 x 32 -> 64-bit product an address (a signed 64-bit product was a
+  // handful of instructions, two a row).
   const unsigned char* piece = x + at.c;
-  const float* block_scale = x_scales + at.c0 / QUANTIZE_TILE;
-  const int blocks = at.cols / QUANTIZE_TILE;
+  const unsigned char* block_scale = reinterpret_cast<const unsigned char*>(x_scales + at.c0 / QUANTIZE_TILE);
+  const unsigned row_bytes = at.cols, scale_row_bytes = at.cols / QUANTIZE_TILE * sizeof(float);
   Bytes raw[L::ROWS];
   float scale[L::ROWS];
 #pragma unroll
   for (int i = 0; i < L::ROWS; ++i) {
     const int s = source[i];
     if (s >= 0) {
-      raw[i] = *reinterpret_cast<const Bytes*>(piece + static_cast<long long>(s) * at.cols);
-      scale[i] = block_scale[static_cast<long long>(s) * blocks];
+      raw[i] = *reinterpret_cast<const Bytes*>(piece + wide_product(s, row_bytes));
+      scale[i] = *reinterpret_cast<const float*>(block_scale + wide_product(s, scale_row_bytes));
     } else {
       raw[i] = s == -1 ? Bytes{} : nans.raw;
       scale[i] = s == -1 ? 0.f : 1.f;
