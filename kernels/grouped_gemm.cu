@@ -475,15 +475,6 @@ __device__ __forceinline__ void named_arrive(int barrier, int threads) {
 // its output staging (3 or 4).
 __device__ __forceinline__ void staging_sync() { named_sync(2 + threadIdx.x / 128, 128); }
 
-// Two adjacent columns' accumulators as 16-bit O, packed into one word.
-template <typename O>
-__device__ __forceinline__ unsigned packed_pair(float lo, float hi) {
-  Pack<O, 4> pack;
-  pack.elems[0] = from_float<O>(lo);
-  pack.elems[1] = from_float<O>(hi);
-  return pack.raw;
-}
-
 // Stores a consumer warpgroup's 64 x BN accumulators at out (row stride n):
 // rows below row_end, columns below n (a multiple of 8). 16-bit outputs go
 // through the warpgroup's rows in shared memory (`staging`), so that global
@@ -515,7 +506,7 @@ __device__ __forceinline__ void store_tile(const float (&d)[Config::BN / 2], uns
 #pragma unroll
       for (int half = 0; half < 2; ++half)
         *reinterpret_cast<unsigned*>(staging + (row + 8 * half) * PITCH + 8 * i + 2 * (lane % 4)) =
-            packed_pair<O>(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
+            from_floats<O>(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
     }
     staging_sync();
     constexpr int VECTORS = BN / 8;  // 16-byte vectors of a row
@@ -551,7 +542,7 @@ __device__ __forceinline__ void write_boxes(const float* sums, unsigned char* bo
       // Columns 8i + 2 (lane % 4) and + 1 of row r: in box i / 8, piece i % 8.
       const int r = warp * 16 + lane / 4 + 8 * half;
       *reinterpret_cast<unsigned*>(box_piece(boxes + i / 8 * CHUNK_BYTES, r, i % 8) + lane % 4 * 4) =
-          packed_pair<O>(sums[4 * i + 2 * half], sums[4 * i + 2 * half + 1]);
+          from_floats<O>(sums[4 * i + 2 * half], sums[4 * i + 2 * half + 1]);
     }
   }
 }
