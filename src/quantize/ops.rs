@@ -52,13 +52,6 @@ pub struct Output<'a> {
     pub scales: Ret<'a>,
 }
 
-impl Output<'_> {
-    /// The device pointers of its values and scales, as the kernels take them.
-    pub fn device_ptrs(&self) -> (u64, u64) {
-        (self.values.device_ptr(), self.scales.device_ptr())
-    }
-}
-
 impl<'a> Quantize<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
         call.expect_num_args(1, 3)?;
@@ -139,6 +132,11 @@ impl<'a> Output<'a> {
         let (scale_rows, scale_cols) = shape.scales_matrix();
         scales.expect(&[DataType::F32], &[shape.batch, scale_rows, scale_cols])?;
         Ok(Self { shape, values, scales })
+    }
+
+    /// The device pointers of its values and scales, as the kernels take them.
+    pub fn device_ptrs(&self) -> (u64, u64) {
+        (self.values.device_ptr(), self.scales.device_ptr())
     }
 }
 
