@@ -91,18 +91,23 @@ __device__ __forceinline__ float flushed_product(float a, float b) {
   return product;
 }
 
+// Word w of a 16-byte piece.
+__device__ __forceinline__ unsigned word_of(const uint4& piece, int w) {
+  Pack<unsigned, 16> words;
+  words.raw = piece;
+  return words.elems[w];
+}
+
 // Element e of a 16-byte piece of T, as float, taken from the piece's 32-bit
 // words: read through 16-bit elements, the compiler kept each half of a word
 // in a register of its own and rebuilt the words with byte permutes wherever
 // a word was needed (the block maxima), three instructions a word.
 template <typename T>
 __device__ __forceinline__ float element(const uint4& piece, int e) {
-  Pack<unsigned, 16> words;
-  words.raw = piece;
   if constexpr (sizeof(T) == 4) {
-    return __uint_as_float(words.elems[e]);
+    return __uint_as_float(word_of(piece, e));
   } else {
-    const unsigned word = words.elems[e / 2];
+    const unsigned word = word_of(piece, e / 2);
     return to_float(T{static_cast<unsigned short>(e % 2 == 0 ? word : word >> 16)});
   }
 }
@@ -130,11 +135,7 @@ struct Magnitudes {
   static constexpr unsigned MASK = sizeof(T) == 2 ? 0x7fff7fffu : 0x7fffffffu;
 
   // Word w of the piece's magnitudes.
-  static __device__ __forceinline__ unsigned of(const uint4& piece, int w) {
-    Pack<unsigned, 16> words;
-    words.raw = piece;
-    return words.elems[w] & MASK;
-  }
+  static __device__ __forceinline__ unsigned of(const uint4& piece, int w) { return word_of(piece, w) & MASK; }
 
   // The larger of two words of magnitudes, element by element.
   static __device__ __forceinline__ unsigned max(unsigned a, unsigned b) {
@@ -626,7 +627,7 @@ quantize(const void* __restrict__ x, const float* __restrict__ x_scales, const i
 // One block of threads per 128 rows, along the F / 128 tiles of its rows in
 // turn: for each, the tiles of grad_hidden, gate and up in load_tile's layout,
 // their three results computed element by element, then quantize_tile on each.
-// Registers decide the layout: a tile's quantization takes ~126 registers a
+// Registers decide the layout: a tile's quantization takes ~120 registers a
 // thread with the tile (the quantize kernel's), and two blocks an SM (16
 // warps, for the ~60 instructions an element) allow 128. So the input tiles
 // arrive in shared memory (cp.async, 16 bytes a thread and row: nothing held
