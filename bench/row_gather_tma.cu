@@ -7,10 +7,13 @@
 //   - one 128-row box of rows gathered beforehand (what ragged_dot does after the dispatch);
 //   - 128 one-row boxes of the same rows (the cost of a box alone), from one warp;
 //   - 128 one-row boxes of the token matrix at each row's token, from 1, 4, 8 or 16 warps
-//     (the gather itself; the lanes of a warp issue one box each in turn).
+//     (the gather itself; the lanes of a warp issue one box each in turn);
+//   - the same in clusters of two blocks taking the same tiles (as ragged_dot's), each block
+//     issuing 64 of a tile's rows into both, from 2 or 4 warps.
 //
 // It checks that every way lands the first block's tile byte for byte as the 128-row box does,
-// and prints the bytes landed in shared memory a second (two rounds of 10 passes each).
+// and prints the bytes landed in shared memory a second (two rounds of 10 passes each; in
+// clusters of two, whose blocks take the same tiles, each tile lands twice).
 // Rows: `tokens` x 8 copies, each expert's 1/128 of them distinct random tokens in increasing
 // order, as the dispatch lays them out. On a Hopper GPU:
 //
@@ -32,18 +35,20 @@ constexpr int STAGES = 4, ROWS = 128, COLS = 64, TILE_BYTES = ROWS * COLS * 2;
 constexpr int SHARED_BYTES = 1024 + STAGES * TILE_BYTES + 2 * STAGES * 8;
 constexpr int TOPK = 8, EXPERTS = 128;
 
-// WARPS producer warps then one consumer warp. BOX_ROWS 128: warp 0's lane 0 loads a tile's
-// rows [128 t, 128 t + 128) of `tensor_map` as one box; BOX_ROWS 1: each producer warp loads
-// 128 / WARPS of the tile's rows, row r from row rows[r] (rows null: row r itself) of
-// `tensor_map`. The consumer copies the first block's tile `probe_block` of its first tile to
-// `probe` and folds a word of every tile into `sink` (so that the loads are used).
-template <int BOX_ROWS, int WARPS>
-__global__ void __launch_bounds__(32 * WARPS + 32, 1)
+// WARPS producer warps then one consumer warp, in clusters of CLUSTER blocks that take the same
+// tiles. BOX_ROWS 128: warp 0's lane 0 loads a tile's rows [128 t, 128 t + 128) of `tensor_map`
+// as one box; BOX_ROWS 1: each producer warp loads 128 / CLUSTER / WARPS of the tile's rows, row
+// r from row rows[r] (rows null: row r itself) of `tensor_map`, into every block of the
+// cluster (block `rank` the rank-th 128 / CLUSTER rows). The consumer copies the first block's
+// tile `probe_block` of its first tile to `probe` and folds a word of every tile into `sink`.
+template <int BOX_ROWS, int WARPS, int CLUSTER = 1>
+__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(32 * WARPS + 32, 1)
     load_tiles(const __grid_constant__ CUtensorMap tensor_map, const int* rows, int tiles, int k_blocks,
                unsigned char* probe, int probe_block, unsigned* sink) {
   static_assert(BOX_ROWS == ROWS || BOX_ROWS == 1, "a tile's box, or a row's");
+  static_assert(CLUSTER == 1 || BOX_ROWS == 1, "clusters share one-row boxes");
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // hopper.cuh's helpers: the sm_90a device pass only
-  constexpr int WARP_ROWS = BOX_ROWS == 1 ? ROWS / WARPS : 0, PER_LANE = (WARP_ROWS + 31) / 32;
+  constexpr int WARP_ROWS = BOX_ROWS == 1 ? ROWS / CLUSTER / WARPS : 0, PER_LANE = (WARP_ROWS + 31) / 32;
   const TensorMap* map = reinterpret_cast<const TensorMap*>(&tensor_map);
   extern __shared__ unsigned char raw[];
   unsigned char* base = raw + ((1024 - shared_address(raw) % 1024) % 1024);
@@ -52,21 +57,27 @@ __global__ void __launch_bounds__(32 * WARPS + 32, 1)
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       barrier_init(&full[s], 1);
-      barrier_init(&empty[s], 1);
+      barrier_init(&empty[s], CLUSTER);  // every block's consumer frees a stage it receives rows in
     }
     barrier_init_fence();
   }
-  __syncthreads();
+  if constexpr (CLUSTER > 1) {
+    cluster_sync();
+  } else {
+    __syncthreads();
+  }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0, first_row = rank * (ROWS / CLUSTER);
+  const int first_tile = blockIdx.x / CLUSTER, stride = gridDim.x / CLUSTER;
   int stage = 0;
   unsigned phase = 0;
   if (warp < WARPS) {
-    for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+    for (int t = first_tile; t < tiles; t += stride) {
       int source[PER_LANE > 0 ? PER_LANE : 1];
       if constexpr (BOX_ROWS == 1) {
 #pragma unroll
         for (int i = 0; i < PER_LANE; ++i) {
-          const int r = t * ROWS + warp * WARP_ROWS + (lane + 32 * i) % WARP_ROWS;
+          const int r = t * ROWS + first_row + warp * WARP_ROWS + (lane + 32 * i) % WARP_ROWS;
           source[i] = rows ? rows[r] : r;
         }
       }
@@ -82,8 +93,13 @@ __global__ void __launch_bounds__(32 * WARPS + 32, 1)
         } else {
 #pragma unroll
           for (int i = 0; i < PER_LANE; ++i) {
-            const int r = warp * WARP_ROWS + lane + 32 * i;
-            if (lane + 32 * i < WARP_ROWS) tma_load(tile + r * 128, map, &full[stage], kb * COLS, source[i]);
+            const int r = first_row + warp * WARP_ROWS + lane + 32 * i;
+            if (lane + 32 * i >= WARP_ROWS) continue;
+            if constexpr (CLUSTER == 1) {
+              tma_load(tile + r * 128, map, &full[stage], kb * COLS, source[i]);
+            } else {
+              tma_load_multicast(tile + r * 128, map, &full[stage], kb * COLS, source[i], (1 << CLUSTER) - 1);
+            }
           }
         }
         if (++stage == STAGES) {
@@ -95,7 +111,7 @@ __global__ void __launch_bounds__(32 * WARPS + 32, 1)
     return;
   }
   unsigned folded = 0;
-  for (int t = blockIdx.x; t < tiles; t += gridDim.x) {
+  for (int t = first_tile; t < tiles; t += stride) {
     for (int kb = 0; kb < k_blocks; ++kb) {
       barrier_wait(&full[stage], phase);
       const unsigned* words = reinterpret_cast<const unsigned*>(base + stage * TILE_BYTES);
@@ -103,7 +119,13 @@ __global__ void __launch_bounds__(32 * WARPS + 32, 1)
       if (t == 0 && kb == probe_block)
         for (int i = lane; i < TILE_BYTES / 4; i += 32) reinterpret_cast<unsigned*>(probe)[i] = words[i];
       __syncwarp();
-      if (lane == 0) barrier_arrive(&empty[stage]);
+      if (lane == 0) {
+        if constexpr (CLUSTER == 1) {
+          barrier_arrive(&empty[stage]);
+        } else {
+          for (int block = 0; block < CLUSTER; ++block) barrier_arrive_in(&empty[stage], block);
+        }
+      }
       if (++stage == STAGES) {
         stage = 0;
         phase ^= 1;
@@ -111,6 +133,7 @@ __global__ void __launch_bounds__(32 * WARPS + 32, 1)
     }
   }
   sink[blockIdx.x * 32 + lane] = folded;
+  if constexpr (CLUSTER > 1) cluster_sync();  // no block leaves while its partner may still write to it
 #endif
 }
 
@@ -139,7 +162,7 @@ using Kernel = void (*)(CUtensorMap, const int*, int, int, unsigned char*, int, 
 struct Way {
   const char* name;
   Kernel kernel;
-  int warps;
+  int warps, cluster;
   const CUtensorMap* map;
   const int* rows;  // each row's token (null: the rows gathered beforehand, in order)
 };
@@ -180,12 +203,14 @@ int main(int argc, char** argv) {
   const CUtensorMap gathered_rows = make_map(gathered_d, hidden, rows, 1), token_rows = make_map(x_d, hidden, tokens, 1);
   const int* tokens_of = static_cast<const int*>(source_d);
   const Way ways[] = {
-      {"one 128-row box of gathered rows", load_tiles<ROWS, 1>, 1, &gathered_tiles, nullptr},
-      {"128 one-row boxes of gathered rows, 1 warp", load_tiles<1, 1>, 1, &gathered_rows, nullptr},
-      {"128 one-row boxes of tokens, 1 warp", load_tiles<1, 1>, 1, &token_rows, tokens_of},
-      {"128 one-row boxes of tokens, 4 warps", load_tiles<1, 4>, 4, &token_rows, tokens_of},
-      {"128 one-row boxes of tokens, 8 warps", load_tiles<1, 8>, 8, &token_rows, tokens_of},
-      {"128 one-row boxes of tokens, 16 warps", load_tiles<1, 16>, 16, &token_rows, tokens_of},
+      {"one 128-row box of gathered rows", load_tiles<ROWS, 1>, 1, 1, &gathered_tiles, nullptr},
+      {"128 one-row boxes of gathered rows, 1 warp", load_tiles<1, 1>, 1, 1, &gathered_rows, nullptr},
+      {"128 one-row boxes of tokens, 1 warp", load_tiles<1, 1>, 1, 1, &token_rows, tokens_of},
+      {"128 one-row boxes of tokens, 4 warps", load_tiles<1, 4>, 4, 1, &token_rows, tokens_of},
+      {"128 one-row boxes of tokens, 8 warps", load_tiles<1, 8>, 8, 1, &token_rows, tokens_of},
+      {"128 one-row boxes of tokens, 16 warps", load_tiles<1, 16>, 16, 1, &token_rows, tokens_of},
+      {"pairs multicasting 64 rows each, 2 warps", load_tiles<1, 2, 2>, 2, 2, &token_rows, tokens_of},
+      {"pairs multicasting 64 rows each, 4 warps", load_tiles<1, 4, 2>, 4, 2, &token_rows, tokens_of},
   };
   constexpr int WAYS = sizeof(ways) / sizeof(ways[0]);
   CHECK(cudaMalloc(&probe_d, WAYS * TILE_BYTES));
@@ -221,7 +246,7 @@ int main(int argc, char** argv) {
       float ms;
       CHECK(cudaEventElapsedTime(&ms, start, stop));
       printf("round %d: %-42s %8.1f us a pass, %5.0f GB/s\n", round, ways[w].name, ms * 1e3 / passes,
-             bytes / (ms / passes * 1e-3) / 1e9);
+             ways[w].cluster * bytes / (ms / passes * 1e-3) / 1e9);
     }
   }
   return 0;
