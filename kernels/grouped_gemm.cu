@@ -462,19 +462,6 @@ __device__ __forceinline__ void release_previous_stage(unsigned long long* empty
   if (has_previous) release_stage<CLUSTER>(empty, (ring.stage + stages - 1) % stages);
 }
 
-// A consumer warpgroup's tile whose 64 rows are all past the tile's group
-// (in a group's last tile): it waits for each of the k_blocks stages and
-// frees it, multiplying nothing (its sums stay zero and are not stored), so
-// that the tensor cores do half the tile's work.
-template <int CLUSTER, int STAGES>
-__device__ __forceinline__ void pass_stages_on(unsigned long long* full, unsigned long long* empty, Ring& ring,
-                                               int k_blocks) {
-  for (int kb = 0; kb < k_blocks; ++kb, ring.advance<STAGES>()) {
-    barrier_wait(&full[ring.stage], ring.phase);
-    release_stage<CLUSTER>(empty, ring.stage);
-  }
-}
-
 // Named barrier `barrier` of `threads` threads: wait for all of them, or
 // count this warp's arrival and go on.
 __device__ __forceinline__ void named_sync(int barrier, int threads) {
@@ -984,11 +971,13 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     // that d is dead between tiles, which keeps the consumers from spilling.
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
-    if (tile.row0 + half * 64 >= tile.row_end) {
-      pass_stages_on<CLUSTER, Config::STAGES>(s.full, s.empty, ring, k_blocks);
-    } else {
-      for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
-        barrier_wait(&s.full[ring.stage], ring.phase);
+    // A group's last tile: where none of this warpgroup's 64 rows is the
+    // group's, it only passes the stages on (its sums, zero, are not stored),
+    // and the tensor cores do half the tile's work.
+    const bool past_group = tile.row0 + half * 64 >= tile.row_end;
+    for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
+      barrier_wait(&s.full[ring.stage], ring.phase);
+      if (!past_group) {
         const unsigned char* a = s.a + ring.stage * Config::A_BYTES + half * (BLOCK_M / 2) * 128;
         const unsigned char* b = s.b + ring.stage * Config::B_BYTES;
         wgmma_fence();
@@ -1000,12 +989,12 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
           wgmma<T, BN, 0, RHS_K_MAJOR ? 0 : 1>(d, matrix_descriptor(a + kk * 32, 16), desc_b);
         }
         wgmma_commit();
-        release_previous_stage<CLUSTER>(s.empty, ring, Config::STAGES, kb > 0);
       }
-      wgmma_wait<0>();
-      keep_in_registers(d);
-      if (k_blocks > 0) release_stage<CLUSTER>(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
+      release_previous_stage<CLUSTER>(s.empty, ring, Config::STAGES, kb > 0);
     }
+    wgmma_wait<0>();
+    keep_in_registers(d);
+    if (k_blocks > 0) release_stage<CLUSTER>(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
     unsigned short* staging = s.out + half * 64 * Config::OUT_PITCH;
     if constexpr (ACTIVATED) {
       if (staged) named_sync(DRAINED_BARRIER, 256 + HELPERS);
@@ -1257,26 +1246,29 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
     const float* block_scales = rhs_scales + (static_cast<size_t>(tile.group) * n_blocks + col0 / FP8_BLOCK) * k_blocks;
     // Each block's scales are loaded a block ahead: loaded with the block's
     // wgmmas, their L2 latency outlasted them (ncu on an H200).
-    if (tile.row0 + half * 64 >= tile.row_end) {  // as in ragged_dot_hopper
-      pass_stages_on<CLUSTER, STAGES>(s.full, s.empty, ring, k_blocks);
-    } else {
-      float block_scale = block_scales[0], row_scale = row_scales[0], row8_scale = row8_scales[0];
-      for (int kb = 0; kb < k_blocks; ++kb, ring.advance<STAGES>()) {
-        const float scale = row_scale * block_scale, scale8 = row8_scale * block_scale;
-        const int next = min(kb + 1, k_blocks - 1);
-        block_scale = block_scales[next], row_scale = row_scales[next], row8_scale = row8_scales[next];
-        barrier_wait(&s.full[ring.stage], ring.phase);
-        fp8_block_product<Config>(partial, descriptors, ring.stage);
-        wgmma_wait<0>();
-        keep_in_registers(partial);
+    float block_scale = block_scales[0], row_scale = row_scales[0], row8_scale = row8_scales[0];
+    // As ragged_dot_hopper's: in a group's last tile, a warpgroup none of whose
+    // rows is the group's only passes the stages on.
+    const bool past_group = tile.row0 + half * 64 >= tile.row_end;
+    for (int kb = 0; kb < k_blocks; ++kb, ring.advance<STAGES>()) {
+      const float scale = row_scale * block_scale, scale8 = row8_scale * block_scale;
+      const int next = min(kb + 1, k_blocks - 1);
+      block_scale = block_scales[next], row_scale = row_scales[next], row8_scale = row8_scales[next];
+      barrier_wait(&s.full[ring.stage], ring.phase);
+      if (past_group) {
         release_stage<CLUSTER>(s.empty, ring.stage);
+        continue;
+      }
+      fp8_block_product<Config>(partial, descriptors, ring.stage);
+      wgmma_wait<0>();
+      keep_in_registers(partial);
+      release_stage<CLUSTER>(s.empty, ring.stage);
 #pragma unroll
-        for (int i = 0; i < BN / 8; ++i) {
-          sums[4 * i] += partial[4 * i] * scale;
-          sums[4 * i + 1] += partial[4 * i + 1] * scale;
-          sums[4 * i + 2] += partial[4 * i + 2] * scale8;
-          sums[4 * i + 3] += partial[4 * i + 3] * scale8;
-        }
+      for (int i = 0; i < BN / 8; ++i) {
+        sums[4 * i] += partial[4 * i] * scale;
+        sums[4 * i + 1] += partial[4 * i + 1] * scale;
+        sums[4 * i + 2] += partial[4 * i + 2] * scale8;
+        sums[4 * i + 3] += partial[4 * i + 3] * scale8;
       }
     }
     store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
