@@ -971,25 +971,19 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     // that d is dead between tiles, which keeps the consumers from spilling.
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
-    // A group's last tile: where none of this warpgroup's 64 rows is the
-    // group's, it only passes the stages on (its sums, zero, are not stored),
-    // and the tensor cores do half the tile's work.
-    const bool past_group = tile.row0 + half * 64 >= tile.row_end;
     for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
       barrier_wait(&s.full[ring.stage], ring.phase);
-      if (!past_group) {
-        const unsigned char* a = s.a + ring.stage * Config::A_BYTES + half * (BLOCK_M / 2) * 128;
-        const unsigned char* b = s.b + ring.stage * Config::B_BYTES;
-        wgmma_fence();
+      const unsigned char* a = s.a + ring.stage * Config::A_BYTES + half * (BLOCK_M / 2) * 128;
+      const unsigned char* b = s.b + ring.stage * Config::B_BYTES;
+      wgmma_fence();
 #pragma unroll
-        for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
-          // 16 deep: 32 bytes along a K-major row, or 16 rows of an MN-major tile.
-          const auto desc_b = RHS_K_MAJOR ? matrix_descriptor(b + kk * 32, 16)
-                                          : matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES);
-          wgmma<T, BN, 0, RHS_K_MAJOR ? 0 : 1>(d, matrix_descriptor(a + kk * 32, 16), desc_b);
-        }
-        wgmma_commit();
+      for (int kk = 0; kk < BLOCK_K / 16; ++kk) {
+        // 16 deep: 32 bytes along a K-major row, or 16 rows of an MN-major tile.
+        const auto desc_b = RHS_K_MAJOR ? matrix_descriptor(b + kk * 32, 16)
+                                        : matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES);
+        wgmma<T, BN, 0, RHS_K_MAJOR ? 0 : 1>(d, matrix_descriptor(a + kk * 32, 16), desc_b);
       }
+      wgmma_commit();
       release_previous_stage<CLUSTER>(s.empty, ring, Config::STAGES, kb > 0);
     }
     wgmma_wait<0>();
@@ -1247,18 +1241,11 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
     // Each block's scales are loaded a block ahead: loaded with the block's
     // wgmmas, their L2 latency outlasted them (ncu on an H200).
     float block_scale = block_scales[0], row_scale = row_scales[0], row8_scale = row8_scales[0];
-    // As ragged_dot_hopper's: in a group's last tile, a warpgroup none of whose
-    // rows is the group's only passes the stages on.
-    const bool past_group = tile.row0 + half * 64 >= tile.row_end;
     for (int kb = 0; kb < k_blocks; ++kb, ring.advance<STAGES>()) {
       const float scale = row_scale * block_scale, scale8 = row8_scale * block_scale;
       const int next = min(kb + 1, k_blocks - 1);
       block_scale = block_scales[next], row_scale = row_scales[next], row8_scale = row8_scales[next];
       barrier_wait(&s.full[ring.stage], ring.phase);
-      if (past_group) {
-        release_stage<CLUSTER>(s.empty, ring.stage);
-        continue;
-      }
       fp8_block_product<Config>(partial, descriptors, ring.stage);
       wgmma_wait<0>();
       keep_in_registers(partial);
