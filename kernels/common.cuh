@@ -194,18 +194,31 @@ __device__ __forceinline__ void load_floats(const T* __restrict__ src, int count
   }
 }
 
+// W bytes of T from the W / sizeof(T) floats at in, each rounded to T as
+// from_float rounds it (16-bit T two at a time: one conversion a word).
+template <typename T, int W>
+__device__ __forceinline__ typename VectorOf<W>::type packed(const float* in) {
+  if constexpr (sizeof(T) == 2 && W >= 4) {
+    Pack<unsigned, W> words;
+#pragma unroll
+    for (int w = 0; w < W / 4; ++w) words.elems[w] = from_floats<T>(in[2 * w], in[2 * w + 1]);
+    return words.raw;
+  } else {
+    Pack<T, W> pack;
+#pragma unroll
+    for (int i = 0; i < Pack<T, W>::N; ++i) pack.elems[i] = from_float<T>(in[i]);
+    return pack.raw;
+  }
+}
+
 // Stores the first `count` of N floats at dst as T (see load_floats for W).
 template <typename T, int N, int W>
 __device__ __forceinline__ void store_floats(T* __restrict__ dst, int count, const float (&in)[N]) {
   if constexpr (W > 0) {
     constexpr int PER = Pack<T, W>::N;
 #pragma unroll
-    for (int w = 0; w < N / PER; ++w) {
-      Pack<T, W> pack;
-#pragma unroll
-      for (int i = 0; i < PER; ++i) pack.elems[i] = from_float<T>(in[w * PER + i]);
-      reinterpret_cast<typename VectorOf<W>::type*>(dst)[w] = pack.raw;
-    }
+    for (int w = 0; w < N / PER; ++w)
+      reinterpret_cast<typename VectorOf<W>::type*>(dst)[w] = packed<T, W>(in + w * PER);
   } else {
 #pragma unroll
     for (int j = 0; j < N; ++j)

@@ -112,18 +112,6 @@ __device__ __forceinline__ float element(const uint4& piece, int e) {
   }
 }
 
-// A 16-byte piece of T from VEC floats, each rounded to T (from_float's; two to
-// one conversion in 16 bits).
-template <typename T>
-__device__ __forceinline__ uint4 piece_of(const float (&v)[16 / sizeof(T)]) {
-  Pack<unsigned, 16> words;
-#pragma unroll
-  for (int w = 0; w < 4; ++w)
-    if constexpr (sizeof(T) == 2) words.elems[w] = from_floats<T>(v[2 * w], v[2 * w + 1]);
-    else words.elems[w] = __float_as_uint(v[w]);
-  return words.raw;
-}
-
 // Block maxima over 16-byte pieces of T, word by word: each word of a piece
 // holds two 16-bit elements (bf16, f16) or one float, and its magnitudes are
 // taken and compared in place, two at once in 16 bits (a 16-bit magnitude's
@@ -499,7 +487,7 @@ __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict
       values[e] = flushed_product(pair.x, scale[i]);
       values[e + 1] = flushed_product(pair.y, scale[i]);
     }
-    tile[i] = piece_of<T>(values);
+    tile[i] = packed<T, 16>(values);
   }
 }
 
@@ -731,8 +719,8 @@ activation_bwd_quantized(const T* __restrict__ grad_hidden, const T* __restrict_
 #pragma unroll
       for (int d = L::LANES / 2; d > 0; d /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, d);
       if (rows_at.piece == 0) sums[row] += sum;
-      part(FIRST, i) = piece_of<T>(grad_first), part(WEIGHTED, i) = piece_of<T>(weighted);
-      if constexpr (GATED) part(UP, i) = piece_of<T>(grad_up);
+      part(FIRST, i) = packed<T, 16>(grad_first), part(WEIGHTED, i) = packed<T, 16>(weighted);
+      if constexpr (GATED) part(UP, i) = packed<T, 16>(grad_up);
     }
     quantize_held<T, true, POWER_OF_TWO>(tiles, FIRST, gate_at, grad_values, grad_scales, grad_transposed_values,
                                          grad_transposed_scales);
