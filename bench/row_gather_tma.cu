@@ -69,8 +69,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(32 * WARPS + 3
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int rank = CLUSTER > 1 ? static_cast<int>(cluster_rank()) : 0, first_row = rank * (ROWS / CLUSTER);
   const int first_tile = blockIdx.x / CLUSTER, stride = gridDim.x / CLUSTER;
-  int stage = 0;
-  unsigned phase = 0;
+  Ring ring;
   if (warp < WARPS) {
     for (int t = first_tile; t < tiles; t += stride) {
       int source[PER_LANE > 0 ? PER_LANE : 1];
@@ -81,30 +80,26 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(32 * WARPS + 3
           source[i] = rows ? rows[r] : r;
         }
       }
-      for (int kb = 0; kb < k_blocks; ++kb) {
+      for (int kb = 0; kb < k_blocks; ++kb, ring.advance<STAGES>()) {
         if (lane == 0) {
-          barrier_wait(&empty[stage], phase ^ 1);
-          if (warp == 0) barrier_expect_bytes(&full[stage], TILE_BYTES);
+          barrier_wait(&empty[ring.stage], ring.phase ^ 1);
+          if (warp == 0) barrier_expect_bytes(&full[ring.stage], TILE_BYTES);
         }
         __syncwarp();
-        unsigned char* tile = base + stage * TILE_BYTES;
+        unsigned char* tile = base + ring.stage * TILE_BYTES;
         if constexpr (BOX_ROWS == ROWS) {
-          if (lane == 0) tma_load(tile, map, &full[stage], kb * COLS, t * ROWS);
+          if (lane == 0) tma_load(tile, map, &full[ring.stage], kb * COLS, t * ROWS);
         } else {
 #pragma unroll
           for (int i = 0; i < PER_LANE; ++i) {
             const int r = first_row + warp * WARP_ROWS + lane + 32 * i;
             if (lane + 32 * i >= WARP_ROWS) continue;
             if constexpr (CLUSTER == 1) {
-              tma_load(tile + r * 128, map, &full[stage], kb * COLS, source[i]);
+              tma_load(tile + r * 128, map, &full[ring.stage], kb * COLS, source[i]);
             } else {
-              tma_load_multicast(tile + r * 128, map, &full[stage], kb * COLS, source[i], (1 << CLUSTER) - 1);
+              tma_load_multicast(tile + r * 128, map, &full[ring.stage], kb * COLS, source[i], (1 << CLUSTER) - 1);
             }
           }
-        }
-        if (++stage == STAGES) {
-          stage = 0;
-          phase ^= 1;
         }
       }
     }
@@ -112,24 +107,14 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(32 * WARPS + 3
   }
   unsigned folded = 0;
   for (int t = first_tile; t < tiles; t += stride) {
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      barrier_wait(&full[stage], phase);
-      const unsigned* words = reinterpret_cast<const unsigned*>(base + stage * TILE_BYTES);
+    for (int kb = 0; kb < k_blocks; ++kb, ring.advance<STAGES>()) {
+      barrier_wait(&full[ring.stage], ring.phase);
+      const unsigned* words = reinterpret_cast<const unsigned*>(base + ring.stage * TILE_BYTES);
       folded ^= words[lane * 97 % (TILE_BYTES / 4)];
       if (t == 0 && kb == probe_block)
         for (int i = lane; i < TILE_BYTES / 4; i += 32) reinterpret_cast<unsigned*>(probe)[i] = words[i];
       __syncwarp();
-      if (lane == 0) {
-        if constexpr (CLUSTER == 1) {
-          barrier_arrive(&empty[stage]);
-        } else {
-          for (int block = 0; block < CLUSTER; ++block) barrier_arrive_in(&empty[stage], block);
-        }
-      }
-      if (++stage == STAGES) {
-        stage = 0;
-        phase ^= 1;
-      }
+      release_stage<CLUSTER>(empty, ring.stage);
     }
   }
   sink[blockIdx.x * 32 + lane] = folded;
@@ -200,7 +185,8 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(gathered_d, gathered.data(), gathered.size() * 2, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(source_d, source.data(), rows * 4, cudaMemcpyHostToDevice));
   const CUtensorMap gathered_tiles = make_map(gathered_d, hidden, rows, ROWS);
-  const CUtensorMap gathered_rows = make_map(gathered_d, hidden, rows, 1), token_rows = make_map(x_d, hidden, tokens, 1);
+  const CUtensorMap gathered_rows = make_map(gathered_d, hidden, rows, 1);
+  const CUtensorMap token_rows = make_map(x_d, hidden, tokens, 1);
   const int* tokens_of = static_cast<const int*>(source_d);
   const Way ways[] = {
       {"one 128-row box of gathered rows", load_tiles<ROWS, 1>, 1, 1, &gathered_tiles, nullptr},

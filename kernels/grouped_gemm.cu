@@ -426,32 +426,6 @@ struct Shared {
   }
 };
 
-// A consumer warp is done with `stage` (all its wgmma reading it have
-// completed): it tells the producer of each block of its cluster.
-template <int CLUSTER = 1>
-__device__ __forceinline__ void release_stage(unsigned long long* empty, int stage) {
-  if (threadIdx.x % 32 != 0) return;
-  if constexpr (CLUSTER == 1) {
-    barrier_arrive(&empty[stage]);
-  } else {
-#pragma unroll
-    for (int rank = 0; rank < CLUSTER; ++rank) barrier_arrive_in(&empty[stage], rank);
-  }
-}
-
-// Walks a ring of stages: the stage in use and the parity of its phase.
-struct Ring {
-  int stage = 0;
-  unsigned phase = 0;
-  template <int STAGES>
-  __device__ void advance() {
-    if (++stage == STAGES) {
-      stage = 0;
-      phase ^= 1;
-    }
-  }
-};
-
 // After committing the current stage's wgmma: waits for the previous
 // stage's (the current ones keep the tensor cores busy meanwhile) and, if
 // there was one, releases it to the producers.

@@ -71,6 +71,32 @@ __device__ __forceinline__ void barrier_wait(unsigned long long* bar, unsigned p
       : "memory");
 }
 
+// A consumer warp is done with `stage` (all its reads of it,
+// wgmma's included, have completed): it tells the producer of each block of its cluster.
+template <int CLUSTER = 1>
+__device__ __forceinline__ void release_stage(unsigned long long* empty, int stage) {
+  if (threadIdx.x % 32 != 0) return;
+  if constexpr (CLUSTER == 1) {
+    barrier_arrive(&empty[stage]);
+  } else {
+#pragma unroll
+    for (int rank = 0; rank < CLUSTER; ++rank) barrier_arrive_in(&empty[stage], rank);
+  }
+}
+
+// Walks a ring of stages: the stage in use and the parity of its phase.
+struct Ring {
+  int stage = 0;
+  unsigned phase = 0;
+  template <int STAGES>
+  __device__ void advance() {
+    if (++stage == STAGES) {
+      stage = 0;
+      phase ^= 1;
+    }
+  }
+};
+
 // Loads the box at (c0, c1[, c2]) of `map` into shared memory at dst;
 // completes on `bar` with the box's bytes. Out-of-range elements read as 0.
 __device__ __forceinline__ void tma_load(void* dst, const TensorMap* map, unsigned long long* bar, int c0, int c1) {
