@@ -10,8 +10,8 @@ group's rows into ``[G, K, N]``), in bf16: oxmoe's product, a dense ``jnp.dot`` 
 FLOPs, and tokamax's Pallas Mosaic GPU implementation with its default configuration (what
 ``tokamax.ragged_dot`` runs on an H200: its autotuning cache has no entry for one) and tuned (the
 fastest of :func:`candidates`); median of 5 x 20 calls (``step_ab.median_seconds``; a candidate
-3 x 10). Every output, oxmoe's and tokamax's, is compared with NumPy's float32 product a group
-(relative max-norm error). Prints a line
+3 x 10). Every output, oxmoe's and tokamax's, goes through the benchmark's reference check
+(``oxmoe.bench.grouped_gemm.Product.check``: relative error, and elements past its bound). Prints a line
 per timing and a last ``JSON {...}`` line. Arguments, if any, select the cases whose ``"<shape>
 <product>"`` contains one of them (``python3 bench/tokamax_gemm.py "mixtral up fwd"``).
 
@@ -112,23 +112,16 @@ def timed(results: dict, name: str, flops: int, call, *args) -> float:
     return seconds
 
 
-def per_group_reference(product: str, a, b, sizes: np.ndarray) -> np.ndarray:
-    """``product`` on the host in NumPy, float32 sums a group (independent of JAX and both
-    kernels; ``jax.lax.ragged_dot``'s d rhs runs out of memory at Qwen3's shape, XLA masking a
-    copy of the operands for each group)."""
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    starts = np.concatenate([[0], np.cumsum(sizes)])
-    groups = list(zip(starts[:-1], starts[1:]))
-    if product == "fwd":
-        return np.concatenate([a[start:end] @ b[g] for g, (start, end) in enumerate(groups)])
-    if product == "dlhs":
-        return np.concatenate([a[start:end] @ b[g].T for g, (start, end) in enumerate(groups)])
-    return np.stack([a[start:end].T @ b[start:end] for start, end in groups])
+def checked(product, got, operands, sizes) -> dict:
+    """``got`` against the benchmark's reference check of ``product`` (each group's product in
+    float32 at full precision on the device): its relative error and the elements past its
+    error bound."""
+    errors = product.check(got, *operands, sizes, np.asarray(sizes), on_host=False)
+    return {name: float(value) for name, value in errors.items()}
 
 
-def relative_error(got, want) -> float:
-    got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
-    return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+def describe_errors(errors: dict) -> str:
+    return f"relative error {errors['rel_err']:.1e}, {errors['bound_violations']:.0f} elements past the bound"
 
 
 def main(selected: list[str]) -> None:
@@ -141,21 +134,19 @@ def main(selected: list[str]) -> None:
             if product.name not in DIMENSIONS or (selected and not any(part in name for part in selected)):
                 continue
             operands = product_operands(product, shape)
-            expected = per_group_reference(product.name, *operands, np.asarray(sizes))
             ours = jax.jit(product.oxmoe)
             oxmoe_s = timed(results, f"{name} oxmoe", flops, ours, *operands, sizes)
-            results[f"{name} oxmoe"]["error"] = relative_error(ours(*operands, sizes), expected)
+            results[f"{name} oxmoe"].update(checked(product, ours(*operands, sizes), operands, sizes))
             timed(results, f"{name} dense", flops, jax.jit(jnp.dot), *dense_operands(product.dense, shape))
             best = tune(f"{name} tokamax", product.name, (*operands, sizes))
             for label, config in (("untuned", None), ("tuned", best)):
                 call = jax.jit(tokamax_product(product.name, config))
-                error = relative_error(call(*operands, sizes), expected)
+                errors = checked(product, call(*operands, sizes), operands, sizes)
                 seconds = timed(results, f"{name} tokamax {label}", flops, call, *operands, sizes)
-                results[f"{name} tokamax {label}"].update(error=error, oxmoe_speedup=seconds / oxmoe_s,
+                results[f"{name} tokamax {label}"].update(errors, oxmoe_speedup=seconds / oxmoe_s,
                                                           config=describe(config))
                 print(f"{name} tokamax {label} ({describe(config)}): oxmoe {seconds / oxmoe_s:.2f}x its speed; "
-                      f"error against NumPy {error:.1e} (oxmoe's {results[f'{name} oxmoe']['error']:.1e})",
-                      flush=True)
+                      f"{describe_errors(errors)} (oxmoe's {describe_errors(results[f'{name} oxmoe'])})", flush=True)
     print("JSON", json.dumps({"build": oxmoe.build_id(), "tokamax": tokamax.__version__, "jax": jax.__version__,
                               "device": jax.devices()[0].device_kind, "results": results}))
 
