@@ -8,14 +8,12 @@
 // and writes each of its copies (scatter_rows). Combine is the mirror image:
 // a block reads each of its tokens' copies and writes one row (gather_rows).
 // Rows no copy refers to are zeroed by extra blocks of the same launch.
-// token_rows copies a dispatch's rows again from its map's source tokens, for
-// a backward that does not keep them.
 //
 // The launch (src/permutation/cuda.rs) decides each kernel's threads (BLOCK)
 // and what its grid counts on: tokens a row block moves (TOKENS), rows a
-// zeroing block checks (ZERO_ROWS), rows a copy block writes (a sort's
-// SORT_ROWS, token_rows' ROWS), the most chunks of a sort (MAX_CHUNKS). They
-// arrive as template arguments; the kernels check what they assume of them.
+// zeroing block checks (ZERO_ROWS), rows a sort block writes (SORT_ROWS), the
+// most chunks of a sort (MAX_CHUNKS). They arrive as template arguments; the
+// kernels check what they assume of them.
 #include "common.cuh"
 
 constexpr int ROW_BLOCK = 128;  // threads of the row kernels (RowShape and the helpers below)
@@ -487,46 +485,6 @@ gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_ro
   }
 }
 
-// ---- rows copied from their sources ---------------------------------------------------
-
-// The source of a row that is NaN (a source out of range); -1 is a row of zeros.
-constexpr int NAN_ROW = -2;
-
-// Rows [first, first + ROWS) ∩ [0, rows) of out (H elements of T each): row
-// first + i copies row source_row[i] of in, or is zero (source -1) or NaN
-// (NAN_ROW). Each thread issues BATCH loads before their stores, so that a
-// block keeps bytes in flight.
-template <typename T, int H, int ROWS, int BATCH = 8>
-__device__ __forceinline__ void copy_source_rows(const T* __restrict__ in, const int* source_row, T* __restrict__ out,
-                                                 long long first, long long rows) {
-  using Shape = RowShape<T, H>;
-  using Vec = typename Shape::Vec;
-  Vec zero, nan;
-#pragma unroll
-  for (int k = 0; k < Shape::PER; ++k) {
-    zero.elems[k] = from_float<T>(0.f);
-    nan.elems[k] = from_float<T>(__int_as_float(0x7fc00000));
-  }
-  const int vectors = static_cast<int>(min(static_cast<long long>(ROWS), rows - first)) * Shape::VECTORS;
-  for (int base = 0; base < vectors; base += BATCH * ROW_BLOCK) {
-    Vec v[BATCH];
-#pragma unroll
-    for (int j = 0; j < BATCH; ++j) {
-      const int i = base + j * ROW_BLOCK + threadIdx.x;
-      if (i < vectors) {
-        const int from = source_row[i / Shape::VECTORS];
-        v[j] = from >= 0 ? load_vector<T, H>(in + static_cast<size_t>(from) * H, i % Shape::VECTORS)
-                         : from == -1 ? zero : nan;
-      }
-    }
-#pragma unroll
-    for (int j = 0; j < BATCH; ++j) {
-      const int i = base + j * ROW_BLOCK + threadIdx.x;
-      if (i < vectors) store_vector<T, H>(out + (first + i / Shape::VECTORS) * H, i % Shape::VECTORS, v[j]);
-    }
-  }
-}
-
 // ---- chunk sort ----------------------------------------------------------------------
 
 // Chunk j is max(split_sizes[j], 0) rows of the unsorted layout, cut at
@@ -599,26 +557,14 @@ sort_chunks(const T* __restrict__ in, const int* __restrict__ split_sizes, const
   }
   __syncthreads();
 
-  copy_source_rows<T, H, SORT_ROWS>(in, source_row, out, first, rows);
-}
-
-// Row r of out (rows in all) is row source_tokens[r] of `tokens` (H elements
-// of T each, `num_tokens` rows): zero where the source is -1, NaN where it is
-// out of range. ROWS rows a block. The dispatch's rows, and the rows of its
-// map that a layer gathers again (of the inputs, or of the output's gradient).
-template <typename T, int H, int BLOCK, int ROWS>
-__global__ void __launch_bounds__(BLOCK)
-token_rows(const T* __restrict__ tokens, const int* __restrict__ source_tokens, T* __restrict__ out, int num_tokens,
-           int rows) {
-  static_assert(BLOCK == ROW_BLOCK, "row kernels run ROW_BLOCK threads a block");
-  static_assert(ROWS <= BLOCK, "a thread reads each row's source");
-  __shared__ int source_row[ROWS];
-  const long long first = static_cast<long long>(blockIdx.x) * ROWS;
-  if (threadIdx.x < ROWS) {
-    const long long r = first + threadIdx.x;
-    const int source = r < rows ? source_tokens[r] : -1;
-    source_row[threadIdx.x] = source >= num_tokens || source < -1 ? NAN_ROW : source;
+  typename Shape::Vec zero;
+#pragma unroll
+  for (int k = 0; k < Shape::PER; ++k) zero.elems[k] = from_float<T>(0.f);
+  for (int i = threadIdx.x; i < SORT_ROWS * Shape::VECTORS; i += ROW_BLOCK) {
+    const int local = i / Shape::VECTORS, v = i % Shape::VECTORS;
+    const long long r = first + local;
+    if (r >= rows) break;
+    const int from = source_row[local];
+    store_vector<T, H>(out + r * H, v, from < 0 ? zero : load_vector<T, H>(in + static_cast<size_t>(from) * H, v));
   }
-  __syncthreads();
-  copy_source_rows<T, H, ROWS>(tokens, source_row, out, first, rows);
 }

@@ -347,12 +347,6 @@ CASES.update({
         lambda: aliased("oxmoe_sort_chunks", _spec(ROWS.shape, jnp.float32), ROWS, SPLITS, ORDER,
                         inverse=np.bool_(False)),
         "oxmoe_sort_chunks", [r"result 0 shares memory with argument 0"]),
-    "token_rows_result_aliasing_tokens": (
-        lambda: aliased("oxmoe_token_rows", _spec(ROWS.shape, jnp.float32), ROWS, np.arange(6, dtype=np.int32)),
-        "oxmoe_token_rows", [r"result 0 shares memory with argument 0"]),
-    "token_rows_float_sources": (
-        lambda: _call("oxmoe_token_rows", _spec(ROWS.shape, jnp.float32), ROWS, np.arange(6, dtype=np.float32)),
-        "oxmoe_token_rows", [r"source_tokens", r"f32|float32"]),
     "topk_fwd_extra_result": (
         lambda: _call("oxmoe_topk_fwd", (_spec((T, E), jnp.float32), _spec((T, E), jnp.bool_),
                                          _spec((T, E), jnp.float32)), LOGITS, **_attrs()),

@@ -468,30 +468,6 @@ def test_sort_chunks_on_poisoned_memory_zeroes_the_rows_past_the_chunks(inverse,
                              what="d tokens past the chunks", context=context)
 
 
-@pytest.mark.parametrize("model", LAYER_SHAPES, ids=lambda m: m.name)
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
-def test_token_rows_on_gpu_on_poisoned_memory_match_the_cpu_and_the_reference(model, dtype, gpu, cpu, seed, rng):
-    # The layer's gathers of a dispatch's rows (bf16 rows, and float8 rows as float32 words),
-    # at the models' widths: every row written, zero rows of no token, NaN rows of a token out
-    # of range, the rest copied bit for bit.
-    num_tokens = DEEPSEEK_F32_TOKENS if model is DEEPSEEK_V3_LAYER else BIG_TOKENS
-    num_rows = num_tokens * model.topk + 1000
-    x = grid_tokens(rng, (num_tokens, model.hidden), dtype)
-    source = rng.integers(0, num_tokens, num_rows).astype(np.int32)
-    nowhere, outside = rng.choice(num_rows, 2000, replace=False).reshape(2, 1000)
-    source[nowhere] = -1
-    source[outside] = rng.choice([-2, num_tokens, 2**31 - 1], 1000)
-    row_map = permutation.RowIdMap(np.zeros((1, 1), np.int32), source)
-    context = f"{model.name}, T={num_tokens}, R={num_rows}, seed={seed}"
-    rows = run_poisoned(gpu, permutation.token_rows, x, row_map)
-    inside = np.setdiff1d(np.arange(num_rows), outside)
-    checks.assert_bitwise_equal(rows[inside], ref.gather_rows(x, source[inside]), what="GPU token_rows",
-                                context=context)
-    assert np.isnan(rows[outside].astype(np.float32)).all(), f"rows of tokens out of range are NaN ({context})"
-    cpu_rows = run_on(cpu, permutation.token_rows, x, row_map)
-    assert_same_bits(rows[inside], cpu_rows[inside], what="token_rows", context=context)
-
-
 # -- row maps no dispatch made ----------------------------------------------------------
 
 

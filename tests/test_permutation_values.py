@@ -329,33 +329,6 @@ def random_chunks(rng, num_chunks: int, num_rows: int, fill: float):
     return sizes.astype(np.int32), rng.permutation(num_chunks).astype(np.int32)
 
 
-@MODELS
-@DTYPE_PARAMS
-def test_token_rows_on_a_dispatch_s_map_are_its_rows_bit_for_bit(model, dtype, seed, rng):
-    # What the MoE layer's backward gathers again: the rows a dispatch copied (padding and
-    # tail rows zero), from the map alone.
-    x, routing_map = model_inputs(model, rng, dtype, "ragged")
-    d = permutation.dispatch(x, routing_map, topk=model.topk, align_size=16)
-    rows = jax.jit(permutation.token_rows)(x, d.row_id_map)
-    checks.assert_bitwise_equal(rows, d.tokens, what="token_rows", context=f"{model.name}, seed={seed}")
-
-
-@DTYPE_PARAMS
-def test_token_rows_zero_rows_of_no_token_and_nan_rows_of_a_token_out_of_range(dtype, seed, rng):
-    num_tokens, num_rows, hidden = 77, 301, QWEN3_30B_A3B_LAYER.hidden
-    x = draw(rng, (num_tokens, hidden), dtype)
-    source = rng.integers(0, num_tokens, num_rows).astype(np.int32)
-    nowhere, outside = rng.choice(num_rows, 60, replace=False).reshape(2, 30)
-    source[nowhere] = -1
-    source[outside] = rng.choice([-2, -9, num_tokens, num_tokens + 5, 2**31 - 1], 30)
-    rows = np.asarray(jax.jit(permutation.token_rows)(x, permutation.RowIdMap(np.zeros((1, 1), np.int32), source)))
-    inside = np.setdiff1d(np.arange(num_rows), outside)
-    context = f"sources={source.tolist()}, seed={seed}"
-    checks.assert_bitwise_equal(rows[inside], ref.gather_rows(x, source[inside]).astype(x.dtype),
-                                what="token_rows of tokens in range and of none", context=context)
-    assert np.isnan(rows[outside].astype(np.float32)).all(), f"rows of tokens out of range are NaN ({context})"
-
-
 # C = 32 is 8 expert-parallel shards of 4 local experts each.
 CHUNK_SHAPES = [(1000, (1024,), 32), (333, (2048,), 5), (64, (3, 5), 1), (4097, (8,), 256)]
 CHUNK_IDS = ["N1000xH1024_C32", "N333xH2048_C5", "N64x3x5_C1", "N4097xH8_C256"]

@@ -45,7 +45,7 @@ from oxmoe._checks import MAX_ROWS, called_eagerly, check_array, check_count, ch
 from oxmoe._primitive import FfiPrimitive, Layout
 
 __all__ = ["Dispatched", "RowIdMap", "dispatch", "combine", "sort_chunks", "unsort_chunks", "dispatched_rows",
-           "padded_rows", "dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd", "token_rows", "permute_chunks"]
+           "padded_rows", "dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd", "permute_chunks"]
 
 ROWS, WHOLE, DISPATCHED = Layout.ROWS, Layout.WHOLE, Layout.DISPATCHED
 _I32 = jnp.int32
@@ -76,9 +76,6 @@ _combine_fwd_p = FfiPrimitive(
 _combine_bwd_p = FfiPrimitive(
     "oxmoe_combine_bwd", operands=(ROWS, ROWS, DISPATCHED, ROWS, DISPATCHED), results=(DISPATCHED, ROWS),
     result_specs=_combine_bwd_specs)
-_token_rows_p = FfiPrimitive(
-    "oxmoe_token_rows", operands=(ROWS, DISPATCHED), results=(DISPATCHED,),
-    result_specs=lambda x, source_tokens, **_: [jax.ShapeDtypeStruct((source_tokens.shape[0], x.shape[1]), x.dtype)])
 _sort_chunks_p = FfiPrimitive(
     "oxmoe_sort_chunks", operands=(DISPATCHED, WHOLE, WHOLE), results=(DISPATCHED,),
     result_specs=lambda x, *_, **__: [jax.ShapeDtypeStruct(x.shape, x.dtype)])
@@ -444,17 +441,6 @@ def combine_bwd(grad_out, rows, row_id_map: RowIdMap, merging_probs=None) -> tup
     grad_rows, grad_probs = _combine_bwd_p(grad_out, dest_rows, source_tokens, merging_probs.astype(jnp.float32),
                                            rows)
     return grad_rows, grad_probs
-
-
-def token_rows(tokens, row_id_map: RowIdMap) -> jax.Array:
-    """``tokens [T, H]`` → ``[R, H]``: row r is token ``row_id_map.source_tokens[r]``'s
-    row of ``tokens``, bit for bit; zero on rows of no token (-1), NaN on a row whose
-    token is out of range. The rows :func:`dispatch_fwd` copies, gathered again by its
-    map, for a backward that needs them (or its output's gradient's) without keeping
-    them: :func:`combine_bwd` without weights on a map that :func:`dispatch_fwd` made,
-    without reading ``dest_rows``. Unchecked and not differentiable."""
-    (rows,) = _token_rows_p(tokens, row_id_map.source_tokens)
-    return rows
 
 
 def permute_chunks(tokens, split_sizes, sorted_indices, *, inverse: bool) -> jax.Array:

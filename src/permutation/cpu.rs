@@ -84,21 +84,19 @@ pub fn dispatch_map(
     }
 }
 
-/// `out[r] = tokens[source_tokens[r]]`: zeros where the source is -1, NaN
-/// where it is out of range (see [`Entry`]).
-pub fn token_rows<T: Real>(tokens: &[T], hidden: usize, source_tokens: &[i32], out: &mut [T]) {
+/// `out[r] = tokens[source_tokens[r]]`, or zeros where `source_tokens[r] < 0`.
+pub fn dispatch_rows<T: Real>(tokens: &[T], hidden: usize, source_tokens: &[i32], out: &mut [T]) {
     if hidden == 0 {
         return;
     }
-    let count = tokens.len() / hidden;
     out.par_chunks_mut(hidden).zip(source_tokens.par_iter()).with_min_len(ROWS_PER_TASK).for_each(
-        |(row, &t)| match Entry::of(t, count) {
-            Entry::At(t) => row.copy_from_slice(&tokens[t * hidden..(t + 1) * hidden]),
-            Entry::None => row.fill(T::from_f32(0.0)),
-            Entry::Invalid => row.fill(T::from_f32(f32::NAN)),
+        |(row, &t)| match usize::try_from(t) {
+            Ok(t) => row.copy_from_slice(&tokens[t * hidden..(t + 1) * hidden]),
+            Err(_) => row.fill(T::from_f32(0.0)),
         },
     );
 }
+
 
 /// `out[t] = sum over e (in increasing order) of w[t, e] * expert_tokens[dest_rows[t, e]]`
 /// for the routed `e`, with `w = 1` without `weights`; NaN if an entry is out of range.

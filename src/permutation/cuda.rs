@@ -2,7 +2,7 @@
 //! of each kernel of `kernels/permutation.cu` a call needs (element type,
 //! hidden size, experts as template arguments) and its launches.
 
-use super::{CombineBwd, CombineFwd, DispatchFwd, SortChunks, TokenRows};
+use super::{CombineBwd, CombineFwd, DispatchFwd, SortChunks};
 use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, PERMUTATION};
 use crate::ffi::{DataType, Result};
 use crate::invalid;
@@ -15,10 +15,9 @@ use crate::invalid;
 const MAP_BLOCK: u32 = 256;
 const SCAN_BLOCK: u32 = 1024;
 const ROW_BLOCK: u32 = 128;
-/// Rows each zeroing block checks, and each block of a row copy (a sort's,
-/// `token_rows`') writes.
+/// Rows each zeroing block checks and each sort block writes.
 const ZERO_ROWS: usize = 32;
-const COPY_ROWS: usize = 32;
+const SORT_ROWS: usize = 32;
 /// The chunk tables of a sort live in shared memory.
 pub const MAX_CHUNKS: usize = 1024;
 /// A token's copies are listed in shared memory, one entry per expert.
@@ -72,14 +71,9 @@ pub fn gather_instance(dtype: DataType, hidden: usize, experts: usize, weighted:
 }
 
 /// `sort_chunks` (or its inverse).
-/// `token_rows` for rows of `hidden` elements.
-pub fn token_rows_instance(dtype: DataType, hidden: usize) -> Result<String> {
-    Instance::new("token_rows").dtype(dtype).int(hidden).int(ROW_BLOCK).int(COPY_ROWS).build()
-}
-
 pub fn sort_instance(dtype: DataType, hidden: usize, inverse: bool) -> Result<String> {
     let instance = Instance::new("sort_chunks").dtype(dtype).int(hidden).flag(inverse);
-    instance.int(ROW_BLOCK).int(COPY_ROWS).int(MAX_CHUNKS).build()
+    instance.int(ROW_BLOCK).int(SORT_ROWS).int(MAX_CHUNKS).build()
 }
 
 /// The kernels that lay out a dispatch's maps: `[count_routed, rank_chunks, assign_rows]`.
@@ -220,19 +214,8 @@ pub fn sort_chunks(stream: Stream, a: &SortChunks) -> Result<()> {
     let (src, sizes, order, out) =
         (a.tokens.device_ptr(), a.split_sizes.device_ptr(), a.sorted_indices.device_ptr(), a.out.device_ptr());
     let (rows, chunks) = (int(a.rows)?, int(a.chunks)?);
-    let config = LaunchConfig { grid: grid(a.rows.div_ceil(COPY_ROWS))?, block: ROW_BLOCK, shared_bytes: 0 };
+    let config = LaunchConfig { grid: grid(a.rows.div_ceil(SORT_ROWS))?, block: ROW_BLOCK, shared_bytes: 0 };
     launch(stream, kernel, config, &mut [arg(&src), arg(&sizes), arg(&order), arg(&out), arg(&rows), arg(&chunks)])
-}
-
-pub fn token_rows(stream: Stream, a: &TokenRows) -> Result<()> {
-    if a.rows == 0 || a.hidden == 0 {
-        return Ok(());
-    }
-    let kernel = Kernel::get(stream, &PERMUTATION, &token_rows_instance(a.x.dtype(), a.hidden)?)?;
-    let (x, source_tokens, out) = (a.x.device_ptr(), a.source_tokens.device_ptr(), a.out.device_ptr());
-    let (tokens, rows) = (int(a.tokens)?, int(a.rows)?);
-    let config = LaunchConfig { grid: grid(a.rows.div_ceil(COPY_ROWS))?, block: ROW_BLOCK, shared_bytes: 0 };
-    launch(stream, kernel, config, &mut [arg(&x), arg(&source_tokens), arg(&out), arg(&tokens), arg(&rows)])
 }
 
 #[cfg(test)]
@@ -256,7 +239,6 @@ mod tests {
                 for inverse in [false, true] {
                     out.push(sort_instance(dtype, hidden, inverse).unwrap());
                 }
-                out.push(token_rows_instance(dtype, hidden).unwrap());
             }
             // Rows of no elements: only the weights' gradient is written.
             out.push(scatter_instance(dtype, 0, 8, Scatter::CombineBackward { weighted: true }).unwrap());

@@ -5,7 +5,7 @@
 //! [`Stream`](crate::cuda::Stream).
 
 use super::cpu::{self, CombineGrads, ExpertCounts};
-use super::{cuda, CombineBwd, CombineFwd, DispatchFwd, SortChunks, TokenRows};
+use super::{cuda, CombineBwd, CombineFwd, DispatchFwd, SortChunks};
 use crate::ffi::Result;
 use crate::{export_cuda_handler, export_handler, with_real_type};
 
@@ -13,13 +13,11 @@ export_handler!(oxmoe_dispatch_fwd, DispatchFwd, |_, op| dispatch_fwd_cpu(op));
 export_handler!(oxmoe_combine_fwd, CombineFwd, |_, op| combine_fwd_cpu(op));
 export_handler!(oxmoe_combine_bwd, CombineBwd, |_, op| combine_bwd_cpu(op));
 export_handler!(oxmoe_sort_chunks, SortChunks, |_, op| sort_chunks_cpu(op));
-export_handler!(oxmoe_token_rows, TokenRows, |_, op| token_rows_cpu(op));
 
 export_cuda_handler!(oxmoe_dispatch_fwd_cuda, DispatchFwd, |stream, op| cuda::dispatch_fwd(stream, &op));
 export_cuda_handler!(oxmoe_combine_fwd_cuda, CombineFwd, |stream, op| cuda::combine_fwd(stream, &op));
 export_cuda_handler!(oxmoe_combine_bwd_cuda, CombineBwd, |stream, op| cuda::combine_bwd(stream, &op));
 export_cuda_handler!(oxmoe_sort_chunks_cuda, SortChunks, |stream, op| cuda::sort_chunks(stream, &op));
-export_cuda_handler!(oxmoe_token_rows_cuda, TokenRows, |stream, op| cuda::token_rows(stream, &op));
 
 /// Bytes of the workspace, `uint8[bytes]`, that `oxmoe_dispatch_fwd` takes as
 /// its last result for `tokens` tokens and `experts` experts (the Python
@@ -43,7 +41,7 @@ fn dispatch_fwd_cpu(op: DispatchFwd) -> Result<()> {
     let routing_map = op.routing_map.mask()?;
     cpu::dispatch_map(&op.layout, routing_map, probs, op.dest_rows.slice_mut()?, source_tokens, counts);
     with_real_type!(op.tokens.dtype(), T => {
-        cpu::token_rows::<T>(op.tokens.slice()?, op.hidden, source_tokens, op.out_tokens.slice_mut()?);
+        cpu::dispatch_rows::<T>(op.tokens.slice()?, op.hidden, source_tokens, op.out_tokens.slice_mut()?);
     });
     Ok(())
 }
@@ -74,13 +72,6 @@ fn sort_chunks_cpu(op: SortChunks) -> Result<()> {
     let (sizes, order) = (op.split_sizes.slice()?, op.sorted_indices.slice()?);
     with_real_type!(op.tokens.dtype(), T => {
         cpu::sort_chunks::<T>(op.tokens.slice()?, op.hidden, sizes, order, op.inverse, op.out.slice_mut()?);
-    });
-    Ok(())
-}
-
-fn token_rows_cpu(op: TokenRows) -> Result<()> {
-    with_real_type!(op.x.dtype(), T => {
-        cpu::token_rows::<T>(op.x.slice()?, op.hidden, op.source_tokens.slice()?, op.out.slice_mut()?);
     });
     Ok(())
 }

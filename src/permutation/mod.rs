@@ -12,7 +12,7 @@ pub mod cuda;
 pub mod handlers;
 mod ops;
 
-pub use ops::{CombineBwd, CombineFwd, DispatchFwd, SortChunks, TokenRows};
+pub use ops::{CombineBwd, CombineFwd, DispatchFwd, SortChunks};
 
 /// Where an entry of a row map points (a `dest_rows` entry into the expert
 /// rows, a `source_tokens` entry into the tokens or, for

@@ -183,33 +183,6 @@ impl<'a> CombineBwd<'a> {
     }
 }
 
-/// `oxmoe_token_rows`: tokens [T, H], source_tokens [R] s32 -> rows [R, H],
-/// row r token source_tokens[r]'s (see [`super::Entry`]).
-pub struct TokenRows<'a> {
-    pub tokens: usize,
-    pub rows: usize,
-    pub hidden: usize,
-    pub x: Arg<'a>,
-    pub source_tokens: Arg<'a>,
-    pub out: Ret<'a>,
-}
-
-impl<'a> TokenRows<'a> {
-    pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(2, 2)?;
-        let x = call.arg(0, "tokens")?;
-        let (tokens, hidden) = float_matrix(&x)?;
-        check_index_range("tokens", tokens)?;
-        let source_tokens = call.arg(1, "source_tokens")?;
-        let rows = source_tokens.len();
-        source_tokens.expect(&[DataType::S32], &[rows])?;
-        check_index_range("rows", rows)?;
-        let out = call.ret(0, "rows")?;
-        out.expect(&[x.dtype()], &[rows, hidden])?;
-        Ok(Self { tokens, rows, hidden, x, source_tokens, out })
-    }
-}
-
 /// `oxmoe_sort_chunks`: tokens [N, H], split_sizes [C] s32, sorted_indices
 /// [C] s32 (attribute `inverse`) -> tokens [N, H] with the chunks reordered.
 pub struct SortChunks<'a> {
