@@ -199,13 +199,14 @@ struct Routes {
 // Combine's backward takes its maps from the caller, who may hand it maps no
 // dispatch made: a copy's gradient row is written only by the token that
 // source_tokens names for that row, once (a token listing one row for several
-// experts writes it with their weights summed). first[i]: no earlier copy of
-// the token lists copy i's row; repeated[i]: a later one does too (rare: only
-// maps no dispatch made).
+// experts writes it with their weights summed). writes[i]: copy i writes its
+// row (no earlier copy of the token lists it, and the row names the token);
+// scale[i]: then the weights of the token's copies that list it, summed in
+// expert order (1 a copy without weights).
 template <int E>
 struct CheckedRoutes : Routes<E> {
-  bool first[E];
-  bool repeated[E];
+  bool writes[E];
+  float scale[E];
 };
 
 // Either<C, A, B>::type is A if C, else B (NVRTC has no <type_traits>).
@@ -313,21 +314,27 @@ __device__ __forceinline__ void fill_unwritten_rows(T* __restrict__ out, const i
   }
 }
 
-// With CHECK_MAP: first and repeated of each of the block's copies (shared
-// memory only, so the rows' loads start as early as without the check).
-template <int E, int TOKENS>
-__device__ __forceinline__ void check_block_routes(CheckedRoutes<E> (&routes)[TOKENS], int first, int tokens) {
-  for (int k = 0; k < TOKENS && first + k < tokens; ++k) {
+// With CHECK_MAP: writes and scale of each of the block's copies, found
+// before the rows move (a thread a copy), so that no copy's stores wait on
+// its own lookups.
+template <int E, int TOKENS, bool WEIGHTED>
+__device__ __forceinline__ void check_block_routes(CheckedRoutes<E> (&routes)[TOKENS], int first, int tokens,
+                                                   const int* __restrict__ source_tokens,
+                                                   const float* __restrict__ weights) {
+  for (int p = threadIdx.x; p < TOKENS * E; p += ROW_BLOCK) {
+    const int k = p / E, i = p % E, t = first + k;
     CheckedRoutes<E>& copies = routes[k];
-    for (int i = threadIdx.x; i < copies.count; i += ROW_BLOCK) {
-      bool earlier = false, later = false;
-      for (int j = 0; j < copies.count; ++j) {
-        earlier |= j < i && copies.rows[j] == copies.rows[i];
-        later |= j > i && copies.rows[j] == copies.rows[i];
-      }
-      copies.first[i] = !earlier;
-      copies.repeated[i] = later;
+    if (t >= tokens || i >= copies.count) continue;
+    const int row = copies.rows[i];
+    const float* w = WEIGHTED ? weights + static_cast<size_t>(t) * E : nullptr;
+    bool earlier = false;
+    float scale = WEIGHTED ? w[copies.experts[i]] : 1.f;
+    for (int j = 0; j < copies.count; ++j) {
+      earlier |= j < i && copies.rows[j] == row;
+      if (j > i && copies.rows[j] == row) scale += WEIGHTED ? w[copies.experts[j]] : 1.f;
     }
+    copies.writes[i] = !earlier && source_tokens[row] == t;
+    copies.scale[i] = scale;
   }
   __syncthreads();
 }
@@ -358,7 +365,7 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
   __shared__ float dots[TOKENS][WEIGHTED ? E : 1];
   const int first = blockIdx.x * TOKENS;
   list_block_routes<E, TOKENS, BlockRoutes>(dest_rows, first, tokens, rows, block_routes);
-  if constexpr (CHECK_MAP) check_block_routes<E, TOKENS>(block_routes, first, tokens);
+  if constexpr (CHECK_MAP) check_block_routes<E, TOKENS, WEIGHTED>(block_routes, first, tokens, source_tokens, weights);
 
   for (int k = 0; k < TOKENS && first + k < tokens; ++k) {
     const int t = first + k;
@@ -380,15 +387,12 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
         const int row = routes.rows[i];
         T* dst = out + static_cast<size_t>(row) * H;
         const T* y = WEIGHTED ? expert_tokens + static_cast<size_t>(row) * H : nullptr;
-        // With CHECK_MAP: whether this copy writes its row, and the weights of
-        // every copy of the token that lists the row, summed in expert order.
+        // With CHECK_MAP: whether this copy writes its row, and its scale.
         bool writes = true;
-        float scale = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i]] : 1.f;
+        float scale = 1.f;
         if constexpr (CHECK_MAP) {
-          writes = routes.first[i] && source_tokens[row] == t;
-          if (routes.repeated[i])
-            for (int j = i + 1; j < routes.count; ++j)
-              if (routes.rows[j] == row) scale += WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[j]] : 1.f;
+          writes = routes.writes[i];
+          scale = routes.scale[i];
         }
         // The token's row as it is: a dispatch's copy, or an unweighted copy of scale 1.
         const bool as_is = !CHECK_MAP || (!WEIGHTED && scale == 1.f);
