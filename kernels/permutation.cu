@@ -339,14 +339,13 @@ __device__ __forceinline__ void check_block_routes(CheckedRoutes<E> (&routes)[TO
   __syncthreads();
 }
 
-// The first blocks write the rows no token writes (fill_unwritten_rows), so
-// that their lookups run beside the row copies, not after them; the blocks
-// after them (TOKENS tokens each) copy token t's row of `src`
+// The first blocks (TOKENS tokens each): token t's row of `src`
 // to each of its copies' rows of `out` (dispatch); with CHECK_MAP (combine's
 // backward), to the rows it writes (see CheckedRoutes), scaled by its weights
 // when WEIGHTED, and then, when WEIGHTED, the weights' gradient
 // grad_weights[t, e] = <src[t], expert_tokens[row]>. Unweighted, a row of one
 // copy is the token's row bit for bit (any 32-bit words move as they are).
+// The blocks after them write the rows no token writes (fill_unwritten_rows).
 template <typename T, int H, int E, bool WEIGHTED, bool CHECK_MAP, int BLOCK, int TOKENS, int ZERO_ROWS>
 __global__ void __launch_bounds__(BLOCK)
 scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const int* __restrict__ source_tokens,
@@ -356,15 +355,15 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
   static_assert(CHECK_MAP || !WEIGHTED, "weighted rows are combine's backward, whose maps are checked");
   using Shape = RowShape<T, H>;
   using BlockRoutes = typename Either<CHECK_MAP, CheckedRoutes<E>, Routes<E>>::type;
-  const int zero_blocks = (rows + ZERO_ROWS - 1) / ZERO_ROWS;
-  if (static_cast<int>(blockIdx.x) < zero_blocks) {
+  const int token_blocks = (tokens + TOKENS - 1) / TOKENS;
+  if (static_cast<int>(blockIdx.x) >= token_blocks) {
     fill_unwritten_rows<T, H, E, CHECK_MAP, ZERO_ROWS>(out, source_tokens, dest_rows, tokens, rows,
-                                                       static_cast<long long>(blockIdx.x) * ZERO_ROWS);
+                                                       static_cast<long long>(blockIdx.x - token_blocks) * ZERO_ROWS);
     return;
   }
   __shared__ BlockRoutes block_routes[TOKENS];
   __shared__ float dots[TOKENS][WEIGHTED ? E : 1];
-  const int first = (static_cast<int>(blockIdx.x) - zero_blocks) * TOKENS;
+  const int first = blockIdx.x * TOKENS;
   list_block_routes<E, TOKENS, BlockRoutes>(dest_rows, first, tokens, rows, block_routes);
   if constexpr (CHECK_MAP) check_block_routes<E, TOKENS, WEIGHTED>(block_routes, first, tokens, source_tokens, weights);
 

@@ -101,9 +101,9 @@ fn token_blocks(tokens: usize, experts: usize) -> usize {
     tokens.div_ceil(tokens_per_block(experts))
 }
 
-/// One block per `ZERO_ROWS` output rows, then the blocks of the tokens.
+/// The blocks of the tokens, then one per `ZERO_ROWS` output rows.
 fn token_and_zero_blocks(tokens: usize, experts: usize, rows: usize) -> Result<LaunchConfig> {
-    let blocks = rows.div_ceil(ZERO_ROWS) + token_blocks(tokens, experts);
+    let blocks = token_blocks(tokens, experts) + rows.div_ceil(ZERO_ROWS);
     Ok(LaunchConfig { grid: grid(blocks)?, block: ROW_BLOCK, shared_bytes: 0 })
 }
 
