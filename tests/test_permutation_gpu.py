@@ -472,17 +472,20 @@ def test_sort_chunks_on_poisoned_memory_zeroes_the_rows_past_the_chunks(inverse,
 
 
 @pytest.mark.parametrize("num_experts", [8, 128], ids=lambda e: f"E{e}")
-def test_combine_and_its_vjp_on_maps_no_dispatch_made_on_gpu_follow_the_contract(num_experts, gpu, cpu, seed, rng):
+@pytest.mark.parametrize("with_probs", [True, False], ids=["merging_probs", "no_merging_probs"])
+def test_combine_and_its_vjp_on_maps_no_dispatch_made_on_gpu_follow_the_contract(num_experts, with_probs, gpu, cpu,
+                                                                                seed, rng):
     # Entries out of range, rows naming a token that does not list them, a token listing one row
-    # twice: NaN and zeros where the contract says, on the CPU and the GPU alike.
+    # twice (its weights summed; without merging probs, twice its gradient): NaN and zeros where
+    # the contract says, on the CPU and the GPU alike.
     from test_permutation_grads import check_combine_of_any_maps, combine_of_any_maps_and_vjp, maps_no_dispatch_made
 
     num_tokens, hidden, num_rows = 512, 256, 1100
     row_id_map = maps_no_dispatch_made(rng, num_tokens, num_experts, num_rows)
     y = rng.standard_normal((num_rows, hidden)).astype(np.float32)
     g = rng.standard_normal((num_tokens, hidden)).astype(np.float32)
-    w = rng.standard_normal((num_tokens, num_experts)).astype(np.float32)
-    context = f"E={num_experts}, seed={seed}"
+    w = rng.standard_normal((num_tokens, num_experts)).astype(np.float32) if with_probs else None
+    context = f"E={num_experts}, merging_probs={with_probs}, seed={seed}"
     gpu_out = run_on(gpu, combine_of_any_maps_and_vjp, row_id_map, y, w, g)
     check_combine_of_any_maps(*gpu_out, row_id_map, y, w, g, context=context)
     cpu_out = run_on(cpu, combine_of_any_maps_and_vjp, row_id_map, y, w, g)

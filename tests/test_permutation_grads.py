@@ -221,6 +221,10 @@ def maps_no_dispatch_made(rng, num_tokens: int, num_experts: int, num_rows: int)
 
 
 def combine_of_any_maps_and_vjp(row_id_map, y, w, g):
+    """combine and its vjp: (out, d expert_tokens, d merging_probs), the last None without w."""
+    if w is None:
+        out, vjp = jax.vjp(lambda y: permutation.combine(y, row_id_map), y)
+        return (out, *vjp(g), None)
     out, vjp = jax.vjp(lambda y, w: permutation.combine(y, row_id_map, merging_probs=w), y, w)
     return (out, *vjp(g))
 
@@ -231,18 +235,22 @@ def check_combine_of_any_maps(out, d_rows, d_probs, row_id_map, y, w, g, *, cont
     dest_rows, source_tokens = np.asarray(row_id_map.dest_rows), np.asarray(row_id_map.source_tokens)
     expected_out = ref.combine_of_any_maps(y, dest_rows, w)
     expected_rows, expected_probs = ref.combine_backward_of_any_maps(g, y, dest_rows, source_tokens, w)
-    for what, actual, expected in (("combine", out, expected_out), ("d expert_tokens", d_rows, expected_rows),
-                                   ("d merging_probs", d_probs, expected_probs)):
+    checked = [("combine", out, expected_out), ("d expert_tokens", d_rows, expected_rows)]
+    if w is not None:
+        checked.append(("d merging_probs", d_probs, expected_probs))
+    for what, actual, expected in checked:
         actual = np.asarray(actual, np.float64)
         np.testing.assert_array_equal(np.isnan(actual), np.isnan(expected), err_msg=f"NaN of {what} ({context})")
         np.testing.assert_allclose(actual, expected, rtol=1e-5, atol=1e-5, err_msg=f"{what} ({context})")
 
 
-def test_combine_and_its_vjp_on_maps_no_dispatch_made_follow_the_contract(seed, rng):
+@pytest.mark.parametrize("with_probs", [True, False], ids=["merging_probs", "no_merging_probs"])
+def test_combine_and_its_vjp_on_maps_no_dispatch_made_follow_the_contract(with_probs, seed, rng):
+    # Without merging probs, a row one token lists for two experts gets twice its gradient.
     num_tokens, num_experts, hidden, num_rows = 64, 8, 32, 160
     row_id_map = maps_no_dispatch_made(rng, num_tokens, num_experts, num_rows)
     y, g = draw(rng, (num_rows, hidden), jnp.float32), draw(rng, (num_tokens, hidden), jnp.float32)
-    w = draw(rng, (num_tokens, num_experts), jnp.float32)
+    w = draw(rng, (num_tokens, num_experts), jnp.float32) if with_probs else None
     outs = jax.jit(combine_of_any_maps_and_vjp)(row_id_map, y, w, g)
     check_combine_of_any_maps(*outs, row_id_map, y, w, g, context=f"seed={seed}")
 
