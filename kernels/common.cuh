@@ -82,6 +82,11 @@ __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xf
 // 1 / (1 + e^-x); __frcp_rn is the correctly rounded reciprocal, the value of 1.f / y.
 __device__ __forceinline__ float sigmoid(float x) { return __frcp_rn(1.f + expf(-x)); }
 
+// sigmoid(x) e^-c, for sigmoids normalised over a set with c = min(0, the set's
+// largest logit): src/router/cpu.rs's shifted_sigmoid, which says why. With
+// c = 0 it is `sigmoid(x)`, bit for bit (expf(0) is 1, 0 - x is -x).
+__device__ __forceinline__ float shifted_sigmoid(float x, float c) { return __frcp_rn(expf(c) + expf(c - x)); }
+
 // sigmoid(x), as `sigmoid` computes it, and 1 - sigmoid(x) = e^-x * sigmoid(x):
 // one exponential, and no cancellation near 1. Where e^-x overflows (x below
 // about -88) the sigmoid is 0 and e^-x times it NaN: fminf takes the 1, which

@@ -167,13 +167,6 @@ __device__ __forceinline__ void select_top(const Team<E>& t, const unsigned (&ke
   }
 }
 
-// sigmoid(x) and sigmoid'(x) = s * (1 - s).
-__device__ __forceinline__ void sigmoid_and_slope(float x, float& s, float& slope) {
-  float complement;
-  sigmoid_and_complement(x, s, complement);
-  slope = s * complement;
-}
-
 // s = softmax of the row's x over the positions in `over` (0 elsewhere).
 template <int E>
 __device__ __forceinline__ void softmax_row(const Team<E>& t, const float (&x)[Team<E>::VPT], unsigned long long over,
@@ -347,8 +340,8 @@ __global__ void __launch_bounds__(BLOCK)
 #pragma unroll
   for (int j = 0; j < VPT; ++j) rank[j] = rank_key(key[j]);
   unsigned long long chosen = 0;
-  float picked[K];  // the selection's logits (post-softmax) or scores, best first
-  select_top<K>(t, rank, s, eligible, chosen, picked);
+  float picked[K];  // the selection's logits, best first
+  select_top<K>(t, rank, x, eligible, chosen, picked);
 
   // Weights, with the CPU's order of operations.
   float top = 0.f, norm = 1.f;
@@ -360,16 +353,26 @@ __global__ void __launch_bounds__(BLOCK)
 #pragma unroll
     for (int r = 0; r < K; ++r) norm += expf(picked[r] - top);
   } else if constexpr (SCORE == SIGMOID && K > 1) {
+    top = negative_infinity();  // the shift c of shifted_sigmoid
+#pragma unroll
+    for (int r = 0; r < K; ++r) top = fmaxf(top, picked[r]);
+    top = fminf(top, 0.f);
     norm = 0.f;
 #pragma unroll
-    for (int r = 0; r < K; ++r) norm += picked[r];
+    for (int r = 0; r < K; ++r) norm += shifted_sigmoid(picked[r], top);
   }
   const float inv_norm = __frcp_rn(norm);
   float out[VPT];
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
-    float w = SCORE == SOFTMAX_POST ? expf(x[j] - top) * inv_norm : (SCORE == SIGMOID && K > 1 ? s[j] * inv_norm : s[j]);
-    out[j] = ((chosen >> j) & 1ull) ? w * scaling : 0.f;
+    if (!((chosen >> j) & 1ull)) {
+      out[j] = 0.f;
+      continue;
+    }
+    const float w = SCORE == SOFTMAX_POST            ? expf(x[j] - top) * inv_norm
+                    : (SCORE == SIGMOID && K > 1) ? shifted_sigmoid(x[j], top) * inv_norm
+                                                  : s[j];
+    out[j] = w * scaling;
   }
   store_row<T, E>(probs, row, t, out);
   store_row_mask<E>(routing_map, row, t, chosen);
@@ -407,10 +410,22 @@ __global__ void __launch_bounds__(BLOCK)
 #pragma unroll
     for (int j = 0; j < VPT; ++j) out[j] = s[j] * (g[j] - dot);
   } else {  // sigmoid: probs = scale * s / S on the selection (S = their sum) when K > 1
+    // s times e^-c when K > 1 (shifted_sigmoid's c, of the selection).
+    float c = 0.f;
+    if constexpr (K > 1) {
+      c = negative_infinity();
+#pragma unroll
+      for (int j = 0; j < VPT; ++j)
+        if ((selected >> j) & 1ull) c = fmaxf(c, x[j]);
+      c = fminf(t.max(c), 0.f);
+    }
     float s[VPT], slope[VPT], total = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      sigmoid_and_slope(x[j], s[j], slope[j]);
+      float complement;
+      sigmoid_and_complement(x[j], s[j], complement);
+      if constexpr (K > 1) s[j] = shifted_sigmoid(x[j], c);
+      slope[j] = s[j] * complement;
       if ((selected >> j) & 1ull) total += s[j];
     }
     const float inv_total = K > 1 ? __frcp_rn(t.sum(total)) : 1.f;
@@ -434,10 +449,15 @@ __device__ __forceinline__ void normalised_scores(const Team<E>& t, const float 
   if constexpr (SCORE != SIGMOID) {
     softmax_row(t, x, valid, q);
   } else {
+    float c = negative_infinity();  // shifted_sigmoid's, of the row
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+      if ((valid >> j) & 1ull) c = fmaxf(c, x[j]);
+    c = fminf(t.max(c), 0.f);
     float total = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      q[j] = ((valid >> j) & 1ull) ? sigmoid(x[j]) : 0.f;
+      q[j] = ((valid >> j) & 1ull) ? shifted_sigmoid(x[j], c) : 0.f;
       total += q[j];
     }
     const float inv_total = __frcp_rn(t.sum(total));

@@ -12,8 +12,8 @@ from jax.test_util import check_grads
 
 import router_checks as rc
 import router_reference as ref
-from oxmoe.model_shapes import ROUTER_CONFIGS
-from oxmoe import router
+from oxmoe.model_shapes import DEEPSEEK_V3, ROUTER_CONFIGS
+from oxmoe import reference, router
 
 NUM_TOKENS = [333, 4097]
 CONFIGS = pytest.mark.parametrize("config", ROUTER_CONFIGS, ids=lambda c: c.name)
@@ -56,6 +56,48 @@ def test_sigmoid_topk_vjp_of_chosen_experts_far_below_zero_matches_analytic_refe
     grad_probs = rc.draw_like(rng, probs.shape, dtype)
     (grad_logits,) = vjp(grad_probs)
     rc.check_topk_grad(grad_logits, grad_probs, logits, routing_map, topk, kwargs, context=context)
+
+
+@DTYPES
+def test_sigmoid_weights_and_scores_of_tokens_whose_every_logit_is_far_below_zero(dtype, seed, rng):
+    """DeepSeek-V3's router on tokens whose every logit is in [-110, -89] (there e^-x
+    overflows float32 and every sigmoid is 0: the expert bias makes the choice) or in
+    [-60, -25], beside ordinary ones. The weights s_i / sum(s) over the selection, and the
+    loss's scores over each row, must still be the float64 reference's (about the softmax of
+    the logits), not 0 / 0; so must their gradients, and the plain-JAX reference's values.
+    (Within a row the logits differ by less than 88, so no share is below float32's smallest
+    number.)"""
+    config, num_tokens = DEEPSEEK_V3, 333
+    logits = np.array(rc.draw_logits(rng, (num_tokens, config.num_experts), jnp.float32))
+    band = rng.integers(0, 3, num_tokens)
+    for b, (low, high) in ((1, (-110.0, -89.0)), (2, (-60.0, -25.0))):
+        logits[band == b] = rng.uniform(low, high, (int((band == b).sum()), config.num_experts))
+    far = band > 0
+    logits = jnp.asarray(logits).astype(dtype)
+    bias = rc.draw_expert_bias(rng, config.num_experts)
+    kwargs = config.topk_kwargs()
+    context = f"{int(far.sum())} tokens far below zero, seed={seed}"
+
+    probs, vjp, routing_map = jax.vjp(lambda x: router.topk(x, config.topk, expert_bias=bias, **kwargs), logits,
+                                      has_aux=True)
+    rc.check_topk(probs, routing_map, logits, config.topk, kwargs, bias, context=context)
+    grad_probs = rc.draw_like(rng, probs.shape, dtype)
+    (grad_logits,) = vjp(grad_probs)
+    rc.check_topk_grad(grad_logits, grad_probs, logits, routing_map, config.topk, kwargs, context=context)
+    plain_probs, plain_map = reference.router.topk(logits, config.topk, expert_bias=bias, **kwargs)
+    np.testing.assert_array_equal(plain_map, routing_map, err_msg=context)
+    rc.assert_close(plain_probs, ref.topk_probs(logits, np.asarray(plain_map), config.topk, **rc.weight_options(kwargs)),
+                    dtype, what="plain-JAX probs", context=context)
+
+    scores_fn = functools.partial(router.aux_loss_scores, topk=config.topk, score_function="sigmoid")
+    (scores_map, scores), scores_vjp = jax.vjp(scores_fn, logits)
+    rc.check_aux_loss_scores(scores_map, scores, logits, config.topk, "sigmoid", context=context)
+    grad_scores = rc.draw_like(rng, scores.shape, jnp.float32)
+    (grad_logits,) = scores_vjp((np.zeros(scores_map.shape, jax.dtypes.float0), grad_scores))
+    rc.check_aux_loss_scores_grad(grad_logits, grad_scores, logits, "sigmoid", context=context)
+    _, plain_scores = reference.router.aux_loss_scores(logits, config.topk, score_function="sigmoid")
+    rc.assert_close(plain_scores, ref.aux_loss_scores(logits, config.topk, score_function="sigmoid").scores,
+                    rc.F32, what="plain-JAX scores", context=context)
 
 
 @CONFIGS

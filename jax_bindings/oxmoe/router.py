@@ -154,6 +154,11 @@ def topk(logits, topk, *, score_function="softmax", use_pre_softmax=False, num_g
         which are the sigmoid scores of the selection normalised to sum 1
         (when ``topk > 1``). Receives a zero gradient.
 
+    Sigmoid scores are normalised in float32 with each multiplied by ``e**-c``,
+    ``c`` the smallest of 0 and the largest logit normalised together, which
+    cancels: where every logit is far below zero (below about -88 a sigmoid
+    is 0 in float32) the weights are still the scores' shares, not 0 / 0.
+
     Returns:
       ``(probs, routing_map)``: ``probs [..., E]`` in the logits' dtype, zero
       off the selected experts; ``routing_map [..., E]`` bool.
@@ -199,7 +204,8 @@ def aux_loss_scores(logits, topk, *, score_function="softmax"):
       logits: ``[..., E]`` float32, bfloat16 or float16 router logits.
       topk: experts per token, ``1 <= topk <= E``.
       score_function: ``"softmax"`` (scores = softmax(logits)) or
-        ``"sigmoid"`` (scores = sigmoid(logits) normalised to sum 1 per token).
+        ``"sigmoid"`` (scores = sigmoid(logits) normalised to sum 1 per token,
+        as :func:`topk` normalises them).
 
     Returns:
       ``(routing_map, scores)``: ``routing_map [..., E]`` bool, the plain

@@ -63,6 +63,22 @@ fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
+/// sigmoid(x) e^-c, for sigmoids normalised over a set (topk's selection, or a
+/// row for the loss's scores) with c = min(0, the set's largest logit): the
+/// factor cancels in the normalisation, and the largest term stays at least 1/2,
+/// so the sum cannot underflow to 0 (below about -88 every sigmoid is 0) and
+/// leave the weights 0 / 0. A term underflows only where its share is below
+/// f32's smallest normal number. With c = 0 it is `sigmoid(x)`, bit for bit.
+/// `kernels/router.cu` and `oxmoe.reference.router` compute the same.
+fn shifted_sigmoid(x: f32, c: f32) -> f32 {
+    1.0 / (c.exp() + (c - x).exp())
+}
+
+/// The shift c of `shifted_sigmoid` for a set of logits.
+fn sigmoid_shift(logits: impl Iterator<Item = f32>) -> f32 {
+    logits.fold(f32::NEG_INFINITY, f32::max).min(0.0)
+}
+
 /// Per-thread working memory for one row.
 struct Scratch {
     logits: Vec<f32>,
@@ -145,7 +161,7 @@ impl Scratch {
 /// sum of its best `topk / group_topk` keys), then the `topk` best keys are
 /// selected. Weights: s (pre-softmax), softmax over the selected logits
 /// (post-softmax), or s normalised to sum 1 over the selection (sigmoid with
-/// topk > 1), times `scaling_factor`. `probs` is zero off the selection and
+/// topk > 1, computed as `shifted_sigmoid` says), times `scaling_factor`. `probs` is zero off the selection and
 /// `routing_map` is 1 on it.
 pub fn topk_forward<T: Real>(config: &TopkConfig, logits: &[T], bias: Option<&[f32]>, probs: &mut [T], routing_map: &mut [u8]) {
     let e = config.num_experts;
@@ -171,10 +187,13 @@ pub fn topk_forward<T: Real>(config: &TopkConfig, logits: &[T], bias: Option<&[f
                         weights.iter_mut().for_each(|w| *w /= sum);
                     }
                     _ => {
-                        weights.extend(chosen.iter().map(|&i| scores[i]));
                         if config.score_function == ScoreFunction::Sigmoid && config.topk > 1 {
+                            let c = sigmoid_shift(chosen.iter().map(|&i| logits[i]));
+                            weights.extend(chosen.iter().map(|&i| shifted_sigmoid(logits[i], c)));
                             let sum: f32 = weights.iter().sum();
                             weights.iter_mut().for_each(|w| *w /= sum);
+                        } else {
+                            weights.extend(chosen.iter().map(|&i| scores[i]));
                         }
                     }
                 }
@@ -230,9 +249,11 @@ pub fn topk_backward<T: Real>(config: &TopkConfig, grad_probs: &[T], logits: &[T
                         }
                     }
                     ScoreFunction::Sigmoid => {
-                        // probs_i = scale * s_i / S (S = sum of selected s) when topk > 1, else scale * s_i.
+                        // probs_i = scale * s_i / S (S = sum of selected s) when topk > 1, else
+                        // scale * s_i; s times e^-c where topk > 1 (see `shifted_sigmoid`).
+                        let c = if config.topk > 1 { sigmoid_shift((0..e).filter(|&i| selected(i)).map(|i| x[i])) } else { 0.0 };
                         for i in 0..e {
-                            s[i] = sigmoid(x[i]);
+                            s[i] = shifted_sigmoid(x[i], c);
                         }
                         let (sum, dot) = if config.topk > 1 {
                             let sum: f32 = (0..e).filter(|&i| selected(i)).map(|i| s[i]).sum();
@@ -252,8 +273,8 @@ pub fn topk_backward<T: Real>(config: &TopkConfig, grad_probs: &[T], logits: &[T
 }
 
 /// Scores of the load-balancing loss, forward: `scores [T, E]` is
-/// softmax(logits), or sigmoid(logits) normalised to sum 1 per token;
-/// `routing_map` marks the plain top-k of the scores.
+/// softmax(logits), or sigmoid(logits) normalised to sum 1 per token (as
+/// `shifted_sigmoid` says); `routing_map` marks the plain top-k of the scores.
 pub fn scores_forward<T: Real>(score_function: ScoreFunction, topk: usize, num_experts: usize, logits: &[T], routing_map: &mut [u8], scores: &mut [f32]) {
     let e = num_experts;
     logits
@@ -280,8 +301,9 @@ fn normalised_scores(score_function: ScoreFunction, x: &[f32], out: &mut [f32]) 
     match score_function {
         ScoreFunction::Softmax => softmax_into(x, out),
         ScoreFunction::Sigmoid => {
+            let c = sigmoid_shift(x.iter().copied());
             for (o, &xi) in out.iter_mut().zip(x) {
-                *o = sigmoid(xi);
+                *o = shifted_sigmoid(xi, c);
             }
             let sum: f32 = out.iter().sum();
             out.iter_mut().for_each(|o| *o /= sum);
@@ -404,6 +426,31 @@ mod tests {
         let (s0, s2) = (sigmoid(0.0), sigmoid(2.0));
         assert!((probs[0] - 2.0 * s0 / (s0 + s2)).abs() < 1e-6);
         assert!((probs[2] - 2.0 * s2 / (s0 + s2)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn sigmoids_that_underflow_are_normalised_by_their_shares() {
+        // Every sigmoid here is 0 in f32 (e^-x overflows): the bias makes the choice, and
+        // the weights are s_i / sum(s) (here the softmax of the chosen logits), not 0 / 0.
+        let logits = [-95.0f32, -91.0, -100.0, -93.0];
+        let bias = [0.3f32, 0.0, 0.2, 0.1];
+        let mut cfg = config(4, 2, ScoreFunction::Sigmoid);
+        cfg.scaling_factor = 2.0;
+        let (mut probs, mut map) = ([0.0f32; 4], [0u8; 4]);
+        topk_forward(&cfg, &logits, Some(&bias), &mut probs, &mut map);
+        assert_eq!(map, [1, 0, 1, 0]);
+        let share = 1.0 / (1.0 + (-5.0f64).exp());
+        assert!((f64::from(probs[0]) - 2.0 * share).abs() < 1e-6, "{probs:?}");
+        assert!((f64::from(probs[2]) - 2.0 * (1.0 - share)).abs() < 1e-6, "{probs:?}");
+        check_backward(&cfg, &logits, Some(&bias));
+
+        let (mut map, mut scores) = ([0u8; 4], [0.0f32; 4]);
+        scores_forward(ScoreFunction::Sigmoid, 2, 4, &logits, &mut map, &mut scores);
+        let total: f64 = logits.iter().map(|&x| f64::from(x + 91.0).exp()).sum();
+        for (s, &x) in scores.iter().zip(&logits) {
+            assert!((f64::from(*s) - f64::from(x + 91.0).exp() / total).abs() < 1e-6, "{scores:?}");
+        }
+        assert_eq!(map, [0, 1, 0, 1]);
     }
 
     /// The backward of `forward` (a function of one row) against central differences.

@@ -14,6 +14,16 @@ import jax.numpy as jnp
 __all__ = ["top_experts", "topk", "aux_loss_scores", "aux_loss"]
 
 
+def _normalised_sigmoid(x):
+    """``sigmoid(x)`` normalised to sum 1 over the last axis (float32 ``x``), as oxmoe's
+    kernels compute it: each sigmoid times e^-c, c = min(0, the largest x), which cancels,
+    so the largest term stays at least 1/2 and the sum cannot underflow to 0 (every sigmoid
+    is 0 below about -88) and leave 0 / 0."""
+    c = jax.lax.stop_gradient(jnp.minimum(x.max(-1, keepdims=True), 0.0))
+    u = 1.0 / (jnp.exp(c) + jnp.exp(c - x))
+    return u / u.sum(-1, keepdims=True)
+
+
 def _scatter_rows(shape, indices, values, dtype):
     """A ``shape`` array of zeros with ``values [T, k]`` at ``indices [T, k]`` of each row."""
     rows = jnp.arange(shape[0])[:, None]
@@ -56,10 +66,10 @@ def top_experts(logits, topk: int, *, score_function="softmax", use_pre_softmax=
     if num_groups is not None:
         selection = _best_groups_only(selection, num_groups, group_topk, topk)
     _, chosen = jax.lax.top_k(selection, topk)  # ties: the lower expert
-    if scores is not None:  # sigmoid, or softmax before the choice
+    if score_function == "sigmoid" and topk > 1:
+        weights = _normalised_sigmoid(jnp.take_along_axis(x, chosen, axis=-1))
+    elif scores is not None:  # sigmoid, or softmax before the choice
         weights = jnp.take_along_axis(scores, chosen, axis=-1)
-        if score_function == "sigmoid" and topk > 1:
-            weights = weights / weights.sum(-1, keepdims=True)
     else:
         weights = jax.nn.softmax(jnp.take_along_axis(x, chosen, axis=-1), axis=-1)
     if scaling_factor is not None:
@@ -106,8 +116,7 @@ def aux_loss_scores(logits, topk: int, *, score_function="softmax"):
     if score_function == "softmax":
         scores = jax.nn.softmax(x, axis=-1)
     else:
-        scores = jax.nn.sigmoid(x)
-        scores = scores / scores.sum(-1, keepdims=True)
+        scores = _normalised_sigmoid(x)
     _, chosen = jax.lax.top_k(scores, topk)
     return _scatter_rows(x.shape, chosen, jnp.ones_like(chosen), jnp.bool_), scores
 
