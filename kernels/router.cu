@@ -59,6 +59,10 @@ struct Team {
     if constexpr (LANES == 32) return __ffs(__ballot_sync(0xffffffffu, holds)) - 1;
     return 0;
   }
+  __device__ bool any(bool v) const {
+    if constexpr (LANES == 32) return __any_sync(0xffffffffu, v);
+    return v;
+  }
   __device__ float broadcast(float v, int from_lane) const {
     if constexpr (LANES == 32) return __shfl_sync(0xffffffffu, v, from_lane);
     return v;
@@ -186,6 +190,22 @@ __device__ __forceinline__ void softmax_row(const Team<E>& t, const float (&x)[T
   const float inv_total = __frcp_rn(t.sum(total));
 #pragma unroll
   for (int j = 0; j < VPT; ++j) s[j] *= inv_total;
+}
+
+// shifted_sigmoid's c for the row's x in `over`: min(0, their largest), found
+// with one vote where one of them is at least 0 (the usual case).
+template <int E>
+__device__ __forceinline__ float sigmoid_shift(const Team<E>& t, const float (&x)[Team<E>::VPT], unsigned long long over) {
+  bool nonnegative = false;
+  float top = negative_infinity();
+#pragma unroll
+  for (int j = 0; j < Team<E>::VPT; ++j) {
+    if ((over >> j) & 1ull) {
+      nonnegative |= x[j] >= 0.f;
+      top = fmaxf(top, x[j]);
+    }
+  }
+  return t.any(nonnegative) ? 0.f : fminf(t.max(top), 0.f);
 }
 
 enum Score { SOFTMAX_POST = 0, SOFTMAX_PRE = 1, SIGMOID = 2 };
@@ -340,8 +360,8 @@ __global__ void __launch_bounds__(BLOCK)
 #pragma unroll
   for (int j = 0; j < VPT; ++j) rank[j] = rank_key(key[j]);
   unsigned long long chosen = 0;
-  float picked[K];  // the selection's logits, best first
-  select_top<K>(t, rank, x, eligible, chosen, picked);
+  float picked[K];  // the selection's logits (post-softmax) or scores, best first
+  select_top<K>(t, rank, s, eligible, chosen, picked);
 
   // Weights, with the CPU's order of operations.
   float top = 0.f, norm = 1.f;
@@ -353,26 +373,26 @@ __global__ void __launch_bounds__(BLOCK)
 #pragma unroll
     for (int r = 0; r < K; ++r) norm += expf(picked[r] - top);
   } else if constexpr (SCORE == SIGMOID && K > 1) {
-    top = negative_infinity();  // the shift c of shifted_sigmoid
-#pragma unroll
-    for (int r = 0; r < K; ++r) top = fmaxf(top, picked[r]);
-    top = fminf(top, 0.f);
+    top = sigmoid_shift(t, x, chosen);  // shifted_sigmoid's c: with c = 0 it is s
     norm = 0.f;
+    if (top == 0.f) {
 #pragma unroll
-    for (int r = 0; r < K; ++r) norm += shifted_sigmoid(picked[r], top);
+      for (int r = 0; r < K; ++r) norm += picked[r];
+    } else {
+#pragma unroll
+      for (int j = 0; j < VPT; ++j)
+        if ((chosen >> j) & 1ull) norm += shifted_sigmoid(x[j], top);
+      norm = t.sum(norm);
+    }
   }
   const float inv_norm = __frcp_rn(norm);
   float out[VPT];
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
-    if (!((chosen >> j) & 1ull)) {
-      out[j] = 0.f;
-      continue;
-    }
     const float w = SCORE == SOFTMAX_POST            ? expf(x[j] - top) * inv_norm
-                    : (SCORE == SIGMOID && K > 1) ? shifted_sigmoid(x[j], top) * inv_norm
+                    : (SCORE == SIGMOID && K > 1) ? (top == 0.f ? s[j] : shifted_sigmoid(x[j], top)) * inv_norm
                                                   : s[j];
-    out[j] = w * scaling;
+    out[j] = ((chosen >> j) & 1ull) ? w * scaling : 0.f;
   }
   store_row<T, E>(probs, row, t, out);
   store_row_mask<E>(routing_map, row, t, chosen);
@@ -411,20 +431,13 @@ __global__ void __launch_bounds__(BLOCK)
     for (int j = 0; j < VPT; ++j) out[j] = s[j] * (g[j] - dot);
   } else {  // sigmoid: probs = scale * s / S on the selection (S = their sum) when K > 1
     // s times e^-c when K > 1 (shifted_sigmoid's c, of the selection).
-    float c = 0.f;
-    if constexpr (K > 1) {
-      c = negative_infinity();
-#pragma unroll
-      for (int j = 0; j < VPT; ++j)
-        if ((selected >> j) & 1ull) c = fmaxf(c, x[j]);
-      c = fminf(t.max(c), 0.f);
-    }
+    const float c = K > 1 ? sigmoid_shift(t, x, selected) : 0.f;
     float s[VPT], slope[VPT], total = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
       float complement;
       sigmoid_and_complement(x[j], s[j], complement);
-      if constexpr (K > 1) s[j] = shifted_sigmoid(x[j], c);
+      if (c != 0.f && ((selected >> j) & 1ull)) s[j] = shifted_sigmoid(x[j], c);
       slope[j] = s[j] * complement;
       if ((selected >> j) & 1ull) total += s[j];
     }
@@ -449,15 +462,11 @@ __device__ __forceinline__ void normalised_scores(const Team<E>& t, const float 
   if constexpr (SCORE != SIGMOID) {
     softmax_row(t, x, valid, q);
   } else {
-    float c = negative_infinity();  // shifted_sigmoid's, of the row
-#pragma unroll
-    for (int j = 0; j < VPT; ++j)
-      if ((valid >> j) & 1ull) c = fmaxf(c, x[j]);
-    c = fminf(t.max(c), 0.f);
+    const float c = sigmoid_shift(t, x, valid);  // shifted_sigmoid's, of the row
     float total = 0.f;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      q[j] = ((valid >> j) & 1ull) ? shifted_sigmoid(x[j], c) : 0.f;
+      q[j] = ((valid >> j) & 1ull) ? (c == 0.f ? sigmoid(x[j]) : shifted_sigmoid(x[j], c)) : 0.f;
       total += q[j];
     }
     const float inv_total = __frcp_rn(t.sum(total));
