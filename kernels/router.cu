@@ -171,6 +171,22 @@ __device__ __forceinline__ void select_top(const Team<E>& t, const unsigned (&ke
   }
 }
 
+// sigmoid(x) and sigmoid'(x) = s * (1 - s).
+__device__ __forceinline__ void sigmoid_and_slope(float x, float& s, float& slope) {
+  float complement;
+  sigmoid_and_complement(x, s, complement);
+  slope = s * complement;
+}
+
+// The row's d probs times `scaling` on the selection, 0 elsewhere.
+template <typename T, int E>
+__device__ __forceinline__ void load_scaled_grad(const T* __restrict__ grad_probs, int row, const Team<E>& t,
+                                                 unsigned long long selected, float scaling, float (&g)[Team<E>::VPT]) {
+  load_row<T, E>(grad_probs, row, t, g);
+#pragma unroll
+  for (int j = 0; j < Team<E>::VPT; ++j) g[j] = ((selected >> j) & 1ull) ? scaling * g[j] : 0.f;
+}
+
 // s = softmax of the row's x over the positions in `over` (0 elsewhere).
 template <int E>
 __device__ __forceinline__ void softmax_row(const Team<E>& t, const float (&x)[Team<E>::VPT], unsigned long long over,
@@ -192,20 +208,26 @@ __device__ __forceinline__ void softmax_row(const Team<E>& t, const float (&x)[T
   for (int j = 0; j < VPT; ++j) s[j] *= inv_total;
 }
 
-// shifted_sigmoid's c for the row's x in `over`: min(0, their largest), found
-// with one vote where one of them is at least 0 (the usual case).
+// Sigmoids s of a row's logits x normalised over a set (the selection where
+// K > 1, or the row) are shifted_sigmoid's with c = min(0, the set's largest x).
+// Where one of those s is above 1/2 (the usual case: the kernels ask with one
+// vote) c is 0 and they are s, and the kernels go on without x; else this is c,
+// and the kernels replace every s (all, so that the old ones need no registers).
+// The pointer, which the compiler can no longer tell is the same: a row read
+// again through it is read again, not kept in registers from the first read.
+template <typename T>
+__device__ __forceinline__ const T* opaque(const T* p) {
+  asm volatile("" : "+l"(p));
+  return p;
+}
+
 template <int E>
 __device__ __forceinline__ float sigmoid_shift(const Team<E>& t, const float (&x)[Team<E>::VPT], unsigned long long over) {
-  bool nonnegative = false;
   float top = negative_infinity();
 #pragma unroll
-  for (int j = 0; j < Team<E>::VPT; ++j) {
-    if ((over >> j) & 1ull) {
-      nonnegative |= x[j] >= 0.f;
-      top = fmaxf(top, x[j]);
-    }
-  }
-  return t.any(nonnegative) ? 0.f : fminf(t.max(top), 0.f);
+  for (int j = 0; j < Team<E>::VPT; ++j)
+    if ((over >> j) & 1ull) top = fmaxf(top, x[j]);
+  return fminf(t.max(top), 0.f);
 }
 
 enum Score { SOFTMAX_POST = 0, SOFTMAX_PRE = 1, SIGMOID = 2 };
@@ -373,15 +395,22 @@ __global__ void __launch_bounds__(BLOCK)
 #pragma unroll
     for (int r = 0; r < K; ++r) norm += expf(picked[r] - top);
   } else if constexpr (SCORE == SIGMOID && K > 1) {
-    top = sigmoid_shift(t, x, chosen);  // shifted_sigmoid's c: with c = 0 it is s
+    bool above_half = false;  // the same in every lane, as picked is
     norm = 0.f;
-    if (top == 0.f) {
 #pragma unroll
-      for (int r = 0; r < K; ++r) norm += picked[r];
-    } else {
+    for (int r = 0; r < K; ++r) {
+      above_half |= picked[r] > 0.5f;
+      norm += picked[r];
+    }
+    if (!above_half) {  // sigmoid_shift's c, of the logits read again (not kept in registers)
+      load_row<T, E>(opaque(logits), row, t, x);
+      const float c = sigmoid_shift(t, x, chosen);
+      norm = 0.f;
 #pragma unroll
-      for (int j = 0; j < VPT; ++j)
-        if ((chosen >> j) & 1ull) norm += shifted_sigmoid(x[j], top);
+      for (int j = 0; j < VPT; ++j) {
+        s[j] = ((chosen >> j) & 1ull) ? shifted_sigmoid(x[j], c) : 0.f;
+        norm += s[j];
+      }
       norm = t.sum(norm);
     }
   }
@@ -390,7 +419,7 @@ __global__ void __launch_bounds__(BLOCK)
 #pragma unroll
   for (int j = 0; j < VPT; ++j) {
     const float w = SCORE == SOFTMAX_POST            ? expf(x[j] - top) * inv_norm
-                    : (SCORE == SIGMOID && K > 1) ? (top == 0.f ? s[j] : shifted_sigmoid(x[j], top)) * inv_norm
+                    : (SCORE == SIGMOID && K > 1) ? s[j] * inv_norm
                                                   : s[j];
     out[j] = ((chosen >> j) & 1ull) ? w * scaling : 0.f;
   }
@@ -411,16 +440,14 @@ __global__ void __launch_bounds__(BLOCK)
   if (row >= tokens) return;
   const unsigned long long valid = t.valid();
   float g[VPT], x[VPT], out[VPT];
-  load_row<T, E>(grad_probs, row, t, g);
   load_row<T, E>(logits, row, t, x);
   const unsigned long long selected = load_row_mask<E>(routing_map, row, t) & valid;
-#pragma unroll
-  for (int j = 0; j < VPT; ++j) g[j] = ((selected >> j) & 1ull) ? scaling * g[j] : 0.f;
 
   if constexpr (SCORE != SIGMOID) {
     // probs = scale * s on the selection, s a softmax over `over`: every expert
     // (pre-softmax) or the selection (post). Then d x = s * (g - <g, s>), with g
     // zero off the selection and s zero off `over`.
+    load_scaled_grad<T, E>(grad_probs, row, t, selected, scaling, g);
     float s[VPT];
     softmax_row(t, x, SCORE == SOFTMAX_PRE ? valid : selected, s);
     float dot = 0.f;
@@ -430,17 +457,29 @@ __global__ void __launch_bounds__(BLOCK)
 #pragma unroll
     for (int j = 0; j < VPT; ++j) out[j] = s[j] * (g[j] - dot);
   } else {  // sigmoid: probs = scale * s / S on the selection (S = their sum) when K > 1
-    // s times e^-c when K > 1 (shifted_sigmoid's c, of the selection).
-    const float c = K > 1 ? sigmoid_shift(t, x, selected) : 0.f;
     float s[VPT], slope[VPT], total = 0.f;
+    bool above_half = false;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      float complement;
-      sigmoid_and_complement(x[j], s[j], complement);
-      if (c != 0.f && ((selected >> j) & 1ull)) s[j] = shifted_sigmoid(x[j], c);
-      slope[j] = s[j] * complement;
-      if ((selected >> j) & 1ull) total += s[j];
+      sigmoid_and_slope(x[j], s[j], slope[j]);
+      if ((selected >> j) & 1ull) above_half |= s[j] > 0.5f;
     }
+    if (K > 1 && !t.any(above_half)) {  // sigmoid_shift's c, of the logits read again
+      load_row<T, E>(opaque(logits), row, t, x);
+      const float c = sigmoid_shift(t, x, selected);
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) {
+        float complement;
+        sigmoid_and_complement(x[j], s[j], complement);
+        if ((selected >> j) & 1ull) s[j] = shifted_sigmoid(x[j], c);
+        slope[j] = s[j] * complement;
+      }
+    }
+    // The gradient read after the logits are done with: fewer registers.
+    load_scaled_grad<T, E>(grad_probs, row, t, selected, scaling, g);
+#pragma unroll
+    for (int j = 0; j < VPT; ++j)
+      if ((selected >> j) & 1ull) total += s[j];
     const float inv_total = K > 1 ? __frcp_rn(t.sum(total)) : 1.f;
     float dot = 0.f;
     if constexpr (K > 1) {
@@ -454,7 +493,8 @@ __global__ void __launch_bounds__(BLOCK)
   store_row<T, E>(grad_logits, row, t, out);
 }
 
-// softmax(x), or sigmoid(x) normalised to sum 1 over the row.
+// softmax(x), or sigmoid(x) normalised to sum 1 over the row (shifted as
+// sigmoid_shift says).
 template <int E, int SCORE>
 __device__ __forceinline__ void normalised_scores(const Team<E>& t, const float (&x)[Team<E>::VPT], float (&q)[Team<E>::VPT]) {
   constexpr int VPT = Team<E>::VPT;
@@ -462,13 +502,20 @@ __device__ __forceinline__ void normalised_scores(const Team<E>& t, const float 
   if constexpr (SCORE != SIGMOID) {
     softmax_row(t, x, valid, q);
   } else {
-    const float c = sigmoid_shift(t, x, valid);  // shifted_sigmoid's, of the row
-    float total = 0.f;
+    bool above_half = false;
 #pragma unroll
     for (int j = 0; j < VPT; ++j) {
-      q[j] = ((valid >> j) & 1ull) ? (c == 0.f ? sigmoid(x[j]) : shifted_sigmoid(x[j], c)) : 0.f;
-      total += q[j];
+      q[j] = ((valid >> j) & 1ull) ? sigmoid(x[j]) : 0.f;
+      above_half |= q[j] > 0.5f;
     }
+    if (!t.any(above_half)) {
+      const float c = sigmoid_shift(t, x, valid);
+#pragma unroll
+      for (int j = 0; j < VPT; ++j) q[j] = ((valid >> j) & 1ull) ? shifted_sigmoid(x[j], c) : 0.f;
+    }
+    float total = 0.f;
+#pragma unroll
+    for (int j = 0; j < VPT; ++j) total += q[j];
     const float inv_total = __frcp_rn(t.sum(total));
 #pragma unroll
     for (int j = 0; j < VPT; ++j) q[j] *= inv_total;
