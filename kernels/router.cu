@@ -99,6 +99,11 @@ template <typename T, int E>
 __device__ __forceinline__ void store_row(T* __restrict__ base, int row, const Team<E>& t, const float (&in)[Team<E>::VPT]) {
   store_floats<T, Team<E>::VPT, row_vector<T, E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count(), in);
 }
+// Asks L1 for the lane's slice of a row that the kernel reads later.
+template <typename T, int E>
+__device__ __forceinline__ void prefetch_row(const T* __restrict__ base, int row, const Team<E>& t) {
+  if (t.count() > 0) asm volatile("prefetch.global.L1 [%0];" ::"l"(base + static_cast<size_t>(row) * E + t.first()));
+}
 template <int E>
 __device__ __forceinline__ unsigned long long load_row_mask(const unsigned char* __restrict__ base, int row, const Team<E>& t) {
   return load_mask<Team<E>::VPT, mask_vector<E>()>(base + static_cast<size_t>(row) * E + t.first(), t.count());
@@ -440,6 +445,7 @@ __global__ void __launch_bounds__(BLOCK)
   if (row >= tokens) return;
   const unsigned long long valid = t.valid();
   float g[VPT], x[VPT], out[VPT];
+  if constexpr (SCORE == SIGMOID) prefetch_row<T, E>(grad_probs, row, t);  // read after the sigmoids
   load_row<T, E>(logits, row, t, x);
   const unsigned long long selected = load_row_mask<E>(routing_map, row, t) & valid;
 
@@ -475,7 +481,7 @@ __global__ void __launch_bounds__(BLOCK)
         slope[j] = s[j] * complement;
       }
     }
-    // The gradient read after the logits are done with: fewer registers.
+    // d probs read after the logits are done with: fewer registers (prefetched).
     load_scaled_grad<T, E>(grad_probs, row, t, selected, scaling, g);
 #pragma unroll
     for (int j = 0; j < VPT; ++j)
