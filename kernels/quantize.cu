@@ -576,12 +576,10 @@ __device__ __forceinline__ TilePlace at_columns(TilePlace at, int cols, int c0) 
 // block loads half the bytes from FP8 values that it loads from bf16, so two
 // blocks kept too few in flight: 3 took requantize from 47% to 67% of copy on
 // an H200; with its addresses and tile in fewer registers, 4 fit it without
-// spills. Float tiles, and 16-bit ones quantized both ways, spilled at 3 (up to
-// 68 bytes): they stay at 2.
+// spills (not float tiles, nor the as-is results).
 template <typename T, bool AS_IS, bool TRANSPOSED, bool FP8_INPUT>
 constexpr int quantize_blocks_an_sm() {
-  if constexpr (!FP8_INPUT || sizeof(T) == 4 || (AS_IS && TRANSPOSED)) return 2;
-  return TRANSPOSED ? 4 : 3;
+  return !FP8_INPUT ? 2 : sizeof(T) == 2 && TRANSPOSED && !AS_IS ? 4 : 3;
 }
 
 template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO, bool FP8_INPUT,
