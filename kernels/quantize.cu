@@ -576,7 +576,8 @@ __device__ __forceinline__ TilePlace at_columns(TilePlace at, int cols, int c0) 
 // block loads half the bytes from FP8 values that it loads from bf16, so two
 // blocks kept too few in flight: 3 took requantize from 47% to 67% of copy on
 // an H200; with its addresses and tile in fewer registers, 4 fit it without
-// spills (not float tiles, nor the as-is results).
+// spills (not float tiles, nor the as-is results). Float tiles spill 12-52
+// bytes at 3, and still run 10-30% faster than at 2 (bench/NOTES.md).
 template <typename T, bool AS_IS, bool TRANSPOSED, bool FP8_INPUT>
 constexpr int quantize_blocks_an_sm() {
   return !FP8_INPUT ? 2 : sizeof(T) == 2 && TRANSPOSED && !AS_IS ? 4 : 3;
