@@ -213,11 +213,6 @@ __device__ __forceinline__ void softmax_row(const Team<E>& t, const float (&x)[T
   for (int j = 0; j < VPT; ++j) s[j] *= inv_total;
 }
 
-// Sigmoids s of a row's logits x normalised over a set (the selection where
-// K > 1, or the row) are shifted_sigmoid's with c = min(0, the set's largest x).
-// Where one of those s is above 1/2 (the usual case: the kernels ask with one
-// vote) c is 0 and they are s, and the kernels go on without x; else this is c,
-// and the kernels replace every s (all, so that the old ones need no registers).
 // The pointer, which the compiler can no longer tell is the same: a row read
 // again through it is read again, not kept in registers from the first read.
 template <typename T>
@@ -226,6 +221,11 @@ __device__ __forceinline__ const T* opaque(const T* p) {
   return p;
 }
 
+// Sigmoids s of a row's logits x normalised over a set (the selection where
+// K > 1, or the row) are shifted_sigmoid's with c = min(0, the set's largest x).
+// Where one of those s is above 1/2 (the usual case: the kernels ask with one
+// vote) c is 0 and they are s, and the kernels go on without x; else this is c,
+// and the kernels replace every s (all, so that the old ones need no registers).
 template <int E>
 __device__ __forceinline__ float sigmoid_shift(const Team<E>& t, const float (&x)[Team<E>::VPT], unsigned long long over) {
   float top = negative_infinity();
