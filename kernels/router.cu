@@ -470,6 +470,8 @@ __global__ void __launch_bounds__(BLOCK)
       sigmoid_and_slope(x[j], s[j], slope[j]);
       if ((selected >> j) & 1ull) above_half |= s[j] > 0.5f;
     }
+    // The shifted sigmoids in the same loop as their complements: apart, 43
+    // registers, not 40.
     if (K > 1 && !t.any(above_half)) {  // sigmoid_shift's c, of the logits read again
       load_row<T, E>(opaque(logits), row, t, x);
       const float c = sigmoid_shift(t, x, selected);

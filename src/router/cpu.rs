@@ -161,8 +161,8 @@ impl Scratch {
 /// sum of its best `topk / group_topk` keys), then the `topk` best keys are
 /// selected. Weights: s (pre-softmax), softmax over the selected logits
 /// (post-softmax), or s normalised to sum 1 over the selection (sigmoid with
-/// topk > 1, computed as `shifted_sigmoid` says), times `scaling_factor`. `probs` is zero off the selection and
-/// `routing_map` is 1 on it.
+/// topk > 1, computed as `shifted_sigmoid` says), times `scaling_factor`.
+/// `probs` is zero off the selection and `routing_map` is 1 on it.
 pub fn topk_forward<T: Real>(config: &TopkConfig, logits: &[T], bias: Option<&[f32]>, probs: &mut [T], routing_map: &mut [u8]) {
     let e = config.num_experts;
     logits

@@ -68,7 +68,7 @@ def top_experts(logits, topk: int, *, score_function="softmax", use_pre_softmax=
     _, chosen = jax.lax.top_k(selection, topk)  # ties: the lower expert
     if score_function == "sigmoid" and topk > 1:
         weights = _normalised_sigmoid(jnp.take_along_axis(x, chosen, axis=-1))
-    elif scores is not None:  # sigmoid, or softmax before the choice
+    elif scores is not None:  # sigmoid of one expert, or softmax before the choice
         weights = jnp.take_along_axis(scores, chosen, axis=-1)
     else:
         weights = jax.nn.softmax(jnp.take_along_axis(x, chosen, axis=-1), axis=-1)
