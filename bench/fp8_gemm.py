@@ -36,8 +36,11 @@ benchmark builds and times it) with ``MoEConfig(fp8=BlockScaling())`` against th
 in bf16, for DeepSeek-V3 on one GPU (8192 tokens, H 7168, F 2048, 32 experts, top-8 of 4 of
 8 groups) and Qwen3-30B-A3B (16384 tokens, H 2048, F 768, 128 experts, top-8). Goal: the FP8
 step at least :data:`MIN_LAYER_SPEEDUP` x faster. The FP8 step is timed again with
-``align_size=`` :data:`ALIGNED_ROWS` (reported, not judged). Its outputs' relative distance from the
-bf16 step's is reported (the FP8 format's error, about 6%), not judged.
+``align_size=`` :data:`ALIGNED_ROWS`, and with its expert weights quantized once outside the
+step (``fp8_weights=`` :func:`oxmoe.moe.quantize_expert_weights`, a micro-batch's step under
+gradient accumulation; its outputs must be the FP8 step's bit for bit, or the case fails); both
+reported, not judged. The FP8 step's outputs' relative distance from the bf16 step's is reported
+(the FP8 format's error, about 6%), not judged.
 
 Meant to finish within 4 minutes on one H200, compilation included: each timing is cut to
 about :data:`MEASURE_BUDGET_S` seconds, and the cases not started within ``--time-limit-s``
@@ -51,6 +54,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import pathlib
@@ -64,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import oxmoe
-from oxmoe import fp8, reference
+from oxmoe import fp8, moe, reference
 from oxmoe.bench import grouped_gemm, timing
 from oxmoe.bench import moe as moe_bench
 from oxmoe.bench.cases import CheckFailed, failure_text, format_tflops, format_us, text_table
@@ -296,13 +300,22 @@ def layers(smoke: bool) -> tuple[moe_bench.Layer, ...]:
     return deepseek.one_device(), moe_bench._layer(QWEN3_30B_A3B_LAYER, **sizes)
 
 
+def quantized_once_step(config: moe.MoEConfig) -> Callable:
+    """``(x, params, w, fp8_weights) ->`` :func:`oxmoe.bench.moe.step`'s result, the layer given its
+    expert weights quantized outside the step (a micro-batch's step under gradient accumulation)."""
+    def step(x, params, w, fp8_weights):
+        return moe_bench.step(lambda x, params: moe.moe(x, params, config, fp8_weights=fp8_weights))(x, params, w)
+    return step
+
+
 def run_layer(row: dict, layer: moe_bench.Layer, settings: timing.Settings, seed: int) -> None:
     """Fills ``row``: the FP8 and the bf16 step on one input set (a step reads far more than the
     L2 cache), and the FP8 step's outputs' distance from the bf16 step's."""
     place = moe_bench.Placement(None)
     base = (seed, zlib.crc32(layer.name.encode()))
     x, w = moe_bench.draw_tokens(layer, place, base, layer.tokens)
-    arg_sets = [(x, moe_bench.draw_params(layer, place, base), w)]
+    params = moe_bench.draw_params(layer, place, base)
+    arg_sets = [(x, params, w)]
     outs = {}
     fp8_config = dataclasses.replace(layer.config, fp8=fp8.BlockScaling())
     for name, config in (("fp8", fp8_config), ("fp8_aligned", dataclasses.replace(fp8_config, align_size=ALIGNED_ROWS)),
@@ -310,6 +323,14 @@ def run_layer(row: dict, layer: moe_bench.Layer, settings: timing.Settings, seed
         (outs[name],), t = _time(timing.rotated(moe_bench.step(moe_bench.oxmoe_layer(config))), arg_sets, settings)
         row[name] = t.to_json()
     row["fp8_vs_bf16"] = {name: float(value) for name, value in moe_bench.compare(outs["fp8"], outs["bf16"]).items()}
+    quantized = jax.jit(functools.partial(moe.quantize_expert_weights, config=fp8_config))(params)
+    (once,), t = _time(timing.rotated(quantized_once_step(fp8_config)), [(x, params, w, quantized)], settings)
+    row["fp8_quantized_once"] = t.to_json()
+    differ = [jax.tree_util.keystr(path) for (path, a), b in zip(jax.tree.leaves_with_path(once),
+                                                                 jax.tree.leaves(outs["fp8"]))
+              if not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))]
+    if differ:
+        raise CheckFailed(f"the step given its weights quantized once differs from the FP8 step in {differ}")
 
 
 #: The step's outputs whose distance from the bf16 step's the table shows (the worst).
@@ -326,7 +347,8 @@ def add_ratios(row: dict, judge: bool) -> None:
     """TFLOP/s of each timing, the ratios and the goals (None where not judged or not timed)."""
     fp8_s = _median_s(row.get("fp8"))
     row["tflops"] = {key: _tflops(row["flops"], _median_s(row.get(key)))
-                     for key in ("fp8", "fp8_aligned", "bf16", "dense_fp8", "dense_bf16") if key in row}
+                     for key in ("fp8", "fp8_aligned", "fp8_quantized_once", "bf16", "dense_fp8", "dense_bf16")
+                     if key in row}
     bf16_s = _median_s(row.get("bf16"))
     row["speedup_over_bf16"] = bf16_s / fp8_s if fp8_s and bf16_s else None
     if row["family"] == "fp8_gemm":
@@ -335,8 +357,9 @@ def add_ratios(row: dict, judge: bool) -> None:
         goals = dict(speedup_over_bf16=(MIN_SPEEDUP_OVER_BF16, row["speedup_over_bf16"]),
                      fraction_of_dense_fp8=(MIN_FRACTION_OF_DENSE_FP8, row["fraction_of_dense_fp8"]))
     else:
-        aligned_s = _median_s(row.get("fp8_aligned"))
-        row["aligned_speedup_over_bf16"] = bf16_s / aligned_s if aligned_s and bf16_s else None
+        for key in ("fp8_aligned", "fp8_quantized_once"):
+            other_s = _median_s(row.get(key))
+            row[f"{key}_speedup_over_bf16"] = bf16_s / other_s if other_s and bf16_s else None
         goals = dict(speedup_over_bf16=(MIN_LAYER_SPEEDUP, row["speedup_over_bf16"]))
     row["goals"] = {name: value >= goal if judge and value is not None else None
                     for name, (goal, value) in goals.items()}
@@ -388,14 +411,16 @@ def gemm_table(rows: list[dict]) -> str:
 
 def layer_table(rows: list[dict]) -> str:
     header = ["case", "fp8 step us", "TFLOP/s", "bf16 step us", "TFLOP/s", f">={MIN_LAYER_SPEEDUP:g}x bf16",
-              f"fp8 align {ALIGNED_ROWS} us", "x bf16", "max rel err vs bf16", "status"]
+              f"fp8 align {ALIGNED_ROWS} us", "x bf16", "fp8 weights quantized once us", "x bf16",
+              "max rel err vs bf16", "status"]
     lines = []
     for r in rows:
         errors = r.get("fp8_vs_bf16") or {}
         worst = max((errors[name] for name in LAYER_OUTPUTS if name in errors), default=None)
         lines.append([r["name"], _us(r, "fp8"), _tflops_cell(r, "fp8"), _us(r, "bf16"), _tflops_cell(r, "bf16"),
                       _ratio_cell(r.get("speedup_over_bf16"), r.get("goals", {}).get("speedup_over_bf16")),
-                      _us(r, "fp8_aligned"), _ratio_cell(r.get("aligned_speedup_over_bf16"), None),
+                      _us(r, "fp8_aligned"), _ratio_cell(r.get("fp8_aligned_speedup_over_bf16"), None),
+                      _us(r, "fp8_quantized_once"), _ratio_cell(r.get("fp8_quantized_once_speedup_over_bf16"), None),
                       "-" if worst is None else f"{worst:.3f}", _status(r)])
     return text_table([header] + lines)
 
@@ -411,7 +436,8 @@ def log_line(row: dict) -> str:
                  f"dense fp8 ({row['dense_fp8']['kernel']}), max rel err {row['check']['max_rel_err']:.1e}")
     else:
         text += (f"; fp8 with align_size={ALIGNED_ROWS} {_us(row, 'fp8_aligned')} us "
-                 f"({_ratio_cell(row['aligned_speedup_over_bf16'], None)})")
+                 f"({_ratio_cell(row['fp8_aligned_speedup_over_bf16'], None)}), with its weights quantized once "
+                 f"{_us(row, 'fp8_quantized_once')} us ({_ratio_cell(row['fp8_quantized_once_speedup_over_bf16'], None)})")
     return text
 
 

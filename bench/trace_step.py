@@ -13,7 +13,9 @@ The case is one of the benchmark's layers (oxmoe.bench.moe.LAYERS) or of bench/f
 over its devices, then the same per-device work on one device (E / devices experts). With
 --data-parallel, that one-device layer is traced data-parallel over the EP case's devices
 instead, its expert weights replicated, then sharded over the data axis (issue 17). With
---fp8, the one-device layer is traced again with ``MoEConfig.fp8 = BlockScaling()`` (issue 18).
+--fp8, the one-device layer is traced again with ``MoEConfig.fp8 = BlockScaling()`` (issue 18),
+and again given its expert weights quantized once outside the step (``fp8_weights=``, a
+micro-batch's step under gradient accumulation).
 Each step's untraced time comes with each busy GPU's median SM clock and power while it was
 timed, and how often the power cap held the clock down: at the layers' shapes an H200 runs
 these steps at its power limit, so two steps' times compare only with their clocks beside them.
@@ -22,6 +24,7 @@ these steps at its power limit, so two steps' times compare only with their cloc
 import argparse
 import collections
 import dataclasses
+import functools
 import gzip
 import json
 import pathlib
@@ -31,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from oxmoe import fp8
+from oxmoe import fp8, moe
 from oxmoe.bench import moe as bench_moe
 from oxmoe.bench import timing
 
@@ -174,6 +177,10 @@ def main() -> None:
         if args.fp8:
             config = dataclasses.replace(layer.config, fp8=fp8.BlockScaling())
             runs.append((f"{layer.name}, fp8", jax.jit(bench_moe.step(bench_moe.oxmoe_layer(config))), sets))
+            x, params, w = sets
+            quantized = jax.jit(functools.partial(moe.quantize_expert_weights, config=config))(params)
+            runs.append((f"{layer.name}, fp8, weights quantized once", jax.jit(fp8_gemm.quantized_once_step(config)),
+                         (x, params, w, quantized)))
     for n, (label, fn, fn_args) in enumerate(runs):
         clocks = timing.ClockSampler()
         timing_ = timing.measure(timing.rotated(fn), [fn_args], bench_moe.step_settings(timing.FULL), clocks)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -205,6 +206,86 @@ def test_aligning_experts_to_128_rows_changes_only_the_weight_gradients(routing,
                             context=context, tolerance=FP8_TOLERANCE)
         assert not np.array_equal(np.asarray(getattr(dparams_aligned, weight), np.float32),
                                   np.asarray(getattr(dparams, weight), np.float32)), f"d {weight}, {context}"
+
+
+#: (data shards, expert shards, weight_axes, routing, dtype, extra config) of the layer given its
+#: weights quantized once (quantize_expert_weights): on one device, under shard_map_moe with
+#: expert parallelism, and with the experts' weights split over the data axis too (FSDP), where
+#: the layer gathers the quantized weights as it would gather the weights.
+QUANTIZED_ONCE_CASES = {
+    "local_sigmoid_groups_bf16": (1, 1, (), "sigmoid_groups", BF16, {}),
+    "ep2_softmax_2chunks_pow2_f32": (1, 2, (), "softmax_top2", F32,
+                                     dict(token_chunks=2, fp8=fp8.BlockScaling(power_of_two_scales=True))),
+    "data2_ep2_fsdp_softmax_bf16": (2, 2, ("data",), "softmax_top2", BF16, dict(exchange="all_to_all")),
+}
+
+
+@pytest.mark.parametrize("case", QUANTIZED_ONCE_CASES)
+def test_weights_quantized_once_are_the_weights_the_layer_computes_with(case, cpu, seed, rng):
+    """``fp8_weights=quantize_expert_weights(w)`` makes the layer compute with ``w``'s ``up`` and
+    ``down``, bit for bit as the layer quantizing them itself, whatever ``params.up`` and
+    ``params.down`` hold: given the quantization of other weights ``w2``, the output, the losses
+    and every gradient are those of the layer on ``params`` with ``w2``'s ``up`` and ``down``
+    (the gradients of ``up`` and ``down`` still go to ``params``). Given ``params``' own, the
+    step quantizes no weight."""
+    data, ep, weight_axes, routing, dtype, extra = QUANTIZED_ONCE_CASES[case]
+    config = config_of(routing, dtype=dtype, **extra)
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
+    _, other, _ = checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams)
+    with_others = dataclasses.replace(params, up=other.up, down=other.down)
+    if data * ep == 1:
+        layer = functools.partial(moe.moe, config=config)
+    else:
+        mesh = jax.make_mesh((data, ep), ("data", "expert"), devices=devices.cpu_devices()[:data * ep])
+        layer = functools.partial(moe.shard_map_moe, config=config, mesh=mesh, expert_axis="expert",
+                                  data_axes=("data",), weight_axes=weight_axes)
+        x, params, with_others, other, y_weight = jax.device_put((x, params, with_others, other, y_weight),
+                                                                 NamedSharding(mesh, P()))
+
+    @jax.jit
+    def step(x, params, quantized, y_weight):
+        return ref.layer_value_and_grads(lambda x, p: layer(x, p, fp8_weights=quantized), x, params, y_weight)
+
+    quantize = jax.jit(functools.partial(moe.quantize_expert_weights, config=config))
+    for name, weights, quantized in (("its own weights", params, quantize(params)),
+                                     ("other weights", with_others, quantize(other))):
+        got = step(x, params, quantized, y_weight)
+        expected = step(x, weights, None, y_weight)
+        flat_got, flat_expected = jax.tree.leaves_with_path(got), jax.tree.leaves(expected)
+        assert len(flat_got) == len(flat_expected)
+        for (path, a), b in zip(flat_got, flat_expected):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                          err_msg=f"{jax.tree_util.keystr(path)}, given {name}, {case}, seed={seed}")
+    jaxpr = jax.make_jaxpr(step)(x, params, quantize(params), y_weight)
+    kinds = collections.Counter(e.params["orientation"] for e in _equations(jaxpr.jaxpr)
+                                if e.primitive.name == "oxmoe_fp8_quantize")
+    assert "both" not in kinds, kinds
+
+
+def test_weights_quantized_once_that_do_not_fit_the_call_are_named():
+    config = config_of("softmax_top2")
+    params = moe.init_params(jax.random.key(0), config, HIDDEN, FFN)
+    x = jnp.zeros((8, HIDDEN))
+    quantized = moe.quantize_expert_weights(params, config)
+    with pytest.raises(ValueError, match=r"fp8_weights are given but config.fp8 is None"):
+        moe.moe(x, params, dataclasses.replace(config, fp8=None), fp8_weights=quantized)
+    with pytest.raises(TypeError, match=r"fp8_weights must be an oxmoe.moe.QuantizedExpertWeights "
+                                        r"\(quantize_expert_weights' result\), got tuple"):
+        moe.moe(x, params, config, fp8_weights=quantized.forward)
+    powers_of_two = dataclasses.replace(config, fp8=fp8.BlockScaling(power_of_two_scales=True))
+    with pytest.raises(ValueError, match=r"fp8_weights were quantized with BlockScaling\(power_of_two_scales=False\), "
+                                         r"but config.fp8 is BlockScaling\(power_of_two_scales=True\)"):
+        moe.moe(x, params, powers_of_two, fp8_weights=quantized)
+    wider = moe.quantize_expert_weights(moe.init_params(jax.random.key(0), config, HIDDEN, 2 * FFN), config)
+    with pytest.raises(ValueError, match=rf"fp8_weights.up.values must be float8_e4m3fn\[8, {HIDDEN}, {2 * FFN}\], as "
+                                         rf"quantize_expert_weights\(params, config\) gives for these params, got "
+                                         rf"float8_e4m3fn\[8, {HIDDEN}, {4 * FFN}\]"):
+        moe.moe(x, params, config, fp8_weights=wider)
+    with pytest.raises(ValueError, match=r"quantize_expert_weights needs config.fp8"):
+        moe.quantize_expert_weights(params, dataclasses.replace(config, fp8=None))
+    with pytest.raises(ValueError, match=r"config.fp8 quantizes params.up in 128 x 128 blocks: its last two "
+                                         r"dimensions must be multiples of 128, got \[8, 256, 192\]"):
+        moe.quantize_expert_weights(moe.init_params(jax.random.key(0), config, HIDDEN, 96), config)
 
 
 def fp8_step_jaxpr(chunks: int):

@@ -142,7 +142,8 @@ class BlockScaling:
     gradients' operands in :data:`TRANSPOSED_ACTIVATION_BLOCK` blocks (stored transposed),
     every scale float32;
     the master weights, the router, the activation, the combine and the shared experts
-    keep their own dtypes. The weights are quantized from their master copy in every step.
+    keep their own dtypes. The weights are quantized from their master copy in every call of
+    the layer, or once for several calls (:func:`oxmoe.moe.quantize_expert_weights`).
 
     ``power_of_two_scales``: every scale rounded up to a power of two (exact scaling)."""
 

@@ -66,9 +66,11 @@ dropped and the result does not depend on the exchange beyond that rounding.
 
 from oxmoe.moe.config import MoEAux, MoEConfig, MoEParams, init_params, update_expert_bias
 from oxmoe.moe.exchange import Exchange
-from oxmoe.moe.layer import (ExpertInput, ExpertOutput, ExpertResiduals, Residuals, Routing, SharedOutput, combine,
-                             dispatch, expert_ffn, expert_weights_spec, moe, route, shard_map_moe, shared_expert_ffn)
+from oxmoe.moe.layer import (ExpertInput, ExpertOutput, ExpertResiduals, QuantizedExpertWeights, Residuals, Routing,
+                             SharedOutput, combine, dispatch, expert_ffn, expert_weights_spec, moe,
+                             quantize_expert_weights, route, shard_map_moe, shared_expert_ffn)
 
 __all__ = ["MoEConfig", "MoEParams", "MoEAux", "Routing", "ExpertInput", "ExpertOutput", "SharedOutput", "Exchange",
            "Residuals", "ExpertResiduals", "init_params", "moe", "shard_map_moe", "route", "dispatch", "expert_ffn",
-           "combine", "shared_expert_ffn", "update_expert_bias", "expert_weights_spec"]
+           "combine", "shared_expert_ffn", "update_expert_bias", "expert_weights_spec", "QuantizedExpertWeights",
+           "quantize_expert_weights"]

@@ -71,8 +71,9 @@ class MoEConfig:
     tokens quantized per row in 1 x 128 blocks once, before they leave their
     shard (they cross the exchange and the permutation as FP8 values and
     scales, as the output's gradient does in the backward), the activation's
-    output likewise, the expert weights in 128 x 128 blocks (once a step, kept
-    for the backward: half the bytes of bfloat16 weights), the weight
+    output likewise, the expert weights in 128 x 128 blocks (once a call, kept
+    for the backward: half the bytes of bfloat16 weights; or once for several
+    calls, :func:`oxmoe.moe.quantize_expert_weights`), the weight
     gradients' operands in 128 x 1 blocks; each product's result rounded to
     ``dtype``. The router, the
     activation, the combine and the shared experts are not quantized, and the
