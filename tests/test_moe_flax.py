@@ -16,6 +16,10 @@ The modules own parameters and call oxmoe.moe; these tests check that they add n
   logical axes that lack one;
 - MoEConfig.float32_gate_logits and MoEConfig.fp8 reach the layer: with either the modules'
   output is oxmoe.moe.moe's with it, not without it;
+- expert weights quantized once (oxmoe.flax.quantize_expert_weights, MoE.quantize_expert_weights)
+  reach the layer as fp8_weights, in the oxmoe and MaxText layouts: given the module's own, its
+  output and gradients are bit for bit those without; given another module's, those of the
+  module with that one's expert weights (and its own gate);
 - the expert-bias update (Linen helper on a nested model's variables, NNX method, eager and
   under nnx.jit) against the NumPy formula bias + rate * sign(mean(tokens) - tokens);
 - `import oxmoe` does not import flax.
@@ -41,7 +45,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import devices  # noqa: E402
 from oxmoe import fp8, moe  # noqa: E402
-from oxmoe.flax import MoEBlock, update_expert_bias  # noqa: E402
+from oxmoe.flax import MoEBlock, quantize_expert_weights, update_expert_bias  # noqa: E402
 from oxmoe.moe import MoEConfig, MoEParams  # noqa: E402
 from oxmoe.nnx import MoE  # noqa: E402
 
@@ -282,6 +286,87 @@ def test_the_fp8_recipe_reaches_both_modules(rng, seed):
     for name, y in outputs.items():
         assert_identical(y, with_recipe, f"{name} y with fp8 (seed={seed})")
         assert not np.array_equal(np.asarray(y), np.asarray(without)), f"{name}: the recipe made no difference"
+
+
+# ---------------------------------------------------- FP8 weights quantized once
+
+FP8_CONFIG = MoEConfig(num_experts=8, topk=2, aux_loss_coeff=1e-2, z_loss_coeff=1e-3, dtype=jnp.bfloat16,
+                       fp8=fp8.BlockScaling())
+FP8_HIDDEN, FP8_FFN = 256, 128  # multiples of FP8's 128 x 128 blocks
+FP8_LAYOUTS = pytest.mark.parametrize("layout", ["oxmoe", "maxtext"])
+
+
+def fp8_value_and_grads(layer):
+    """jit of (x, weights, y_weight, fp8_weights) -> ((y, aux), (d x, d weights)) of
+    `layer(x, weights, fp8_weights)`, `weights` a module's parameter tree."""
+
+    def loss(x, weights, y_weight, fp8_weights):
+        y, aux = layer(x, weights, fp8_weights)
+        return total_loss(y, aux, y_weight), (y, aux)
+
+    def value_and_grads(x, weights, y_weight, fp8_weights):
+        (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(x, weights, y_weight, fp8_weights)
+        return out, grads
+
+    return jax.jit(value_and_grads)
+
+
+def assert_weights_quantized_once_are_the_weights(step, own, others, quantized_own, quantized_others, rng, context):
+    """Given the quantization of its own weights `own`, the step (fp8_value_and_grads) is bit for
+    bit the step that quantizes them itself; given that of another module's weights `others`,
+    the step of the module with `others`' expert weights and `own`'s gate."""
+    x = jnp.asarray(rng.standard_normal((64, FP8_HIDDEN)), jnp.float32)
+    y_weight = jnp.asarray(rng.standard_normal((64, FP8_HIDDEN)), jnp.float32)
+    mixed = {**others, "gate": own["gate"]}
+    for name, quantized, weights in (("its own weights", quantized_own, own),
+                                     ("another module's weights", quantized_others, mixed)):
+        got, expected = step(x, own, y_weight, quantized), step(x, weights, y_weight, None)
+        assert jax.tree.structure(got) == jax.tree.structure(expected)
+        for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(expected)):
+            assert_identical(a, b, f"{jax.tree_util.keystr(path)}, given {name} ({context})")
+
+
+@FP8_LAYOUTS
+def test_linen_block_takes_expert_weights_quantized_once(layout, rng, seed):
+    block = MoEBlock(config=FP8_CONFIG, ffn=FP8_FFN, param_layout=layout)
+    x = jnp.zeros((64, FP8_HIDDEN), jnp.float32)
+    # init's variables as users keep them: boxed with their logical axes.
+    own, others = (jax.jit(block.init)(jax.random.key(s), x) for s in (seed, seed ^ 1))
+    step = fp8_value_and_grads(lambda x, weights, q: block.apply({"params": weights}, x, fp8_weights=q))
+    assert_weights_quantized_once_are_the_weights(
+        step, nn.meta.unbox(own["params"]), nn.meta.unbox(others["params"]), quantize_expert_weights(block, own),
+        quantize_expert_weights(block, others), rng, f"Linen, {layout}, seed={seed}")
+
+
+@FP8_LAYOUTS
+def test_nnx_module_takes_expert_weights_quantized_once(layout, rng, seed):
+    own, others = (MoE(FP8_CONFIG, FP8_HIDDEN, FP8_FFN, rngs=nnx.Rngs(params=s), param_layout=layout)
+                   for s in (seed, seed ^ 1))
+    graphdef, state, rest = nnx.split(own, nnx.Param, ...)
+
+    def layer(x, weights, fp8_weights):
+        nnx.replace_by_pure_dict(state, weights)
+        return nnx.merge(graphdef, state, rest)(x, fp8_weights=fp8_weights)
+
+    assert_weights_quantized_once_are_the_weights(
+        fp8_value_and_grads(layer), nnx.to_pure_dict(nnx.state(own, nnx.Param)),
+        nnx.to_pure_dict(nnx.state(others, nnx.Param)), own.quantize_expert_weights(),
+        others.quantize_expert_weights(), rng, f"NNX, {layout}, seed={seed}")
+
+
+def test_fp8_weights_without_the_fp8_recipe_are_refused(rng, seed):
+    normal = lambda shape: jnp.asarray(rng.standard_normal(shape) / np.sqrt(shape[-2]), jnp.float32)  # noqa: E731
+    weights = {"gate": normal((FP8_HIDDEN, 8)), "up": normal((8, FP8_HIDDEN, 2 * FP8_FFN)),
+               "down": normal((8, FP8_FFN, FP8_HIDDEN))}
+    quantized = moe.quantize_expert_weights(MoEParams(**weights), FP8_CONFIG)
+    config = dataclasses.replace(FP8_CONFIG, fp8=None)
+    x = jnp.zeros((64, FP8_HIDDEN), jnp.float32)
+    message = r"fp8_weights are given but config.fp8 is None"
+    with pytest.raises(ValueError, match=message):
+        MoEBlock(config=config, ffn=FP8_FFN).apply({"params": weights}, x, fp8_weights=quantized)
+    module = MoE(config, FP8_HIDDEN, FP8_FFN, rngs=nnx.Rngs(params=seed), **given_inits(weights))
+    with pytest.raises(ValueError, match=message):
+        module(x, fp8_weights=quantized)
 
 
 # ------------------------------------------------------------ sharded init

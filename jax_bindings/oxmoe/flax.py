@@ -75,10 +75,10 @@ import jax
 import jax.numpy as jnp
 
 from oxmoe import moe as _moe
-from oxmoe.moe import MoEAux, MoEConfig, MoEParams
+from oxmoe.moe import MoEAux, MoEConfig, MoEParams, QuantizedExpertWeights
 
-__all__ = ["MoEBlock", "update_expert_bias", "PARAM_LAYOUTS", "ParamSpec", "layout_shapes", "params_from_layout",
-           "GATE_AXES", "UP_AXES", "DOWN_AXES", "EXPERT_BIAS_AXES",
+__all__ = ["MoEBlock", "quantize_expert_weights", "update_expert_bias", "PARAM_LAYOUTS", "ParamSpec", "layout_shapes",
+           "params_from_layout", "GATE_AXES", "UP_AXES", "DOWN_AXES", "EXPERT_BIAS_AXES",
            "SHARED_UP_AXES", "SHARED_DOWN_AXES", "SHARED_GATE_AXES", "STATE_COLLECTION"]
 
 GATE_AXES = ("embed", None)
@@ -230,12 +230,13 @@ def check_hidden(x, hidden: int | None) -> int:
 
 def call_moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None, data_axes: Sequence[str],
              weight_axes: Sequence[str],
-             mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None) -> tuple[jax.Array, MoEAux]:
+             mesh: jax.sharding.Mesh | jax.sharding.AbstractMesh | None,
+             fp8_weights: QuantizedExpertWeights | None = None) -> tuple[jax.Array, MoEAux]:
     """Runs :func:`oxmoe.moe.moe` on global arrays: directly without mesh axes, else through
     :func:`oxmoe.moe.shard_map_moe` on ``mesh`` (``None``: the context mesh of ``jax.set_mesh``)."""
     data_axes = tuple(data_axes)
     if expert_axis is None and not data_axes:
-        return _moe.moe(x, params, config)
+        return _moe.moe(x, params, config, fp8_weights=fp8_weights)
     if mesh is None:
         # The abstract mesh, not jax.sharding.get_mesh(): the layer is usually traced under jit.
         mesh = jax.sharding.get_abstract_mesh()
@@ -243,7 +244,7 @@ def call_moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None
             raise ValueError(f"expert_axis={expert_axis!r} and data_axes={data_axes!r} name mesh axes, but the layer "
                              "has no mesh: pass mesh=... or call it under `with jax.set_mesh(mesh):`")
     return _moe.shard_map_moe(x, params, config, mesh=mesh, expert_axis=expert_axis, data_axes=data_axes,
-                              weight_axes=tuple(weight_axes))
+                              weight_axes=tuple(weight_axes), fp8_weights=fp8_weights)
 
 
 class MoEBlock(nn.Module, kw_only=True):
@@ -255,6 +256,13 @@ class MoEBlock(nn.Module, kw_only=True):
     ``config.dtype``, ``aux`` is an :class:`oxmoe.moe.MoEAux` whose losses the
     caller adds to its own. With ``config.use_expert_bias`` the variables must
     include the ``"moe_state"`` collection (see the module docstring).
+
+    ``block.apply(variables, x, fp8_weights=q)``, with ``config.fp8`` and
+    ``q = quantize_expert_weights(block, variables)`` (:func:`quantize_expert_weights`),
+    computes with the expert weights ``q`` stands for instead of quantizing
+    them in every call, as :func:`oxmoe.moe.moe`'s ``fp8_weights``: quantize once
+    per optimizer step and pass ``q`` to each of its micro-batches. The weights'
+    gradients go to ``variables["params"]`` as without it.
 
     Attributes:
       config: the routing and expert configuration.
@@ -296,7 +304,7 @@ class MoEBlock(nn.Module, kw_only=True):
     param_layout: str = "oxmoe"
 
     @nn.compact
-    def __call__(self, x) -> tuple[jax.Array, MoEAux]:
+    def __call__(self, x, fp8_weights: QuantizedExpertWeights | None = None) -> tuple[jax.Array, MoEAux]:
         config = self.config
         hidden = check_hidden(x, self.hidden)
         specs = layout_shapes(self.param_layout, config, hidden, self.ffn)
@@ -309,7 +317,21 @@ class MoEBlock(nn.Module, kw_only=True):
                                         jnp.float32).value
         params = params_from_layout(self.param_layout, tree, config, expert_bias)
         return call_moe(x, params, config, expert_axis=self.expert_axis, data_axes=self.data_axes,
-                        weight_axes=self.weight_axes, mesh=self.mesh)
+                        weight_axes=self.weight_axes, mesh=self.mesh, fp8_weights=fp8_weights)
+
+
+def quantize_expert_weights(block: MoEBlock, variables: Mapping) -> QuantizedExpertWeights:
+    """:func:`oxmoe.moe.quantize_expert_weights` of ``block``'s expert weights, for its
+    ``fp8_weights`` (see :class:`MoEBlock`); quantize again after each update.
+
+    Args:
+      block: the :class:`MoEBlock`; its ``config.fp8`` must be set.
+      variables: the block's own variables (as from ``block.init``, boxed or not);
+        only ``params``' up and down weights are read, in ``block.param_layout``
+        (MaxText's ``wi_0``/``wi_1`` concatenated, as in the block's call).
+    """
+    tree = nn.meta.unbox(variables["params"])
+    return _moe.quantize_expert_weights(params_from_layout(block.param_layout, tree, block.config), block.config)
 
 
 def update_expert_bias(variables: Mapping, tokens_per_expert, rate, *, path: Sequence[str] = ()) -> dict:

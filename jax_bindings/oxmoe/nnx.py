@@ -33,7 +33,7 @@ from flax import nnx
 from oxmoe import moe as _moe
 from oxmoe.flax import (EXPERT_BIAS_AXES, GATE_AXES, UP_AXES, Initializer, ParamSpec, call_moe, check_hidden,
                         default_expert_init, default_gate_init, layout_shapes, params_from_layout)
-from oxmoe.moe import MoEAux, MoEConfig
+from oxmoe.moe import MoEAux, MoEConfig, MoEParams, QuantizedExpertWeights
 
 __all__ = ["MoE", "ExpertBias", "ParamGroup"]
 
@@ -85,6 +85,11 @@ class MoE(nnx.Module):
     ``[B, S, H]`` or ``[T, H]`` (global arrays; the layer shards them itself
     when given mesh axes), ``y`` has ``x``'s shape and dtype ``config.dtype``,
     ``aux`` is an :class:`oxmoe.moe.MoEAux` whose losses the caller adds to its own.
+
+    ``layer(x, fp8_weights=layer.quantize_expert_weights())``, with ``config.fp8``,
+    takes the expert weights quantized once (:meth:`quantize_expert_weights`)
+    instead of quantizing them in every call, as :func:`oxmoe.moe.moe`'s
+    ``fp8_weights``: once per optimizer step for all of its micro-batches.
 
     Args:
       config: the routing and expert configuration.
@@ -167,12 +172,20 @@ class MoE(nnx.Module):
                                        **placement)
                             if config.use_expert_bias else None)
 
-    def __call__(self, x) -> tuple[jax.Array, MoEAux]:
+    def __call__(self, x, fp8_weights: QuantizedExpertWeights | None = None) -> tuple[jax.Array, MoEAux]:
         check_hidden(x, self.hidden)
+        return call_moe(x, self._params(), self.config, expert_axis=self.expert_axis, data_axes=self.data_axes,
+                        weight_axes=self.weight_axes, mesh=self.mesh, fp8_weights=fp8_weights)
+
+    def quantize_expert_weights(self) -> QuantizedExpertWeights:
+        """:func:`oxmoe.moe.quantize_expert_weights` of the module's current expert weights,
+        for its call's ``fp8_weights``; quantize again after each update (``config.fp8``
+        must be set)."""
+        return _moe.quantize_expert_weights(self._params(), self.config)
+
+    def _params(self) -> MoEParams:
         tree = {name: _value(getattr(self, name)) for name in self._weight_names}
-        params = params_from_layout(self.param_layout, tree, self.config, _value(self.expert_bias))
-        return call_moe(x, params, self.config, expert_axis=self.expert_axis, data_axes=self.data_axes,
-                        weight_axes=self.weight_axes, mesh=self.mesh)
+        return params_from_layout(self.param_layout, tree, self.config, _value(self.expert_bias))
 
     def update_expert_bias(self, tokens_per_expert, rate) -> None:
         """Moves the expert bias in place by :func:`oxmoe.moe.update_expert_bias`.
