@@ -36,10 +36,10 @@ benchmark builds and times it) with ``MoEConfig(fp8=BlockScaling())`` against th
 in bf16, for DeepSeek-V3 on one GPU (8192 tokens, H 7168, F 2048, 32 experts, top-8 of 4 of
 8 groups) and Qwen3-30B-A3B (16384 tokens, H 2048, F 768, 128 experts, top-8). Goal: the FP8
 step at least :data:`MIN_LAYER_SPEEDUP` x faster. The FP8 step is timed again with
-``align_size=`` :data:`ALIGNED_ROWS`, and with its expert weights quantized once outside the
-step (``fp8_weights=`` :func:`oxmoe.moe.quantize_expert_weights`, a micro-batch's step under
-gradient accumulation; its outputs must be the FP8 step's bit for bit, or the case fails); both
-reported, not judged. The FP8 step's outputs' relative distance from the bf16 step's is reported
+``align_size=`` :data:`ALIGNED_ROWS`, and each of the two again with its expert weights
+quantized once outside the step (``fp8_weights=`` :func:`oxmoe.moe.quantize_expert_weights`, a
+micro-batch's step under gradient accumulation; its outputs must be those of the step that
+quantizes them bit for bit, or the case fails); all reported, not judged. The FP8 step's outputs' relative distance from the bf16 step's is reported
 (the FP8 format's error, about 6%), not judged.
 
 Meant to finish within 4 minutes on one H200, compilation included: each timing is cut to
@@ -324,13 +324,14 @@ def run_layer(row: dict, layer: moe_bench.Layer, settings: timing.Settings, seed
         row[name] = t.to_json()
     row["fp8_vs_bf16"] = {name: float(value) for name, value in moe_bench.compare(outs["fp8"], outs["bf16"]).items()}
     quantized = jax.jit(functools.partial(moe.quantize_expert_weights, config=fp8_config))(params)
-    (once,), t = _time(timing.rotated(quantized_once_step(fp8_config)), [(x, params, w, quantized)], settings)
-    row["fp8_quantized_once"] = t.to_json()
-    differ = [jax.tree_util.keystr(path) for (path, a), b in zip(jax.tree.leaves_with_path(once),
-                                                                 jax.tree.leaves(outs["fp8"]))
-              if not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))]
-    if differ:
-        raise CheckFailed(f"the step given its weights quantized once differs from the FP8 step in {differ}")
+    for name, config in (("fp8", fp8_config), ("fp8_aligned", dataclasses.replace(fp8_config, align_size=ALIGNED_ROWS))):
+        (once,), t = _time(timing.rotated(quantized_once_step(config)), [(x, params, w, quantized)], settings)
+        row[f"{name}_quantized_once"] = t.to_json()
+        differ = [jax.tree_util.keystr(path) for (path, a), b in zip(jax.tree.leaves_with_path(once),
+                                                                     jax.tree.leaves(outs[name]))
+                  if not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))]
+        if differ:
+            raise CheckFailed(f"the {name} step given its weights quantized once differs from it in {differ}")
 
 
 #: The step's outputs whose distance from the bf16 step's the table shows (the worst).
@@ -347,8 +348,8 @@ def add_ratios(row: dict, judge: bool) -> None:
     """TFLOP/s of each timing, the ratios and the goals (None where not judged or not timed)."""
     fp8_s = _median_s(row.get("fp8"))
     row["tflops"] = {key: _tflops(row["flops"], _median_s(row.get(key)))
-                     for key in ("fp8", "fp8_aligned", "fp8_quantized_once", "bf16", "dense_fp8", "dense_bf16")
-                     if key in row}
+                     for key in ("fp8", "fp8_aligned", "fp8_quantized_once", "fp8_aligned_quantized_once", "bf16",
+                                 "dense_fp8", "dense_bf16") if key in row}
     bf16_s = _median_s(row.get("bf16"))
     row["speedup_over_bf16"] = bf16_s / fp8_s if fp8_s and bf16_s else None
     if row["family"] == "fp8_gemm":
@@ -357,7 +358,7 @@ def add_ratios(row: dict, judge: bool) -> None:
         goals = dict(speedup_over_bf16=(MIN_SPEEDUP_OVER_BF16, row["speedup_over_bf16"]),
                      fraction_of_dense_fp8=(MIN_FRACTION_OF_DENSE_FP8, row["fraction_of_dense_fp8"]))
     else:
-        for key in ("fp8_aligned", "fp8_quantized_once"):
+        for key in ("fp8_aligned", "fp8_quantized_once", "fp8_aligned_quantized_once"):
             other_s = _median_s(row.get(key))
             row[f"{key}_speedup_over_bf16"] = bf16_s / other_s if other_s and bf16_s else None
         goals = dict(speedup_over_bf16=(MIN_LAYER_SPEEDUP, row["speedup_over_bf16"]))
@@ -411,8 +412,8 @@ def gemm_table(rows: list[dict]) -> str:
 
 def layer_table(rows: list[dict]) -> str:
     header = ["case", "fp8 step us", "TFLOP/s", "bf16 step us", "TFLOP/s", f">={MIN_LAYER_SPEEDUP:g}x bf16",
-              f"fp8 align {ALIGNED_ROWS} us", "x bf16", "fp8 weights quantized once us", "x bf16",
-              "max rel err vs bf16", "status"]
+              f"fp8 align {ALIGNED_ROWS} us", "x bf16", "weights quantized once us", "x bf16",
+              "both us", "x bf16", "max rel err vs bf16", "status"]
     lines = []
     for r in rows:
         errors = r.get("fp8_vs_bf16") or {}
@@ -421,6 +422,8 @@ def layer_table(rows: list[dict]) -> str:
                       _ratio_cell(r.get("speedup_over_bf16"), r.get("goals", {}).get("speedup_over_bf16")),
                       _us(r, "fp8_aligned"), _ratio_cell(r.get("fp8_aligned_speedup_over_bf16"), None),
                       _us(r, "fp8_quantized_once"), _ratio_cell(r.get("fp8_quantized_once_speedup_over_bf16"), None),
+                      _us(r, "fp8_aligned_quantized_once"),
+                      _ratio_cell(r.get("fp8_aligned_quantized_once_speedup_over_bf16"), None),
                       "-" if worst is None else f"{worst:.3f}", _status(r)])
     return text_table([header] + lines)
 
@@ -437,7 +440,9 @@ def log_line(row: dict) -> str:
     else:
         text += (f"; fp8 with align_size={ALIGNED_ROWS} {_us(row, 'fp8_aligned')} us "
                  f"({_ratio_cell(row['fp8_aligned_speedup_over_bf16'], None)}), with its weights quantized once "
-                 f"{_us(row, 'fp8_quantized_once')} us ({_ratio_cell(row['fp8_quantized_once_speedup_over_bf16'], None)})")
+                 f"{_us(row, 'fp8_quantized_once')} us ({_ratio_cell(row['fp8_quantized_once_speedup_over_bf16'], None)}), "
+                 f"both {_us(row, 'fp8_aligned_quantized_once')} us "
+                 f"({_ratio_cell(row['fp8_aligned_quantized_once_speedup_over_bf16'], None)})")
     return text
 
 

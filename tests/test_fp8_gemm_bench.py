@@ -1,9 +1,10 @@
 """bench/fp8_gemm.py (issue 18's FP8 benchmark), its smoke run on the default device: every
 shape's three FP8 products timed beside oxmoe's bf16 product and the dense FP8 and bf16
 GEMMs, each within the script's bound of oxmoe.reference.fp8; the FP8 layer step (also with
-align_size=128, and given its weights quantized once, whose outputs the script checks bit for bit
-against the FP8 step's) timed beside the bf16 one, and really in FP8 (its outputs off the bf16
-step's by the format's error); and its check fails a wrong product.
+align_size=128, and both again given their weights quantized once, whose outputs the script
+checks bit for bit against the steps that quantize them) timed beside the bf16 one, and really
+in FP8 (its outputs off the bf16 step's by the format's error); and its check fails a wrong
+product.
 """
 
 import json
@@ -62,7 +63,7 @@ def test_smoke_run_times_the_fp8_layer_step_against_the_bf16_one(report):
         assert "failure" not in r and "skipped" not in r, (r["name"], r.get("failure") or r.get("skipped"))
         assert r["hidden"] % 128 == 0 and r["ffn"] % 128 == 0
         assert r["speedup_over_bf16"] == pytest.approx(r["bf16"]["median_us"] / r["fp8"]["median_us"])
-        for key in ("fp8_aligned", "fp8_quantized_once"):
+        for key in ("fp8_aligned", "fp8_quantized_once", "fp8_aligned_quantized_once"):
             assert r[f"{key}_speedup_over_bf16"] == pytest.approx(r["bf16"]["median_us"] / r[key]["median_us"])
         errors = r["fp8_vs_bf16"]
         # The same routing (the router is not quantized; a GPU may break a near tie apart), the
