@@ -208,15 +208,17 @@ def test_aligning_experts_to_128_rows_changes_only_the_weight_gradients(routing,
                                   np.asarray(getattr(dparams, weight), np.float32)), f"d {weight}, {context}"
 
 
-#: (data shards, expert shards, weight_axes, routing, dtype, extra config) of the layer given its
-#: weights quantized once (quantize_expert_weights): on one device, under shard_map_moe with
-#: expert parallelism, and with the experts' weights split over the data axis too (FSDP), where
-#: the layer gathers the quantized weights as it would gather the weights.
+#: (data shards, expert shards, weight_axes, mesh axis type, routing, dtype, extra config) of the
+#: layer given its weights quantized once (quantize_expert_weights): on one device, under
+#: shard_map_moe with expert parallelism (on a mesh of explicit axes, which shard_map_moe
+#: reshards its arguments to), and with the experts' weights split over the data axis too
+#: (FSDP), where the layer gathers the quantized weights as it would gather the weights.
 QUANTIZED_ONCE_CASES = {
-    "local_sigmoid_groups_bf16": (1, 1, (), "sigmoid_groups", BF16, {}),
-    "ep2_softmax_2chunks_pow2_f32": (1, 2, (), "softmax_top2", F32,
-                                     dict(token_chunks=2, fp8=fp8.BlockScaling(power_of_two_scales=True))),
-    "data2_ep2_fsdp_softmax_bf16": (2, 2, ("data",), "softmax_top2", BF16, dict(exchange="all_to_all")),
+    "local_sigmoid_groups_bf16": (1, 1, (), None, "sigmoid_groups", BF16, {}),
+    "ep2_explicit_softmax_2chunks_pow2_f32": (1, 2, (), jax.sharding.AxisType.Explicit, "softmax_top2", F32,
+                                              dict(token_chunks=2, fp8=fp8.BlockScaling(power_of_two_scales=True))),
+    "data2_ep2_fsdp_softmax_bf16": (2, 2, ("data",), jax.sharding.AxisType.Auto, "softmax_top2", BF16,
+                                    dict(exchange="all_to_all")),
 }
 
 
@@ -228,7 +230,7 @@ def test_weights_quantized_once_are_the_weights_the_layer_computes_with(case, cp
     and every gradient are those of the layer on ``params`` with ``w2``'s ``up`` and ``down``
     (the gradients of ``up`` and ``down`` still go to ``params``). Given ``params``' own, the
     step quantizes no weight."""
-    data, ep, weight_axes, routing, dtype, extra = QUANTIZED_ONCE_CASES[case]
+    data, ep, weight_axes, axis_type, routing, dtype, extra = QUANTIZED_ONCE_CASES[case]
     config = config_of(routing, dtype=dtype, **extra)
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
     _, other, _ = checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams)
@@ -236,7 +238,8 @@ def test_weights_quantized_once_are_the_weights_the_layer_computes_with(case, cp
     if data * ep == 1:
         layer = functools.partial(moe.moe, config=config)
     else:
-        mesh = jax.make_mesh((data, ep), ("data", "expert"), devices=devices.cpu_devices()[:data * ep])
+        mesh = jax.make_mesh((data, ep), ("data", "expert"), devices=devices.cpu_devices()[:data * ep],
+                             axis_types=(axis_type,) * 2)
         layer = functools.partial(moe.shard_map_moe, config=config, mesh=mesh, expert_axis="expert",
                                   data_axes=("data",), weight_axes=weight_axes)
         x, params, with_others, other, y_weight = jax.device_put((x, params, with_others, other, y_weight),
