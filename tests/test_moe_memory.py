@@ -41,7 +41,7 @@ def test_the_layer_keeps_about_what_a_dense_swiglu_mlp_keeps(case):
     t, h, f, k, e = shape.tokens, shape.hidden, shape.ffn, config.topk, config.num_experts
     x = jax.ShapeDtypeStruct((t, h), jnp.bfloat16)
     params = jax.eval_shape(lambda key: init_params(key, config, h, f, jnp.bfloat16), jax.random.key(0))
-    residuals = jax.eval_shape(lambda x, p: _layer_fwd(config, mesh_axes(config, None, ()), x, p)[1], x, params)
+    residuals = jax.eval_shape(lambda x, p: _layer_fwd(config, mesh_axes(config, None, ()), x, p, None)[1], x, params)
     (chunk,) = residuals.chunks
     # The layer's input is the router's and the dispatch's: one array, counted once.
     assert chunk.tokens.shape == residuals.tokens.shape == (t, h)
