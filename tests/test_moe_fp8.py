@@ -263,6 +263,17 @@ def test_weights_quantized_once_are_the_weights_the_layer_computes_with(case, cp
     kinds = collections.Counter(e.params["orientation"] for e in _equations(jaxpr.jaxpr)
                                 if e.primitive.name == "oxmoe_fp8_quantize")
     assert "both" not in kinds, kinds
+    if weight_axes:
+        # Quantized or given, the weights are gathered over the data axis in FP8, as their bytes
+        # (collectives move bytes, not float8 values): each layout's values a uint8 gather of an
+        # expert shard's weight shape, and no 16- or 32-bit weight gathered.
+        shards = {(config.num_experts // (ep * data), *dims) for w in (params.up, params.down)
+                  for dims in (w.shape[1:], w.shape[:0:-1])}
+        for quantized in (None, quantize(params)):
+            eqns = _equations(jax.make_jaxpr(step)(x, params, quantized, y_weight).jaxpr)
+            gathered = [v.aval for e in eqns if e.primitive.name == "all_gather" for v in e.invars]
+            weights = [str(a.dtype) for a in gathered if a.shape in shards]
+            assert weights == ["uint8"] * 4, (weights, quantized is None)
 
 
 def test_weights_quantized_once_that_do_not_fit_the_call_are_named():

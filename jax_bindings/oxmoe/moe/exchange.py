@@ -211,8 +211,9 @@ def rows_of(x, row_map: permutation.RowIdMap):
     return _from_bytes(jax.lax.bitcast_convert_type(rows, jnp.uint8).reshape(len(rows), width), x)
 
 
-def gather_over(axis: str, *xs):
-    """Each of ``xs`` all-gathered over ``axis`` (tiled); float8 values as their bytes."""
+def gather_over(axis: str | tuple[str, ...], *xs):
+    """Each of ``xs`` all-gathered over ``axis`` (or axes; tiled, along the first
+    dimension); float8 values as their bytes."""
     return tuple(_from_bytes(jax.lax.all_gather(_as_bytes(x), axis, tiled=True), x) for x in xs)
 
 

@@ -312,7 +312,7 @@ def expert_ffn(dispatched: ExpertInput, params: MoEParams, config: MoEConfig) ->
 
 def _forward_weights(params: MoEParams, config: MoEConfig) -> tuple:
     """``(up, down)`` as the forward's products take them, the first of
-    :func:`_expert_weights` without the backward's layout: in ``config.dtype``, or with
+    :func:`_expert_weights` without the backward's layout nor the gather: in ``config.dtype``, or with
     ``config.fp8`` each weight's transpose quantized in 128 x 128 blocks."""
     if config.fp8 is None:
         return params.up.astype(config.dtype), params.down.astype(config.dtype)
@@ -393,14 +393,20 @@ def quantize_expert_weights(params: MoEParams, config: MoEConfig) -> QuantizedEx
     return QuantizedExpertWeights(up, down, transposed_up, transposed_down, config.fp8)
 
 
-def _expert_weights(params: MoEParams, config: MoEConfig) -> tuple[tuple, tuple]:
-    """``(forward, backward)``: ``(up, down)`` as the forward's products take them and as
-    the backward's do. In ``config.dtype``, the same arrays for both; with ``config.fp8``
-    :func:`quantize_expert_weights`'s two layouts, from one read of each weight."""
+def _expert_weights(params: MoEParams, config: MoEConfig, axes: Axes,
+                    fp8_weights: QuantizedExpertWeights | None = None) -> tuple[tuple, tuple]:
+    """``(forward, backward)``: all of this expert shard's ``up`` and ``down`` (gathered over
+    ``weight_axes``) as the forward's products take them and as the backward's do. In
+    ``config.dtype``, the same arrays for both; with ``config.fp8``
+    :func:`quantize_expert_weights`'s two layouts (``fp8_weights`` where given), quantized
+    per expert, so before they are gathered: the gather moves FP8 bytes."""
     if config.fp8 is None:
-        weights = _forward_weights(params, config)
+        weights = _forward_weights(_gather_weights(params, axes), config)
         return weights, weights
-    quantized = quantize_expert_weights(params, config)
+    quantized = quantize_expert_weights(params, config) if fp8_weights is None else fp8_weights
+    if axes.weight_axes:
+        leaves, tree = jax.tree.flatten(quantized)
+        quantized = jax.tree.unflatten(tree, gather_over(axes.weight_axes, *leaves))
     return quantized.forward, quantized.backward
 
 
@@ -767,7 +773,8 @@ def moe(x, params: MoEParams, config: MoEConfig, *, expert_axis: str | None = No
         (FSDP): each shard of ``expert_axis`` splits its ``El`` experts over
         them, in mesh order (``up [El / D, H, 2F]``, ``down [El / D, F, H]``,
         ``D`` the product of their sizes, which must divide ``El``). The layer
-        all-gathers its experts' weights for the step (again in the backward)
+        all-gathers its experts' weights for the step (again in the backward;
+        with ``config.fp8``, quantized first and gathered once, as FP8 bytes)
         and reduce-scatters their gradients over them. The experts, not the
         hidden dimension, are split so that both collectives move whole
         contiguous blocks (a split hidden dimension costs a transpose of the
@@ -837,11 +844,7 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams, fp8_weights:
     routing_map, probs = routing.dispatched()
     tokens = flat.astype(config.dtype)
     capacity = config.expert_capacity(len(flat) * axes.expert_shards)
-    if fp8_weights is None:
-        forward_weights, backward_weights = _expert_weights(_gather_weights(params, axes), config)
-    else:
-        quantized = _gather_experts(fp8_weights, axes)
-        forward_weights, backward_weights = quantized.forward, quantized.backward
+    forward_weights, backward_weights = _expert_weights(params, config, axes, fp8_weights)
     # The shared experts need only this shard's tokens: nothing ties them to the exchange.
     shared = shared_expert_ffn(flat, params, config) if config.shared_ffn is not None else None
     # Each chunk's tokens travel, meet their experts and come back on their own, so that one
@@ -878,7 +881,7 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     grad_y, grad_aux = cotangents
     params = res.params
     # The FP8 weights are the forward's; others are cast (and gathered) again rather than kept.
-    weights = res.fp8_weights or _expert_weights(_gather_weights(params, axes), config)[1]
+    weights = res.fp8_weights or _expert_weights(params, config, axes)[1]
     grad_y = grad_y.reshape(-1, grad_y.shape[-1]).astype(config.dtype)
     shared_grads = None
     if res.shared is not None:  # independent of the exchange below
@@ -935,16 +938,10 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
 def _gather_weights(params: MoEParams, axes: Axes) -> MoEParams:
     """``params`` with all of this expert shard's ``up`` and ``down`` (gathered
     over ``weight_axes``)."""
-    up, down = _gather_experts((params.up, params.down), axes)
-    return dataclasses.replace(params, up=up, down=down)
-
-
-def _gather_experts(tree, axes: Axes):
-    """``tree``'s arrays, each split by experts over ``weight_axes`` along its first
-    dimension, with all of this expert shard's experts."""
     if not axes.weight_axes:
-        return tree
-    return jax.tree.map(functools.partial(jax.lax.all_gather, axis_name=axes.weight_axes, axis=0, tiled=True), tree)
+        return params
+    up, down = gather_over(axes.weight_axes, params.up, params.down)
+    return dataclasses.replace(params, up=up, down=down)
 
 
 def _reduce_weight_grads(grad_up, grad_down, axes: Axes):
