@@ -39,8 +39,10 @@ step at least :data:`MIN_LAYER_SPEEDUP` x faster. The FP8 step is timed again wi
 ``align_size=`` :data:`ALIGNED_ROWS`, and each of the two again with its expert weights
 quantized once outside the step (``fp8_weights=`` :func:`oxmoe.moe.quantize_expert_weights`, a
 micro-batch's step under gradient accumulation; its outputs must be those of the step that
-quantizes them bit for bit, or the case fails); all reported, not judged. The FP8 step's outputs' relative distance from the bf16 step's is reported
-(the FP8 format's error, about 6%), not judged.
+quantizes them bit for bit, or the case fails), and with ``BlockScaling(square_gradient_blocks=True)``
+alone and with both options; all reported, not judged. The FP8 step's outputs' relative distance
+from the bf16 step's is reported (the FP8 format's error, about 6%), with 128 x 128 gradient
+blocks too, not judged.
 
 Meant to finish within 4 minutes on one H200, compilation included: each timing is cut to
 about :data:`MEASURE_BUDGET_S` seconds, and the cases not started within ``--time-limit-s``
@@ -332,6 +334,16 @@ def run_layer(row: dict, layer: moe_bench.Layer, settings: timing.Settings, seed
                   if not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))]
         if differ:
             raise CheckFailed(f"the {name} step given its weights quantized once differs from it in {differ}")
+    # The weight gradients' output-gradient operand in 128 x 128 blocks: alone, and with both options above.
+    square = dataclasses.replace(fp8_config, fp8=fp8.BlockScaling(square_gradient_blocks=True))
+    (outs["fp8_square"],), t = _time(timing.rotated(moe_bench.step(moe_bench.oxmoe_layer(square))), arg_sets, settings)
+    row["fp8_square"] = t.to_json()
+    row["fp8_square_vs_bf16"] = {name: float(value)
+                                 for name, value in moe_bench.compare(outs["fp8_square"], outs["bf16"]).items()}
+    square_aligned = dataclasses.replace(square, align_size=ALIGNED_ROWS)
+    quantized = jax.jit(functools.partial(moe.quantize_expert_weights, config=square_aligned))(params)
+    _, t = _time(timing.rotated(quantized_once_step(square_aligned)), [(x, params, w, quantized)], settings)
+    row["fp8_square_aligned_quantized_once"] = t.to_json()
 
 
 #: The step's outputs whose distance from the bf16 step's the table shows (the worst).
@@ -348,8 +360,8 @@ def add_ratios(row: dict, judge: bool) -> None:
     """TFLOP/s of each timing, the ratios and the goals (None where not judged or not timed)."""
     fp8_s = _median_s(row.get("fp8"))
     row["tflops"] = {key: _tflops(row["flops"], _median_s(row.get(key)))
-                     for key in ("fp8", "fp8_aligned", "fp8_quantized_once", "fp8_aligned_quantized_once", "bf16",
-                                 "dense_fp8", "dense_bf16") if key in row}
+                     for key in ("fp8", "fp8_aligned", "fp8_quantized_once", "fp8_aligned_quantized_once", "fp8_square",
+                                 "fp8_square_aligned_quantized_once", "bf16", "dense_fp8", "dense_bf16") if key in row}
     bf16_s = _median_s(row.get("bf16"))
     row["speedup_over_bf16"] = bf16_s / fp8_s if fp8_s and bf16_s else None
     if row["family"] == "fp8_gemm":
@@ -358,7 +370,8 @@ def add_ratios(row: dict, judge: bool) -> None:
         goals = dict(speedup_over_bf16=(MIN_SPEEDUP_OVER_BF16, row["speedup_over_bf16"]),
                      fraction_of_dense_fp8=(MIN_FRACTION_OF_DENSE_FP8, row["fraction_of_dense_fp8"]))
     else:
-        for key in ("fp8_aligned", "fp8_quantized_once", "fp8_aligned_quantized_once"):
+        for key in ("fp8_aligned", "fp8_quantized_once", "fp8_aligned_quantized_once", "fp8_square",
+                    "fp8_square_aligned_quantized_once"):
             other_s = _median_s(row.get(key))
             row[f"{key}_speedup_over_bf16"] = bf16_s / other_s if other_s and bf16_s else None
         goals = dict(speedup_over_bf16=(MIN_LAYER_SPEEDUP, row["speedup_over_bf16"]))
@@ -413,18 +426,23 @@ def gemm_table(rows: list[dict]) -> str:
 def layer_table(rows: list[dict]) -> str:
     header = ["case", "fp8 step us", "TFLOP/s", "bf16 step us", "TFLOP/s", f">={MIN_LAYER_SPEEDUP:g}x bf16",
               f"fp8 align {ALIGNED_ROWS} us", "x bf16", "weights quantized once us", "x bf16",
-              "both us", "x bf16", "max rel err vs bf16", "status"]
+              "both us", "x bf16", "128x128 gradients us", "x bf16", "all three us", "x bf16",
+              "max rel err vs bf16", "128x128 gradients", "status"]
     lines = []
     for r in rows:
-        errors = r.get("fp8_vs_bf16") or {}
-        worst = max((errors[name] for name in LAYER_OUTPUTS if name in errors), default=None)
+        worst, square_worst = (max(((r.get(key) or {}).get(name, -1.0) for name in LAYER_OUTPUTS), default=-1.0)
+                               for key in ("fp8_vs_bf16", "fp8_square_vs_bf16"))
         lines.append([r["name"], _us(r, "fp8"), _tflops_cell(r, "fp8"), _us(r, "bf16"), _tflops_cell(r, "bf16"),
                       _ratio_cell(r.get("speedup_over_bf16"), r.get("goals", {}).get("speedup_over_bf16")),
                       _us(r, "fp8_aligned"), _ratio_cell(r.get("fp8_aligned_speedup_over_bf16"), None),
                       _us(r, "fp8_quantized_once"), _ratio_cell(r.get("fp8_quantized_once_speedup_over_bf16"), None),
                       _us(r, "fp8_aligned_quantized_once"),
                       _ratio_cell(r.get("fp8_aligned_quantized_once_speedup_over_bf16"), None),
-                      "-" if worst is None else f"{worst:.3f}", _status(r)])
+                      _us(r, "fp8_square"), _ratio_cell(r.get("fp8_square_speedup_over_bf16"), None),
+                      _us(r, "fp8_square_aligned_quantized_once"),
+                      _ratio_cell(r.get("fp8_square_aligned_quantized_once_speedup_over_bf16"), None),
+                      "-" if worst < 0 else f"{worst:.3f}", "-" if square_worst < 0 else f"{square_worst:.3f}",
+                      _status(r)])
     return text_table([header] + lines)
 
 
@@ -442,7 +460,11 @@ def log_line(row: dict) -> str:
                  f"({_ratio_cell(row['fp8_aligned_speedup_over_bf16'], None)}), with its weights quantized once "
                  f"{_us(row, 'fp8_quantized_once')} us ({_ratio_cell(row['fp8_quantized_once_speedup_over_bf16'], None)}), "
                  f"both {_us(row, 'fp8_aligned_quantized_once')} us "
-                 f"({_ratio_cell(row['fp8_aligned_quantized_once_speedup_over_bf16'], None)})")
+                 f"({_ratio_cell(row['fp8_aligned_quantized_once_speedup_over_bf16'], None)}); with 128 x 128 "
+                 f"gradient blocks {_us(row, 'fp8_square')} us "
+                 f"({_ratio_cell(row['fp8_square_speedup_over_bf16'], None)}), and both options too "
+                 f"{_us(row, 'fp8_square_aligned_quantized_once')} us "
+                 f"({_ratio_cell(row['fp8_square_aligned_quantized_once_speedup_over_bf16'], None)})")
     return text
 
 

@@ -3,7 +3,9 @@ at the power the GPU holds them to: at the FP8 benchmark's layers (bench/fp8_gem
 on one GPU, Qwen3-30B-A3B), with the groups the layer's router makes
 (``profile_fp8_weight_grad.layer_group_sizes``), the forward and d lhs products of the up and the
 down projection (``oxmoe.fp8.ragged_dot``, K-major weights) and their weight gradients
-(``oxmoe.fp8.transposed_ragged_dot``), bf16 outputs. Per product: the median time
+(``oxmoe.fp8.transposed_ragged_dot``), and the weight gradients again with their right operand
+(the output gradient) in 128 x 128 blocks instead of 128 x 1 (each must equal, bit for bit, the
+product of the same tensor in 128 x 1 blocks), bf16 outputs. Per product: the median time
 (``oxmoe.bench.timing.measure``, 100 samples of >= 10 ms over 4 input sets), TFLOP/s, the GPU's SM
 clock and power over the timed samples (``timing.ClockSampler``), and a digest of one output (two
 builds with the same digests computed the same bits). Run it once per build, alternating, e.g.
@@ -38,12 +40,15 @@ SETS = 4
 
 
 def products(hidden: int, ffn: int) -> list[tuple[str, str, int, int]]:
-    """(name, kind, K, N) of the layer's six products: kind "rows" is ``fp8.ragged_dot`` (its
-    contraction K, its output N columns), "weights" ``fp8.transposed_ragged_dot`` (a [K, N] weight
-    gradient, a contraction over the rows)."""
+    """(name, kind, K, N) of the layer's six products, and the weight gradients with square
+    blocks: kind "rows" is ``fp8.ragged_dot`` (its contraction K, its output N columns),
+    "weights" ``fp8.transposed_ragged_dot`` (a [K, N] weight gradient, a contraction over the
+    rows), "square" the same with rhs in 128 x 128 blocks."""
     return [("up forward", "rows", hidden, 2 * ffn), ("down forward", "rows", ffn, hidden),
             ("up d lhs", "rows", 2 * ffn, hidden), ("down d lhs", "rows", hidden, ffn),
-            ("up weight gradient", "weights", hidden, 2 * ffn), ("down weight gradient", "weights", ffn, hidden)]
+            ("up weight gradient", "weights", hidden, 2 * ffn), ("down weight gradient", "weights", ffn, hidden),
+            ("up weight grad. 128x128", "square", hidden, 2 * ffn),
+            ("down weight grad. 128x128", "square", ffn, hidden)]
 
 
 def operands(key, kind: str, rows: int, groups: int, k: int, n: int):
@@ -54,7 +59,13 @@ def operands(key, kind: str, rows: int, groups: int, k: int, n: int):
         rhs = jax.random.normal(b, (groups, n, k), jnp.bfloat16) * 0.02
         return fp8.quantize(lhs), fp8.quantize(rhs, fp8.WEIGHT_BLOCK)
     rhs = jax.random.normal(b, (rows, n), jnp.bfloat16)
-    return fp8.quantize(lhs, transpose=True), fp8.quantize(rhs, transpose=True)
+    rhs_block = fp8.WEIGHT_BLOCK if kind == "square" else fp8.ACTIVATION_BLOCK
+    return fp8.quantize(lhs, transpose=True), fp8.quantize(rhs, rhs_block, transpose=True)
+
+
+def per_column(q: fp8.BlockQuantized) -> fp8.BlockQuantized:
+    """rhsᵀ in 128 x 128 blocks as the same tensor in 128 x 1 blocks (each scale repeated)."""
+    return fp8.BlockQuantized(q.values, jnp.repeat(q.scales, 128, axis=0), fp8.ACTIVATION_BLOCK)
 
 
 def main() -> None:
@@ -82,7 +93,12 @@ def main() -> None:
             clocks = timing.ClockSampler()
             t = timing.measure(timing.rotated(product), sets, settings, clocks)
             flops = 2 * int(sizes.sum()) * k * n
-            out = digest(jax.jit(product)(*sets[0]))
+            result = jax.jit(product)(*sets[0])
+            if kind == "square":
+                lhs, rhs, sizes_ = sets[0]
+                if not bool((result == jax.jit(product)(lhs, per_column(rhs), sizes_)).all()):
+                    raise SystemExit(f"{layer.name} {name}: not the product of its 128 x 1 blocks bit for bit")
+            out = digest(result)
             tflops = flops / t.median_s / 1e12
             print(f"  {name:22s} {t.median_s * 1e6:8.0f} us {tflops:6.0f} TFLOP/s  {out}  "
                   f"{clocks.describe() or '(no nvidia-smi: no clocks)'}", flush=True)

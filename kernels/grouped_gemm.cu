@@ -285,7 +285,9 @@ __global__ void __launch_bounds__(THREADS) fp8_ragged_dot_simt(
 }
 
 // Each chunk's FP8 operands, token-contiguous: lhsᵀ [k, m_c], rhsᵀ [n, m_c],
-// the scales of their 128-token blocks [m_c / 128, k] and [m_c / 128, n], and m_c.
+// the scales of their 128-token blocks [m_c / 128, k] and [m_c / 128, n /
+// RHS_BLOCK_COLUMNS] (RHS_BLOCK_COLUMNS: 1, or 128 for rhs in 128 x 128
+// blocks: the kernels' template argument), and m_c.
 struct Fp8ChunkOperands {
   const unsigned char* lhs[MAX_CHUNKS];
   const float* lhs_scales[MAX_CHUNKS];
@@ -296,9 +298,9 @@ struct Fp8ChunkOperands {
 
 // out[i] ([k, n]) over the rows of local group i in each chunk: for each
 // 128-row block of a chunk, the partial of the products of its rows in the
-// group, times lhs_scales[b, kr] rhs_scales[b, col]; blocks in order. A block
-// of threads owns a 64 x 64 tile of one group's output.
-template <typename O, int THREADS, int TILE>
+// group, times lhs_scales[b, kr] rhs_scales[b, col / RHS_BLOCK_COLUMNS];
+// blocks in order. A block of threads owns a 64 x 64 tile of one group's output.
+template <typename O, int RHS_BLOCK_COLUMNS, int THREADS, int TILE>
 __global__ void __launch_bounds__(THREADS) fp8_transposed_ragged_dot_simt(
     const __grid_constant__ Fp8ChunkOperands operands, int chunks, const ChunkBounds rows, int k, int n,
     O* __restrict__ out) {
@@ -329,12 +331,13 @@ __global__ void __launch_bounds__(THREADS) fp8_transposed_ragged_dot_simt(
         simt_tile_product(as, bs, partial);
         __syncthreads();
       }
+      const float* rhs_scales = operands.rhs_scales[c] + static_cast<size_t>(b) * (n / RHS_BLOCK_COLUMNS);
       for (int i = 0; i < 4; ++i) {
         const int kr = k_0 + ty * 4 + i;
         const float lhs_scale = kr < k ? operands.lhs_scales[c][static_cast<size_t>(b) * k + kr] : 0.f;
         for (int j = 0; j < 4; ++j) {
           const int col = col0 + tx + 16 * j;
-          if (col < n) acc[i][j] += partial[i][j] * (lhs_scale * operands.rhs_scales[c][static_cast<size_t>(b) * n + col]);
+          if (col < n) acc[i][j] += partial[i][j] * (lhs_scale * rhs_scales[col / RHS_BLOCK_COLUMNS]);
         }
       }
     }
@@ -1152,6 +1155,20 @@ __device__ __forceinline__ void fp8_block_product(float (&partial)[FP8_BN / 2], 
   wgmma_commit();
 }
 
+// A block's promotion whose factor is one a row: its partial times the
+// factor of the thread's accumulator row (scale) and of row + 8 (scale8),
+// added to the float32 sums.
+__device__ __forceinline__ void promote_rows(float (&sums)[FP8_BN / 2], const float (&partial)[FP8_BN / 2],
+                                             float scale, float scale8) {
+#pragma unroll
+  for (int i = 0; i < FP8_BN / 8; ++i) {
+    sums[4 * i] += partial[4 * i] * scale;
+    sums[4 * i + 1] += partial[4 * i + 1] * scale;
+    sums[4 * i + 2] += partial[4 * i + 2] * scale8;
+    sums[4 * i + 3] += partial[4 * i + 3] * scale8;
+  }
+}
+
 // out[r] for the rows r of local group i: for each 128 of K, the partial of
 // lhs[r] · rhs[i][col] times lhs_scales[r, b] rhs_scales[i, col / 128, b];
 // zero for rows outside the window; in clusters of CLUSTER blocks (1 or 2;
@@ -1224,13 +1241,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
       wgmma_wait<0>();
       keep_in_registers(partial);
       release_stage<CLUSTER>(s.empty, ring.stage);
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i) {
-        sums[4 * i] += partial[4 * i] * scale;
-        sums[4 * i + 1] += partial[4 * i + 1] * scale;
-        sums[4 * i + 2] += partial[4 * i + 2] * scale8;
-        sums[4 * i + 3] += partial[4 * i + 3] * scale8;
-      }
+      promote_rows(sums, partial, scale, scale8);
     }
     store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
                                   tile.row_end, col0, n);
@@ -1240,7 +1251,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
 
 // Each chunk's K-major FP8 operands of the weight gradient: lhsᵀ [k, m_c] and
 // rhsᵀ [n, m_c] (tensor maps, boxes 128 x 128 rows), and the scales of their
-// 128-token blocks ([m_c / 128, k] and [m_c / 128, n]).
+// 128-token blocks ([m_c / 128, k] and [m_c / 128, n / RHS_BLOCK_COLUMNS]).
 struct Fp8ChunkMaps {
   TensorMap lhs[MAX_CHUNKS];
   TensorMap rhs[MAX_CHUNKS];
@@ -1276,17 +1287,23 @@ __device__ __forceinline__ void zero_columns_outside(unsigned char* a, unsigned 
 // carries its block's scales of the tile's rows and columns (2 x 512 bytes,
 // contiguous in global memory): loaded by the consumers, their L2 latency
 // outlasted the block's four wgmmas (ncu on an H200: a third of the stalls).
+// With rhs in 128 x 128 blocks (RHS_BLOCK_COLUMNS 128) a block has one rhs
+// scale for the whole tile, which each consumer loads as the stage begins: the
+// promotion is then the forward's, one factor a row instead of one an element.
 // In clusters of CLUSTER blocks (1 or 2; with 2, the grid is even and n spans
 // an even number of 128-column tiles) that share each A tile, as
 // ragged_dot_hopper's: lhs's maps then have boxes of 128 x (128 / CLUSTER)
 // rows. out_map: out's local groups as one [groups x k, n] matrix, 64 x 64
 // boxes (16-bit outputs).
-template <typename O, int CLUSTER, int STAGES, int THREADS, int SHARED_BYTES>
+template <typename O, int RHS_BLOCK_COLUMNS, int CLUSTER, int STAGES, int THREADS, int SHARED_BYTES>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp8_transposed_ragged_dot_hopper(
     const __grid_constant__ Fp8ChunkMaps operands, int chunks, const ChunkBounds rows, int k, int n,
     O* __restrict__ out, const __grid_constant__ TensorMap out_map) {
   using Config = Fp8HopperConfig<STAGES, 0, 2 * FP8_BLOCK * 4, CLUSTER>;
   constexpr int BN = Config::BN;
+  static_assert(RHS_BLOCK_COLUMNS == 1 || RHS_BLOCK_COLUMNS == BN, "an rhs scale a column, or one a tile");
+  // The scales a stage's bulk copies bring: the tile's rows', and its columns' unless one serves them all.
+  constexpr int STAGE_SCALE_BYTES = (RHS_BLOCK_COLUMNS == 1 ? 2 : 1) * FP8_BLOCK * 4;
   static_assert((Config::STAGES * Config::STAGE_BYTES + Config::OUT_BYTES + 2 * Config::STAGES * 8) % 16 == 0,
                 "the stages' scales start 16-byte aligned");
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
@@ -1307,14 +1324,15 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
         for (int b = begin / FP8_BLOCK; begin < end && b * FP8_BLOCK < end; ++b, ring.advance<STAGES>()) {
           barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
           unsigned long long* full = &s.full[ring.stage];
-          barrier_expect_bytes(full, Config::STAGE_BYTES + Config::SCALE_BYTES);
+          barrier_expect_bytes(full, Config::STAGE_BYTES + STAGE_SCALE_BYTES);
           load_a_tile<CLUSTER>(s.a + ring.stage * Config::A_BYTES, &operands.lhs[c], full, b * FP8_BLOCK, out_row0,
                                rank);
           tma_load(s.b + ring.stage * Config::B_BYTES, &operands.rhs[c], full, b * FP8_BLOCK, col0);
           float* scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
           bulk_load(scales, operands.lhs_scales[c] + static_cast<size_t>(b) * k + out_row0, FP8_BLOCK * 4, full);
-          bulk_load(scales + FP8_BLOCK, operands.rhs_scales[c] + static_cast<size_t>(b) * n + col0, FP8_BLOCK * 4,
-                    full);
+          if constexpr (RHS_BLOCK_COLUMNS == 1)
+            bulk_load(scales + FP8_BLOCK, operands.rhs_scales[c] + static_cast<size_t>(b) * n + col0, FP8_BLOCK * 4,
+                      full);
         }
       }
     }
@@ -1336,6 +1354,10 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
     for (int c = 0; c < chunks; ++c) {
       const int begin = rows.begin(c, g), end = rows.end(c, g);
       for (int b = begin / FP8_BLOCK; begin < end && b * FP8_BLOCK < end; ++b, ring.advance<STAGES>()) {
+        // The tile's one rhs scale of the block (128 x 128 blocks), loaded before the wait.
+        float tile_column_scale = 0.f;
+        if constexpr (RHS_BLOCK_COLUMNS == BN)
+          tile_column_scale = operands.rhs_scales[c][static_cast<size_t>(b) * (n / BN) + col0 / BN];
         barrier_wait(&s.full[ring.stage], ring.phase);
         unsigned char* a = s.a + ring.stage * Config::A_BYTES;
         unsigned char* w = s.b + ring.stage * Config::B_BYTES;
@@ -1346,6 +1368,14 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
         }
         fp8_block_product<Config>(partial, descriptors, ring.stage);
         const float* row_scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
+        if constexpr (RHS_BLOCK_COLUMNS == BN) {
+          const float scale = row_scales[row] * tile_column_scale, scale8 = row_scales[row + 8] * tile_column_scale;
+          wgmma_wait<0>();
+          keep_in_registers(partial);
+          release_stage<CLUSTER>(s.empty, ring.stage);
+          promote_rows(sums, partial, scale, scale8);
+          continue;
+        }
         const float* column_scales = row_scales + FP8_BLOCK + col;
         const float row_scale = row_scales[row], row8_scale = row_scales[row + 8];
         float2 column_scale[BN / 8];

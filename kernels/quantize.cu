@@ -493,12 +493,14 @@ __device__ __forceinline__ void load_dequantized(const unsigned char* __restrict
 
 // A tile held by its threads (load_tile's layout) to its quantizations in
 // BLOCK_ROWS x BLOCK_COLS blocks: as it is (AS_IS: values [b][rows][cols]) and
-// transposed (TRANSPOSED: values [b][cols][rows]), with their scales. at says
-// where the tile lies in x [b][rows][cols].
+// transposed (TRANSPOSED: values [b][cols][rows]; in the transposed result's
+// TRANSPOSED_BLOCK_ROWS x TRANSPOSED_BLOCK_COLS blocks, by default the same),
+// with their scales. at says where the tile lies in x [b][rows][cols].
 // stage: QUANTIZE_TILE^2 bytes of shared memory (16-byte aligned) for the
 // transposed values, written only after a barrier that every thread reaches
 // once it holds its part of the tile.
-template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO>
+template <typename T, int BLOCK_ROWS, int BLOCK_COLS, bool AS_IS, bool TRANSPOSED, bool POWER_OF_TWO,
+          int TRANSPOSED_BLOCK_ROWS = BLOCK_ROWS, int TRANSPOSED_BLOCK_COLS = BLOCK_COLS>
 __device__ __forceinline__ void quantize_tile(const uint4 (&tile)[TileLayout<T>::ROWS], const TilePlace& at,
                                               unsigned char* __restrict__ values, float* __restrict__ scales,
                                               unsigned char* __restrict__ transposed_values,
@@ -506,15 +508,15 @@ __device__ __forceinline__ void quantize_tile(const uint4 (&tile)[TileLayout<T>:
   static_assert(AS_IS || TRANSPOSED, "a result to write");
   // Each result's blocks in x: the transposed result's are its blocks the other way round.
   constexpr Blocks AS_IS_BLOCKS = blocks_in_x<BLOCK_ROWS, BLOCK_COLS>();
-  constexpr Blocks TRANSPOSED_BLOCKS = blocks_in_x<BLOCK_COLS, BLOCK_ROWS>();
+  constexpr Blocks TRANSPOSED_BLOCKS = blocks_in_x<TRANSPOSED_BLOCK_COLS, TRANSPOSED_BLOCK_ROWS>();
   // Each result's scale of x's element (r, c)'s block.
   const auto as_is_scale = [&](int r, int c) -> float& {
     return scales[(static_cast<long long>(at.b) * (at.rows / BLOCK_ROWS) + r / BLOCK_ROWS) * (at.cols / BLOCK_COLS) +
                   c / BLOCK_COLS];
   };
   const auto transposed_scale = [&](int r, int c) -> float& {
-    return transposed_scales[(static_cast<long long>(at.b) * (at.cols / BLOCK_ROWS) + c / BLOCK_ROWS) *
-                             (at.rows / BLOCK_COLS) + r / BLOCK_COLS];
+    return transposed_scales[(static_cast<long long>(at.b) * (at.cols / TRANSPOSED_BLOCK_ROWS) +
+                              c / TRANSPOSED_BLOCK_ROWS) * (at.rows / TRANSPOSED_BLOCK_COLS) + r / TRANSPOSED_BLOCK_COLS];
   };
   // Each result's reciprocal scales, its scales written on the way, then its
   // values: the as-is ones first, so that their stores are in flight while the
@@ -608,7 +610,8 @@ quantize(const void* __restrict__ x, const float* __restrict__ x_scales, const i
 // with its 16-bit results quantized as the backward's products take them,
 // never written in T: the pre-activation's
 // gradient [rows, W] (W = 2F gated, else F) in 1 x 128 blocks and, transposed
-// ([W, rows]), in 128 x 1 blocks; the weighted hidden activation transposed
+// ([W, rows]), in 128 x 1 blocks (SQUARE_GRAD_TRANSPOSED: 128 x 128, the whole
+// tile's); the weighted hidden activation transposed
 // ([F, rows]) in 128 x 1 blocks; each row weight's gradient [rows] float32.
 // rows and F are multiples of 128 (src/activation/ops.rs checks), so every
 // tile is whole.
@@ -643,9 +646,10 @@ __device__ __forceinline__ uint4& tile_part(uint4* tiles, int k, int i) {
   return tiles[(k * TileLayout<T>::ROWS + i) * QUANTIZE_THREADS + threadIdx.x];
 }
 
-// Tile k of tiles quantized in 1 x 128 blocks (if AS_IS) and transposed, staged
-// in its own bytes.
-template <typename T, bool AS_IS, bool POWER_OF_TWO>
+// Tile k of tiles quantized in 1 x 128 blocks (if AS_IS) and transposed (in the
+// transpose's 1 x 128 blocks, or with SQUARE_TRANSPOSED in 128 x 128 ones),
+// staged in its own bytes.
+template <typename T, bool AS_IS, bool POWER_OF_TWO, bool SQUARE_TRANSPOSED = false>
 __device__ __forceinline__ void quantize_held(uint4* tiles, int k, const TilePlace& place, unsigned char* values,
                                               float* scales, unsigned char* transposed_values,
                                               float* transposed_scales) {
@@ -658,11 +662,12 @@ __device__ __forceinline__ void quantize_held(uint4* tiles, int k, const TilePla
   uint4 tile[L::ROWS];
 #pragma unroll
   for (int i = 0; i < L::ROWS; ++i) tile[i] = tile_part<T>(tiles, k, i);
-  quantize_tile<T, 1, QUANTIZE_TILE, AS_IS, true, POWER_OF_TWO>(tile, at, values, scales, transposed_values,
-                                                                transposed_scales, stage);
+  constexpr int TRANSPOSED_ROWS = SQUARE_TRANSPOSED ? QUANTIZE_TILE : 1;
+  quantize_tile<T, 1, QUANTIZE_TILE, AS_IS, true, POWER_OF_TWO, TRANSPOSED_ROWS, QUANTIZE_TILE>(
+      tile, at, values, scales, transposed_values, transposed_scales, stage);
 }
 
-template <typename T, int ACTIVATION, bool POWER_OF_TWO, int THREADS>
+template <typename T, int ACTIVATION, bool POWER_OF_TWO, bool SQUARE_GRAD_TRANSPOSED, int THREADS>
 __global__ void __launch_bounds__(THREADS, sizeof(T) == 4 ? 1 : 2)
 activation_bwd_quantized(const T* __restrict__ grad_hidden, const T* __restrict__ pre_activation,
                          const float* __restrict__ row_probs, int rows, int features,
@@ -723,11 +728,11 @@ activation_bwd_quantized(const T* __restrict__ grad_hidden, const T* __restrict_
       part(FIRST, i) = packed<T, 16>(grad_first), part(WEIGHTED, i) = packed<T, 16>(weighted);
       if constexpr (GATED) part(UP, i) = packed<T, 16>(grad_up);
     }
-    quantize_held<T, true, POWER_OF_TWO>(tiles, FIRST, gate_at, grad_values, grad_scales, grad_transposed_values,
-                                         grad_transposed_scales);
+    quantize_held<T, true, POWER_OF_TWO, SQUARE_GRAD_TRANSPOSED>(tiles, FIRST, gate_at, grad_values, grad_scales,
+                                                                 grad_transposed_values, grad_transposed_scales);
     if constexpr (GATED)
-      quantize_held<T, true, POWER_OF_TWO>(tiles, UP, up_at, grad_values, grad_scales, grad_transposed_values,
-                                           grad_transposed_scales);
+      quantize_held<T, true, POWER_OF_TWO, SQUARE_GRAD_TRANSPOSED>(tiles, UP, up_at, grad_values, grad_scales,
+                                                                   grad_transposed_values, grad_transposed_scales);
     quantize_held<T, false, POWER_OF_TWO>(tiles, WEIGHTED, hidden_at, nullptr, nullptr, weighted_transposed_values,
                                           weighted_transposed_scales);
     // The next tile's copies land in the stages: every thread past its reads of them.

@@ -205,9 +205,11 @@ def activation_bwd(grad_hidden, pre_activation, row_probs=None, activation="swig
     return _call("oxmoe_activation_bwd", rets, grad_hidden, pre_activation, row_probs, activation=activation)
 
 
-def fp8_activation_bwd(grad_hidden, pre_activation, activation="swiglu", power_of_two_scales=np.bool_(False)):
+def fp8_activation_bwd(grad_hidden, pre_activation, activation="swiglu", power_of_two_scales=np.bool_(False),
+                       square_grad_transposed=np.bool_(False)):
     """oxmoe_fp8_activation_bwd of grad_hidden [R, F] and pre_activation, its results shaped
-    as a valid call's would be for those arguments."""
+    as a valid call's would be for those arguments (the transposed gradient's as for 128 x 1
+    blocks, whatever square_grad_transposed says)."""
     (rows, features), width = grad_hidden.shape, pre_activation.shape[1]
 
     def quantization(r, c):
@@ -216,7 +218,8 @@ def fp8_activation_bwd(grad_hidden, pre_activation, activation="swiglu", power_o
     rets = (*quantization(rows, width), *quantization(width, rows), *quantization(features, rows),
             _spec((rows,), jnp.float32))
     return _call("oxmoe_fp8_activation_bwd", rets, grad_hidden, pre_activation, np.ones((rows,), np.float32),
-                 activation=activation, power_of_two_scales=power_of_two_scales)
+                 activation=activation, power_of_two_scales=power_of_two_scales,
+                 square_grad_transposed=square_grad_transposed)
 
 
 def fp8_activation(pre_activation, features, activation="swiglu", power_of_two_scales=np.bool_(False)):
@@ -276,6 +279,11 @@ CASES.update({
                       np.zeros((128, 6), jnp.float8_e4m3fn), np.ones((1, 128), np.float32),
                       np.zeros((128, 6), jnp.float8_e4m3fn), np.ones((1, 128), np.float32), SIZES, OFFSET),
         "oxmoe_fp8_transposed_ragged_dot", [r"lhs has M = 6", r"M must be a multiple of 128"]),
+    "fp8_transposed_ragged_dot_rhs_scales_of_neither_blocks": (
+        lambda: _call("oxmoe_fp8_transposed_ragged_dot", _spec((2, 128, 256), jnp.float32),
+                      np.zeros((128, 128), jnp.float8_e4m3fn), np.ones((1, 128), np.float32),
+                      np.zeros((256, 128), jnp.float8_e4m3fn), np.ones((1, 3), np.float32), SIZES, OFFSET),
+        "oxmoe_fp8_transposed_ragged_dot", [r"rhs_scales has shape float32\[1, 3\], expected \[1, 256\]"]),
     "fp8_quantize_block_of_64_rows": (
         lambda: quantize(np.zeros((1, 128, 128), np.float32), block_rows=np.int64(64)), "oxmoe_fp8_quantize",
         [r"the block is \(64, 128\)", r"\(1, 128\), \(128, 128\) or \(128, 1\)"]),
@@ -396,6 +404,10 @@ CASES.update({
         lambda: fp8_activation_bwd(np.zeros((128, 128), np.float32), np.zeros((128, 256), np.float32),
                                    power_of_two_scales=np.int64(1)),
         "oxmoe_fp8_activation_bwd", [r"attribute `power_of_two_scales` has type int64, expected a bool"]),
+    "fp8_activation_bwd_square_blocks_results_of_column_blocks": (
+        lambda: fp8_activation_bwd(np.zeros((128, 128), np.float32), np.zeros((128, 256), np.float32),
+                                   square_grad_transposed=np.bool_(True)),
+        "oxmoe_fp8_activation_bwd", [r"grad_transposed_scales has shape float32\[1, 256, 1\], expected \[1, 2, 1\]"]),
     "fp8_activation_width_not_blocks": (
         lambda: fp8_activation(np.zeros((4, 1, 192), np.float32), 96),
         "oxmoe_fp8_activation", [r"pre_activation has 192 columns, expected a multiple of 256 for \"swiglu\""]),

@@ -26,16 +26,18 @@ WIDTHS = sorted({layer.ffn for layer in model_shapes.LAYER_SHAPES} | {128})
 ROWS = 256
 
 
-def quantized_composition(grad, pre, probs, activation: str, power_of_two: bool):
-    """What oxmoe.fp8.activation_bwd specifies: the 16-bit results, then their quantizations."""
+def quantized_composition(grad, pre, probs, activation: str, power_of_two: bool, block=fp8.ACTIVATION_BLOCK):
+    """What oxmoe.fp8.activation_bwd specifies: the 16-bit results, then their quantizations
+    (the gradient's transpose in ``block`` blocks)."""
     g = act.activation_bwd(grad, pre, probs, activation)
-    rows, rows_transposed = fp8.quantize_with_transpose(g.grad_pre_activation, power_of_two_scales=power_of_two)
+    rows = fp8.quantize(g.grad_pre_activation, power_of_two_scales=power_of_two)
+    rows_transposed = fp8.quantize(g.grad_pre_activation, block, transpose=True, power_of_two_scales=power_of_two)
     weighted = fp8.quantize(g.weighted_hidden, transpose=True, power_of_two_scales=power_of_two)
     return fp8.QuantizedActivationGrads(rows, rows_transposed, weighted, g.grad_row_probs)
 
 
 def assert_same_quantization(got: fp8.BlockQuantized, want: fp8.BlockQuantized, what: str) -> None:
-    assert got.block == want.block == fp8.ACTIVATION_BLOCK, what
+    assert got.block == want.block, what
     assert got.shape == want.shape and got.scales.shape == want.scales.shape, what
     # As float32, so that NaN values (0x7f / 0xff) compare equal to NaN values.
     np.testing.assert_array_equal(np.asarray(got.values.astype(jnp.float32)),
@@ -43,10 +45,13 @@ def assert_same_quantization(got: fp8.BlockQuantized, want: fp8.BlockQuantized, 
     np.testing.assert_array_equal(np.asarray(got.scales), np.asarray(want.scales), err_msg=f"scales, {what}")
 
 
-def assert_is_the_composition(grad, pre, probs, activation: str, power_of_two: bool, what: str) -> None:
-    got = jax.jit(fp8.activation_bwd, static_argnums=3, static_argnames="power_of_two_scales")(
-        grad, pre, probs, activation, power_of_two_scales=power_of_two)
-    want = quantized_composition(grad, pre, probs, activation, power_of_two)
+def assert_is_the_composition(grad, pre, probs, activation: str, power_of_two: bool, what: str,
+                              block=fp8.ACTIVATION_BLOCK) -> None:
+    got = jax.jit(fp8.activation_bwd, static_argnums=3,
+                  static_argnames=("power_of_two_scales", "grad_transposed_block"))(
+        grad, pre, probs, activation, power_of_two_scales=power_of_two, grad_transposed_block=block)
+    want = quantized_composition(grad, pre, probs, activation, power_of_two, block)
+    assert got.grad_pre_activation_transposed.block == block, what
     for name in ("grad_pre_activation", "grad_pre_activation_transposed", "weighted_hidden_transposed"):
         assert_same_quantization(getattr(got, name), getattr(want, name), f"{name}, {what}")
     assert got.grad_row_probs.dtype == jnp.float32
@@ -68,11 +73,23 @@ def test_the_quantized_results_are_those_of_activation_bwd(activation, dtype, fe
 
 
 @pytest.mark.parametrize("activation", act.ACTIVATIONS)
-def test_nans_and_infinities_make_their_blocks_nan_as_quantize_does(activation, rng, seed):
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_gradient_transposed_in_square_blocks_is_its_quantization(activation, dtype, rng, seed):
+    """grad_transposed_block=WEIGHT_BLOCK: the transposed gradient is quantize(g, WEIGHT_BLOCK,
+    transpose=True) bit for bit (the other results as before), at each model width."""
+    for i, features in enumerate(WIDTHS):
+        grad, pre, probs = draw(rng, ROWS, features, activation, DTYPES[dtype])
+        what = f"{activation} {dtype} [{ROWS}, {features}], 128 x 128, seed={seed}"
+        assert_is_the_composition(grad, pre, probs, activation, i % 2 == 1, what, fp8.WEIGHT_BLOCK)
+
+
+@pytest.mark.parametrize("block", [fp8.ACTIVATION_BLOCK, fp8.WEIGHT_BLOCK], ids=["128x1", "128x128"])
+@pytest.mark.parametrize("activation", act.ACTIVATIONS)
+def test_nans_and_infinities_make_their_blocks_nan_as_quantize_does(activation, block, rng, seed):
     grad, pre, probs = draw(rng, ROWS, 256, activation, jnp.bfloat16)
     grad = grad.at[3, 10].set(jnp.nan).at[200, 130].set(jnp.inf)
     pre = pre.at[140, 7].set(-jnp.inf).at[50, pre.shape[1] - 1].set(jnp.nan)
-    got = assert_is_the_composition(grad, pre, probs, activation, False, f"{activation}, seed={seed}")
+    got = assert_is_the_composition(grad, pre, probs, activation, False, f"{activation}, seed={seed}", block)
     assert np.isnan(np.asarray(got.grad_pre_activation.scales)).any()
 
 
@@ -108,7 +125,9 @@ F32 = jnp.float32
     (((128, 128), (128, 256), (128,)), {"power_of_two_scales": 1}, ValueError,
      r"power_of_two_scales must be a bool, got 1"),
     (((128, 128), (128, 256), (128,)), {"activation": "relu"}, ValueError, r"activation must be one of"),
-], ids=["rows", "features", "pre_activation_width", "power_of_two_not_a_bool", "activation"])
+    (((128, 128), (128, 256), (128,)), {"grad_transposed_block": fp8.TRANSPOSED_ACTIVATION_BLOCK}, ValueError,
+     r"grad_transposed_block must be ACTIVATION_BLOCK \(1, 128\) or WEIGHT_BLOCK \(128, 128\), got \(128, 1\)"),
+], ids=["rows", "features", "pre_activation_width", "power_of_two_not_a_bool", "activation", "grad_block"])
 def test_bad_input_is_named(shapes, kwargs, error, message):
     grad, pre, probs = (jnp.zeros(shape, F32) for shape in shapes)
     with pytest.raises(error, match=message):

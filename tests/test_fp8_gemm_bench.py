@@ -63,14 +63,18 @@ def test_smoke_run_times_the_fp8_layer_step_against_the_bf16_one(report):
         assert "failure" not in r and "skipped" not in r, (r["name"], r.get("failure") or r.get("skipped"))
         assert r["hidden"] % 128 == 0 and r["ffn"] % 128 == 0
         assert r["speedup_over_bf16"] == pytest.approx(r["bf16"]["median_us"] / r["fp8"]["median_us"])
-        for key in ("fp8_aligned", "fp8_quantized_once", "fp8_aligned_quantized_once"):
+        for key in ("fp8_aligned", "fp8_quantized_once", "fp8_aligned_quantized_once", "fp8_square",
+                    "fp8_square_aligned_quantized_once"):
             assert r[f"{key}_speedup_over_bf16"] == pytest.approx(r["bf16"]["median_us"] / r[key]["median_us"])
-        errors = r["fp8_vs_bf16"]
-        # The same routing (the router is not quantized; a GPU may break a near tie apart), the
-        # outputs and gradients off by the FP8 format's error (about 6-8%): the step ran in FP8.
-        assert errors["routing_mismatch"] <= 0.01
-        for name in ("y_rel_err", "dx_rel_err", "dgate_rel_err", "dup_rel_err", "ddown_rel_err"):
-            assert 0.01 < errors[name] < 0.2, (r["name"], name, errors[name])
+        for errors in (r["fp8_vs_bf16"], r["fp8_square_vs_bf16"]):
+            # The same routing (the router is not quantized; a GPU may break a near tie apart), the
+            # outputs and gradients off by the FP8 format's error (about 6-8%): the step ran in FP8.
+            assert errors["routing_mismatch"] <= 0.01
+            for name in ("y_rel_err", "dx_rel_err", "dgate_rel_err", "dup_rel_err", "ddown_rel_err"):
+                assert 0.01 < errors[name] < 0.2, (r["name"], name, errors[name])
+        # 128 x 128 gradient blocks change the weight gradients only.
+        for name in ("y_rel_err", "dx_rel_err", "dgate_rel_err"):
+            assert r["fp8_square_vs_bf16"][name] == r["fp8_vs_bf16"][name], (r["name"], name)
 
 
 def test_the_check_fails_a_product_with_one_row_five_percent_off():

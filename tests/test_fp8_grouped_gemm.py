@@ -95,8 +95,10 @@ def expected_transposed(lhs_chunks, rhs_chunks, sizes, *, num_groups=None, group
     value, scale = np.zeros((groups, k, n)), np.zeros((groups, k, n))
     acc_len = np.zeros((groups, 1, 1), np.int64)
     for lhs, rhs, chunk_sizes in zip(lhs_chunks, rhs_chunks, sizes):
-        # The rows [M, K] and their 128 x 1 blocks' scales [M / 128, K] of each transposed operand.
+        # The rows [M, K] and their 128 x 1 blocks' scales [M / 128, K] of each transposed
+        # operand (rhs's 128 x 128 blocks' [M / 128, N / 128] over each block's columns).
         (a, a_scales), (c, c_scales) = (tuple(x.T for x in as64(q)) for q in (lhs, rhs))
+        c_scales = np.repeat(c_scales, rhs.block[0], axis=1)
         for i, (start, end) in enumerate(local_group_rows(len(a), chunk_sizes, groups, group_offset)):
             for b in range(start // 128, -(-end // 128)):
                 rows = slice(max(start, 128 * b), min(end, 128 * (b + 1)))
@@ -115,9 +117,16 @@ def draw(rng, shape, block, *, spread: int = 4, transpose: bool = False):
     return fp8.quantize(jnp.asarray(x, F32), block, transpose=transpose)
 
 
-def draw_transposed(rng, shape):
-    """Rows ``[M, C]`` quantized as the weight gradient takes them."""
-    return draw(rng, shape, fp8.ACTIVATION_BLOCK, transpose=True)
+def draw_transposed(rng, shape, block=fp8.ACTIVATION_BLOCK):
+    """Rows ``[M, C]`` quantized as the weight gradient takes them (its rhs may be in
+    ``WEIGHT_BLOCK`` blocks too)."""
+    return draw(rng, shape, block, transpose=True)
+
+
+def per_column(q: fp8.BlockQuantized) -> fp8.BlockQuantized:
+    """A weight gradient's rhsᵀ in 128 x 128 blocks as the same tensor in 128 x 1 blocks:
+    the same values, each block's scale repeated for each of its columns."""
+    return fp8.BlockQuantized(q.values, jnp.repeat(q.scales, 128, axis=0), fp8.ACTIVATION_BLOCK)
 
 
 def draw_sizes(rng, rows: int, groups: int) -> np.ndarray:
@@ -199,6 +208,26 @@ def test_transposed_ragged_dot_in_chunks(case, seed, rng):
                                  context=context)
 
 
+@pytest.mark.parametrize("case", TRANSPOSED_CASES[:2],
+                         ids=[f"chunks{'_'.join(map(str, c[0]))}_K{c[1]}_N{c[2]}" for c in TRANSPOSED_CASES[:2]])
+def test_transposed_ragged_dot_with_rhs_in_square_blocks(case, seed, rng):
+    """rhs in 128 x 128 blocks: against float64, against the plain-JAX semantics, and bit
+    for bit the product of the same tensor in 128 x 1 blocks (each scale repeated)."""
+    rows, k, n, groups, _, out = case
+    lhs = [draw_transposed(rng, (m, k)) for m in rows]
+    rhs = [draw_transposed(rng, (m, n), fp8.WEIGHT_BLOCK) for m in rows]
+    sizes = np.stack([draw_sizes(rng, m, groups) for m in rows])
+    got = fp8.transposed_ragged_dot(lhs, rhs, sizes, preferred_element_type=out)
+    context = f"rows {rows}, sizes={sizes.tolist()}, seed={seed}"
+    assert_fp8_weight_gradient_close(got, expected_transposed(lhs, rhs, sizes), out,
+                                     what="fp8.transposed_ragged_dot (rhs in 128 x 128 blocks)", context=context)
+    semantics = fp8_reference.transposed_ragged_dot(lhs, rhs, sizes, preferred_element_type=out)
+    assert_fp8_weight_gradient_close(semantics, expected_transposed(lhs, rhs, sizes), out,
+                                     what="oxmoe.reference.fp8.transposed_ragged_dot (128 x 128)", context=context)
+    columns = fp8.transposed_ragged_dot(lhs, [per_column(q) for q in rhs], sizes, preferred_element_type=out)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(columns), err_msg=context)
+
+
 def test_under_jit_new_group_sizes_without_retracing(seed, rng):
     lhs, rhs = draw(rng, (256, 256), fp8.ACTIVATION_BLOCK), draw(rng, (4, 256, 128), fp8.WEIGHT_BLOCK)
     traces = []
@@ -218,6 +247,7 @@ def test_under_jit_new_group_sizes_without_retracing(seed, rng):
 LHS = fp8.quantize(jnp.ones((128, 256)))
 RHS = fp8.quantize(jnp.ones((2, 256, 128)), fp8.WEIGHT_BLOCK)
 ROWS = fp8.quantize(jnp.ones((256, 128)))  # 128 rows of K = 256, transposed
+SQUARE_ROWS = fp8.quantize(jnp.ones((128, 256)), fp8.WEIGHT_BLOCK, transpose=True)  # the same in 128 x 128 blocks
 SIZES = np.array([64, 64], np.int32)
 RAGGED_DOT_ERRORS = {
     "lhs_an_array": ((jnp.ones((128, 256)), RHS, SIZES), {}, TypeError,
@@ -266,6 +296,11 @@ TRANSPOSED_ERRORS = {
                            r"group_sizes must have shape \[chunks, num_groups\] = \[2, G\] for 2 chunks"),
     "offset_without_num_groups": ((ROWS, ROWS, SIZES), dict(group_offset=np.int32(1)), ValueError,
                                   r"num_groups \(the groups of the result\) is required with group_offset"),
+    "rhs_chunks_in_two_blocks": (([ROWS, ROWS], [SQUARE_ROWS, ROWS], np.ones((2, 2), np.int32)), {}, ValueError,
+                                 r"rhs\[1\] must be \[N, M\] quantized in \(128, 128\) blocks, got shape "
+                                 r"\[256, 128\] in \(1, 128\) blocks"),
+    "rhs_in_transposed_blocks": ((ROWS, fp8.quantize(jnp.ones((128, 256)), fp8.TRANSPOSED_ACTIVATION_BLOCK), SIZES),
+                                 {}, ValueError, r"rhs must be \[N, M\] quantized in \(1, 128\) blocks"),
 }
 
 
@@ -313,6 +348,28 @@ def test_fp8_products_on_gpu_match_float64(rhs_transposed, seed, rng):
                              what="GPU fp8.ragged_dot", context=context)
     assert_fp8_weight_gradient_close(weights, expected_transposed(rows, grads, chunk_sizes), F32,
                              what="GPU fp8.transposed_ragged_dot", context=context)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPUS, reason=devices.NO_GPU_REASON)
+@pytest.mark.parametrize("shape", [("deepseek_v3_up", DEEPSEEK.hidden, 2 * DEEPSEEK.ffn),
+                                   ("qwen3_down", QWEN3.ffn, QWEN3.hidden)], ids=lambda s: s[0])
+def test_fp8_weight_gradient_with_square_rhs_blocks_on_gpu(shape, seed, rng):
+    """The weight gradient with rhs in 128 x 128 blocks (one rhs scale a tile on Hopper)
+    against float64, and bit for bit the GPU's product of the same tensor in 128 x 1 blocks."""
+    name, k, n = shape
+    chunk_rows, groups = (512, 384), 8
+    lhs = [draw_transposed(rng, (r, k)) for r in chunk_rows]
+    rhs = [draw_transposed(rng, (r, n), fp8.WEIGHT_BLOCK) for r in chunk_rows]
+    sizes = np.stack([draw_sizes(rng, r, groups) for r in chunk_rows])
+    run = jax.jit(lambda lhs, rhs, sizes: fp8.transposed_ragged_dot(lhs, rhs, sizes, preferred_element_type=BF16))
+    got = run(*jax.device_put((lhs, rhs, sizes), GPUS[0]))
+    assert got.devices() == {GPUS[0]}
+    context = f"{name}, sizes={sizes.tolist()}, seed={seed}"
+    assert_fp8_weight_gradient_close(got, expected_transposed(lhs, rhs, sizes), BF16,
+                                     what="GPU fp8.transposed_ragged_dot (rhs in 128 x 128 blocks)", context=context)
+    columns = run(*jax.device_put((lhs, [per_column(q) for q in rhs], sizes), GPUS[0]))
+    np.testing.assert_array_equal(np.asarray(got.astype(F32)), np.asarray(columns.astype(F32)), err_msg=context)
 
 
 # The Hopper tensor-core kernel's cases (rhs_transposed, on sm_90a; elsewhere the SIMT

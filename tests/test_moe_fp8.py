@@ -134,6 +134,9 @@ LAYER_CASES = {
     "ep4_ring_softmax_2chunks_bf16": (1, 4, "ring", None, "softmax_top2", BF16, dict(token_chunks=2)),
     "data2_ep2_all_to_all_softmax_3chunks_f32": (2, 2, "all_to_all", None, "softmax_top2", F32,
                                                  dict(token_chunks=3)),
+    "ep2_ring_sigmoid_groups_square_gradients_2chunks_bf16": (
+        1, 2, "ring", None, "sigmoid_groups", BF16,
+        dict(token_chunks=2, fp8=fp8.BlockScaling(square_gradient_blocks=True))),
 }
 
 
@@ -189,23 +192,48 @@ def test_aligning_experts_to_128_rows_changes_only_the_weight_gradients(routing,
     for bit; the weight gradients' 128 x 1 blocks hold other rows, so d up and d down round differently."""
     config = config_of(routing, dtype=BF16)
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
+    assert_only_the_weight_gradients_differ(config, dataclasses.replace(config, align_size=128), (x, params, y_weight),
+                                            f"{routing}, seed={seed}")
 
+
+def assert_only_the_weight_gradients_differ(config: MoEConfig, other: MoEConfig, args, context: str):
+    """The training step's output, losses and gradients of x and gate are the same bit for bit
+    under both configurations, and the gradients of up and down differ, within FP8's error."""
     def run(c):
-        return jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe.moe(x, p, c), x, p, w))(
-            x, params, y_weight)
+        return jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe.moe(x, p, c), x, p, w))(*args)
 
     (y, aux), (dx, dparams) = run(config)
-    (y_aligned, aux_aligned), (dx_aligned, dparams_aligned) = run(dataclasses.replace(config, align_size=128))
-    context = f"{routing}, seed={seed}"
-    for what, a, b in (("y", y, y_aligned), ("d x", dx, dx_aligned), ("d gate", dparams.gate, dparams_aligned.gate),
-                       ("load-balancing loss", aux.load_balancing_loss, aux_aligned.load_balancing_loss),
-                       ("z-loss", aux.z_loss, aux_aligned.z_loss)):
+    (y_other, aux_other), (dx_other, dparams_other) = run(other)
+    for what, a, b in (("y", y, y_other), ("d x", dx, dx_other), ("d gate", dparams.gate, dparams_other.gate),
+                       ("load-balancing loss", aux.load_balancing_loss, aux_other.load_balancing_loss),
+                       ("z-loss", aux.z_loss, aux_other.z_loss)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32), err_msg=f"{what}, {context}")
     for weight in ("up", "down"):
-        checks.assert_close(getattr(dparams_aligned, weight), getattr(dparams, weight), BF16, what=f"d {weight}",
+        checks.assert_close(getattr(dparams_other, weight), getattr(dparams, weight), BF16, what=f"d {weight}",
                             context=context, tolerance=FP8_TOLERANCE)
-        assert not np.array_equal(np.asarray(getattr(dparams_aligned, weight), np.float32),
+        assert not np.array_equal(np.asarray(getattr(dparams_other, weight), np.float32),
                                   np.asarray(getattr(dparams, weight), np.float32)), f"d {weight}, {context}"
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+def test_square_gradient_blocks_change_only_the_weight_gradients(routing, cpu, seed, rng):
+    """BlockScaling(square_gradient_blocks=True): the output, the losses and the gradients of x and
+    gate are the default recipe's bit for bit (the data gradients keep their 1 x 128 blocks); the
+    weight-gradient products take the output gradients in 128 x 128 blocks and the rows in 128 x 1
+    ones, and their results are within FP8's error of the default's."""
+    config = config_of(routing, dtype=BF16)
+    square = dataclasses.replace(config, fp8=fp8.BlockScaling(square_gradient_blocks=True))
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
+    assert_only_the_weight_gradients_differ(config, square, (x, params, y_weight), f"{routing}, seed={seed}")
+    # The products' operands by their scales: the rows' [M / 128, K], the gradients' [M / 128, N / 128].
+    eqns = list(_equations(jax.make_jaxpr(lambda x, p, w: ref.layer_value_and_grads(
+        lambda x, p: moe.moe(x, p, square), x, p, w))(x, params, y_weight).jaxpr))
+    products = [e for e in eqns if e.primitive.name == "oxmoe_fp8_transposed_ragged_dot"]
+    rhs_scales = [tuple(e.invars[3].aval.shape) for e in products]
+    lhs_scales = [tuple(e.invars[1].aval.shape) for e in products]
+    rows = products[0].invars[0].aval.shape[1]
+    assert rhs_scales == [(rows // 128, HIDDEN // 128), (rows // 128, 2 * FFN // 128)], rhs_scales  # down, up
+    assert lhs_scales == [(rows // 128, FFN), (rows // 128, HIDDEN)], lhs_scales
 
 
 #: (data shards, expert shards, weight_axes, mesh axis type, routing, dtype, extra config) of the
@@ -287,8 +315,9 @@ def test_weights_quantized_once_that_do_not_fit_the_call_are_named():
                                         r"\(quantize_expert_weights' result\), got tuple"):
         moe.moe(x, params, config, fp8_weights=quantized.forward)
     powers_of_two = dataclasses.replace(config, fp8=fp8.BlockScaling(power_of_two_scales=True))
-    with pytest.raises(ValueError, match=r"fp8_weights were quantized with BlockScaling\(power_of_two_scales=False\), "
-                                         r"but config.fp8 is BlockScaling\(power_of_two_scales=True\)"):
+    with pytest.raises(ValueError, match=r"fp8_weights were quantized with BlockScaling\(power_of_two_scales=False, "
+                                         r"square_gradient_blocks=False\), but config.fp8 is "
+                                         r"BlockScaling\(power_of_two_scales=True, square_gradient_blocks=False\)"):
         moe.moe(x, params, powers_of_two, fp8_weights=quantized)
     wider = moe.quantize_expert_weights(moe.init_params(jax.random.key(0), config, HIDDEN, 2 * FFN), config)
     with pytest.raises(ValueError, match=rf"fp8_weights.up.values must be float8_e4m3fn\[8, {HIDDEN}, {2 * FFN}\], as "
@@ -381,6 +410,8 @@ def test_a_recipe_that_is_not_one_is_named():
         MoEConfig(num_experts=8, topk=2, fp8=True)
     with pytest.raises(ValueError, match=r"power_of_two_scales must be a bool, got 1"):
         fp8.BlockScaling(power_of_two_scales=1)
+    with pytest.raises(ValueError, match=r"square_gradient_blocks must be a bool, got 'yes'"):
+        fp8.BlockScaling(square_gradient_blocks="yes")
 
 
 def test_tokens_and_their_gradient_cross_the_exchange_in_fp8():

@@ -143,6 +143,7 @@ def test_train_step_moves_the_expert_bias_by_the_returned_counts(rng):
     (["--heads", "3"], "--heads 3 must divide --hidden 128"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--fp8", "--ffn", "96"], "--fp8 needs --hidden and --ffn multiples of 128 (one scale per 128), got 128 and 96"),
+    (["--fp8-square-gradients"], "--fp8-square-gradients is an option of --fp8's recipe: give --fp8 too"),
 ])
 def test_bad_flags_are_named(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -216,6 +217,8 @@ def test_shared_experts_flag_gives_shared_ffn_of_that_many_experts():
 
 def test_fp8_flag_gives_the_block_scaling_recipe():
     assert train.moe_config(train.parse_args(["--fp8"]), jnp.float32).fp8 == fp8.BlockScaling()
+    assert train.moe_config(train.parse_args(["--fp8", "--fp8-square-gradients"]), jnp.float32).fp8 == \
+        fp8.BlockScaling(square_gradient_blocks=True)
     assert train.moe_config(train.parse_args([]), jnp.float32).fp8 is None
 
 

@@ -145,12 +145,31 @@ class BlockScaling:
     keep their own dtypes. The weights are quantized from their master copy in every call of
     the layer, or once for several calls (:func:`oxmoe.moe.quantize_expert_weights`).
 
-    ``power_of_two_scales``: every scale rounded up to a power of two (exact scaling)."""
+    ``power_of_two_scales``: every scale rounded up to a power of two (exact scaling).
+
+    ``square_gradient_blocks``: the weight gradients take the output gradients they
+    multiply (the up projection's, and the layer's per expert row) in 128 x 128 blocks, one
+    scale per 128 rows by 128 columns, instead of 128 x 1 (as TransformerEngine's
+    ``grad_block_scaling_dim=2`` does for gradients); the data gradients still take them
+    in 1 x 128 blocks. Each weight-gradient block's promotion then costs one factor a row
+    of the result instead of one an element: the weight gradients 10-15% faster on an H200
+    at DeepSeek-V3's shapes, 5-10% at Qwen3's (``bench/NOTES.md``). A row more than 2^15
+    below the largest of its block loses precision (e4m3's normal range) that it would
+    keep in its own 128 x 1 block."""
 
     power_of_two_scales: bool = False
+    square_gradient_blocks: bool = False
 
     def __post_init__(self):
         check_bool("power_of_two_scales", self.power_of_two_scales)
+        check_bool("square_gradient_blocks", self.square_gradient_blocks)
+
+    @property
+    def gradient_block(self) -> tuple[int, int]:
+        """The blocks of the weight gradients' output-gradient operand, transposed as they
+        take it: :data:`WEIGHT_BLOCK` with ``square_gradient_blocks``, else
+        :data:`ACTIVATION_BLOCK` (the rows' 128 x 1 blocks)."""
+        return WEIGHT_BLOCK if self.square_gradient_blocks else ACTIVATION_BLOCK
 
 
 #: Each recipe block by its name, for messages.
@@ -404,7 +423,8 @@ class QuantizedActivationGrads(typing.NamedTuple):
       grad_pre_activation: the up projection's gradient ``[R, W]`` in
         :data:`ACTIVATION_BLOCK` blocks (the d lhs product's operand).
       grad_pre_activation_transposed: its transpose's quantization, ``[W, R]`` in
-        :data:`ACTIVATION_BLOCK` blocks (the up weight gradient's operand).
+        :data:`ACTIVATION_BLOCK` blocks or as asked in :data:`WEIGHT_BLOCK` blocks (the up
+        weight gradient's operand).
       weighted_hidden_transposed: the weighted hidden activation's transpose's,
         ``[F, R]`` in :data:`ACTIVATION_BLOCK` blocks (the down weight gradient's).
       grad_row_probs: ``[R]`` float32, each row weight's gradient.
@@ -416,11 +436,11 @@ class QuantizedActivationGrads(typing.NamedTuple):
     grad_row_probs: jax.Array
 
 
-def _activation_bwd_results(grad_hidden, pre_activation, row_probs, **_):
+def _activation_bwd_results(grad_hidden, pre_activation, row_probs, *, square_grad_transposed, **_):
     (rows, features), width = grad_hidden.shape, pre_activation.shape[1]
     # Each quantization as oxmoe_fp8_quantize's, of one batch element.
     return [*_quantization_results(1, rows, width, ACTIVATION_BLOCK),
-            *_quantization_results(1, width, rows, ACTIVATION_BLOCK),
+            *_quantization_results(1, width, rows, WEIGHT_BLOCK if square_grad_transposed else ACTIVATION_BLOCK),
             *_quantization_results(1, features, rows, ACTIVATION_BLOCK), jax.ShapeDtypeStruct((rows,), jnp.float32)]
 
 
@@ -430,14 +450,16 @@ _activation_bwd_p = FfiPrimitive("oxmoe_fp8_activation_bwd", operands=(Layout.DI
 
 
 def activation_bwd(grad_hidden, pre_activation, row_probs, activation: str = "swiglu", *,
-                   power_of_two_scales: bool = False) -> QuantizedActivationGrads:
+                   power_of_two_scales: bool = False,
+                   grad_transposed_block: tuple[int, int] = ACTIVATION_BLOCK) -> QuantizedActivationGrads:
     """:func:`oxmoe.activation.activation_bwd` with its two 16-bit results quantized
     as the FP8 layer's backward takes them, from the same pass (on a GPU they are
     never written in 16 bits).
 
     With ``g = oxmoe.activation.activation_bwd(grad_hidden, pre_activation, row_probs,
-    activation)``, bit for bit: ``grad_pre_activation, grad_pre_activation_transposed =
-    quantize_with_transpose(g.grad_pre_activation)``, ``weighted_hidden_transposed =
+    activation)``, bit for bit: ``grad_pre_activation = quantize(g.grad_pre_activation)``,
+    ``grad_pre_activation_transposed = quantize(g.grad_pre_activation,
+    grad_transposed_block, transpose=True)``, ``weighted_hidden_transposed =
     quantize(g.weighted_hidden, transpose=True)`` (:data:`ACTIVATION_BLOCK` blocks,
     ``power_of_two_scales`` as given); ``grad_row_probs`` is ``g.grad_row_probs``
     (a sum in float32, whose order may differ by backend, as there). Not differentiable.
@@ -447,12 +469,18 @@ def activation_bwd(grad_hidden, pre_activation, row_probs, activation: str = "sw
         of 128.
       pre_activation, row_probs, activation: as for :func:`oxmoe.activation.activation_bwd`.
       power_of_two_scales: round each scale up to a power of two.
+      grad_transposed_block: :data:`ACTIVATION_BLOCK` (default: the transpose's 1 x 128
+        blocks, 128 x 1 in the gradient) or :data:`WEIGHT_BLOCK` (128 x 128), the blocks of
+        ``grad_pre_activation_transposed``.
 
     Returns:
       :class:`QuantizedActivationGrads`.
     """
     _check_activation_inputs(grad_hidden, pre_activation, row_probs, activation)
     power_of_two_scales = check_bool("power_of_two_scales", power_of_two_scales)
+    if grad_transposed_block not in (ACTIVATION_BLOCK, WEIGHT_BLOCK):
+        raise ValueError(f"grad_transposed_block must be ACTIVATION_BLOCK {ACTIVATION_BLOCK} or WEIGHT_BLOCK "
+                         f"{WEIGHT_BLOCK}, got {grad_transposed_block!r}")
     rows, features = grad_hidden.shape
     if rows % 128 or features % 128:
         raise ValueError(f"grad_hidden must be [R, F] with R and F multiples of 128 (the blocks 1 x 128 along F "
@@ -461,10 +489,11 @@ def activation_bwd(grad_hidden, pre_activation, row_probs, activation: str = "sw
     operands = [jax.lax.stop_gradient(x) for x in (grad_hidden, pre_activation, row_probs)]
     (values, scales, transposed_values, transposed_scales, weighted_values, weighted_scales,
      grad_row_probs) = _activation_bwd_p(*operands, activation=activation,
-                                         power_of_two_scales=np.bool_(power_of_two_scales))
+                                         power_of_two_scales=np.bool_(power_of_two_scales),
+                                         square_grad_transposed=np.bool_(grad_transposed_block == WEIGHT_BLOCK))
     return QuantizedActivationGrads(
         _quantized(values, scales, (rows, width), ACTIVATION_BLOCK),
-        _quantized(transposed_values, transposed_scales, (width, rows), ACTIVATION_BLOCK),
+        _quantized(transposed_values, transposed_scales, (width, rows), grad_transposed_block),
         _quantized(weighted_values, weighted_scales, (features, rows), ACTIVATION_BLOCK), grad_row_probs)
 
 
@@ -584,14 +613,18 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     Its operands come transposed, each column's rows (tokens) contiguous, as the tensor
     cores read them: rows ``x [M, K]`` quantized in 128 x 1 blocks (one scale per 128
     rows of a column) are ``xᵀ [K, M]`` in :data:`ACTIVATION_BLOCK` blocks, which
-    ``quantize(x, transpose=True)`` writes from ``x`` itself.
+    ``quantize(x, transpose=True)`` writes from ``x`` itself. ``rhs`` may instead be in
+    128 x 128 blocks (``quantize(y, WEIGHT_BLOCK, transpose=True)``: one scale per 128
+    rows of 128 columns), which makes each block's promotion one factor a row of the
+    result instead of one an element, as the forward's: the faster product on Hopper.
 
     Args:
       lhs: ``lhsᵀ [K, M]`` in :data:`ACTIVATION_BLOCK` blocks (``M`` a multiple of
         128), or a sequence of up to :data:`oxmoe.grouped_gemm.MAX_CHUNKS` such chunks
         ``[K, M_c]`` whose rows, chunk after chunk, the groups take, as
         :func:`oxmoe.transposed_ragged_dot` does.
-      rhs: ``rhsᵀ [N, M]`` in the same blocks, or a sequence of chunks as ``lhs``'s.
+      rhs: ``rhsᵀ [N, M]`` in the same blocks or, every chunk alike, in
+        :data:`WEIGHT_BLOCK` blocks; or a sequence of chunks as ``lhs``'s.
       group_sizes: ``[G]`` integer row counts (``[C, G]`` for chunks), on the device.
       num_groups: the groups of the result; ``G`` by default, required with ``group_offset``.
       group_offset: optional integer scalar or ``[1]`` array, the window's first group.
@@ -601,10 +634,13 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
       ``[num_groups, K, N]``; a group with no rows gives zeros. Not differentiable.
     """
     lhs_chunks, rhs_chunks, chunked = _chunks_of(lhs, rhs, "BlockQuantized")
+    # rhs's blocks: the first chunk's, if it is a recipe's the product takes.
+    first = rhs_chunks[0]
+    rhs_block = WEIGHT_BLOCK if isinstance(first, BlockQuantized) and first.block == WEIGHT_BLOCK else ACTIVATION_BLOCK
     for c, (a, b) in enumerate(zip(lhs_chunks, rhs_chunks)):
         index = f"[{c}]" if chunked else ""
         _check_quantized(f"lhs{index}", a, ACTIVATION_BLOCK, "[K, M]")
-        _check_quantized(f"rhs{index}", b, ACTIVATION_BLOCK, "[N, M]")
+        _check_quantized(f"rhs{index}", b, rhs_block, "[N, M]")
         if a.shape[0] != lhs_chunks[0].shape[0]:
             raise ValueError(f"lhs{index} must have lhs[0]'s K = {lhs_chunks[0].shape[0]}, got {list(a.shape)}")
         if b.shape[1] != a.shape[1] or b.shape[0] != rhs_chunks[0].shape[0]:

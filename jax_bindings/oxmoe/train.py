@@ -247,6 +247,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--fp8", action="store_true",
                      help="the experts' GEMMs in block-scaled FP8 (MoEConfig.fp8 = oxmoe.fp8.BlockScaling(), "
                           "DeepSeek-V3's recipe); --hidden and --ffn must be multiples of 128")
+    run.add_argument("--fp8-square-gradients", action="store_true",
+                     help="with --fp8: the weight gradients take the output gradients in 128 x 128 blocks "
+                          "(BlockScaling(square_gradient_blocks=True): faster weight gradients, coarser scales)")
     run.add_argument("--devices", type=int, default=None,
                      help="devices for expert parallelism; must divide --experts and --batch (default: every "
                           "GPU; on the CPU, 2 virtual devices)")
@@ -264,6 +267,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--shared-experts must be at least 0, got {args.shared_experts}")
     if args.devices is not None and args.devices < 1:
         parser.error(f"--devices must be at least 1, got {args.devices}")
+    if args.fp8_square_gradients and not args.fp8:
+        parser.error("--fp8-square-gradients is an option of --fp8's recipe: give --fp8 too")
     if args.fp8 and (args.hidden % 128 or args.ffn % 128):
         parser.error(f"--fp8 needs --hidden and --ffn multiples of 128 (one scale per 128), got {args.hidden} and "
                      f"{args.ffn}")
@@ -294,7 +299,7 @@ def moe_config(args, dtype) -> MoEConfig:
                          num_groups=args.groups, group_topk=args.group_topk, use_expert_bias=sigmoid,
                          aux_loss_coeff=aux, z_loss_coeff=args.z_loss_coeff, dtype=dtype,
                          shared_ffn=args.shared_experts * args.ffn or None,
-                         fp8=fp8.BlockScaling() if args.fp8 else None)
+                         fp8=fp8.BlockScaling(square_gradient_blocks=args.fp8_square_gradients) if args.fp8 else None)
     except (ValueError, TypeError) as error:
         raise SystemExit(f"bad routing options: {error}") from None
 

@@ -7,7 +7,7 @@
 use super::{Activation, ActivationBwd, ActivationBwdFp8, ActivationFp8};
 use crate::cuda::{arg, grid, int, launch, Instance, Kernel, LaunchConfig, Stream, ACTIVATION, QUANTIZE};
 use crate::ffi::{DataType, Result};
-use crate::quantize::{self, cuda::TILE};
+use crate::quantize::{self, cuda::TILE, WEIGHT_BLOCK};
 
 /// Threads of a block, a row a warp (the kernel's `ACTIVATION_THREADS`).
 const THREADS: u32 = 256;
@@ -64,9 +64,11 @@ pub fn activation_bwd(stream: Stream, op: &ActivationBwd) -> Result<()> {
 /// `ACTIVATION_BWD_TILES`; gated activations use all three).
 const QUANTIZED_TILES: usize = 3;
 
-pub fn activation_bwd_fp8_instance(dtype: DataType, activation: Activation, power_of_two_scales: bool) -> Result<String> {
+/// `square_grad_transposed`: the transposed gradient in 128 x 128 blocks (else 128 x 1).
+pub fn activation_bwd_fp8_instance(dtype: DataType, activation: Activation, power_of_two_scales: bool,
+                                   square_grad_transposed: bool) -> Result<String> {
     let instance = Instance::new("activation_bwd_quantized").dtype(dtype).int(activation.code());
-    instance.flag(power_of_two_scales).int(quantize::cuda::THREADS).build()
+    instance.flag(power_of_two_scales).flag(square_grad_transposed).int(quantize::cuda::THREADS).build()
 }
 
 /// The dynamic shared memory of a block of `activation_bwd_quantized`: its tiles.
@@ -84,7 +86,8 @@ pub fn activation_bwd_fp8(stream: Stream, op: &ActivationBwdFp8) -> Result<()> {
     let shared_bytes = quantized_shared_bytes(dtype, x.activation);
     // Every result's quantization takes the call's power_of_two_scales.
     let power_of_two_scales = op.grad_pre_activation.shape.power_of_two_scales;
-    let instance = activation_bwd_fp8_instance(dtype, x.activation, power_of_two_scales)?;
+    let square = op.grad_pre_activation_transposed.shape.block == WEIGHT_BLOCK;
+    let instance = activation_bwd_fp8_instance(dtype, x.activation, power_of_two_scales, square)?;
     let kernel = Kernel::get_with_shared_bytes(stream, &QUANTIZE, &instance, shared_bytes)?;
     let (rows, features) = (int(x.rows)?, int(x.features)?);
     let (grad_values, grad_scales) = op.grad_pre_activation.device_ptrs();
@@ -150,7 +153,9 @@ mod tests {
         for dtype in [DataType::F32, DataType::BF16, DataType::F16] {
             for activation in Activation::ALL {
                 for power_of_two in [false, true] {
-                    instances.push(activation_bwd_fp8_instance(dtype, activation, power_of_two).unwrap());
+                    for square in [false, true] {
+                        instances.push(activation_bwd_fp8_instance(dtype, activation, power_of_two, square).unwrap());
+                    }
                     instances.push(activation_fp8_instance(dtype, activation, power_of_two).unwrap());
                 }
             }

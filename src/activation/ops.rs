@@ -4,7 +4,7 @@
 use super::Activation;
 use crate::ffi::{Arg, Call, DataType, Result, Ret};
 use crate::invalid;
-use crate::quantize::{Output, Quantization, ACTIVATION_BLOCK};
+use crate::quantize::{Output, Quantization, ACTIVATION_BLOCK, WEIGHT_BLOCK};
 use crate::real::{float_matrix, FLOAT_TYPES};
 
 /// The operands of both activation backward calls, and their attribute
@@ -64,13 +64,15 @@ impl<'a> ActivationBwd<'a> {
 }
 
 /// `oxmoe_fp8_activation_bwd`: [`ActivationOperands`], with rows and `F`
-/// multiples of 128, and attribute `power_of_two_scales` -> the results of
+/// multiples of 128, and attributes `power_of_two_scales` and
+/// `square_grad_transposed` -> the results of
 /// `oxmoe_activation_bwd` as the FP8 layer's backward products take them,
 /// each the quantization (`oxmoe_fp8_quantize`'s semantics and results, one
 /// batch element) of what `oxmoe_activation_bwd` gives, never materialised:
 /// the pre-activation's gradient `[R, W]` in 1 x 128 blocks (values
 /// float8_e4m3fn `[1, R, W]`, scales float32 `[1, R, W / 128]`) and its
-/// transpose's (`[1, W, R]`, `[1, W, R / 128]`), the weighted hidden
+/// transpose's (`[1, W, R]`, `[1, W, R / 128]`; with attribute
+/// `square_grad_transposed`, in 128 x 128 blocks: `[1, W / 128, R / 128]`), the weighted hidden
 /// activation's transpose's (`[1, F, R]`, `[1, F, R / 128]`), then
 /// grad_row_probs `[R]` float32.
 pub struct ActivationBwdFp8<'a> {
@@ -91,15 +93,15 @@ impl<'a> ActivationBwdFp8<'a> {
         }
         let power_of_two_scales = call.attr("power_of_two_scales")?;
         // Each quantization's results: values [1, result rows, result columns] and their scales.
-        let quantized = |first, names, rows, cols, transpose| {
-            let block = ACTIVATION_BLOCK;
+        let quantized = |first, names, rows, cols, block, transpose| {
             Output::decode(call, Quantization { batch: 1, rows, cols, block, power_of_two_scales, transpose }, first, names)
         };
-        let grad_pre_activation = quantized(0, ["grad_values", "grad_scales"], rows, width, false)?;
-        let grad_pre_activation_transposed =
-            quantized(2, ["grad_transposed_values", "grad_transposed_scales"], rows, width, true)?;
-        let weighted_hidden_transposed =
-            quantized(4, ["weighted_transposed_values", "weighted_transposed_scales"], rows, features, true)?;
+        let grad_pre_activation = quantized(0, ["grad_values", "grad_scales"], rows, width, ACTIVATION_BLOCK, false)?;
+        let square: bool = call.attr("square_grad_transposed")?;
+        let grad_pre_activation_transposed = quantized(2, ["grad_transposed_values", "grad_transposed_scales"], rows,
+                                                       width, if square { WEIGHT_BLOCK } else { ACTIVATION_BLOCK }, true)?;
+        let weighted_hidden_transposed = quantized(4, ["weighted_transposed_values", "weighted_transposed_scales"],
+                                                   rows, features, ACTIVATION_BLOCK, true)?;
         let grad_row_probs = call.ret(6, "grad_row_probs")?;
         grad_row_probs.expect(&[DataType::F32], &[rows])?;
         Ok(Self { operands, grad_pre_activation, grad_pre_activation_transposed,

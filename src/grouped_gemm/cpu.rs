@@ -243,7 +243,8 @@ pub fn fp8_ragged_dot<O: Real>(
 }
 
 /// One chunk of an FP8 transposed product's rows, token-contiguous: `lhsᵀ [K,
-/// rows]` with scales `[rows/128, K]`, `rhsᵀ [N, rows]` with scales `[rows/128, N]`.
+/// rows]` with scales `[rows/128, K]`, `rhsᵀ [N, rows]` with scales `[rows/128,
+/// N / rhs_block_columns]`.
 pub struct Fp8ChunkRows<'s> {
     pub lhs: &'s [E4m3],
     pub lhs_scales: &'s [f32],
@@ -252,14 +253,16 @@ pub struct Fp8ChunkRows<'s> {
     pub rows: usize,
 }
 
-/// `out[g][k, n] = Σ (partial[k, n] * (lhs_scales[b, k] * rhs_scales[b, n]))` over
-/// each 128-row block `b` of each chunk, chunk after chunk and block after
+/// `out[g][k, n] = Σ (partial[k, n] * (lhs_scales[b, k] * rhs_scales[b, n / c]))`
+/// over each 128-row block `b` of each chunk, chunk after chunk and block after
 /// block, where `partial` is the f32 sum (in increasing row order) of the FP8
-/// products `lhsᵀ[k, r] rhsᵀ[n, r]` of the block's rows in local group `g`; a
-/// group with no rows gives zeros.
+/// products `lhsᵀ[k, r] rhsᵀ[n, r]` of the block's rows in local group `g`, and
+/// `c = rhs_block_columns` (1, or 128 for rhs in 128 x 128 blocks); a group
+/// with no rows gives zeros.
 pub fn fp8_transposed_ragged_dot<O: Real>(
     shape: &GroupedShape,
     chunks: &[Fp8ChunkRows],
+    rhs_block_columns: usize,
     group_sizes: &[i32],
     group_offset: i32,
     out: &mut [O],
@@ -299,10 +302,11 @@ pub fn fp8_transposed_ragged_dot<O: Real>(
                     rhs_rows.clear();
                     rhs_rows.extend((start..end).flat_map(|r| (0..n).map(move |j| c.rhs[j * c.rows + r].to_f32())));
                     panel_product(&panel, &rhs_rows, n, &mut partial);
+                    let rhs_scales = &c.rhs_scales[b * (n / rhs_block_columns)..];
                     for t in 0..count {
                         let lhs_scale = c.lhs_scales[b * k + first + t];
                         for j in 0..n {
-                            acc[t * n + j] += partial[t * n + j] * (lhs_scale * c.rhs_scales[b * n + j]);
+                            acc[t * n + j] += partial[t * n + j] * (lhs_scale * rhs_scales[j / rhs_block_columns]);
                         }
                     }
                 }
@@ -399,7 +403,7 @@ mod tests {
         ];
         let shape = GroupedShape { m: 2 * rows, k, n, groups: 2, local_groups: 2 };
         let mut out = [7f32; 4];
-        fp8_transposed_ragged_dot(&shape, &chunks, &[100, 28, 28, 100], 0, &mut out);
+        fp8_transposed_ragged_dot(&shape, &chunks, 1, &[100, 28, 28, 100], 0, &mut out);
         // Group 0: 100 rows of 1 * 2 * (0.5 * 1), then 28 of 1 * 2 * (2 * 3); group 1 the complements.
         let (g0, g1) = (100.0 * 2.0 * 0.5 + 28.0 * 2.0 * 6.0, 28.0 * 2.0 * 0.5 + 100.0 * 2.0 * 6.0);
         assert_eq!(out, [g0, g0, g1, g1]);

@@ -163,8 +163,10 @@ pub fn fp8_ragged_dot_hopper_instance(out: DataType, cluster: u32) -> Result<Str
     instance.int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS).int(fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0)).build()
 }
 
-pub fn fp8_transposed_hopper_instance(out: DataType, cluster: u32) -> Result<String> {
-    let instance = Instance::new("fp8_transposed_ragged_dot_hopper").dtype(out).int(cluster).int(FP8_HOPPER_STAGES);
+/// `rhs_block_columns`: the columns of rhs that share a scale (1, or 128).
+pub fn fp8_transposed_hopper_instance(out: DataType, rhs_block_columns: usize, cluster: u32) -> Result<String> {
+    let instance = Instance::new("fp8_transposed_ragged_dot_hopper").dtype(out).int(rhs_block_columns);
+    let instance = instance.int(cluster).int(FP8_HOPPER_STAGES);
     instance.int(HOPPER_THREADS).int(fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES)).build()
 }
 
@@ -181,8 +183,9 @@ pub fn fp8_ragged_dot_simt_instance(out: DataType, rhs_transposed: bool) -> Resu
     Instance::new("fp8_ragged_dot_simt").dtype(out).flag(rhs_transposed).int(SIMT_THREADS).int(SIMT_TILE).build()
 }
 
-pub fn fp8_transposed_simt_instance(out: DataType) -> Result<String> {
-    Instance::new("fp8_transposed_ragged_dot_simt").dtype(out).int(SIMT_THREADS).int(SIMT_TILE).build()
+pub fn fp8_transposed_simt_instance(out: DataType, rhs_block_columns: usize) -> Result<String> {
+    let instance = Instance::new("fp8_transposed_ragged_dot_simt").dtype(out).int(rhs_block_columns);
+    instance.int(SIMT_THREADS).int(SIMT_TILE).build()
 }
 
 /// The group arguments and sizes the ragged_dot kernels take after their
@@ -474,7 +477,8 @@ pub fn fp8_transposed_ragged_dot(stream: Stream, a: &Fp8TransposedRaggedDot) -> 
         }
         let out = a.out.device_ptr();
         let out_map = out_map(a.out.dtype(), out, shape.n as u64, transposed_out_rows(shape)?)?;
-        return launch_persistent(stream, device, &fp8_transposed_hopper_instance(a.out.dtype(), cluster)?, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), cluster, &mut [
+        let instance = fp8_transposed_hopper_instance(a.out.dtype(), a.rhs_block_columns, cluster)?;
+        return launch_persistent(stream, device, &instance, fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES), cluster, &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ]);
     }
@@ -489,7 +493,7 @@ pub fn fp8_transposed_ragged_dot(stream: Stream, a: &Fp8TransposedRaggedDot) -> 
         operands.rhs_scales[c] = chunk.rhs_scales.device_ptr();
         operands.rows[c] = int(chunk.rows)?;
     }
-    let kernel = Kernel::get(stream, &GROUPED_GEMM, &fp8_transposed_simt_instance(a.out.dtype())?)?;
+    let kernel = Kernel::get(stream, &GROUPED_GEMM, &fp8_transposed_simt_instance(a.out.dtype(), a.rhs_block_columns)?)?;
     let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
     let out = a.out.device_ptr();
     launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
@@ -519,7 +523,9 @@ mod tests {
             for transposed in [false, true] {
                 instances.push(fp8_ragged_dot_simt_instance(out, transposed).unwrap());
             }
-            instances.push(fp8_transposed_simt_instance(out).unwrap());
+            for rhs_block_columns in [1, FP8_BLOCK as usize] {
+                instances.push(fp8_transposed_simt_instance(out, rhs_block_columns).unwrap());
+            }
         }
         instances
     }
@@ -547,7 +553,9 @@ mod tests {
         for out in [DataType::BF16, DataType::F16, DataType::F32] {
             for cluster in [1, 2] {
                 instances.push(fp8_ragged_dot_hopper_instance(out, cluster).unwrap());
-                instances.push(fp8_transposed_hopper_instance(out, cluster).unwrap());
+                for rhs_block_columns in [1, FP8_BLOCK as usize] {
+                    instances.push(fp8_transposed_hopper_instance(out, rhs_block_columns, cluster).unwrap());
+                }
             }
         }
         instances

@@ -91,7 +91,8 @@ fn fp8_transposed_ragged_dot_cpu(op: Fp8TransposedRaggedDot) -> Result<()> {
                                         rhs_scales: c.rhs_scales.slice()?, rows: c.rows }))
         .collect::<Result<Vec<_>>>()?;
     with_real_type!(op.out.dtype(), O => {
-        cpu::fp8_transposed_ragged_dot::<O>(&op.shape, &chunks, sizes, offset, op.out.slice_mut()?);
+        cpu::fp8_transposed_ragged_dot::<O>(&op.shape, &chunks, op.rhs_block_columns, sizes, offset,
+                                             op.out.slice_mut()?);
     });
     Ok(())
 }

@@ -310,7 +310,8 @@ impl<'a> Fp8RaggedDot<'a> {
 
 /// One chunk of an FP8 transposed product's rows, token-contiguous (K-major, as
 /// Hopper's 8-bit `wgmma` reads them): `lhsᵀ [K, M_c]` with the scales
-/// `[M_c/128, K]` of its 128-token blocks, `rhsᵀ [N, M_c]` with `[M_c/128, N]`.
+/// `[M_c/128, K]` of its 128-token blocks, `rhsᵀ [N, M_c]` with `[M_c/128, N]`
+/// (128 x 1 blocks), or `[M_c/128, N/128]` (128 x 128 blocks).
 pub struct Fp8Chunk<'a> {
     pub lhs: Arg<'a>,
     pub lhs_scales: Arg<'a>,
@@ -326,9 +327,12 @@ pub struct Fp8Chunk<'a> {
 /// [Gl, K, N]: local group `i`'s rows of every chunk, and for each 128-row
 /// block of a chunk, the float32 sum of its rows' products (those of the
 /// group) scaled by both blocks' scales of each column, added in block order.
+/// Every chunk's rhs has the same blocks, told by the shape of its scales.
 pub struct Fp8TransposedRaggedDot<'a> {
     pub shape: GroupedShape,
     pub chunks: Vec<Fp8Chunk<'a>>,
+    /// The columns of rhs that share a scale: 1, or [`FP8_BLOCK`] (128 x 128 blocks).
+    pub rhs_block_columns: usize,
     pub group_sizes: Arg<'a>,
     pub group_offset: Arg<'a>,
     pub out: Ret<'a>,
@@ -343,6 +347,7 @@ impl<'a> Fp8TransposedRaggedDot<'a> {
         let (k, _) = call.arg(0, names[0](0))?.matrix()?;
         let (n, _) = call.arg(2 * count, names[2](0))?.matrix()?;
         let mut chunks = Vec::with_capacity(count);
+        let mut rhs_block_columns = 1;
         for c in 0..count {
             let lhs = call.arg(c, names[0](c))?;
             let (_, rows) = lhs.matrix()?;
@@ -353,7 +358,11 @@ impl<'a> Fp8TransposedRaggedDot<'a> {
             let rhs = call.arg(2 * count + c, names[2](c))?;
             rhs.expect(&[DataType::F8E4M3FN], &[n, rows])?;
             let rhs_scales = call.arg(3 * count + c, names[3](c))?;
-            rhs_scales.expect(&[DataType::F32], &[row_blocks, n])?;
+            // The first chunk's scales say rhs's blocks: 128 x 1, or 128 x 128.
+            if c == 0 && n > 0 && n.is_multiple_of(FP8_BLOCK) && rhs_scales.matrix()?.1 == n / FP8_BLOCK {
+                rhs_block_columns = FP8_BLOCK;
+            }
+            rhs_scales.expect(&[DataType::F32], &[row_blocks, n / rhs_block_columns])?;
             chunks.push(Fp8Chunk { lhs, lhs_scales, rhs, rhs_scales, rows });
         }
         let (group_sizes, group_offset, groups) = decode_chunk_groups(call, 4 * count, count)?;
@@ -364,6 +373,6 @@ impl<'a> Fp8TransposedRaggedDot<'a> {
         let workspace = call.workspace(1, workspace_bytes(count, local_groups))?;
         let m = chunks.iter().map(|c| c.rows).sum();
         let shape = GroupedShape { m, k, n, groups, local_groups };
-        Ok(Self { shape, chunks, group_sizes, group_offset, out, workspace })
+        Ok(Self { shape, chunks, rhs_block_columns, group_sizes, group_offset, out, workspace })
     }
 }

@@ -33,7 +33,10 @@ pub const ACTIVATION_BLOCK: Block = Block { rows: 1, cols: 128 };
 
 /// The blocks of the FP8 recipe: activations (1 x 128), weights (128 x 128),
 /// and the weight gradient's activations (128 x 1).
-pub const RECIPE_BLOCKS: [Block; 3] = [ACTIVATION_BLOCK, Block { rows: 128, cols: 128 }, Block { rows: 128, cols: 1 }];
+pub const RECIPE_BLOCKS: [Block; 3] = [ACTIVATION_BLOCK, WEIGHT_BLOCK, Block { rows: 128, cols: 1 }];
+
+/// The weights' blocks, 128 x 128.
+pub const WEIGHT_BLOCK: Block = Block { rows: 128, cols: 128 };
 
 /// Which quantizations of `x` a call writes (attribute `orientation`).
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]

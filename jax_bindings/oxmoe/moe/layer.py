@@ -441,7 +441,8 @@ def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config
     dispatched rows, the activation's output times each row's weight and the up
     projection's gradient (what the weight gradients, :func:`_expert_weight_grads`,
     take besides the rows; with ``config.fp8`` both as those products take them,
-    quantized transposed in 128 x 1 blocks), and each row's weight's gradient, ``<row
+    quantized transposed in 128 x 1 blocks, the gradient in ``config.fp8.gradient_block``
+    ones), and each row's weight's gradient, ``<row
     output, its gradient> = <hidden, its gradient times downᵀ>``: from values the
     backward computes anyway, so the forward keeps neither the rows nor their outputs
     (as SonicMoE does). The last three, and the d lhs product's operand, from one pass
@@ -462,7 +463,7 @@ def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config
         # The d lhs product's operand and both weight gradients' rows, quantized in the same pass.
         lhs_rows, weight_grad_rows, weighted_hidden, grad_row_probs = fp8.activation_bwd(
             grad_hidden, kept.up_rows, kept.row_probs, config.activation,
-            power_of_two_scales=config.fp8.power_of_two_scales)
+            power_of_two_scales=config.fp8.power_of_two_scales, grad_transposed_block=config.fp8.gradient_block)
     grad_in = _expert_product(lhs_rows, up_weight, kept.group_sizes, config, rhs_transposed=True)
     return grad_in, weighted_hidden, weight_grad_rows, grad_row_probs
 
@@ -472,6 +473,7 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     """``(grad_up, grad_down)`` of the local experts over every chunk's rows: one
     weight-gradient product per weight, its rows kept in their chunks' buffers
     (with ``config.fp8``, each quantized in 128 x 1 blocks, one scale per 128 rows
+    (the output gradients in ``config.fp8.gradient_block`` blocks)
     of a column, and transposed: each column's rows contiguous, as the FP8 product
     takes them; ``weighted_hidden`` and ``grad_up_rows`` come so from
     :func:`_expert_ffn_bwd`). The
@@ -490,14 +492,14 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
         # again per 128 rows (DeepSeek-V3's way), read as their FP8 values and scales: no 16-bit
         # copy of them, and the same values as quantizing one. The dispatched rows are read
         # from their tokens through the dispatch's map, with no copy of them either.
-        requantize = functools.partial(fp8.requantize, block=fp8.ACTIVATION_BLOCK, dtype=config.dtype,
-                                       transpose=True, power_of_two_scales=config.fp8.power_of_two_scales)
+        requantize = functools.partial(fp8.requantize, dtype=config.dtype, transpose=True,
+                                       power_of_two_scales=config.fp8.power_of_two_scales)
 
         def dispatched_rows(chunk: ExpertResiduals):
             assert isinstance(chunk.tokens, fp8.BlockQuantized)  # kept as they travelled (_token_parts)
-            return requantize(chunk.tokens, source_rows=chunk.row_id_map.source_tokens)
+            return requantize(chunk.tokens, fp8.ACTIVATION_BLOCK, source_rows=chunk.row_id_map.source_tokens)
         # The weighted hidden and the up projection's gradient come so from _expert_ffn_bwd.
-        down_operands = (weighted_hidden, [requantize(rows) for rows in grad_out_rows])
+        down_operands = (weighted_hidden, [requantize(rows, config.fp8.gradient_block) for rows in grad_out_rows])
         up_operands = ([dispatched_rows(chunk) for chunk in kept], grad_up_rows)
         product = fp8.transposed_ragged_dot
     grad_down = product(*down_operands, sizes, num_groups=groups,

@@ -259,7 +259,8 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     Args:
       lhs: ``lhsᵀ [K, M]`` in :data:`oxmoe.fp8.ACTIVATION_BLOCK` blocks (the rows'
         128 x 1 blocks, transposed), or a sequence of chunks ``[K, M_c]``.
-      rhs: ``rhsᵀ [N, M]`` in the same blocks, or a sequence of chunks.
+      rhs: ``rhsᵀ [N, M]`` in the same blocks or in :data:`oxmoe.fp8.WEIGHT_BLOCK`
+        blocks (the rows' 128 x 128 blocks), or a sequence of chunks.
       group_sizes: ``[G]`` integers (``[C, G]`` for chunks).
       num_groups: the result's groups (default ``G``).
       group_offset: the window's first group (None: 0).
@@ -273,14 +274,15 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     out = jnp.zeros((groups, k, n), jnp.float32)
     for a, c, chunk_sizes in zip(lhs_chunks, rhs_chunks, sizes):
         _check_quantized("lhs", a, ACTIVATION_BLOCK, "[K, M]")
-        _check_quantized("rhs", c, ACTIVATION_BLOCK, "[N, M]")
+        _check_quantized("rhs", c, c.block if c.block == WEIGHT_BLOCK else ACTIVATION_BLOCK, "[N, M]")
         rows = a.shape[1]
         if rows == 0:
             continue
         local = _window(chunk_sizes, group_offset, groups, rows)[0].reshape(rows // _BLOCK, _BLOCK)
         av = a.values.astype(jnp.float32).T.reshape(rows // _BLOCK, _BLOCK, k)
         cv = c.values.astype(jnp.float32).T.reshape(rows // _BLOCK, _BLOCK, n)
-        a_scales, c_scales = a.scales.T, c.scales.T  # [blocks, K], [blocks, N]
+        # [blocks, K], [blocks, N]: each scale over the c.block[0] columns of rhs it serves.
+        a_scales, c_scales = a.scales.T, jnp.repeat(c.scales.T, c.block[0], axis=1)
 
         def add_block(out, block):
             members = (local[block][:, None] == jnp.arange(groups)).astype(jnp.float32)  # [128, groups]
