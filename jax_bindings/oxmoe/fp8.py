@@ -60,7 +60,8 @@ DeepSeek-V3 runs them):
   ``rhs[g]ᵀ`` for weights ``[G, N, K]`` (d lhs: the forward's quantized weights, read the
   other way round; square blocks serve both);
 - :func:`transposed_ragged_dot`: per group, ``lhsᵀ · rhs`` over its rows, both in
-  ``(128, 1)`` blocks (the weight gradient), over up to 8 chunks of rows as
+  ``(128, 1)`` blocks, or ``rhs`` in ``(128, 128)`` ones (the weight gradient), over up to
+  8 chunks of rows as
   :func:`oxmoe.transposed_ragged_dot`; its operands come transposed (``lhsᵀ [K, M]``
   in ``(1, 128)`` blocks: the same blocks, each column's rows contiguous).
 
