@@ -1155,20 +1155,6 @@ __device__ __forceinline__ void fp8_block_product(float (&partial)[FP8_BN / 2], 
   wgmma_commit();
 }
 
-// A block's promotion whose factor is one a row: its partial times the
-// factor of the thread's accumulator row (scale) and of row + 8 (scale8),
-// added to the float32 sums.
-__device__ __forceinline__ void promote_rows(float (&sums)[FP8_BN / 2], const float (&partial)[FP8_BN / 2],
-                                             float scale, float scale8) {
-#pragma unroll
-  for (int i = 0; i < FP8_BN / 8; ++i) {
-    sums[4 * i] += partial[4 * i] * scale;
-    sums[4 * i + 1] += partial[4 * i + 1] * scale;
-    sums[4 * i + 2] += partial[4 * i + 2] * scale8;
-    sums[4 * i + 3] += partial[4 * i + 3] * scale8;
-  }
-}
-
 // out[r] for the rows r of local group i: for each 128 of K, the partial of
 // lhs[r] · rhs[i][col] times lhs_scales[r, b] rhs_scales[i, col / 128, b];
 // zero for rows outside the window; in clusters of CLUSTER blocks (1 or 2;
@@ -1241,7 +1227,13 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
       wgmma_wait<0>();
       keep_in_registers(partial);
       release_stage<CLUSTER>(s.empty, ring.stage);
-      promote_rows(sums, partial, scale, scale8);
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+        sums[4 * i] += partial[4 * i] * scale;
+        sums[4 * i + 1] += partial[4 * i + 1] * scale;
+        sums[4 * i + 2] += partial[4 * i + 2] * scale8;
+        sums[4 * i + 3] += partial[4 * i + 3] * scale8;
+      }
     }
     store_tile_in_bulk<O, Config>(sums, s.out + half * 64 * Config::OUT_PITCH, &out_map, out, tile.row0 + half * 64,
                                   tile.row_end, col0, n);
@@ -1368,19 +1360,15 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
         }
         fp8_block_product<Config>(partial, descriptors, ring.stage);
         const float* row_scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
-        if constexpr (RHS_BLOCK_COLUMNS == BN) {
-          const float scale = row_scales[row] * tile_column_scale, scale8 = row_scales[row + 8] * tile_column_scale;
-          wgmma_wait<0>();
-          keep_in_registers(partial);
-          release_stage<CLUSTER>(s.empty, ring.stage);
-          promote_rows(sums, partial, scale, scale8);
-          continue;
-        }
         const float* column_scales = row_scales + FP8_BLOCK + col;
         const float row_scale = row_scales[row], row8_scale = row_scales[row + 8];
+        // With one rhs scale a tile, every factor below is row_scale's or row8_scale's
+        // product with it: the compiler computes the two once (the forward's promotion).
         float2 column_scale[BN / 8];
 #pragma unroll
-        for (int i = 0; i < BN / 8; ++i) column_scale[i] = *reinterpret_cast<const float2*>(column_scales + 8 * i);
+        for (int i = 0; i < BN / 8; ++i)
+          column_scale[i] = RHS_BLOCK_COLUMNS == BN ? make_float2(tile_column_scale, tile_column_scale)
+                                                    : *reinterpret_cast<const float2*>(column_scales + 8 * i);
         wgmma_wait<0>();
         keep_in_registers(partial);
         release_stage<CLUSTER>(s.empty, ring.stage);
