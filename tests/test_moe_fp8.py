@@ -304,6 +304,25 @@ def test_weights_quantized_once_are_the_weights_the_layer_computes_with(case, cp
             assert weights == ["uint8"] * 4, (weights, quantized is None)
 
 
+def test_weights_quantized_under_one_recipe_serve_another_that_rounds_scales_alike(cpu, seed, rng):
+    """Only power_of_two_scales decides the weights' quantization: weights quantized for the
+    default recipe, given to a layer with square gradient blocks, make its step bit for bit."""
+    config = config_of("softmax_top2", dtype=BF16)
+    square = dataclasses.replace(config, fp8=fp8.BlockScaling(square_gradient_blocks=True))
+    x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
+
+    @jax.jit
+    def step(x, params, quantized, y_weight):
+        return ref.layer_value_and_grads(lambda x, p: moe.moe(x, p, square, fp8_weights=quantized), x, params,
+                                         y_weight)
+
+    got = step(x, params, moe.quantize_expert_weights(params, config), y_weight)
+    expected = step(x, params, None, y_weight)
+    for (path, a), b in zip(jax.tree.leaves_with_path(got), jax.tree.leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                      err_msg=f"{jax.tree_util.keystr(path)}, seed={seed}")
+
+
 def test_weights_quantized_once_that_do_not_fit_the_call_are_named():
     config = config_of("softmax_top2")
     params = moe.init_params(jax.random.key(0), config, HIDDEN, FFN)

@@ -821,8 +821,10 @@ def _check_fp8_weights(fp8_weights, params: MoEParams, config: MoEConfig) -> Non
     if not isinstance(fp8_weights, QuantizedExpertWeights):
         raise TypeError(f"fp8_weights must be an oxmoe.moe.QuantizedExpertWeights (quantize_expert_weights' result), "
                         f"got {type(fp8_weights).__name__}")
-    if fp8_weights.recipe != config.fp8:
-        raise ValueError(f"fp8_weights were quantized with {fp8_weights.recipe}, but config.fp8 is {config.fp8}")
+    # Of the recipe, only the scales' rounding decides the weights' quantization.
+    if fp8_weights.recipe.power_of_two_scales != config.fp8.power_of_two_scales:
+        raise ValueError(f"fp8_weights were quantized with {fp8_weights.recipe}, but config.fp8 is {config.fp8}: "
+                         "their scales are not rounded as its are (power_of_two_scales)")
     expected = jax.eval_shape(functools.partial(quantize_expert_weights, config=config), params)
     for name in ("up", "down", "transposed_up", "transposed_down"):
         for part in ("values", "scales"):

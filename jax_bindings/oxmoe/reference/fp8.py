@@ -46,7 +46,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe._checks import check_array, check_bool
-from oxmoe.fp8 import ACTIVATION_BLOCK, E4M3_MAX, WEIGHT_BLOCK, BlockQuantized, _check_float_blocks, _check_quantized
+from oxmoe.fp8 import (ACTIVATION_BLOCK, E4M3_MAX, WEIGHT_BLOCK, BlockQuantized, _check_float_blocks, _check_quantized,
+                       _weight_gradient_rhs_block)
 
 __all__ = ["quantize", "quantize_with_transpose", "requantize", "ragged_dot", "transposed_ragged_dot"]
 
@@ -260,7 +261,7 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
       lhs: ``lhsᵀ [K, M]`` in :data:`oxmoe.fp8.ACTIVATION_BLOCK` blocks (the rows'
         128 x 1 blocks, transposed), or a sequence of chunks ``[K, M_c]``.
       rhs: ``rhsᵀ [N, M]`` in the same blocks or in :data:`oxmoe.fp8.WEIGHT_BLOCK`
-        blocks (the rows' 128 x 128 blocks), or a sequence of chunks.
+        blocks (the rows' 128 x 128 blocks), or a sequence of chunks, all in the same blocks.
       group_sizes: ``[G]`` integers (``[C, G]`` for chunks).
       num_groups: the result's groups (default ``G``).
       group_offset: the window's first group (None: 0).
@@ -271,10 +272,11 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     sizes = jnp.asarray(group_sizes).reshape(len(lhs_chunks), -1)
     groups = sizes.shape[1] if num_groups is None else num_groups
     k, n = lhs_chunks[0].shape[0], rhs_chunks[0].shape[0]
+    rhs_block = _weight_gradient_rhs_block(rhs_chunks[0])
     out = jnp.zeros((groups, k, n), jnp.float32)
     for a, c, chunk_sizes in zip(lhs_chunks, rhs_chunks, sizes):
         _check_quantized("lhs", a, ACTIVATION_BLOCK, "[K, M]")
-        _check_quantized("rhs", c, c.block if c.block == WEIGHT_BLOCK else ACTIVATION_BLOCK, "[N, M]")
+        _check_quantized("rhs", c, rhs_block, "[N, M]")
         rows = a.shape[1]
         if rows == 0:
             continue
