@@ -310,40 +310,45 @@ def quantized_once_step(config: moe.MoEConfig) -> Callable:
     return step
 
 
+#: The FP8 step's variants timed beside it (reported, not judged), each with its table label: the
+#: options alone and together; "quantized once" is the step given its expert weights quantized
+#: outside it (``fp8_weights=``, a micro-batch's step under gradient accumulation).
+LAYER_VARIANTS = (("fp8_aligned", f"fp8 align {ALIGNED_ROWS}"), ("fp8_quantized_once", "weights quantized once"),
+                  ("fp8_aligned_quantized_once", "both"), ("fp8_square", "128x128 gradients"),
+                  ("fp8_square_aligned_quantized_once", "all three"))
+
+
 def run_layer(row: dict, layer: moe_bench.Layer, settings: timing.Settings, seed: int) -> None:
-    """Fills ``row``: the FP8 and the bf16 step on one input set (a step reads far more than the
-    L2 cache), and the FP8 step's outputs' distance from the bf16 step's."""
+    """Fills ``row``: the FP8 step, its :data:`LAYER_VARIANTS` and the bf16 step on one input set (a
+    step reads far more than the L2 cache), and the FP8 steps' outputs' distance from the bf16
+    step's."""
     place = moe_bench.Placement(None)
     base = (seed, zlib.crc32(layer.name.encode()))
     x, w = moe_bench.draw_tokens(layer, place, base, layer.tokens)
     params = moe_bench.draw_params(layer, place, base)
     arg_sets = [(x, params, w)]
-    outs = {}
     fp8_config = dataclasses.replace(layer.config, fp8=fp8.BlockScaling())
-    for name, config in (("fp8", fp8_config), ("fp8_aligned", dataclasses.replace(fp8_config, align_size=ALIGNED_ROWS)),
+    square = dataclasses.replace(layer.config, fp8=fp8.BlockScaling(square_gradient_blocks=True))
+    aligned = functools.partial(dataclasses.replace, align_size=ALIGNED_ROWS)
+    outs = {}
+    for name, config in (("fp8", fp8_config), ("fp8_aligned", aligned(fp8_config)), ("fp8_square", square),
                          ("bf16", layer.config)):
         (outs[name],), t = _time(timing.rotated(moe_bench.step(moe_bench.oxmoe_layer(config))), arg_sets, settings)
         row[name] = t.to_json()
-    row["fp8_vs_bf16"] = {name: float(value) for name, value in moe_bench.compare(outs["fp8"], outs["bf16"]).items()}
-    quantized = jax.jit(functools.partial(moe.quantize_expert_weights, config=fp8_config))(params)
-    for name, config in (("fp8", fp8_config), ("fp8_aligned", dataclasses.replace(fp8_config, align_size=ALIGNED_ROWS))):
+    for name in ("fp8", "fp8_square"):
+        row[f"{name}_vs_bf16"] = {key: float(value) for key, value in moe_bench.compare(outs[name], outs["bf16"]).items()}
+    for name, config in (("fp8", fp8_config), ("fp8_aligned", aligned(fp8_config)),
+                         ("fp8_square_aligned", aligned(square))):
+        quantized = jax.jit(functools.partial(moe.quantize_expert_weights, config=config))(params)
         (once,), t = _time(timing.rotated(quantized_once_step(config)), [(x, params, w, quantized)], settings)
         row[f"{name}_quantized_once"] = t.to_json()
+        if name not in outs:  # all three options: no step of the same config timed without the weights given
+            continue
         differ = [jax.tree_util.keystr(path) for (path, a), b in zip(jax.tree.leaves_with_path(once),
                                                                      jax.tree.leaves(outs[name]))
                   if not np.array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))]
         if differ:
             raise CheckFailed(f"the {name} step given its weights quantized once differs from it in {differ}")
-    # The weight gradients' output-gradient operand in 128 x 128 blocks: alone, and with both options above.
-    square = dataclasses.replace(fp8_config, fp8=fp8.BlockScaling(square_gradient_blocks=True))
-    (outs["fp8_square"],), t = _time(timing.rotated(moe_bench.step(moe_bench.oxmoe_layer(square))), arg_sets, settings)
-    row["fp8_square"] = t.to_json()
-    row["fp8_square_vs_bf16"] = {name: float(value)
-                                 for name, value in moe_bench.compare(outs["fp8_square"], outs["bf16"]).items()}
-    square_aligned = dataclasses.replace(square, align_size=ALIGNED_ROWS)
-    quantized = jax.jit(functools.partial(moe.quantize_expert_weights, config=square_aligned))(params)
-    _, t = _time(timing.rotated(quantized_once_step(square_aligned)), [(x, params, w, quantized)], settings)
-    row["fp8_square_aligned_quantized_once"] = t.to_json()
 
 
 #: The step's outputs whose distance from the bf16 step's the table shows (the worst).
@@ -360,8 +365,8 @@ def add_ratios(row: dict, judge: bool) -> None:
     """TFLOP/s of each timing, the ratios and the goals (None where not judged or not timed)."""
     fp8_s = _median_s(row.get("fp8"))
     row["tflops"] = {key: _tflops(row["flops"], _median_s(row.get(key)))
-                     for key in ("fp8", "fp8_aligned", "fp8_quantized_once", "fp8_aligned_quantized_once", "fp8_square",
-                                 "fp8_square_aligned_quantized_once", "bf16", "dense_fp8", "dense_bf16") if key in row}
+                     for key in ("fp8", *(key for key, _ in LAYER_VARIANTS), "bf16", "dense_fp8", "dense_bf16")
+                     if key in row}
     bf16_s = _median_s(row.get("bf16"))
     row["speedup_over_bf16"] = bf16_s / fp8_s if fp8_s and bf16_s else None
     if row["family"] == "fp8_gemm":
@@ -370,8 +375,7 @@ def add_ratios(row: dict, judge: bool) -> None:
         goals = dict(speedup_over_bf16=(MIN_SPEEDUP_OVER_BF16, row["speedup_over_bf16"]),
                      fraction_of_dense_fp8=(MIN_FRACTION_OF_DENSE_FP8, row["fraction_of_dense_fp8"]))
     else:
-        for key in ("fp8_aligned", "fp8_quantized_once", "fp8_aligned_quantized_once", "fp8_square",
-                    "fp8_square_aligned_quantized_once"):
+        for key, _ in LAYER_VARIANTS:
             other_s = _median_s(row.get(key))
             row[f"{key}_speedup_over_bf16"] = bf16_s / other_s if other_s and bf16_s else None
         goals = dict(speedup_over_bf16=(MIN_LAYER_SPEEDUP, row["speedup_over_bf16"]))
@@ -423,26 +427,24 @@ def gemm_table(rows: list[dict]) -> str:
     return text_table([header] + lines)
 
 
+def _worst_error(row: dict, key: str) -> str:
+    """The worst of :data:`LAYER_OUTPUTS` in ``row[key]`` (a step's distance from the bf16 step's)."""
+    errors = row.get(key) or {}
+    worst = max((errors[name] for name in LAYER_OUTPUTS if name in errors), default=None)
+    return "-" if worst is None else f"{worst:.3f}"
+
+
 def layer_table(rows: list[dict]) -> str:
     header = ["case", "fp8 step us", "TFLOP/s", "bf16 step us", "TFLOP/s", f">={MIN_LAYER_SPEEDUP:g}x bf16",
-              f"fp8 align {ALIGNED_ROWS} us", "x bf16", "weights quantized once us", "x bf16",
-              "both us", "x bf16", "128x128 gradients us", "x bf16", "all three us", "x bf16",
+              *(text for _, label in LAYER_VARIANTS for text in (f"{label} us", "x bf16")),
               "max rel err vs bf16", "128x128 gradients", "status"]
     lines = []
     for r in rows:
-        worst, square_worst = (max(((r.get(key) or {}).get(name, -1.0) for name in LAYER_OUTPUTS), default=-1.0)
-                               for key in ("fp8_vs_bf16", "fp8_square_vs_bf16"))
         lines.append([r["name"], _us(r, "fp8"), _tflops_cell(r, "fp8"), _us(r, "bf16"), _tflops_cell(r, "bf16"),
                       _ratio_cell(r.get("speedup_over_bf16"), r.get("goals", {}).get("speedup_over_bf16")),
-                      _us(r, "fp8_aligned"), _ratio_cell(r.get("fp8_aligned_speedup_over_bf16"), None),
-                      _us(r, "fp8_quantized_once"), _ratio_cell(r.get("fp8_quantized_once_speedup_over_bf16"), None),
-                      _us(r, "fp8_aligned_quantized_once"),
-                      _ratio_cell(r.get("fp8_aligned_quantized_once_speedup_over_bf16"), None),
-                      _us(r, "fp8_square"), _ratio_cell(r.get("fp8_square_speedup_over_bf16"), None),
-                      _us(r, "fp8_square_aligned_quantized_once"),
-                      _ratio_cell(r.get("fp8_square_aligned_quantized_once_speedup_over_bf16"), None),
-                      "-" if worst < 0 else f"{worst:.3f}", "-" if square_worst < 0 else f"{square_worst:.3f}",
-                      _status(r)])
+                      *(cell for key, _ in LAYER_VARIANTS
+                        for cell in (_us(r, key), _ratio_cell(r.get(f"{key}_speedup_over_bf16"), None))),
+                      _worst_error(r, "fp8_vs_bf16"), _worst_error(r, "fp8_square_vs_bf16"), _status(r)])
     return text_table([header] + lines)
 
 
@@ -456,15 +458,8 @@ def log_line(row: dict) -> str:
         text += (f", {_ratio_cell(row['fraction_of_dense_fp8'], row['goals']['fraction_of_dense_fp8'], True)} of "
                  f"dense fp8 ({row['dense_fp8']['kernel']}), max rel err {row['check']['max_rel_err']:.1e}")
     else:
-        text += (f"; fp8 with align_size={ALIGNED_ROWS} {_us(row, 'fp8_aligned')} us "
-                 f"({_ratio_cell(row['fp8_aligned_speedup_over_bf16'], None)}), with its weights quantized once "
-                 f"{_us(row, 'fp8_quantized_once')} us ({_ratio_cell(row['fp8_quantized_once_speedup_over_bf16'], None)}), "
-                 f"both {_us(row, 'fp8_aligned_quantized_once')} us "
-                 f"({_ratio_cell(row['fp8_aligned_quantized_once_speedup_over_bf16'], None)}); with 128 x 128 "
-                 f"gradient blocks {_us(row, 'fp8_square')} us "
-                 f"({_ratio_cell(row['fp8_square_speedup_over_bf16'], None)}), and both options too "
-                 f"{_us(row, 'fp8_square_aligned_quantized_once')} us "
-                 f"({_ratio_cell(row['fp8_square_aligned_quantized_once_speedup_over_bf16'], None)})")
+        text += "".join(f"; {label} {_us(row, key)} us ({_ratio_cell(row[f'{key}_speedup_over_bf16'], None)})"
+                        for key, label in LAYER_VARIANTS)
     return text
 
 
