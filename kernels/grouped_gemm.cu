@@ -1280,8 +1280,10 @@ __device__ __forceinline__ void zero_columns_outside(unsigned char* a, unsigned 
 // contiguous in global memory): loaded by the consumers, their L2 latency
 // outlasted the block's four wgmmas (ncu on an H200: a third of the stalls).
 // With rhs in 128 x 128 blocks (RHS_BLOCK_COLUMNS 128) a block has one rhs
-// scale for the whole tile, which each consumer loads as the stage begins: the
-// promotion is then the forward's, one factor a row instead of one an element.
+// scale for the whole tile, which the producer stores in the stage beside the
+// row scales (loaded by the consumers as the stage began, its L2 latency fell
+// among the block's wgmmas): the promotion is then the forward's, one factor a
+// row instead of one an element.
 // In clusters of CLUSTER blocks (1 or 2; with 2, the grid is even and n spans
 // an even number of 128-column tiles) that share each A tile, as
 // ragged_dot_hopper's: lhs's maps then have boxes of 128 x (128 / CLUSTER)
@@ -1314,13 +1316,19 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
       for (int c = 0; c < chunks; ++c) {
         const int begin = rows.begin(c, g), end = rows.end(c, g);
         for (int b = begin / FP8_BLOCK; begin < end && b * FP8_BLOCK < end; ++b, ring.advance<STAGES>()) {
+          // The tile's one rhs scale of the block (128 x 128 blocks), loaded before the wait that it passes under.
+          float tile_column_scale = 0.f;
+          if constexpr (RHS_BLOCK_COLUMNS == BN)
+            tile_column_scale = operands.rhs_scales[c][static_cast<size_t>(b) * (n / BN) + col0 / BN];
           barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
           unsigned long long* full = &s.full[ring.stage];
+          float* scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
+          // Stored in the stage's column-scale slot before the full barrier's arrival, which releases it.
+          if constexpr (RHS_BLOCK_COLUMNS == BN) scales[FP8_BLOCK] = tile_column_scale;
           barrier_expect_bytes(full, Config::STAGE_BYTES + STAGE_SCALE_BYTES);
           load_a_tile<CLUSTER>(s.a + ring.stage * Config::A_BYTES, &operands.lhs[c], full, b * FP8_BLOCK, out_row0,
                                rank);
           tma_load(s.b + ring.stage * Config::B_BYTES, &operands.rhs[c], full, b * FP8_BLOCK, col0);
-          float* scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
           bulk_load(scales, operands.lhs_scales[c] + static_cast<size_t>(b) * k + out_row0, FP8_BLOCK * 4, full);
           if constexpr (RHS_BLOCK_COLUMNS == 1)
             bulk_load(scales + FP8_BLOCK, operands.rhs_scales[c] + static_cast<size_t>(b) * n + col0, FP8_BLOCK * 4,
@@ -1346,10 +1354,6 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
     for (int c = 0; c < chunks; ++c) {
       const int begin = rows.begin(c, g), end = rows.end(c, g);
       for (int b = begin / FP8_BLOCK; begin < end && b * FP8_BLOCK < end; ++b, ring.advance<STAGES>()) {
-        // The tile's one rhs scale of the block (128 x 128 blocks), loaded before the wait.
-        float tile_column_scale = 0.f;
-        if constexpr (RHS_BLOCK_COLUMNS == BN)
-          tile_column_scale = operands.rhs_scales[c][static_cast<size_t>(b) * (n / BN) + col0 / BN];
         barrier_wait(&s.full[ring.stage], ring.phase);
         unsigned char* a = s.a + ring.stage * Config::A_BYTES;
         unsigned char* w = s.b + ring.stage * Config::B_BYTES;
@@ -1360,15 +1364,16 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
         }
         fp8_block_product<Config>(partial, descriptors, ring.stage);
         const float* row_scales = s.scales + ring.stage * Config::SCALE_BYTES / 4;
-        const float* column_scales = row_scales + FP8_BLOCK + col;
+        // The tile's columns' scales (128 x 1 blocks), or its one scale (128 x 128).
+        const float* column_scales = row_scales + FP8_BLOCK;
         const float row_scale = row_scales[row], row8_scale = row_scales[row + 8];
         // With one rhs scale a tile, every factor below is row_scale's or row8_scale's
         // product with it: the compiler computes the two once (the forward's promotion).
         float2 column_scale[BN / 8];
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i)
-          column_scale[i] = RHS_BLOCK_COLUMNS == BN ? make_float2(tile_column_scale, tile_column_scale)
-                                                    : *reinterpret_cast<const float2*>(column_scales + 8 * i);
+          column_scale[i] = RHS_BLOCK_COLUMNS == BN ? make_float2(column_scales[0], column_scales[0])
+                                                    : *reinterpret_cast<const float2*>(column_scales + col + 8 * i);
         wgmma_wait<0>();
         keep_in_registers(partial);
         release_stage<CLUSTER>(s.empty, ring.stage);
