@@ -15,8 +15,10 @@ builds with the same digests computed the same bits). Run it once per build, alt
       python3 bench/fp8_products_ab.py after_$i
     done
 
-Prints one line per product and a last ``JSON {...}`` line with the label, the build id and every
-number. Needs a GPU (``--smoke``: the benchmark's tiny layers, a check of this script).
+``--only TEXT`` times only the products whose names contain it (``--only 128x128``: the square
+weight gradients). Prints one line per product and a last ``JSON {...}`` line with the label,
+the build id and every number. Needs a GPU (``--smoke``: the benchmark's tiny layers, a check of
+this script).
 """
 
 import argparse
@@ -72,6 +74,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("label", help="this run's name in the JSON line")
     parser.add_argument("--smoke", action="store_true", help="the benchmark's tiny layers, few samples")
+    parser.add_argument("--only", default="", help="the products whose names contain this (e.g. 128x128)")
     args = parser.parse_args()
     settings = timing.SMOKE if args.smoke else SETTINGS
     print(oxmoe.build_id(), flush=True)
@@ -80,14 +83,18 @@ def main() -> None:
     weight_product = lambda lhs, rhs, sizes: fp8.transposed_ragged_dot(lhs, rhs, sizes,
                                                                        preferred_element_type=jnp.bfloat16)
     results = []
-    for layer in fp8_gemm.layers(smoke=args.smoke):
+    for layer_index, layer in enumerate(fp8_gemm.layers(smoke=args.smoke)):
         sizes = layer_group_sizes(layer)
         # The FP8 operands' rows are whole 128-row blocks, the padding in no group.
         rows = -(-int(sizes.sum()) // 128) * 128
         print(f"{layer.name}: {len(sizes)} groups of {sizes.min()}-{sizes.max()} rows, {rows} in all", flush=True)
         sizes = jnp.asarray(sizes)
-        for name, kind, k, n in products(layer.hidden, layer.ffn):
-            keys = jax.random.split(jax.random.key(len(results)), SETS)
+        layer_products = products(layer.hidden, layer.ffn)
+        for index, (name, kind, k, n) in enumerate(layer_products):
+            if args.only not in name:
+                continue
+            # Each product's inputs whichever others run.
+            keys = jax.random.split(jax.random.key(layer_index * len(layer_products) + index), SETS)
             sets = [(*operands(key, kind, rows, len(sizes), k, n), sizes) for key in keys]
             product = row_product if kind == "rows" else weight_product
             clocks = timing.ClockSampler()
