@@ -22,6 +22,7 @@ pytest.importorskip("matplotlib")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
+from flax import nnx  # noqa: E402
 
 import moe_reference  # noqa: E402
 from oxmoe import fp8, train  # noqa: E402
@@ -139,11 +140,53 @@ def test_train_step_moves_the_expert_bias_by_the_returned_counts(rng):
     assert 5.0 < float(byte_loss) < 6.5  # untrained: about log(256) = 5.55
 
 
+@pytest.mark.parametrize("recipe", [None, fp8.BlockScaling()], ids=["float32", "fp8"])
+def test_micro_batches_step_on_the_mean_of_their_gradients(rng, recipe):
+    """Gradient accumulation: the step with --micro-batches 2 against the two micro-batches'
+    gradients taken apart (windows 0, 2, 4, ... and 1, 3, 5, ...), the model quantizing its own
+    FP8 weights in each, averaged and applied by SGD; a load-balancing loss, which depends on
+    how the batch is split, is on. Float32 to float32's rounding; FP8 to 1% of each weight's
+    largest move: the reference runs op by op, and a float32 sum rounded otherwise before a
+    quantization may round to a neighbouring FP8 value (1/8 apart)."""
+    moe_config = MoEConfig(num_experts=8, topk=2, aux_loss_coeff=1e-2, dtype=jnp.float32, fp8=recipe)
+    seed = int(rng.integers(1 << 30))
+    sizes = dict(hidden=128, ffn=128) if recipe else {}
+    _, model, optimizer = _model(np.random.default_rng(seed), moe_config, devices=4, **sizes)
+    _, reference, _ = _model(np.random.default_rng(seed), moe_config, devices=4, **sizes)
+    windows = jnp.asarray(rng.integers(0, 256, (8, 33)), jnp.int32)
+    before = jax.tree.map(lambda p: np.asarray(p, np.float64), nnx.state(model, nnx.Param))
+
+    byte_loss, moe_loss, counts = train.train_step(model, optimizer, windows, jnp.float32(0.0), micro_batches=2)
+
+    def loss(model, batch):
+        logits, auxes = model(batch[:, :-1])
+        byte_loss = train.next_byte_loss(logits, batch[:, 1:])
+        moe_loss = sum(aux.load_balancing_loss + aux.z_loss for aux in auxes)
+        return byte_loss + moe_loss, (byte_loss, moe_loss, jnp.stack([aux.tokens_per_expert for aux in auxes]))
+
+    (_, (byte_a, moe_a, counts_a)), grads_a = nnx.value_and_grad(loss, has_aux=True)(reference, windows[0::2])
+    (_, (byte_b, moe_b, counts_b)), grads_b = nnx.value_and_grad(loss, has_aux=True)(reference, windows[1::2])
+    assert float(moe_a) != pytest.approx(float(moe_b), rel=1e-3)  # the split matters to the MoE loss
+    np.testing.assert_allclose(float(byte_loss), (float(byte_a) + float(byte_b)) / 2, rtol=1e-5)
+    np.testing.assert_allclose(float(moe_loss), (float(moe_a) + float(moe_b)) / 2, rtol=1e-5)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(counts_a) + np.asarray(counts_b))
+    # SGD at 0.1: each parameter moved by -0.1 times the mean of the two gradients.
+    moves = jax.tree.map(lambda a, b: -0.1 * (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2,
+                         grads_a, grads_b)
+    after = nnx.state(model, nnx.Param)
+    for (path, got), old, move in zip(jax.tree.leaves_with_path(after), jax.tree.leaves(before),
+                                      jax.tree.leaves(moves)):
+        tolerance = (1e-2 if recipe else 1e-4) * np.abs(move).max()
+        np.testing.assert_allclose(np.asarray(got, np.float64), old + move, rtol=2e-7, atol=tolerance,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--heads", "3"], "--heads 3 must divide --hidden 128"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--fp8", "--ffn", "96"], "--fp8 needs --hidden and --ffn multiples of 128 (one scale per 128), got 128 and 96"),
     (["--fp8-square-gradients"], "--fp8-square-gradients is an option of --fp8's recipe: give --fp8 too"),
+    (["--micro-batches", "0"], "--micro-batches must be at least 1, got 0"),
 ])
 def test_bad_flags_are_named(capsys, argv, message):
     with pytest.raises(SystemExit):
@@ -156,6 +199,8 @@ def test_devices_must_divide_experts_and_batch():
         train.make_mesh(4, 6, 8)
     with pytest.raises(SystemExit, match="--batch 6 is not a multiple of the 4 devices"):
         train.make_mesh(4, 8, 6)
+    with pytest.raises(SystemExit, match="--batch 12 is not a multiple of --micro-batches 2 times the 4 devices"):
+        train.make_mesh(4, 8, 12, 2)
 
 
 def test_more_devices_than_the_machine_has_are_named():

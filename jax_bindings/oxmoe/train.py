@@ -9,6 +9,10 @@ GPU when there is one, else the CPU) with expert parallelism over the devices
 (--devices; on the CPU that many virtual devices): each device holds
 experts / devices of each layer's experts and routes its share of the batch.
 
+--micro-batches N accumulates gradients: each step's batch runs as N
+micro-batches, their gradients averaged for one optimiser update (with --fp8,
+the expert weights quantized once a step for all of them).
+
 A progress bar shows the training loss, tokens/s and the load balance (the
 busiest expert's tokens over the mean, worst layer). At the end it writes, to
 --out: loss.png (training and validation loss against the unigram baseline:
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import importlib.resources
 import json
 import math
@@ -135,9 +140,9 @@ class Block(nnx.Module):
         self.moe_norm = nnx.RMSNorm(config.hidden, dtype=dtype, rngs=rngs)
         self.moe = MoE(config.moe, config.hidden, config.ffn, rngs=rngs, expert_axis=EXPERT_AXIS, mesh=mesh)
 
-    def __call__(self, x):
+    def __call__(self, x, fp8_weights=None):
         x = x + self.attention(self.attention_norm(x))
-        y, aux = self.moe(self.moe_norm(x))
+        y, aux = self.moe(self.moe_norm(x), fp8_weights=fp8_weights)
         return x + y.astype(x.dtype), aux
 
 
@@ -152,12 +157,13 @@ class MoELanguageModel(nnx.Module):
         self.blocks = nnx.List([Block(config, mesh, rngs=rngs) for _ in range(config.layers)])
         self.final_norm = nnx.RMSNorm(config.hidden, dtype=dtype, rngs=rngs)
 
-    def __call__(self, tokens):
-        """Next-byte logits ``[B, S, 256]`` (float32) and each block's :class:`oxmoe.moe.MoEAux`."""
+    def __call__(self, tokens, fp8_weights=None):
+        """Next-byte logits ``[B, S, 256]`` (float32) and each block's :class:`oxmoe.moe.MoEAux`;
+        ``fp8_weights``: each block's expert weights quantized (``quantize_expert_weights``), or ``None``."""
         x = self.embed(tokens) + self.positions(jnp.arange(tokens.shape[1]))
         auxes = []
-        for block in self.blocks:
-            x, aux = block(x)
+        for block, weights in zip(self.blocks, fp8_weights or [None] * len(self.blocks)):
+            x, aux = block(x, weights)
             auxes.append(aux)
         return self.embed.attend(self.final_norm(x)).astype(jnp.float32), auxes
 
@@ -178,18 +184,44 @@ def create_model(config: ModelConfig, mesh: jax.sharding.Mesh, seed: int, optimi
         return model, nnx.Optimizer(model, optimizer, wrt=nnx.Param)
 
 
-@nnx.jit
-def train_step(model: MoELanguageModel, optimizer: nnx.Optimizer, windows, bias_rate):
+@nnx.jit(static_argnames="micro_batches")
+def train_step(model: MoELanguageModel, optimizer: nnx.Optimizer, windows, bias_rate, micro_batches: int = 1):
     """One optimiser step on ``windows [B, S + 1]``; returns the next-byte loss, the MoE
-    losses (already times their coefficients) and each layer's tokens per expert ``[L, E]``."""
+    losses (already times their coefficients) and each layer's tokens per expert ``[L, E]``.
 
-    def loss(model):
-        logits, auxes = model(windows[:, :-1])
-        byte_loss = next_byte_loss(logits, windows[:, 1:])
-        moe_loss = sum(aux.load_balancing_loss + aux.z_loss for aux in auxes)
-        return byte_loss + moe_loss, (byte_loss, moe_loss, jnp.stack([aux.tokens_per_expert for aux in auxes]))
+    With ``micro_batches`` N > 1 (gradient accumulation), the step's gradient is the mean of
+    the gradients of N micro-batches of B / N windows (windows i, i + N, i + 2N, ...: each
+    device's share of the batch splits without moving), computed one after another, so only
+    one micro-batch's activations are alive at a time; the losses are their means, the
+    tokens per expert their sums. With FP8 experts, each block's expert weights are
+    quantized once for the step's micro-batches, not in each of them (the same bits)."""
+    graph, params, rest = nnx.split(model, nnx.Param, ...)  # type: ignore[misc]  # two filters: three parts
+    fp8_weights = ([block.moe.quantize_expert_weights() for block in model.blocks]
+                   if model.blocks[0].moe.config.fp8 is not None else None)
 
-    (_, (byte_loss, moe_loss, tokens_per_expert)), grads = nnx.value_and_grad(loss, has_aux=True)(model)
+    def gradients(batch):
+        def loss(params):
+            logits, auxes = nnx.merge(graph, params, rest)(batch[:, :-1], fp8_weights)
+            byte_loss = next_byte_loss(logits, batch[:, 1:])
+            moe_loss = sum(aux.load_balancing_loss + aux.z_loss for aux in auxes)
+            return byte_loss + moe_loss, (byte_loss, moe_loss, jnp.stack([aux.tokens_per_expert for aux in auxes]))
+        (_, results), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        return grads, results
+
+    if micro_batches == 1:
+        grads, (byte_loss, moe_loss, tokens_per_expert) = gradients(windows)
+    else:
+        batch, length = windows.shape
+        micro = jnp.moveaxis(windows.reshape(batch // micro_batches, micro_batches, length), 1, 0)
+
+        def accumulate(total, batch):
+            grads, results = gradients(batch)
+            return jax.tree.map(jnp.add, total, grads), results
+
+        grads, (byte_losses, moe_losses, counts) = jax.lax.scan(
+            accumulate, jax.tree.map(jnp.zeros_like, params), micro)
+        grads = jax.tree.map(lambda g: g / micro_batches, grads)
+        byte_loss, moe_loss, tokens_per_expert = byte_losses.mean(), moe_losses.mean(), counts.sum(0)
     optimizer.update(model, grads)
     for block, counts in zip(model.blocks, tokens_per_expert):
         if block.moe.expert_bias is not None:
@@ -240,7 +272,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                           "shared_experts (MoEConfig.shared_ffn = this x --ffn) (default 0)")
     run = parser.add_argument_group("training")
     run.add_argument("--steps", type=int, default=300, help="optimiser steps (default 300)")
-    run.add_argument("--batch", type=int, default=32, help="sequences per step; a multiple of --devices (default 32)")
+    run.add_argument("--batch", type=int, default=32,
+                     help="sequences per step; a multiple of --devices x --micro-batches (default 32)")
+    run.add_argument("--micro-batches", type=int, default=1,
+                     help="split each step's batch into this many micro-batches, run one after another, their "
+                          "gradients averaged for one update (gradient accumulation; with --fp8 the expert "
+                          "weights are quantized once a step); default 1")
     run.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default 3e-3)")
     run.add_argument("--dtype", choices=("float32", "bfloat16"), default=None,
                      help="compute dtype (default bfloat16 on a GPU, float32 on the CPU)")
@@ -258,7 +295,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     run.add_argument("--out", type=pathlib.Path, default=pathlib.Path("oxmoe-train"),
                      help="folder for loss.png, expert_share.png and summary.json (default ./oxmoe-train)")
     args = parser.parse_args(argv)
-    for name in ("layers", "hidden", "heads", "ffn", "seq_len", "experts", "topk", "steps", "batch", "eval_every"):
+    for name in ("layers", "hidden", "heads", "ffn", "seq_len", "experts", "topk", "steps", "batch", "micro_batches",
+                 "eval_every"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.hidden % args.heads:
@@ -275,15 +313,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def make_mesh(requested: int | None, num_experts: int, batch: int) -> jax.sharding.Mesh:
-    """A one-axis mesh of the devices that hold the experts and split the batch."""
+def make_mesh(requested: int | None, num_experts: int, batch: int, micro_batches: int = 1) -> jax.sharding.Mesh:
+    """A one-axis mesh of the devices that hold the experts and split each micro-batch."""
     available = jax.devices()
     count = requested or len(available)
     # The flags' own consistency first: it does not depend on the machine.
-    for what, size in (("--experts", num_experts), ("--batch", batch)):
-        if size % count:
-            raise SystemExit(f"{what} {size} is not a multiple of the {count} devices the experts are split over "
-                             "(set --devices)")
+    if num_experts % count:
+        raise SystemExit(f"--experts {num_experts} is not a multiple of the {count} devices the experts are split "
+                         "over (set --devices)")
+    if batch % (count * micro_batches):
+        split = f"{count} devices the experts are split over"
+        raise SystemExit(f"--batch {batch} is not a multiple of the {split} (set --devices)" if micro_batches == 1 else
+                         f"--batch {batch} is not a multiple of --micro-batches {micro_batches} times the {split}")
     if count > len(available):
         raise SystemExit(f"--devices {count}: only {len(available)} {available[0].platform} device(s) here")
     return jax.make_mesh((count,), (EXPERT_AXIS,), axis_types=(jax.sharding.AxisType.Auto,),
@@ -322,7 +363,7 @@ def train(args: argparse.Namespace) -> dict:
     """Trains as ``args`` say, shows progress, writes the plots and the summary; returns the summary."""
     platform = jax.devices()[0].platform
     dtype = jnp.dtype(args.dtype or ("bfloat16" if platform == "gpu" else "float32"))
-    mesh = make_mesh(args.devices, args.experts, args.batch)
+    mesh = make_mesh(args.devices, args.experts, args.batch, args.micro_batches)
     config = ModelConfig(layers=args.layers, hidden=args.hidden, heads=args.heads, ffn=args.ffn,
                          seq_len=args.seq_len, moe=moe_config(args, dtype))
     corpus = load_corpus()
@@ -348,7 +389,9 @@ def train(args: argparse.Namespace) -> dict:
         progress.log(f"oxmoe {oxmoe.build_id()}: {config.layers} blocks, H={config.hidden}, {args.experts} experts "
                      f"(top-{args.topk}, {args.routing}) of F={config.ffn} over {mesh.size} {device.device_kind} "
                      f"device(s), {total_params / 1e6:.2f}M parameters ({active_params / 1e6:.2f}M per token), "
-                     f"{dtype.name}{', FP8 experts' if args.fp8 else ''}; {len(corpus.train) / 1e6:.2f} MB of "
+                     f"{dtype.name}{', FP8 experts' if args.fp8 else ''}"
+                     f"{f', {args.micro_batches} micro-batches a step' if args.micro_batches > 1 else ''}; "
+                     f"{len(corpus.train) / 1e6:.2f} MB of "
                      "Shakespeare, unigram baseline "
                      f"{baseline:.3f} nats/byte")
         progress.running("compiling")
@@ -385,7 +428,9 @@ def train(args: argparse.Namespace) -> dict:
         evaluate(0)
         pending = None  # the previous step's result, read after the next step is queued
         bias_rate = jnp.float32(args.bias_rate)
-        step_model = nnx.cached_partial(train_step, model, optimizer)  # walks the module graph once, not every step
+        # Walks the module graph once, not every step.
+        step_model = functools.partial(nnx.cached_partial(train_step, model, optimizer),
+                                       micro_batches=args.micro_batches)
         for step in range(args.steps):
             windows = jax.device_put(sample_windows(corpus.train, rng, args.batch, args.seq_len), batch_sharding)
             result = step_model(windows, bias_rate)
@@ -414,7 +459,8 @@ def train(args: argparse.Namespace) -> dict:
                    z_loss_coeff=config.moe.z_loss_coeff, expert_bias_rate=args.bias_rate if args.routing == "sigmoid"
                    else None, dtype=dtype.name, fp8=args.fp8, parameters=total_params,
                    active_parameters=active_params),
-        training=dict(steps=args.steps, batch=args.batch, tokens_per_step=tokens_per_step, lr=args.lr,
+        training=dict(steps=args.steps, batch=args.batch, micro_batches=args.micro_batches,
+                      tokens_per_step=tokens_per_step, lr=args.lr,
                       seed=args.seed, first_step_seconds=step_seconds[0], seconds=steady_seconds,
                       tokens_per_second=tokens_per_step * (args.steps - 1) / steady_seconds if args.steps > 1
                       else None),
