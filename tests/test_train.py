@@ -145,10 +145,12 @@ def test_micro_batches_step_on_the_mean_of_their_gradients(rng, recipe):
     """Gradient accumulation: the step with --micro-batches 2 against the two micro-batches'
     gradients taken apart (windows 0, 2, 4, ... and 1, 3, 5, ...), the model quantizing its own
     FP8 weights in each, averaged and applied by SGD; a load-balancing loss, which depends on
-    how the batch is split, is on. Float32 to float32's rounding; FP8 to 1% of each weight's
-    largest move: the reference runs op by op, and a float32 sum rounded otherwise before a
-    quantization may round to a neighbouring FP8 value (1/8 apart)."""
-    moe_config = MoEConfig(num_experts=8, topk=2, aux_loss_coeff=1e-2, dtype=jnp.float32, fp8=recipe)
+    how the batch is split, is on. Float32 element by element, to float32's rounding; FP8 each
+    weight's move as a whole, to 3% of its norm (0.1-0.7% seen): the reference runs op by op, and a
+    float32 sum rounded otherwise before a quantization may round to a neighbouring FP8 value
+    (1/8 apart), which moves a few elements (the column of one token's value) by more. The split
+    itself is checked on the losses."""
+    moe_config = MoEConfig(num_experts=8, topk=2, aux_loss_coeff=1.0, dtype=jnp.float32, fp8=recipe)
     seed = int(rng.integers(1 << 30))
     sizes = dict(hidden=128, ffn=128) if recipe else {}
     _, model, optimizer = _model(np.random.default_rng(seed), moe_config, devices=4, **sizes)
@@ -166,7 +168,7 @@ def test_micro_batches_step_on_the_mean_of_their_gradients(rng, recipe):
 
     (_, (byte_a, moe_a, counts_a)), grads_a = nnx.value_and_grad(loss, has_aux=True)(reference, windows[0::2])
     (_, (byte_b, moe_b, counts_b)), grads_b = nnx.value_and_grad(loss, has_aux=True)(reference, windows[1::2])
-    assert float(moe_a) != pytest.approx(float(moe_b), rel=1e-3)  # the split matters to the MoE loss
+    assert float(moe_a) != pytest.approx(float(moe_b), rel=1e-4)  # the split matters to the MoE loss
     np.testing.assert_allclose(float(byte_loss), (float(byte_a) + float(byte_b)) / 2, rtol=1e-5)
     np.testing.assert_allclose(float(moe_loss), (float(moe_a) + float(moe_b)) / 2, rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(counts_a) + np.asarray(counts_b))
@@ -176,9 +178,13 @@ def test_micro_batches_step_on_the_mean_of_their_gradients(rng, recipe):
     after = nnx.state(model, nnx.Param)
     for (path, got), old, move in zip(jax.tree.leaves_with_path(after), jax.tree.leaves(before),
                                       jax.tree.leaves(moves)):
-        tolerance = (1e-2 if recipe else 1e-4) * np.abs(move).max()
-        np.testing.assert_allclose(np.asarray(got, np.float64), old + move, rtol=2e-7, atol=tolerance,
-                                   err_msg=jax.tree_util.keystr(path))
+        got = np.asarray(got, np.float64)
+        if recipe:
+            error = np.linalg.norm(got - old - move) / np.linalg.norm(move)
+            assert error < 3e-2, f"{jax.tree_util.keystr(path)}: moved {error:.2%} of its norm away"
+        else:
+            np.testing.assert_allclose(got, old + move, rtol=2e-7, atol=1e-4 * np.abs(move).max(),
+                                       err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("argv, message", [
