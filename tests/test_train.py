@@ -348,3 +348,34 @@ def test_compare_runs_puts_each_final_validation_loss_against_the_first(tmp_path
     compare_runs["main"]([str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--out", str(tmp_path / "c.png")])
     assert "--fp8: final validation loss 2.0100, 1.0050x the first run's" in capsys.readouterr().out
     assert _png_size(tmp_path / "c.png") == (960, 540)
+
+
+def test_compare_runs_takes_the_runs_of_one_recipe_over_seeds_together(tmp_path, capsys):
+    """Several seeds of each recipe: a recipe's final loss is the mean over its seeds, against the
+    first recipe's mean, and each seed's run against the first recipe's run of that seed."""
+    import runpy
+
+    compare_runs = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[1] / "bench" / "compare_runs.py"))
+    runs = []
+    for recipe, flags, finals in (("bf16", [], (2.0, 2.1)), ("fp8", ["--fp8"], (2.02, 2.079))):
+        for seed, final in enumerate(finals):
+            run = tmp_path / f"{recipe}_{seed}"
+            run.mkdir()
+            command = ["python", "-m", "oxmoe.train", "--layers", "4", *flags, "--seed", str(seed), "--out", str(run)]
+            summary = dict(command=" ".join(command), device="cpu",
+                           model=dict(layers=4, hidden=512, experts=32, topk=4, dtype="bfloat16"),
+                           loss=dict(validation=[[0, 5.5], [150, 2.5 + seed / 10], [300, final]],
+                                     final_validation=final, unigram_baseline=3.32),
+                           training=dict(tokens_per_second=1000.0, seed=seed))
+            (run / "summary.json").write_text(json.dumps(summary))
+            runs.append(run)
+    rows = compare_runs["compare"]([compare_runs["load"](run) for run in runs])
+    assert [(r["label"], r["seeds"]) for r in rows] == [("bfloat16", [0, 1]), ("--fp8", [0, 1])]
+    assert rows[0]["final_validation"] == pytest.approx(2.05)
+    assert rows[1]["final_validation"] == pytest.approx(2.0495)
+    assert rows[1]["ratio"] == pytest.approx(2.0495 / 2.05)
+    assert rows[1]["paired_ratios"] == pytest.approx({0: 1.01, 1: 2.079 / 2.1})
+    compare_runs["main"]([*map(str, runs), "--out", str(tmp_path / "c.png")])
+    assert ("--fp8: final validation loss 2.0495 (mean of 2 seeds, 2.0200-2.0790), 0.9998x the first run's; "
+            "seed by seed 1.0100x (seed 0), 0.9900x (seed 1)") in capsys.readouterr().out
+    assert _png_size(tmp_path / "c.png") == (960, 540)
