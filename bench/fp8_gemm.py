@@ -44,9 +44,11 @@ alone and with both options; all reported, not judged. The FP8 step's outputs' r
 from the bf16 step's is reported (the FP8 format's error, about 6%), with 128 x 128 gradient
 blocks too, not judged.
 
-Meant to finish within 4 minutes on one H200, compilation included: each timing is cut to
-about :data:`MEASURE_BUDGET_S` seconds, and the cases not started within ``--time-limit-s``
-are reported as skipped. The JSON is rewritten after every case.
+Each timing is cut to about :data:`MEASURE_BUDGET_S` seconds, and the cases not started within
+``--time-limit-s`` are reported as skipped. On a fresh H200 the twelve products took about 7.5
+minutes, compilation included (2026-11-28): ``--only a=4 --time-limit-s 480`` runs them within a
+10-minute slot, and ``--only fwd+bwd`` the layer steps in another. The JSON is rewritten after
+every case.
 
     PYTHONPATH=jax_bindings python3 bench/fp8_gemm.py [--smoke] [--out fp8_gemm.json] [--only TEXT]
 """
