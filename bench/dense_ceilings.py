@@ -50,6 +50,9 @@ SHAPES = [
 MIN_SET_BYTES = 256 << 20
 SAMPLES = 60
 MIN_SAMPLE_S = 10e-3
+#: The block-scaled product's largest error, over its output's RMS, that is bf16's rounding of the
+#: output (seen: 0.011-0.017); a scale layout read otherwise is off by the order of the output.
+MAX_BLOCKS_ERROR = 0.05
 
 
 def per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,7 +111,10 @@ def check_blocks(product, o: dict) -> float:
     rows = slice(0, 512)
     expected = dequantized(xb[rows], xbs[rows], 1) @ dequantized(wb, wbs, BLOCK).t()
     got = product(o)[rows].float()
-    return float((got - expected).abs().max() / expected.pow(2).mean().sqrt())
+    error = float((got - expected).abs().max() / expected.pow(2).mean().sqrt())
+    if error > MAX_BLOCKS_ERROR:
+        raise RuntimeError(f"the block-scaled product is off the dequantized one by {error:.3f} of its RMS")
+    return error
 
 
 def time_product(product, sets: list[dict]) -> tuple[float, str]:
