@@ -49,33 +49,32 @@ def recipes(summaries: list[dict]) -> dict[str, list[dict]]:
     return grouped
 
 
-def compare(summaries: list[dict]) -> list[dict]:
+def compare(grouped: dict[str, list[dict]]) -> list[dict]:
     """Each recipe's final validation losses over its seeds, their mean and its ratio to the first
     recipe's mean, and the ratio to the first recipe's run of the same seed, seed by seed."""
-    grouped = recipes(summaries)
     base_runs = next(iter(grouped.values()))
+    base = float(np.mean([s["loss"]["final_validation"] for s in base_runs]))
     base_by_seed = {seed(s): s["loss"]["final_validation"] for s in base_runs}
-    base = float(np.mean(list(base_by_seed.values())))
     rows = []
     for name, runs in grouped.items():
         finals = [s["loss"]["final_validation"] for s in runs]
         paired = {seed(s): s["loss"]["final_validation"] / base_by_seed[seed(s)]
                   for s in runs if seed(s) in base_by_seed}
         rows.append(dict(label=name, seeds=[seed(s) for s in runs], finals=finals,
-                         final_validation=float(np.mean(finals)), lowest=min(finals), highest=max(finals),
-                         ratio=float(np.mean(finals)) / base, paired_ratios=paired,
+                         final_validation=float(np.mean(finals)), ratio=float(np.mean(finals)) / base,
+                         paired_ratios=paired,
                          tokens_per_second=float(np.mean([s["training"]["tokens_per_second"] for s in runs]))))
     return rows
 
 
-def plot(summaries: list[dict], rows: list[dict], out: pathlib.Path) -> None:
+def plot(grouped: dict[str, list[dict]], rows: list[dict], out: pathlib.Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8, 4.5), dpi=120)
     colors = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")
-    for (name, runs), row, color in zip(recipes(summaries).items(), rows, colors):
+    for (name, runs), row, color in zip(grouped.items(), rows, colors):
         curves = np.asarray([s["loss"]["validation"] for s in runs])  # [seeds, evaluations, (step, loss)]
         steps, losses = curves[0, :, 0], curves[:, :, 1]
         seeds = f", {len(runs)} seeds (range shaded)" if len(runs) > 1 else ""
@@ -83,12 +82,13 @@ def plot(summaries: list[dict], rows: list[dict], out: pathlib.Path) -> None:
                   label=f"{name}: {row['final_validation']:.4f} ({100 * (row['ratio'] - 1):+.2f}%){seeds}")
         if len(runs) > 1:
             axes.fill_between(steps, losses.min(0), losses.max(0), color=color, alpha=0.2)
-    baseline = summaries[0]["loss"]["unigram_baseline"]
+    first = next(iter(grouped.values()))[0]
+    baseline = first["loss"]["unigram_baseline"]
     axes.axhline(baseline, color="gray", linestyle="--", label=f"unigram baseline {baseline:.2f}")
-    model = summaries[0]["model"]
+    model = first["model"]
     axes.set(xlabel="step", ylabel="validation loss (nats/byte)",
              title=f"{model['layers']} blocks, H={model['hidden']}, {model['experts']} experts top-{model['topk']}, "
-                   f"{summaries[0]['device']}")
+                   f"{first['device']}")
     axes.legend()
     axes.grid(alpha=0.3)
     figure.tight_layout()
@@ -100,7 +100,7 @@ def describe(row: dict) -> str:
     """One recipe's line: its final validation loss (mean over its seeds), against the first's."""
     text = f"{row['label']}: final validation loss {row['final_validation']:.4f}"
     if len(row["finals"]) > 1:
-        text += f" (mean of {len(row['finals'])} seeds, {row['lowest']:.4f}-{row['highest']:.4f})"
+        text += f" (mean of {len(row['finals'])} seeds, {min(row['finals']):.4f}-{max(row['finals']):.4f})"
     text += f", {row['ratio']:.4f}x the first run's"
     if len(row["finals"]) > 1 and row["paired_ratios"]:
         text += "; seed by seed " + ", ".join(f"{r:.4f}x (seed {s})" for s, r in row["paired_ratios"].items())
@@ -112,11 +112,11 @@ def main(argv=None) -> None:
     parser.add_argument("runs", nargs="+", type=pathlib.Path, help="run folders (the first is the baseline)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("compare.png"))
     args = parser.parse_args(argv)
-    summaries = [load(run) for run in args.runs]
-    rows = compare(summaries)
+    grouped = recipes([load(run) for run in args.runs])
+    rows = compare(grouped)
     for row in rows:
         print(describe(row))
-    plot(summaries, rows, args.out)
+    plot(grouped, rows, args.out)
     print(f"wrote {args.out}")
 
 

@@ -342,7 +342,8 @@ def test_compare_runs_puts_each_final_validation_loss_against_the_first(tmp_path
                                  unigram_baseline=3.32),
                        training=dict(tokens_per_second=1000.0))
         (run / "summary.json").write_text(json.dumps(summary))
-    rows = compare_runs["compare"]([compare_runs["load"](tmp_path / n) for n in ("bf16", "fp8")])
+    summaries = [compare_runs["load"](tmp_path / n) for n in ("bf16", "fp8")]
+    rows = compare_runs["compare"](compare_runs["recipes"](summaries))
     assert [r["label"] for r in rows] == ["bfloat16", "--fp8"]
     assert rows[1]["ratio"] == pytest.approx(1.005)
     compare_runs["main"]([str(tmp_path / "bf16"), str(tmp_path / "fp8"), "--out", str(tmp_path / "c.png")])
@@ -369,7 +370,7 @@ def test_compare_runs_takes_the_runs_of_one_recipe_over_seeds_together(tmp_path,
                            training=dict(tokens_per_second=1000.0, seed=seed))
             (run / "summary.json").write_text(json.dumps(summary))
             runs.append(run)
-    rows = compare_runs["compare"]([compare_runs["load"](run) for run in runs])
+    rows = compare_runs["compare"](compare_runs["recipes"]([compare_runs["load"](run) for run in runs]))
     assert [(r["label"], r["seeds"]) for r in rows] == [("bfloat16", [0, 1]), ("--fp8", [0, 1])]
     assert rows[0]["final_validation"] == pytest.approx(2.05)
     assert rows[1]["final_validation"] == pytest.approx(2.0495)
