@@ -18,13 +18,14 @@ dense M) and at 8192 x 8192 x 8192, each case a dense ``[M, K] x [K, N]`` with a
 Each case is timed with CUDA events over ~1 s of back-to-back calls (median of samples of >= 10
 ms, rotating over input sets that together exceed the L2), with the SM clock and board power
 sampled meanwhile (``oxmoe.bench.timing.ClockSampler``). Prints a table and a last ``JSON {...}``
-line.
+line; ``--only TEXT`` runs the shapes whose names contain it.
 
-    PYTHONPATH=jax_bindings python3 bench/dense_ceilings.py
+    PYTHONPATH=jax_bindings python3 bench/dense_ceilings.py [--only TEXT]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 
@@ -89,27 +90,29 @@ def operands(m: int, k: int, n: int, seed: int) -> dict:
     k_blocks = k // BLOCK
     wbs_padded = F.pad(wbs, (0, -k_blocks % 4))
     return dict(x=x, wt=w.t(), x8=x8, xs=xs, w8t=w8.t(), ws=ws, xb=xb, xbs=xbs.t().contiguous().t(),
-                wbt=wb.t(), wbs=wbs_padded.t(), exact=(xb, xbs, wb, wbs))
+                wbt=wb.t(), wbs=wbs_padded.t())
 
 
-def products() -> dict:
-    return {
-        "bf16": lambda o: torch.matmul(o["x"], o["wt"]),
-        "fp8 tensor": lambda o: torch._scaled_mm(o["x8"], o["w8t"], o["xs"], o["ws"], out_dtype=torch.bfloat16,
-                                                 use_fast_accum=True),
-        "fp8 tensor promoted": lambda o: torch._scaled_mm(o["x8"], o["w8t"], o["xs"], o["ws"],
-                                                          out_dtype=torch.bfloat16, use_fast_accum=False),
-        "fp8 blocks": lambda o: F.scaled_mm(o["xb"], o["wbt"], o["xbs"], F.ScalingType.BlockWise1x128, o["wbs"],
-                                            F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
-    }
+#: Each case's call on an input set.
+PRODUCTS = {
+    "bf16": lambda o: torch.matmul(o["x"], o["wt"]),
+    "fp8 tensor": lambda o: torch._scaled_mm(o["x8"], o["w8t"], o["xs"], o["ws"], out_dtype=torch.bfloat16,
+                                             use_fast_accum=True),
+    "fp8 tensor promoted": lambda o: torch._scaled_mm(o["x8"], o["w8t"], o["xs"], o["ws"],
+                                                      out_dtype=torch.bfloat16, use_fast_accum=False),
+    "fp8 blocks": lambda o: F.scaled_mm(o["xb"], o["wbt"], o["xbs"], F.ScalingType.BlockWise1x128, o["wbs"],
+                                        F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
+}
 
 
 def check_blocks(product, o: dict) -> float:
     """The block-scaled product's largest error over its output's RMS, against the float32 product
     of its dequantized operands (rows of the first 512)."""
-    xb, xbs, wb, wbs = o["exact"]
+    k_blocks = o["xbs"].shape[1]
     rows = slice(0, 512)
-    expected = dequantized(xb[rows], xbs[rows], 1) @ dequantized(wb, wbs, BLOCK).t()
+    # The operands as scaled_mm takes them: w's values transposed, its scales transposed and padded.
+    w = dequantized(o["wbt"].t(), o["wbs"].t()[:, :k_blocks], BLOCK)
+    expected = dequantized(o["xb"][rows], o["xbs"][rows], 1) @ w.t()
     got = product(o)[rows].float()
     error = float((got - expected).abs().max() / expected.pow(2).mean().sqrt())
     if error > MAX_BLOCKS_ERROR:
@@ -141,21 +144,24 @@ def time_product(product, sets: list[dict]) -> tuple[float, str]:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="the shapes whose names contain this (e.g. deepseek)")
+    args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "CUDA", torch.version.cuda, flush=True)
     rows = []
-    for name, m, k, n in SHAPES:
+    for name, m, k, n in (shape for shape in SHAPES if args.only in shape[0]):
         set_bytes = (m * k + n * k) * 2
         sets = [operands(m, k, n, seed) for seed in range(max(1, -(-MIN_SET_BYTES // set_bytes)))]
         flops = 2 * m * k * n
         row = dict(shape=name, m=m, k=k, n=n)
-        for kind, product in products().items():
+        for kind, product in PRODUCTS.items():
             try:
                 if kind == "fp8 blocks":
                     row["fp8 blocks error"] = check_blocks(product, sets[0])
                 seconds, clocks = time_product(product, sets)
-            except (RuntimeError, AttributeError, TypeError) as error:  # a recipe this torch or GPU lacks
+            except (RuntimeError, AttributeError, TypeError) as error:  # failed its check, or torch or the GPU lacks it
                 row[kind] = dict(error=str(error).splitlines()[0])
-                print(f"{name:28s} {kind:20s} not run: {row[kind]['error']}", flush=True)
+                print(f"{name:28s} {kind:20s} not timed: {row[kind]['error']}", flush=True)
                 continue
             row[kind] = dict(us=seconds * 1e6, tflops=flops / seconds / 1e12, clocks=clocks)
             print(f"{name:28s} {kind:20s} {seconds * 1e6:9.0f} us {row[kind]['tflops']:6.0f} TFLOP/s  {clocks}",
