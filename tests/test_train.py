@@ -119,8 +119,9 @@ def test_model_matches_a_plain_jax_forward(rng, routing):
         for block in model.blocks:
             block.moe.expert_bias[...] = jnp.asarray(rng.normal(0, 0.5, 8), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, 256, (4, 32)), jnp.int32)
-    logits, auxes = model(tokens)
-    expected = _reference_logits(model, config, tokens)
+    # Both jitted: op by op, the two forwards took minutes on a CI core.
+    logits, auxes = nnx.jit(lambda model, tokens: model(tokens))(model, tokens)
+    expected = nnx.jit(lambda model, tokens: _reference_logits(model, config, tokens))(model, tokens)
     np.testing.assert_allclose(np.asarray(logits), np.asarray(expected), rtol=2e-4, atol=2e-4)
     assert len(auxes) == 2 and all(int(a.tokens_per_expert.sum()) == 4 * 32 * 2 for a in auxes)
 
@@ -146,7 +147,7 @@ def test_micro_batches_step_on_the_mean_of_their_gradients(rng, recipe):
     gradients taken apart (windows 0, 2, 4, ... and 1, 3, 5, ...), the model quantizing its own
     FP8 weights in each, averaged and applied by SGD; a load-balancing loss, which depends on
     how the batch is split, is on. Float32 element by element, to float32's rounding; FP8 each
-    weight's move as a whole, to 3% of its norm (0.1-0.7% seen): the reference runs op by op, and a
+    weight's move as a whole, to 3% of its norm (0.1-0.7% seen): the reference is compiled apart, and a
     float32 sum rounded otherwise before a quantization may round to a neighbouring FP8 value
     (1/8 apart), which moves a few elements (the column of one token's value) by more. The split
     itself is checked on the losses."""
@@ -166,11 +167,14 @@ def test_micro_batches_step_on_the_mean_of_their_gradients(rng, recipe):
         moe_loss = sum(aux.load_balancing_loss + aux.z_loss for aux in auxes)
         return byte_loss + moe_loss, (byte_loss, moe_loss, jnp.stack([aux.tokens_per_expert for aux in auxes]))
 
-    (_, (byte_a, moe_a, counts_a)), grads_a = nnx.value_and_grad(loss, has_aux=True)(reference, windows[0::2])
-    (_, (byte_b, moe_b, counts_b)), grads_b = nnx.value_and_grad(loss, has_aux=True)(reference, windows[1::2])
+    gradients = nnx.jit(nnx.value_and_grad(loss, has_aux=True))
+    (_, (byte_a, moe_a, counts_a)), grads_a = gradients(reference, windows[0::2])
+    (_, (byte_b, moe_b, counts_b)), grads_b = gradients(reference, windows[1::2])
     assert float(moe_a) != pytest.approx(float(moe_b), rel=1e-4)  # the split matters to the MoE loss
-    np.testing.assert_allclose(float(byte_loss), (float(byte_a) + float(byte_b)) / 2, rtol=1e-5)
-    np.testing.assert_allclose(float(moe_loss), (float(moe_a) + float(moe_b)) / 2, rtol=1e-5)
+    # FP8: the losses move when an activation rounds to a neighbouring FP8 value (to 3e-5 seen).
+    loss_rtol = 1e-3 if recipe else 1e-5
+    np.testing.assert_allclose(float(byte_loss), (float(byte_a) + float(byte_b)) / 2, rtol=loss_rtol)
+    np.testing.assert_allclose(float(moe_loss), (float(moe_a) + float(moe_b)) / 2, rtol=loss_rtol)
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(counts_a) + np.asarray(counts_b))
     # SGD at 0.1: each parameter moved by -0.1 times the mean of the two gradients.
     moves = jax.tree.map(lambda a, b: -0.1 * (np.asarray(a, np.float64) + np.asarray(b, np.float64)) / 2,
