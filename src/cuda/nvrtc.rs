@@ -80,7 +80,12 @@ impl Drop for Program {
 /// Compiles `source` for `arch`, instantiating every name expression (e.g.
 /// `topk_fwd<bf16, 256, 8, 8, 4, 2, true, 128, 4>`); returns the cubin and the
 /// lowered names in the order given. A compile error carries NVRTC's log.
-fn compile_program(source: &Source, instances: &[&str], arch: &Architecture) -> Result<(Vec<u8>, Vec<CString>)> {
+fn compile_program(
+    source: &Source,
+    instances: &[&str],
+    arch: &Architecture,
+    extra_options: &[&str],
+) -> Result<(Vec<u8>, Vec<CString>)> {
     require_nvrtc()?;
     let text = CString::new(source.text).map_err(|_| Error::internal("kernel source contains NUL"))?;
     let name = CString::new(source.name).expect("file names have no NUL");
@@ -107,7 +112,11 @@ fn compile_program(source: &Source, instances: &[&str], arch: &Architecture) -> 
         // SAFETY: a live program and a NUL-terminated expression.
         check("nvrtcAddNameExpression", unsafe { sys::nvrtcAddNameExpression(program.0, expression.as_ptr()) })?;
     }
-    let options: Vec<CString> = options(arch).into_iter().map(|o| CString::new(o).expect("no NUL")).collect();
+    let options: Vec<CString> = options(arch)
+        .into_iter()
+        .chain(extra_options.iter().map(|&o| o.to_owned()))
+        .map(|o| CString::new(o).expect("no NUL"))
+        .collect();
     let option_ptrs: Vec<*const c_char> = options.iter().map(|o| o.as_ptr()).collect();
     // SAFETY: a live program and valid option strings.
     let compiled = unsafe { sys::nvrtcCompileProgram(program.0, option_ptrs.len() as i32, option_ptrs.as_ptr()) };
@@ -150,9 +159,12 @@ fn program_log(program: &Program) -> String {
 }
 
 /// Compiles every instance of `source` for `arch` in one program: the check CI
-/// runs for every kernel and architecture, with no GPU.
+/// runs for every kernel and architecture, with no GPU. Unoptimised
+/// (`--device-debug`): the same front end, and ptxas still checks every
+/// instruction for the architecture, in half the CPU time (CI has two cores);
+/// the optimised cubins are the ones the GPU tests build and run.
 pub fn compile_check(source: &Source, instances: &[&str], arch: &Architecture) -> Result<()> {
-    compile_program(source, instances, arch).map(|_| ())
+    compile_program(source, instances, arch, &["--device-debug"]).map(|_| ())
 }
 
 /// [`compile_check`] of each `(architecture, instances)` pair, a thread each;
@@ -241,7 +253,7 @@ pub fn cubin(source: &'static Source, instance: &str, arch: &Architecture) -> Re
         if let Some(cubin) = path.as_deref().and_then(read_cached) {
             return Ok(Arc::new(cubin));
         }
-        let (image, mut lowered) = compile_program(source, &[instance], arch)?;
+        let (image, mut lowered) = compile_program(source, &[instance], arch, &[])?;
         let cubin = Cubin { image, lowered_name: lowered.remove(0) };
         if let Some(path) = &path {
             write_cached(path, &cubin);
