@@ -58,11 +58,11 @@ def compare(grouped: dict[str, list[dict]]) -> list[dict]:
     rows = []
     for name, runs in grouped.items():
         finals = [s["loss"]["final_validation"] for s in runs]
+        mean = float(np.mean(finals))
         paired = {seed(s): s["loss"]["final_validation"] / base_by_seed[seed(s)]
                   for s in runs if seed(s) in base_by_seed}
         rows.append(dict(label=name, seeds=[seed(s) for s in runs], finals=finals,
-                         final_validation=float(np.mean(finals)), ratio=float(np.mean(finals)) / base,
-                         paired_ratios=paired,
+                         final_validation=mean, ratio=mean / base, paired_ratios=paired,
                          tokens_per_second=float(np.mean([s["training"]["tokens_per_second"] for s in runs]))))
     return rows
 
