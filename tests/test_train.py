@@ -61,7 +61,9 @@ def test_windows_are_consecutive_bytes(rng):
 def test_running_mean_and_imbalance(rng):
     values = rng.normal(size=(50, 3))
     expected = np.stack([values[max(0, i - 6):i + 1].mean(0) for i in range(50)])
-    np.testing.assert_allclose(train.running_mean(values, 7), expected, rtol=1e-12)
+    # Differences of running sums: float64's rounding of sums up to ~10 in absolute terms, which a
+    # mean near zero cannot meet relatively (1.2e-12 seen at -3e-4).
+    np.testing.assert_allclose(train.running_mean(values, 7), expected, rtol=1e-12, atol=1e-13)
     counts = rng.integers(0, 100, size=(4, 8))
     np.testing.assert_allclose(train.imbalance(counts), counts.max(1) / counts.mean(1), rtol=1e-12)
 
