@@ -1,5 +1,6 @@
 """The oxmoe layer's training step at the benchmark's one-GPU layers (Mixtral, Qwen3-30B-A3B,
-DeepSeek-V3 with its shared expert), for comparing two builds of oxmoe run in turn.
+DeepSeek-V3 with its shared expert) and at issue 19's DeepSeek-V3 on one GPU (one rank of EP = 8:
+32 experts), for comparing two builds of oxmoe run in turn.
 
 Two losses: the benchmark's, linear in the layer's output, whose gradient does not wait for the
 forward (XLA may then merge forward passes into the backward's), and a squared one, as a model's
@@ -9,6 +10,11 @@ loss is; median of 7 x 10 steps each. Run it once per build, alternating, e.g.
       OXMOE_LIBRARY=old/liboxmoe.so PYTHONPATH=old/jax_bindings python3 bench/step_ab.py before_$i
       python3 bench/step_ab.py after_$i
     done
+
+With ``--dense`` it also times each layer's dense ceiling (the step's six expert GEMMs as
+dense bf16 dots, as the benchmark's layer cases do) and prints the step's share of it: the
+benchmark's figure without its plain-JAX layer, whose compilation at Qwen3-30B-A3B's 128
+experts takes minutes.
 
 Prints one line per measurement and a last ``JSON {...}`` line with the label, the build id
 and every time in ms. Needs a GPU.
@@ -24,9 +30,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import oxmoe
+from oxmoe.bench import grouped_gemm as bench_gemm
 from oxmoe.bench import moe as bench_moe
+from oxmoe.bench import timing
 
-LAYERS = ("mixtral", "qwen3_30b_a3b", "deepseek_v3 shared")
+import fp8_gemm
+
+LAYERS = ("mixtral", "qwen3_30b_a3b", "deepseek_v3 1 device E=32", "deepseek_v3 shared")
 
 
 def median_seconds(step, *args, calls: int = 10, samples: int = 7) -> float:
@@ -41,9 +51,11 @@ def median_seconds(step, *args, calls: int = 10, samples: int = 7) -> float:
     return float(np.median(times))
 
 
-def main(label: str) -> None:
+def main(label: str, with_dense: bool) -> None:
     ms = {}
-    for layer in (next(l for l in bench_moe.LAYERS if l.name == name) for name in LAYERS):
+    dense = bench_gemm.DenseTimes()
+    known = {layer.name: layer for layer in (*bench_moe.LAYERS, *fp8_gemm.layers(smoke=False))}
+    for layer in (known[name] for name in LAYERS):
         (x, params, w), = bench_moe._draw_sets(layer, bench_moe.Placement(None),
                                               (0, zlib.crc32(layer.name.encode())), 1)
         ox = bench_moe.oxmoe_layer(layer.config)
@@ -55,8 +67,14 @@ def main(label: str) -> None:
         for loss, step in (("linear", bench_moe.step(ox)), ("square", jax.value_and_grad(squared, argnums=(0, 1)))):
             ms[f"{layer.name} {loss}"] = median_seconds(jax.jit(step), x, params, w) * 1e3
             print(f"{label} {layer.name} {loss}: {ms[f'{layer.name} {loss}']:.3f} ms", flush=True)
+        if with_dense:
+            dense_s = sum(dense.get(shape, product, timing.FULL).timing.median_s
+                          for shape in layer.gemms() for product in ("fwd", "dlhs", "drhs"))
+            ms[f"{layer.name} dense"] = dense_s * 1e3
+            print(f"{label} {layer.name} dense ceiling: {dense_s * 1e3:.3f} ms, the linear step at "
+                  f"{100 * dense_s * 1e3 / ms[f'{layer.name} linear']:.1f}% of it", flush=True)
     print("JSON", json.dumps({"label": label, "build": oxmoe.build_id(), "ms": ms}))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], "--dense" in sys.argv[2:])
