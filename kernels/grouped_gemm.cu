@@ -355,20 +355,13 @@ constexpr int CHUNK_BYTES = 64 * 128;  // a 64-row, 128-byte-wide box: the unit 
 constexpr int HOPPER_THREADS = 384;  // a producer warpgroup and two consumer warpgroups
 constexpr int CONSUMER_WARPS = 8;
 
-// The columns a plain (unactivated) Hopper product stages its output in at a
-// time: 64 for 256-wide tiles, which frees the shared memory of a fourth
-// stage (src/grouped_gemm/cuda.rs's hopper_stages), the whole tile otherwise.
-constexpr int plain_staging_columns(int bn) { return bn == 256 ? 64 : bn; }
-
 // A Hopper kernel's tile width, its ring's stages, the most local groups
-// its tables hold, the blocks of its clusters and the output columns it
-// stages at a time: the launch's choices (src/grouped_gemm/cuda.rs), passed
-// as template arguments with the dynamic shared memory it gives them. The
-// blocks of a cluster take adjacent column tiles of the same rows (a tile of
-// the cluster, CLUSTER_BN columns wide) and share the rows' A tiles: each
-// loads its 64 rows' for all of them.
-template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_, int CLUSTER_ = 1, int STAGING_COLUMNS_ = BN_>
-struct HopperConfig {
+// its tables hold and the blocks of its clusters: the launch's choices
+// (src/grouped_gemm/cuda.rs), passed as template arguments with the dynamic
+// shared memory it gives them. The blocks of a cluster take adjacent column
+// tiles of the same rows (a tile of the cluster, CLUSTER_BN columns wide) and
+// share the rows' A tiles: each loads its 64 rows' for all of them.
+template <int BN_, int STAGES_, int MAX_LOCAL_GROUPS_, int CLUSTER_ = 1> struct HopperConfig {
   static constexpr int BN = BN_;
   static constexpr int STAGES = STAGES_;
   static constexpr int MAX_LOCAL_GROUPS = MAX_LOCAL_GROUPS_;
@@ -378,11 +371,8 @@ struct HopperConfig {
   static constexpr int B_BYTES = BLOCK_K * BN * 2;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
   // A consumer warpgroup's 64 output rows of 16-bit elements on their way
-  // out, STAGING_COLUMNS at a time, rows padded by 16 bytes so that neither
-  // side conflicts on banks.
-  static constexpr int STAGING_COLUMNS = STAGING_COLUMNS_;
-  static_assert(BN % STAGING_COLUMNS == 0 && STAGING_COLUMNS % 64 == 0, "whole 64-column boxes a chunk");
-  static constexpr int OUT_PITCH = STAGING_COLUMNS + 8;
+  // out, rows padded by 16 bytes so that neither side conflicts on banks.
+  static constexpr int OUT_PITCH = BN + 8;
   static constexpr int OUT_BYTES = 2 * 64 * OUT_PITCH * 2;
   static constexpr int SCALE_BYTES = 0;  // the stages carry no scales
   // Alignment slack, the stages, the output rows, full and empty barriers,
@@ -486,27 +476,22 @@ __device__ __forceinline__ void store_tile(const float (&d)[Config::BN / 2], uns
       }
     }
   } else {
-    constexpr int PITCH = Config::OUT_PITCH, COLUMNS = Config::STAGING_COLUMNS;
+    constexpr int PITCH = Config::OUT_PITCH;
+    staging_sync();  // the previous tile's rows have left
 #pragma unroll
-    for (int chunk = 0; chunk < BN / COLUMNS; ++chunk) {
-      staging_sync();  // the previous rows have left
+    for (int i = 0; i < BN / 8; ++i) {
 #pragma unroll
-      for (int i = 0; i < COLUMNS / 8; ++i) {
-        const int j = chunk * COLUMNS / 8 + i;  // the thread's column pair of 8j..8j + 7
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-          *reinterpret_cast<unsigned*>(staging + (row + 8 * half) * PITCH + 8 * i + 2 * (lane % 4)) =
-              from_floats<O>(d[4 * j + 2 * half], d[4 * j + 2 * half + 1]);
-      }
-      staging_sync();
-      constexpr int VECTORS = COLUMNS / 8;  // 16-byte vectors of a staged row
-      const int col = col0 + chunk * COLUMNS;
-      for (int e = threadIdx.x % 128; e < 64 * VECTORS; e += 128) {
-        const int r = e / VECTORS, c = e % VECTORS * 8;
-        if (row0 + r < row_end && col + c < n)
-          *reinterpret_cast<uint4*>(out + static_cast<size_t>(row0 + r) * n + col + c) =
-              *reinterpret_cast<const uint4*>(staging + r * PITCH + c);
-      }
+      for (int half = 0; half < 2; ++half)
+        *reinterpret_cast<unsigned*>(staging + (row + 8 * half) * PITCH + 8 * i + 2 * (lane % 4)) =
+            from_floats<O>(d[4 * i + 2 * half], d[4 * i + 2 * half + 1]);
+    }
+    staging_sync();
+    constexpr int VECTORS = BN / 8;  // 16-byte vectors of a row
+    for (int e = threadIdx.x % 128; e < 64 * VECTORS; e += 128) {
+      const int r = e / VECTORS, c = e % VECTORS * 8;
+      if (row0 + r < row_end && col0 + c < n)
+        *reinterpret_cast<uint4*>(out + static_cast<size_t>(row0 + r) * n + col0 + c) =
+            *reinterpret_cast<const uint4*>(staging + r * PITCH + c);
     }
   }
 }
@@ -542,41 +527,34 @@ __device__ __forceinline__ void write_boxes(const float* sums, unsigned char* bo
 // Stores a consumer warpgroup's 64 x BN sums of a tile at (row0, col0) of out
 // (row stride n): rows below row_end. When all 64 rows are the tile's (none
 // of another group, none past the end), the warpgroup writes them into
-// `staging` as boxes of 64 x 64, STAGING_COLUMNS / 64 at a time, laid out as
-// the output map's 128-byte swizzle wants, and one thread stores them with
-// TMA (the map clips the columns at n): the consumers go on to the next tile
-// without waiting for the last stores. Otherwise (and for float32 outputs)
-// through `store_tile`. Either path writes `staging` only once the previous
-// bulk store has read it.
+// `staging` as BN / 64 boxes of 64 x 64, laid out as the output map's
+// 128-byte swizzle wants, and one thread stores them with TMA (the map clips
+// the columns at n): the consumers go on to the next tile without waiting
+// for the stores. Otherwise (and for float32 outputs) through `store_tile`.
+// Either path writes `staging` only once the previous bulk store has read it.
 template <typename O, typename Config>
 __device__ __forceinline__ void store_tile_in_bulk(const float (&sums)[Config::BN / 2], unsigned short* staging,
                                                    const TensorMap* out_map, O* out, int row0, int row_end, int col0,
                                                    int n) {
-  constexpr int COLUMNS = Config::STAGING_COLUMNS;
   static_assert(64 * Config::OUT_PITCH * 2 % 1024 == 0, "each warpgroup's staging 1024-byte aligned, as the swizzle wants");
-  static_assert(COLUMNS / 64 * CHUNK_BYTES <= 64 * Config::OUT_PITCH * 2, "a chunk's boxes fit a warpgroup's staging");
+  static_assert(Config::BN / 64 * CHUNK_BYTES <= 64 * Config::OUT_PITCH * 2, "the boxes fit a warpgroup's staging");
   const bool leader = stores_tiles_in_bulk();
+  if (leader) bulk_wait_read();
   if constexpr (sizeof(O) == 2) {
     if (row0 + 64 <= row_end) {
       unsigned char* boxes = reinterpret_cast<unsigned char*>(staging);
+      staging_sync();
+      write_boxes<O, Config::BN>(sums, boxes);
+      fence_async_shared();
+      staging_sync();
+      if (leader) {
 #pragma unroll
-      for (int chunk = 0; chunk < Config::BN / COLUMNS; ++chunk) {
-        if (leader) bulk_wait_read();
-        staging_sync();
-        write_boxes<O, COLUMNS>(sums + chunk * COLUMNS / 2, boxes);
-        fence_async_shared();
-        staging_sync();
-        if (leader) {
-#pragma unroll
-          for (int box = 0; box < COLUMNS / 64; ++box)
-            tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + chunk * COLUMNS + 64 * box, row0);
-          bulk_commit();
-        }
+        for (int box = 0; box < Config::BN / 64; ++box) tma_store(out_map, boxes + box * CHUNK_BYTES, col0 + 64 * box, row0);
+        bulk_commit();
       }
       return;
     }
   }
-  if (leader) bulk_wait_read();
   store_tile<O, Config>(sums, staging, out, row0, row_end, col0, n);
 }
 
@@ -891,9 +869,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
     int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map, O* __restrict__ hidden,
     const __grid_constant__ TensorMap hidden_map) {
+  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, CLUSTER>;
   constexpr bool ACTIVATED = ACTIVATION != NO_ACTIVATION, GATED = is_gated(ACTIVATION);
-  // Activated, the helper warps store each tile from the whole tile staged.
-  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, CLUSTER, ACTIVATED ? BN : plain_staging_columns(BN)>;
   static_assert(!ACTIVATED || (!RHS_K_MAJOR && sizeof(O) == 2), "activations take rhs [groups, k, n], 16-bit out");
   // A tile's columns of the hidden activation (of out, unactivated) and F.
   constexpr int W = GATED ? BN / 2 : BN;
@@ -1039,7 +1016,7 @@ template <typename T, typename O, int BN, int STAGES, int MAX_LOCAL_GROUPS, int 
 __global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
     const __grid_constant__ ChunkMaps maps, int chunks, const ChunkBounds rows, int k, int n, O* __restrict__ out,
     const __grid_constant__ TensorMap out_map) {
-  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, 1, plain_staging_columns(BN)>;
+  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
   const Shared<Config> s = start_transposed<Config>(raw);
@@ -1138,7 +1115,6 @@ template <int STAGES_, int MAX_LOCAL_GROUPS_, int SCALE_BYTES_, int CLUSTER_> st
   static constexpr int A_BYTES = BLOCK_M * FP8_BLOCK;
   static constexpr int B_BYTES = BN * FP8_BLOCK;
   static constexpr int STAGE_BYTES = A_BYTES + B_BYTES;
-  static constexpr int STAGING_COLUMNS = BN;
   static constexpr int OUT_PITCH = BN + 8;
   static constexpr int OUT_BYTES = 2 * 64 * OUT_PITCH * 2;
   static constexpr int SCALE_BYTES = SCALE_BYTES_;

@@ -39,36 +39,23 @@ pub fn block_n(n: usize) -> u32 {
     }
 }
 
-/// The output columns a Hopper kernel with `block_n` columns stages at a
-/// time (the kernels' `plain_staging_columns`): 64 for a plain product's
-/// 256-wide tiles, which frees the shared memory of a fourth stage; the
-/// whole tile for 128-wide ones and for the `activated` kernel, whose helper
-/// warps store each tile from it.
-fn staging_columns(block_n: u32, activated: bool) -> u32 {
-    if block_n == 256 && !activated {
-        64
-    } else {
-        block_n
-    }
-}
-
 /// Stages of a Hopper kernel's ring for `block_n` columns: as many as fit
-/// the 227 KiB of a block beside the output staging and the group tables.
-fn hopper_stages(block_n: u32, activated: bool) -> u32 {
-    match (block_n, activated) {
-        (256, false) => 4,
-        (256, true) => 3,
-        _ => 5,
+/// the 227 KiB of a block beside the output rows and the group tables.
+fn hopper_stages(block_n: u32) -> u32 {
+    if block_n == 256 {
+        3
+    } else {
+        5
     }
 }
 
 /// Dynamic shared memory of a Hopper kernel with `block_n` columns: the
-/// alignment slack, the stages, the output staging, the barriers and the
-/// group tables (the kernel checks its `HopperConfig::SHARED_BYTES` is this).
-fn hopper_shared_bytes(block_n: u32, activated: bool) -> u32 {
-    let stages = hopper_stages(block_n, activated);
+/// alignment slack, the stages, the output rows, the barriers and the group
+/// tables (the kernel checks its `HopperConfig::SHARED_BYTES` is this).
+fn hopper_shared_bytes(block_n: u32) -> u32 {
+    let stages = hopper_stages(block_n);
     let stage = (BLOCK_M * BLOCK_K + BLOCK_K * block_n) * 2;
-    let out_rows = 2 * 64 * (staging_columns(block_n, activated) + 8) * 2;
+    let out_rows = 2 * 64 * (block_n + 8) * 2;
     1024 + stages * stage + out_rows + 2 * stages * 8 + 2 * (MAX_LOCAL_GROUPS as u32 + 1) * 4
 }
 
@@ -123,12 +110,11 @@ fn takes_hopper(device: &Device, dtype: DataType, shape: &GroupedShape) -> bool 
     sixteen_bit && shape.k.is_multiple_of(8) && shape.n.is_multiple_of(8) && on_hopper(device, shape)
 }
 
-/// Launches a Hopper kernel (block `block_n` columns wide, `activated` or
-/// not, in clusters of `cluster` blocks) with `args` (pointers to the
-/// kernel's arguments, in order).
-fn launch_hopper(stream: Stream, device: &Device, instance: &str, block_n: u32, activated: bool, cluster: u32,
+/// Launches a Hopper kernel (block `block_n` columns wide, in clusters of
+/// `cluster` blocks) with `args` (pointers to the kernel's arguments, in order).
+fn launch_hopper(stream: Stream, device: &Device, instance: &str, block_n: u32, cluster: u32,
                  args: &mut [*mut c_void]) -> Result<()> {
-    launch_persistent(stream, device, instance, hopper_shared_bytes(block_n, activated), cluster, args)
+    launch_persistent(stream, device, instance, hopper_shared_bytes(block_n), cluster, args)
 }
 
 /// Launches a persistent Hopper kernel, one block per multiprocessor (as many
@@ -158,18 +144,18 @@ fn a_box_rows(cluster: u32) -> u32 {
 pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, cluster: u32,
                                   activation: Option<Activation>, block_n: u32) -> Result<String> {
     let instance = Instance::new("ragged_dot_hopper").dtype(dtype).dtype(out).flag(rhs_transposed).int(cluster);
-    hopper_instance(instance.int(activation.map_or(0, Activation::code)), block_n, activation.is_some())
+    hopper_instance(instance.int(activation.map_or(0, Activation::code)), block_n)
 }
 
 pub fn transposed_hopper_instance(dtype: DataType, out: DataType, block_n: u32) -> Result<String> {
-    hopper_instance(Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out), block_n, false)
+    hopper_instance(Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out), block_n)
 }
 
 /// A Hopper kernel's instance: its own arguments, then its tile width and
 /// the launch [`launch_hopper`] makes.
-fn hopper_instance(instance: Instance, block_n: u32, activated: bool) -> Result<String> {
-    let instance = instance.int(block_n).int(hopper_stages(block_n, activated)).int(MAX_LOCAL_GROUPS);
-    instance.int(HOPPER_THREADS).int(hopper_shared_bytes(block_n, activated)).build()
+fn hopper_instance(instance: Instance, block_n: u32) -> Result<String> {
+    let instance = instance.int(block_n).int(hopper_stages(block_n)).int(MAX_LOCAL_GROUPS);
+    instance.int(HOPPER_THREADS).int(hopper_shared_bytes(block_n)).build()
 }
 
 pub fn fp8_ragged_dot_hopper_instance(out: DataType, cluster: u32) -> Result<String> {
@@ -346,7 +332,7 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
     };
     let activation = epilogue.map(|e| e.activation);
     let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, cluster, activation, bn)?;
-    launch_hopper(stream, device, &instance, bn, activation.is_some(), cluster, &mut [
+    launch_hopper(stream, device, &instance, bn, cluster, &mut [
         arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
         arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map), arg(&hidden), arg(&hidden_map),
     ])
@@ -389,7 +375,7 @@ pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<
         }
         let out_map = out_map(out_dtype, out, n64, transposed_out_rows(shape)?)?;
         let instance = transposed_hopper_instance(dtype, out_dtype, bn)?;
-        launch_hopper(stream, device, &instance, bn, false, 1, &mut [
+        launch_hopper(stream, device, &instance, bn, 1, &mut [
             arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ])
     } else {
@@ -589,18 +575,16 @@ mod tests {
     #[test]
     fn a_hopper_launch_that_disagrees_with_the_kernels_layout_does_not_compile() {
         let instance = Instance::new("ragged_dot_hopper").dtype(DataType::BF16).dtype(DataType::BF16).flag(false).int(1).int(0);
-        let short = instance.int(256).int(hopper_stages(256, false)).int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS)
-            .int(hopper_shared_bytes(256, false) - 8);
+        let short = instance.int(256).int(hopper_stages(256)).int(MAX_LOCAL_GROUPS).int(HOPPER_THREADS).int(hopper_shared_bytes(256) - 8);
         let error = compile_check(&GROUPED_GEMM, &[&short.build().unwrap()], &Architecture("sm_90a".into())).unwrap_err();
         assert!(error.message().contains("the launch's dynamic shared memory is this layout's"), "{}", error.message());
     }
 
-    /// Every configuration fits the 227 KiB a Hopper block may have.
+    /// Both configurations fit the 227 KiB a Hopper block may have.
     #[test]
     fn hopper_shared_memory_fits() {
-        for (bn, activated) in [(128, false), (128, true), (256, false), (256, true)] {
-            let bytes = hopper_shared_bytes(bn, activated);
-            assert!(bytes <= 227 * 1024, "{bn} activated {activated}: {bytes}");
+        for bn in [128, 256] {
+            assert!(hopper_shared_bytes(bn) <= 227 * 1024, "{bn}: {}", hopper_shared_bytes(bn));
         }
         for bytes in [fp8_hopper_shared_bytes(MAX_LOCAL_GROUPS, 0), fp8_hopper_shared_bytes(0, FP8_TRANSPOSED_SCALE_BYTES)] {
             assert!(bytes <= 227 * 1024, "FP8: {bytes}");
