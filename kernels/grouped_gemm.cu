@@ -737,12 +737,9 @@ struct RaggedTiles {
     head_tiles = (bounds[0] + BLOCK_M - 1) / BLOCK_M * column_tiles;
     total = group_tiles + head_tiles + (m - bounds[local_groups] + BLOCK_M - 1) / BLOCK_M * column_tiles;
   }
-  // As RowPairTiles is made (every block of a cluster takes the same tiles).
-  __device__ RaggedTiles(const int* bounds, const int* tiles, int local_groups, int m, int n, int)
-      : RaggedTiles(bounds, tiles, local_groups, m, n) {}
 
   struct Tile {
-    bool zeros, idle, shared;  // (RowPairTiles's; never idle, B never shared)
+    bool zeros;
     int group, row0, row_end, col0;
   };
 
@@ -750,68 +747,14 @@ struct RaggedTiles {
     if (t < group_tiles) {
       while (tiles[cursor + 1] <= t) ++cursor;
       const int local = t - tiles[cursor];
-      return {false, false, false, cursor, bounds[cursor] + local / column_tiles * BLOCK_M, bounds[cursor + 1],
+      return {false, cursor, bounds[cursor] + local / column_tiles * BLOCK_M, bounds[cursor + 1],
               local % column_tiles * BN};
     }
     int z = t - group_tiles;
     const bool head = z < head_tiles;
     if (!head) z -= head_tiles;
     const int row0 = (head ? 0 : bounds[local_groups]) + z / column_tiles * BLOCK_M;
-    return {true, false, false, -1, row0, head ? bounds[0] : m, z % column_tiles * BN};
-  }
-};
-
-// A if C, else B.
-template <bool C, typename A, typename B> struct Choose { using type = A; };
-template <typename A, typename B> struct Choose<false, A, B> { using type = B; };
-
-// The tile order of a plain ragged_dot in clusters of two along the rows:
-// the row blocks of all local groups in order (tiles[g]: group g's first),
-// taken two at a time, each pair across the columns; block `rank` of the
-// cluster takes the pair's row block `rank`. Where both row blocks are one
-// group's the pair shares its B tiles (`shared`); where the row blocks are
-// odd in number, the last pair's second block multiplies rows past m (zeros)
-// and stores nothing (`idle`). Then the tiles of zeros over the rows before
-// and after the window, two 128 x BN units a pair.
-template <int BN>
-struct RowPairTiles {
-  const int* bounds;
-  const int* tiles;
-  int local_groups, m, rank;
-  int column_tiles, row_blocks, pair_tiles, head_blocks, zero_units, total;
-  int cursor = 0;  // the group of the last row block asked for (asked in order)
-
-  __device__ RowPairTiles(const int* bounds, const int* tiles, int local_groups, int m, int n, int rank)
-      : bounds(bounds), tiles(tiles), local_groups(local_groups), m(m), rank(rank) {
-    column_tiles = (n + BN - 1) / BN;
-    row_blocks = tiles[local_groups];
-    pair_tiles = (row_blocks + 1) / 2 * column_tiles;
-    head_blocks = (bounds[0] + BLOCK_M - 1) / BLOCK_M;
-    zero_units = (head_blocks + (m - bounds[local_groups] + BLOCK_M - 1) / BLOCK_M) * column_tiles;
-    total = pair_tiles + (zero_units + 1) / 2;
-  }
-
-  struct Tile {
-    bool zeros, idle, shared;
-    int group, row0, row_end, col0;
-  };
-
-  __device__ Tile at(int t) {
-    if (t < pair_tiles) {
-      const int block = t / column_tiles * 2 + rank, col0 = t % column_tiles * BN;
-      const int partner = block ^ 1;
-      if (block >= row_blocks) return {false, true, false, local_groups - 1, m, m, col0};
-      while (tiles[cursor + 1] <= block) ++cursor;
-      const bool shared = partner < row_blocks && tiles[cursor] <= partner && partner < tiles[cursor + 1];
-      return {false, false, shared, cursor, bounds[cursor] + (block - tiles[cursor]) * BLOCK_M, bounds[cursor + 1],
-              col0};
-    }
-    const int z = (t - pair_tiles) * 2 + rank;
-    if (z >= zero_units) return {true, false, false, -1, 0, 0, 0};  // nothing left to zero
-    const int row_block = z / column_tiles, col0 = z % column_tiles * BN;
-    const bool head = row_block < head_blocks;
-    const int row0 = head ? row_block * BLOCK_M : bounds[local_groups] + (row_block - head_blocks) * BLOCK_M;
-    return {true, false, false, -1, row0, head ? bounds[0] : m, col0};
+    return {true, -1, row0, head ? bounds[0] : m, z % column_tiles * BN};
   }
 };
 
@@ -906,14 +849,11 @@ __device__ __forceinline__ void load_a_tile(unsigned char* a, const TensorMap* m
 }
 
 // ragged_dot on Hopper, in clusters of CLUSTER blocks (1 or 2; with 2, the
-// launch's grid is even). In clusters of two, a plain product's blocks take
-// pairs of row blocks and share their B tiles (RowPairTiles; each block
-// loads its half for both), an activated one's take adjacent column tiles
-// (n spans an even number of them) and share A. lhs_map: lhs [m, k], box 64
-// x 128 rows (64 sharing A). rhs_map: rhs [groups, k, n] (box 64 columns x 64
-// rows x 1) or, RHS_K_MAJOR, [groups, n, k] (box 64 x BN rows x 1; BN / 2
-// sharing B). out_map: out [m, n], 64 x 64 boxes (16-bit outputs; float32
-// ones are stored from registers).
+// launch's grid is even and n spans an even number of BN-column tiles).
+// lhs_map: lhs [m, k], box 64 x (128 / CLUSTER) rows. rhs_map: rhs [groups,
+// k, n] (box 64 columns x 64 rows x 1) or, RHS_K_MAJOR, [groups, n, k] (box
+// 64 x BN rows x 1). out_map: out [m, n], 64 x 64 boxes (16-bit outputs;
+// float32 ones are stored from registers).
 //
 // With an ACTIVATION (ragged_dot_activation; rhs [groups, k, n], 16-bit), out
 // is the pre-activation and `hidden` [m, F] its activation (hidden_map, 64 x
@@ -935,18 +875,13 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   // A tile's columns of the hidden activation (of out, unactivated) and F.
   constexpr int W = GATED ? BN / 2 : BN;
   const int features = GATED ? n / 2 : n;
-  constexpr bool ROW_PAIRS = CLUSTER == 2 && !ACTIVATED;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
-  // Row pairs walk row blocks, so the tables count each group's (one column tile).
-  const Shared<Config> s = start_ragged_dot<Config, ROW_PAIRS ? W : W * CLUSTER>(
-      raw, group_sizes, groups, group_offset, local_groups, m, ROW_PAIRS ? 1 : features);
-  const auto [rank, first, clusters] = cluster_tiles<CLUSTER>();
-  typename Choose<ROW_PAIRS, RowPairTiles<BN>, RaggedTiles<W * CLUSTER>>::type walk(s.bounds, s.tiles, local_groups,
-                                                                                  m, features, rank);
+  const Shared<Config> s =
+      start_ragged_dot<Config, W * CLUSTER>(raw, group_sizes, groups, group_offset, local_groups, m, features);
+  RaggedTiles<W * CLUSTER> walk(s.bounds, s.tiles, local_groups, m, features);
   const int k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
-  // This block's columns of a tile of the walk.
-  const int rank_columns = ROW_PAIRS ? 0 : rank * W;
+  const auto [rank, first, clusters] = cluster_tiles<CLUSTER>();
   Ring ring;
 
   if (threadIdx.x < 128) {
@@ -959,7 +894,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
           named_sync(STAGED_BARRIER, 256 + HELPERS);
           store_staged_activation<O, ACTIVATION, W>(reinterpret_cast<unsigned char*>(s.out), 64 * Config::OUT_PITCH * 2,
                                                     &out_map, &hidden_map, out, hidden, tile.row0, tile.row_end,
-                                                    tile.col0 + rank_columns, features);
+                                                    tile.col0 + rank * W, features);
           named_arrive(DRAINED_BARRIER, 256 + HELPERS);
         }
         if (leads_helpers()) bulk_wait();
@@ -970,41 +905,21 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
     for (int t = first; t < walk.total; t += clusters) {
       const auto tile = walk.at(t);
       if (tile.zeros) continue;
-      const int col0 = tile.col0 + rank_columns;
+      const int col0 = tile.col0 + rank * W;
       for (int kb = 0; kb < k_blocks; ++kb, ring.advance<Config::STAGES>()) {
         barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
         unsigned long long* full = &s.full[ring.stage];
         barrier_expect_bytes(full, Config::STAGE_BYTES);
-        unsigned char* a = s.a + ring.stage * Config::A_BYTES;
-        if constexpr (ROW_PAIRS) {
-          tma_load(a, &lhs_map, full, kb * BLOCK_K, tile.row0);
-        } else {
-          load_a_tile<CLUSTER>(a, &lhs_map, full, kb * BLOCK_K, tile.row0, rank);
-        }
+        load_a_tile<CLUSTER>(s.a + ring.stage * Config::A_BYTES, &lhs_map, full, kb * BLOCK_K, tile.row0, rank);
         unsigned char* b = s.b + ring.stage * Config::B_BYTES;
-        if constexpr (RHS_K_MAJOR && ROW_PAIRS) {
-          // Two boxes of BN / 2 rows: a shared pair's block `rank` loads box `rank` into both.
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            unsigned char* box = b + h * (BN / 2) * 128;
-            if (!tile.shared) {
-              tma_load(box, &rhs_map, full, kb * BLOCK_K, col0 + h * (BN / 2), tile.group);
-            } else if (h == rank) {
-              tma_load_multicast(box, &rhs_map, full, kb * BLOCK_K, col0 + h * (BN / 2), tile.group, 0b11);
-            }
-          }
-        } else if constexpr (RHS_K_MAJOR) {
+        if constexpr (RHS_K_MAJOR) {
           tma_load(b, &rhs_map, full, kb * BLOCK_K, col0, tile.group);
         } else {
 #pragma unroll
           for (int j = 0; j < BN / 64; ++j) {
             // Gated, boxes W / 64 on are the up half's, F columns on.
             const int column = GATED ? col0 + 64 * (j % (W / 64)) + j / (W / 64) * features : col0 + 64 * j;
-            if (!tile.shared) {
-              tma_load(b + j * CHUNK_BYTES, &rhs_map, full, column, kb * BLOCK_K, tile.group);
-            } else if (j / (BN / 128) == rank) {  // a shared pair's block `rank` loads its half into both
-              tma_load_multicast(b + j * CHUNK_BYTES, &rhs_map, full, column, kb * BLOCK_K, tile.group, 0b11);
-            }
+            tma_load(b + j * CHUNK_BYTES, &rhs_map, full, column, kb * BLOCK_K, tile.group);
           }
         }
       }
@@ -1018,7 +933,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   bool staged = false;  // ACTIVATED: a tile is in the staging, with the helper warps
   for (int t = first; t < walk.total; t += clusters) {
     const auto tile = walk.at(t);
-    const int col0 = tile.col0 + rank_columns;
+    const int col0 = tile.col0 + rank * W;
     if (tile.zeros) {
       if constexpr (GATED) {
         zero_tile<O, W>(out, tile.row0, tile.row_end, col0, features, n);
@@ -1058,7 +973,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
       fence_async_shared();
       named_arrive(STAGED_BARRIER, 256 + HELPERS);
       staged = true;
-    } else if (!tile.idle) {
+    } else {
       store_tile_in_bulk<O, Config>(d, staging, &out_map, out, tile.row0 + half * 64, tile.row_end, col0, n);
     }
   }

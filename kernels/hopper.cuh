@@ -128,16 +128,6 @@ __device__ __forceinline__ void tma_load_multicast(void* dst, const TensorMap* m
       : "memory");
 }
 
-// tma_load_multicast's 3-D box.
-__device__ __forceinline__ void tma_load_multicast(void* dst, const TensorMap* map, unsigned long long* bar, int c0,
-                                                   int c1, int c2, unsigned short blocks) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster"
-      " [%0], [%1, {%2, %3, %4}], [%5], %6;" ::"r"(shared_address(dst)),
-      "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(shared_address(bar)), "h"(blocks)
-      : "memory");
-}
-
 // Copies `bytes` (a multiple of 16; both addresses 16-byte aligned) from
 // global memory at src to shared memory at dst; completes on `bar` with them.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {

@@ -140,13 +140,6 @@ fn a_box_rows(cluster: u32) -> u32 {
     BLOCK_M / cluster
 }
 
-/// The blocks of a plain 16-bit Hopper product's cluster: two, taking pairs
-/// of row blocks and sharing their B tiles (each block loads half of each
-/// for both; the kernel's `RowPairTiles`), whatever the columns.
-fn row_pair_cluster(device: &Device) -> u32 {
-    if device.multiprocessors >= 2 { 2 } else { 1 }
-}
-
 /// `activation`: ragged_dot_activation's, applied in the epilogue.
 pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed: bool, cluster: u32,
                                   activation: Option<Activation>, block_n: u32) -> Result<String> {
@@ -319,18 +312,10 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
     let gated = epilogue.as_ref().is_some_and(|e| e.activation.gated());
     let columns = epilogue.as_ref().map_or(shape.n, |e| e.activation.hidden_columns(shape.n));
     let width = if gated { bn / 2 } else { bn };
-    // In clusters, a plain product's blocks share B (each loads half a K-major
-    // B tile's rows), an activated one's share A (each loads half its rows).
-    let (cluster, a_rows, b_rows) = if epilogue.is_some() {
-        let cluster = hopper_cluster(device, columns, width);
-        (cluster, a_box_rows(cluster), bn)
-    } else {
-        let cluster = row_pair_cluster(device);
-        (cluster, BLOCK_M, bn / cluster)
-    };
-    let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, a_rows])?;
+    let cluster = hopper_cluster(device, columns, width);
+    let lhs_map = TensorMap::tiled_16bit(lhs, &[k64, m64], &[BLOCK_K, a_box_rows(cluster)])?;
     let rhs_map = if a.rhs_transposed {
-        TensorMap::tiled_16bit(rhs, &[k64, n64, gl], &[BLOCK_K, b_rows, 1])?
+        TensorMap::tiled_16bit(rhs, &[k64, n64, gl], &[BLOCK_K, bn, 1])?
     } else {
         TensorMap::tiled_16bit(rhs, &[n64, k64, gl], &[64, BLOCK_K, 1])?
     };
