@@ -304,6 +304,13 @@ def layers(smoke: bool) -> tuple[moe_bench.Layer, ...]:
     return deepseek.one_device(), moe_bench._layer(QWEN3_30B_A3B_LAYER, **sizes)
 
 
+def layers_by_name(smoke: bool) -> dict[str, moe_bench.Layer]:
+    """Every layer the benchmarks time, by name: :func:`layers` and the benchmark's own (whose
+    Qwen3-30B-A3B is the one kept)."""
+    own = moe_bench.SMOKE_LAYERS if smoke else moe_bench.LAYERS
+    return {layer.name: layer for layer in (*layers(smoke), *own)}
+
+
 def quantized_once_step(config: moe.MoEConfig) -> Callable:
     """``(x, params, w, fp8_weights) ->`` :func:`oxmoe.bench.moe.step`'s result, the layer given its
     expert weights quantized outside the step (a micro-batch's step under gradient accumulation)."""

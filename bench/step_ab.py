@@ -54,7 +54,7 @@ def median_seconds(step, *args, calls: int = 10, samples: int = 7) -> float:
 def main(label: str, with_dense: bool) -> None:
     ms = {}
     dense = bench_gemm.DenseTimes()
-    known = {layer.name: layer for layer in (*bench_moe.LAYERS, *fp8_gemm.layers(smoke=False))}
+    known = fp8_gemm.layers_by_name(smoke=False)
     for layer in (known[name] for name in LAYERS):
         (x, params, w), = bench_moe._draw_sets(layer, bench_moe.Placement(None),
                                               (0, zlib.crc32(layer.name.encode())), 1)
@@ -68,8 +68,7 @@ def main(label: str, with_dense: bool) -> None:
             ms[f"{layer.name} {loss}"] = median_seconds(jax.jit(step), x, params, w) * 1e3
             print(f"{label} {layer.name} {loss}: {ms[f'{layer.name} {loss}']:.3f} ms", flush=True)
         if with_dense:
-            dense_s = sum(dense.get(shape, product, timing.FULL).timing.median_s
-                          for shape in layer.gemms() for product in ("fwd", "dlhs", "drhs"))
+            dense_s = sum(d.timing.median_s for d in bench_moe.dense_gemms(layer, timing.FULL, dense).values())
             ms[f"{layer.name} dense"] = dense_s * 1e3
             print(f"{label} {layer.name} dense ceiling: {dense_s * 1e3:.3f} ms, the linear step at "
                   f"{100 * dense_s * 1e3 / ms[f'{layer.name} linear']:.1f}% of it", flush=True)

@@ -46,8 +46,8 @@ from tokamax_gemm import DIMENSIONS, describe, tune
 
 
 def layers() -> list[bench_moe.Layer]:
-    by_name = {layer.name: layer for layer in bench_moe.LAYERS}
-    return [by_name["mixtral"], by_name["qwen3_30b_a3b"], fp8_gemm.layers(False)[0]]
+    by_name = fp8_gemm.layers_by_name(smoke=False)
+    return [by_name[name] for name in ("mixtral", "qwen3_30b_a3b", "deepseek_v3 1 device E=32")]
 
 
 def tuned_op(configs: dict) -> PallasMosaicGpuRaggedDot:

@@ -150,8 +150,7 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="the one-device layer with FP8 expert GEMMs too")
     args = parser.parse_args()
     # The benchmark's layers and the FP8 benchmark's (DeepSeek-V3 on one GPU: one rank of EP = 8).
-    layers = {layer.name: layer for layer in (*fp8_gemm.layers(args.smoke),
-                                              *(bench_moe.SMOKE_LAYERS if args.smoke else bench_moe.LAYERS))}
+    layers = fp8_gemm.layers_by_name(args.smoke)
     if args.case not in layers:
         parser.error(f"--case must be one of {', '.join(repr(name) for name in layers)}")
     layer = layers[args.case]

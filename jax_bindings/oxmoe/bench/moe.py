@@ -690,10 +690,12 @@ def _draw_sets(layer: Layer, place: Placement, seed: tuple, num_sets: int) -> li
     return sets
 
 
-def _dense(result: LayerResult, layer: Layer, settings: timing.Settings, dense: DenseTimes, seed: int) -> None:
-    for shape in layer.gemms():
-        for product in ("fwd", "dlhs", "drhs"):
-            result.dense[f"{shape.name.split()[-1]} {product}"] = dense.get(shape, product, settings, seed)
+def dense_gemms(layer: Layer, settings: timing.Settings, dense: DenseTimes,
+                seed: int = 0) -> dict[str, grouped_gemm.Dense]:
+    """The dense GEMMs of ``layer``'s ceiling (forward, d lhs and d rhs of each of
+    :meth:`Layer.gemms`, timed once per run by ``dense``), by ``"<up|down|...> <product>"``."""
+    return {f"{shape.name.split()[-1]} {product}": dense.get(shape, product, settings, seed)
+            for shape in layer.gemms() for product in ("fwd", "dlhs", "drhs")}
 
 
 def _time_plain(run, arg_sets, settings: timing.Settings) -> tuple[timing.Timing | str | None, str | None]:
@@ -738,7 +740,7 @@ def run_one_device(case: LayerCase, settings: timing.Settings, dense: DenseTimes
             result.plain, result.plain_error = _time_plain(plain_run, arg_sets, settings)
         result.memory = layer_memory(layer, arg_sets[0], plain_fails=result.plain_error is not None)
         del arg_sets
-        _dense(result, layer, settings, dense, seed)
+        result.dense = dense_gemms(layer, settings, dense, seed)
     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
         result.failure = failure_text(e)
     return result
@@ -815,7 +817,7 @@ def run_expert_parallel(case: LayerCase, settings: timing.Settings, dense: Dense
         if layer.compare_weight_sharding:
             parts += weight_sharding_parts(layer, settings, seed)
         result.breakdown = parts
-        _dense(result, layer, settings, dense, seed)
+        result.dense = dense_gemms(layer, settings, dense, seed)
     except Exception as e:  # noqa: BLE001 - one broken case must not hide the others' numbers
         result.failure = failure_text(e)
     return result
