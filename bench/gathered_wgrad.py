@@ -5,7 +5,9 @@ shapes (Mixtral, Qwen3-30B-A3B, DeepSeek-V3 on one GPU with 32 experts):
   the permutation's gather the layer used before), then ``transposed_ragged_dot`` on them;
 - ``gathered``: ``transposed_ragged_dot(tokens, ..., lhs_rows=source_tokens)``, the product
   reading each row from its token as it loads its tiles (the layer's backward now);
-- ``product``: ``transposed_ragged_dot`` alone on rows gathered before (the floor of both).
+- ``product``: ``transposed_ragged_dot`` alone on rows gathered before (the floor of both);
+- ``in_order``: the gathered kernel on rows gathered before, through the identity map (what
+  its one-row boxes cost without the gather's scattered reads).
 
 Routing: each token's top-k of random logits. Median of 7 x 10 calls
 (``step_ab.median_seconds``). Checks before timing that both ways give the same bits. Prints
@@ -55,6 +57,9 @@ def main(label: str) -> None:
         us = {way: median_seconds(fn, *args) * 1e6 for way, fn in ways.items()}
         product = jax.jit(functools.partial(grouped_gemm.transposed_ragged_dot))
         us["product"] = median_seconds(product, d.tokens, grad_up, d.group_sizes) * 1e6
+        in_order = jax.jit(lambda r, g, s: grouped_gemm.transposed_ragged_dot(
+            r, g, s, lhs_rows=jnp.arange(len(r), dtype=jnp.int32)))
+        us["in_order"] = median_seconds(in_order, d.tokens, grad_up, d.group_sizes) * 1e6
         flops = 2 * len(d.tokens) * hidden * 2 * ffn
         results[name] = us
         print(f"{label} {name} T{tokens} H{hidden} F{ffn} E{experts} k{top_k}: " +

@@ -1027,27 +1027,34 @@ __device__ __forceinline__ Shared<Config> start_transposed(unsigned char* raw) {
 
 // The producer warpgroup's part of a gathered stage: the A tile's 64 rows
 // (the stage's rows [row, row + 64) of out's 128 rows from out_row0) as
-// one-row boxes of the tokens, issued by all four warps, a box a lane (TMA
-// has no row gather on Hopper, but a one-row box lands with the 128-byte
-// swizzle of the address it is written to, as the 64-row box would lay it
-// out; bench/row_gather_tma.cu). Warp w takes rows 16w to 16w + 15; lane l
-// row l % 16, and 64 of the tile's 128 columns: the (l / 16)-th, or in a
-// cluster of two the block's rank-th, multicast into both blocks (each
-// block's full barrier then counts both blocks' boxes). `token`: the lane's
-// row's token, -1 past the group (a box out of range lands zeros).
+// one-row boxes of the tokens, 64 columns each, issued by all four warps, a
+// box a lane (TMA has no row gather on Hopper, but a one-row box lands with
+// the 128-byte swizzle of the address it is written to, as the 64-row box
+// would lay it out; bench/row_gather_tma.cu). Of the tile's 128 boxes (box j:
+// row j % 64, the (j / 64)-th 64 columns) block `rank` of a CLUSTER-block
+// cluster issues the rank-th 128 / CLUSTER, multicast into every block of the
+// cluster (each block's full barrier then counts all the cluster's boxes).
 template <int CLUSTER>
-__device__ __forceinline__ void load_gathered_rows(unsigned char* a, const TensorMap* map, unsigned long long* full,
-                                                   int out_row0, int token, int rank) {
-  const int lane = threadIdx.x % 32, row = threadIdx.x / 32 * 16 + lane % 16;
-  if constexpr (CLUSTER == 1) {
-    const int half = lane / 16;
-    tma_load(a + half * CHUNK_BYTES + row * 128, map, full, out_row0 + 64 * half, token);
-  } else {
-    if (lane < 16)
-      tma_load_multicast(a + rank * CHUNK_BYTES + row * 128, map, full, out_row0 + 64 * rank, token,
-                         (1 << CLUSTER) - 1);
+struct GatheredBox {
+  static constexpr int PER_WARP = BLOCK_M / CLUSTER / 4;
+  int row, half;
+  bool issues;  // whether this lane issues a box
+  __device__ explicit GatheredBox(int rank) {
+    const int lane = threadIdx.x % 32, j = rank * (BLOCK_M / CLUSTER) + threadIdx.x / 32 * PER_WARP + lane;
+    row = j % 64, half = j / 64, issues = lane < PER_WARP;
   }
-}
+  // `token`: the lane's row's token, -1 past the group (a box out of range lands zeros).
+  __device__ void load(unsigned char* a, const TensorMap* map, unsigned long long* full, int out_row0,
+                       int token) const {
+    if (!issues) return;
+    unsigned char* at = a + half * CHUNK_BYTES + row * 128;
+    if constexpr (CLUSTER == 1) {
+      tma_load(at, map, full, out_row0 + 64 * half, token);
+    } else {
+      tma_load_multicast(at, map, full, out_row0 + 64 * half, token, (1 << CLUSTER) - 1);
+    }
+  }
+};
 
 // transposed_ragged_dot on Hopper: out[i] ([k, n]) = lhs_iᵀ · rhs_i over the
 // rows of local group i in each chunk. lhs's columns are out's rows, so A is
@@ -1057,13 +1064,12 @@ __device__ __forceinline__ void load_gathered_rows(unsigned char* a, const Tenso
 // (16-bit outputs).
 // GATHERED: row r of chunk c's lhs is token gathered.source[c][r] of the
 // chunk's tokens (maps.lhs), loaded by the producer warpgroup's four warps
-// (load_gathered_rows) where thread 0 alone loads a 64-row box; in clusters
-// of CLUSTER blocks (1 or 2; with 2, the grid is even and n spans an even
-// number of BN-column tiles) whose blocks take adjacent column tiles of the
-// same rows and share the A tile, each block issuing half its boxes: a warp's
-// boxes go out one after another (~57 cycles each), so the four warps of one
-// block issue a stage's 128 boxes more slowly than the tensor cores multiply
-// it, and 64 in time.
+// (GatheredBox) where thread 0 alone loads a 64-row box; in clusters of
+// CLUSTER blocks (1, 2 or 4; the grid a multiple of it, n spanning a multiple
+// of it of BN-column tiles) whose blocks take adjacent column tiles of the
+// same rows and share the A tile, each block issuing its share of the boxes:
+// a warp's boxes go out one after another, so the fewer a block issues a
+// stage the better.
 template <typename T, typename O, bool GATHERED, int CLUSTER, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS,
           int SHARED_BYTES>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
@@ -1081,20 +1087,26 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) tr
   if (threadIdx.x < 128) {
     producer_registers();
     if (!GATHERED && threadIdx.x != 0) return;
-    const int lane_row = threadIdx.x / 32 * 16 + threadIdx.x % 16;  // load_gathered_rows' row
+    const GatheredBox<CLUSTER> box(rank);
+    // The lane's token of the stage at `row` (-1 past the group).
+    const auto token_at = [&](int c, int row, int end) {
+      return GATHERED && box.issues && row + box.row < end ? gathered.source[c][row + box.row] : -1;
+    };
     for (int t = first; t < walk.total; t += clusters) {
       const auto tile = walk.at(t);
       const int g = tile.group, out_row0 = tile.row0, col0 = tile.col0 + rank * BN;
       for (int c = 0; c < chunks; ++c) {
         const int end = rows.end(c, g);
+        int next = token_at(c, rows.begin(c, g), end);
         for (int row = rows.begin(c, g); row < end; row += 64, ring.advance<Config::STAGES>()) {
-          // The lane's token, read before the wait for the stage hides its latency.
-          const int token = GATHERED && row + lane_row < end ? gathered.source[c][row + lane_row] : -1;
+          // The next stage's token is read a stage ahead: its latency would hold the boxes back.
+          const int token = next;
+          next = token_at(c, row + 64, end);
           if (threadIdx.x % 32 == 0) barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
           __syncwarp();
           unsigned long long* full = &s.full[ring.stage];
           unsigned char* a = s.a + ring.stage * Config::A_BYTES;
-          if constexpr (GATHERED) load_gathered_rows<CLUSTER>(a, &maps.lhs[c], full, out_row0, token, rank);
+          if constexpr (GATHERED) box.load(a, &maps.lhs[c], full, out_row0, token);
           if (threadIdx.x != 0) continue;
           // The other warps' boxes may land before this: a phase's byte count may fall below 0
           // until this arrival, which the phase's completion waits for.

@@ -171,11 +171,13 @@ def _both_ways(token_chunks, rhs, sizes, maps):
 
 
 # (tokens of each chunk, rows of each chunk, K, N, groups, dtype): clusters of two (N 1536: six
-# 256-column tiles), one block (N 384: three 128-column tiles), K past its last 64-column box
-# (200), chunks with one of no rows and one of a single token, DeepSeek-V3 on one GPU.
+# 256-column tiles), one block (N 384: three 128-column tiles), four (N 1024), K past its last
+# 64-column box (200), chunks with one of no rows and one of a single token, DeepSeek-V3 on one
+# GPU (clusters of four).
 GPU_CASES = [
     ((4096,), (32768,), 2048, 1536, 16, BF16),
     ((1000,), (8000,), 1024, 384, 8, F16),
+    ((500,), (4000,), 512, 1024, 6, F16),
     ((300, 0, 1), (2000, 0, 700), 200, 512, 5, BF16),
     ((8192,), (65536,), 7168, 4096, 32, BF16),
 ]

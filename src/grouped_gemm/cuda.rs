@@ -134,6 +134,14 @@ fn hopper_cluster(device: &Device, n: usize, width: u32) -> u32 {
     if n.div_ceil(width as usize).is_multiple_of(2) && device.multiprocessors >= 2 { 2 } else { 1 }
 }
 
+/// The blocks of a gathered weight gradient's cluster for `n` columns in tiles
+/// of `width`: as many (up to four) as the tiles divide into, each block
+/// issuing its share of the A tile's one-row boxes.
+fn gathered_cluster(device: &Device, n: usize, width: u32) -> u32 {
+    let tiles = n.div_ceil(width as usize);
+    [4, 2].into_iter().find(|&c| tiles.is_multiple_of(c as usize) && device.multiprocessors >= c).unwrap_or(1)
+}
+
 /// The rows of the boxes a Hopper product loads its A tiles in: each block
 /// of a cluster loads its share of a tile's rows for all of them.
 fn a_box_rows(cluster: u32) -> u32 {
@@ -148,7 +156,7 @@ pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed
 }
 
 /// `gathered`: lhs's rows read through each chunk's `lhs_rows`, in clusters of
-/// `cluster` (1 or 2; 1 when not gathered).
+/// `cluster` (1, 2 or 4; 1 when not gathered).
 pub fn transposed_hopper_instance(dtype: DataType, out: DataType, gathered: bool, cluster: u32, block_n: u32)
                                   -> Result<String> {
     let instance = Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out).flag(gathered).int(cluster);
@@ -404,7 +412,7 @@ pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<
         }
         let out_map = out_map(out_dtype, out, n64, transposed_out_rows(shape)?)?;
         // Gathered, the blocks of a cluster share the A tile's boxes (see the kernel).
-        let cluster = if a.gathered() { hopper_cluster(device, shape.n, bn) } else { 1 };
+        let cluster = if a.gathered() { gathered_cluster(device, shape.n, bn) } else { 1 };
         let instance = transposed_hopper_instance(dtype, out_dtype, a.gathered(), cluster, bn)?;
         launch_hopper(stream, device, &instance, bn, cluster, &mut [
             arg(&maps), arg(&gathered), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
@@ -570,7 +578,7 @@ mod tests {
                         instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, None, bn).unwrap());
                     }
                 }
-                for (gathered, cluster) in [(false, 1), (true, 1), (true, 2)] {
+                for (gathered, cluster) in [(false, 1), (true, 1), (true, 2), (true, 4)] {
                     instances.push(transposed_hopper_instance(dtype, out, gathered, cluster, bn).unwrap());
                 }
             }
