@@ -188,22 +188,12 @@ struct ChunkOperands {
   const T* rhs[MAX_CHUNKS];
 };
 
-// A transposed product's rows gathered through a map: row r of chunk c's lhs
-// is row source[c][r] of its token matrix, of `tokens[c]` rows (zeros where
-// the source is outside them: a dispatch's padding rows are -1). Null
-// sources: lhs is the rows themselves.
-struct GatheredRows {
-  const int* source[MAX_CHUNKS];
-  int tokens[MAX_CHUNKS];
-};
-
 // out[i] = lhs_iᵀ · rhs_i ([k, n]) over the rows of local group i in each
-// chunk, lhs's rows gathered through `gathered` where it has sources. A
-// block owns a 64 x 64 tile of one group's output.
+// chunk. A block owns a 64 x 64 tile of one group's output.
 template <typename T, typename O, int THREADS, int TILE>
 __global__ void __launch_bounds__(THREADS) transposed_ragged_dot_simt(
-    const __grid_constant__ ChunkOperands<T> operands, const __grid_constant__ GatheredRows gathered, int chunks,
-    const ChunkBounds rows, int k, int n, O* __restrict__ out) {
+    const __grid_constant__ ChunkOperands<T> operands, int chunks, const ChunkBounds rows, int k, int n,
+    O* __restrict__ out) {
   check_simt_launch<THREADS, TILE>();
   __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
   __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
@@ -214,14 +204,11 @@ __global__ void __launch_bounds__(THREADS) transposed_ragged_dot_simt(
   for (int c = 0; c < chunks; ++c) {
     const T* __restrict__ lhs = operands.lhs[c];
     const T* __restrict__ rhs = operands.rhs[c];
-    const int* __restrict__ source = gathered.source[c];
     const int begin = rows.begin(c, g), end = rows.end(c, g);
     for (int r0 = begin; r0 < end; r0 += SIMT_DEPTH) {
       for (int e = threadIdx.x; e < SIMT_DEPTH * SIMT_TILE; e += SIMT_THREADS) {
         const int d = e / SIMT_TILE, col = e % SIMT_TILE, row = r0 + d;
-        const int lhs_row = row < end && source ? source[row] : row;
-        const bool inside = row < end && (!source || (lhs_row >= 0 && lhs_row < gathered.tokens[c]));
-        as[d][col] = inside && k_0 + col < k ? to_float(lhs[static_cast<size_t>(lhs_row) * k + k_0 + col]) : 0.f;
+        as[d][col] = row < end && k_0 + col < k ? to_float(lhs[static_cast<size_t>(row) * k + k_0 + col]) : 0.f;
         bs[d][col] = row < end && col0 + col < n ? to_float(rhs[static_cast<size_t>(row) * n + col0 + col]) : 0.f;
       }
       __syncthreads();
@@ -833,6 +820,16 @@ __device__ __forceinline__ Shared<Config> start_ragged_dot(unsigned char* raw, c
   return s;
 }
 
+// The start of a transposed product's Hopper kernel: its shared memory carved
+// and its barriers set up, every thread waiting for them.
+template <typename Config>
+__device__ __forceinline__ Shared<Config> start_transposed(unsigned char* raw) {
+  const Shared<Config> s = Shared<Config>::carve(raw);
+  if (threadIdx.x == 0) s.init_barriers();
+  __syncthreads();
+  return s;
+}
+
 // Producer warpgroup: 40 registers; consumers: 232 (of 64K for 384 threads).
 __device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;"); }
 __device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;"); }
@@ -1003,57 +1000,10 @@ __device__ __forceinline__ void consumers_publish_shared() {
 }
 
 // Each chunk's tensor maps: lhs [m_c, k] and rhs [m_c, n], 2-D with 64 x
-// 64-row boxes (gathered: lhs is the chunk's tokens [tokens_c, k], in 64 x
-// 1-row boxes).
+// 64-row boxes.
 struct ChunkMaps {
   TensorMap lhs[MAX_CHUNKS];
   TensorMap rhs[MAX_CHUNKS];
-};
-
-// The start of a transposed product's Hopper kernel: its shared memory carved
-// and its barriers set up, every thread waiting for them (and for the other
-// blocks of the cluster, whose loads and arrivals reach this block's barriers).
-template <typename Config>
-__device__ __forceinline__ Shared<Config> start_transposed(unsigned char* raw) {
-  const Shared<Config> s = Shared<Config>::carve(raw);
-  if (threadIdx.x == 0) s.init_barriers();
-  if constexpr (Config::CLUSTER > 1) {
-    cluster_sync();
-  } else {
-    __syncthreads();
-  }
-  return s;
-}
-
-// The producer warpgroup's part of a gathered stage: the A tile's 64 rows
-// (the stage's rows [row, row + 64) of out's 128 rows from out_row0) as
-// one-row boxes of the tokens, 64 columns each, issued by all four warps, a
-// box a lane (TMA has no row gather on Hopper, but a one-row box lands with
-// the 128-byte swizzle of the address it is written to, as the 64-row box
-// would lay it out; bench/row_gather_tma.cu). Of the tile's 128 boxes (box j:
-// row j % 64, the (j / 64)-th 64 columns) block `rank` of a CLUSTER-block
-// cluster issues the rank-th 128 / CLUSTER, multicast into every block of the
-// cluster (each block's full barrier then counts all the cluster's boxes).
-template <int CLUSTER>
-struct GatheredBox {
-  static constexpr int PER_WARP = BLOCK_M / CLUSTER / 4;
-  int row, half;
-  bool issues;  // whether this lane issues a box
-  __device__ explicit GatheredBox(int rank) {
-    const int lane = threadIdx.x % 32, j = rank * (BLOCK_M / CLUSTER) + threadIdx.x / 32 * PER_WARP + lane;
-    row = j % 64, half = j / 64, issues = lane < PER_WARP;
-  }
-  // `token`: the lane's row's token, -1 past the group (a box out of range lands zeros).
-  __device__ void load(unsigned char* a, const TensorMap* map, unsigned long long* full, int out_row0,
-                       int token) const {
-    if (!issues) return;
-    unsigned char* at = a + half * CHUNK_BYTES + row * 128;
-    if constexpr (CLUSTER == 1) {
-      tma_load(at, map, full, out_row0 + 64 * half, token);
-    } else {
-      tma_load_multicast(at, map, full, out_row0 + 64 * half, token, (1 << CLUSTER) - 1);
-    }
-  }
 };
 
 // transposed_ragged_dot on Hopper: out[i] ([k, n]) = lhs_iᵀ · rhs_i over the
@@ -1062,59 +1012,31 @@ struct GatheredBox {
 // contraction walks the group's rows 64 at a time, chunk after chunk.
 // out_map: out's local groups as one [groups x k, n] matrix, 64 x 64 boxes
 // (16-bit outputs).
-// GATHERED: row r of chunk c's lhs is token gathered.source[c][r] of the
-// chunk's tokens (maps.lhs), loaded by the producer warpgroup's four warps
-// (GatheredBox) where thread 0 alone loads a 64-row box; in clusters of
-// CLUSTER blocks (1, 2 or 4; the grid a multiple of it, n spanning a multiple
-// of it of BN-column tiles) whose blocks take adjacent column tiles of the
-// same rows and share the A tile, each block issuing its share of the boxes:
-// a warp's boxes go out one after another, so the fewer a block issues a
-// stage the better.
-template <typename T, typename O, bool GATHERED, int CLUSTER, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS,
-          int SHARED_BYTES>
-__global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
-    const __grid_constant__ ChunkMaps maps, const __grid_constant__ GatheredRows gathered, int chunks,
-    const ChunkBounds rows, int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map) {
-  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, CLUSTER>;
-  static_assert(GATHERED || CLUSTER == 1, "clusters share gathered A tiles");
+template <typename T, typename O, int BN, int STAGES, int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
+__global__ void __launch_bounds__(THREADS, 1) transposed_ragged_dot_hopper(
+    const __grid_constant__ ChunkMaps maps, int chunks, const ChunkBounds rows, int k, int n, O* __restrict__ out,
+    const __grid_constant__ TensorMap out_map) {
+  using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS>;
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
   const Shared<Config> s = start_transposed<Config>(raw);
-  const TransposedTiles<Config::CLUSTER_BN> walk(rows.local_groups, k, n);
-  const auto [rank, first, clusters] = cluster_tiles<CLUSTER>();
+  const TransposedTiles<BN> walk(rows.local_groups, k, n);
   Ring ring;
 
   if (threadIdx.x < 128) {
     producer_registers();
-    if (!GATHERED && threadIdx.x != 0) return;
-    const GatheredBox<CLUSTER> box(rank);
-    // The lane's token of the stage at `row` (-1 past the group).
-    const auto token_at = [&](int c, int row, int end) {
-      return GATHERED && box.issues && row + box.row < end ? gathered.source[c][row + box.row] : -1;
-    };
-    for (int t = first; t < walk.total; t += clusters) {
-      const auto tile = walk.at(t);
-      const int g = tile.group, out_row0 = tile.row0, col0 = tile.col0 + rank * BN;
+    if (threadIdx.x != 0) return;
+    for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+      const auto [g, out_row0, col0] = walk.at(t);
       for (int c = 0; c < chunks; ++c) {
         const int end = rows.end(c, g);
-        int next = token_at(c, rows.begin(c, g), end);
         for (int row = rows.begin(c, g); row < end; row += 64, ring.advance<Config::STAGES>()) {
-          // The next stage's token is read a stage ahead: its latency would hold the boxes back.
-          const int token = next;
-          next = token_at(c, row + 64, end);
-          if (threadIdx.x % 32 == 0) barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
-          __syncwarp();
+          barrier_wait(&s.empty[ring.stage], ring.phase ^ 1);
           unsigned long long* full = &s.full[ring.stage];
-          unsigned char* a = s.a + ring.stage * Config::A_BYTES;
-          if constexpr (GATHERED) box.load(a, &maps.lhs[c], full, out_row0, token);
-          if (threadIdx.x != 0) continue;
-          // The other warps' boxes may land before this: a phase's byte count may fall below 0
-          // until this arrival, which the phase's completion waits for.
           barrier_expect_bytes(full, Config::STAGE_BYTES);
-          if constexpr (!GATHERED) {
-            tma_load(a, &maps.lhs[c], full, out_row0, row);
-            tma_load(a + CHUNK_BYTES, &maps.lhs[c], full, out_row0 + 64, row);
-          }
+          unsigned char* a = s.a + ring.stage * Config::A_BYTES;
+          tma_load(a, &maps.lhs[c], full, out_row0, row);
+          tma_load(a + CHUNK_BYTES, &maps.lhs[c], full, out_row0 + 64, row);
           unsigned char* b = s.b + ring.stage * Config::B_BYTES;
 #pragma unroll
           for (int j = 0; j < BN / 64; ++j) tma_load(b + j * CHUNK_BYTES, &maps.rhs[c], full, col0 + 64 * j, row);
@@ -1127,9 +1049,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) tr
   consumer_registers();
   const int half = threadIdx.x / 128 - 1;
   float d[BN / 2];
-  for (int t = first; t < walk.total; t += clusters) {
-    const auto tile = walk.at(t);
-    const int g = tile.group, out_row0 = tile.row0, col0 = tile.col0 + rank * BN;
+  for (int t = blockIdx.x; t < walk.total; t += gridDim.x) {
+    const auto [g, out_row0, col0] = walk.at(t);
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) d[i] = 0.f;
     bool loaded = false;  // whether a stage of this tile has been multiplied
@@ -1142,8 +1063,8 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) tr
         if (end - row < 64) {
           // The last rows of the box belong to the next group (or lie past the
           // chunk): zero them in both operands (a product with a stray inf or
-          // NaN would not be zero; gathered, A's are zeros already).
-          if constexpr (!GATHERED) zero_rows_from(a, 2, end - row);
+          // NaN would not be zero).
+          zero_rows_from(a, 2, end - row);
           zero_rows_from(b, BN / 64, end - row);
           consumers_publish_shared();
         }
@@ -1154,18 +1075,18 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) tr
                              matrix_descriptor(b + kk * 16 * 128, CHUNK_BYTES));
         }
         wgmma_commit();
-        release_previous_stage<CLUSTER>(s.empty, ring, Config::STAGES, loaded);
+        release_previous_stage(s.empty, ring, Config::STAGES, loaded);
         loaded = true;
       }
     }
     wgmma_wait<0>();
     keep_in_registers(d);
-    if (loaded) release_stage<CLUSTER>(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
+    if (loaded) release_stage(s.empty, (ring.stage + Config::STAGES - 1) % Config::STAGES);
     // out's local groups are one [groups x k, n] matrix to the map.
     store_tile_in_bulk<O, Config>(d, s.out + half * 64 * Config::OUT_PITCH, &out_map, out,
                                   g * k + out_row0 + half * 64, (g + 1) * k, col0, n);
   }
-  finish_clustered_consumers<CLUSTER>();
+  finish_bulk_stores();
 }
 
 // ---------------------------------------------------------------------------

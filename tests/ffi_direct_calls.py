@@ -250,28 +250,20 @@ CASES.update({
         "oxmoe_ragged_dot", [r"result 0 shares memory with argument 0", r"in place"]),
     "transposed_ragged_dot_a_chunk_without_rhs": (
         lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS, ROWS, ROWS,
-                      SIZES, OFFSET, gathered=np.bool_(False)),
+                      SIZES, OFFSET),
         "oxmoe_transposed_ragged_dot", [r"got 5 arguments", r"the 2 operands of each chunk"]),
     "transposed_ragged_dot_sizes_of_other_chunks": (
         lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS, ROWS, ROWS, ROWS,
-                      np.ones((3, 2), np.int32), OFFSET, gathered=np.bool_(False)),
+                      np.ones((3, 2), np.int32), OFFSET),
         "oxmoe_transposed_ragged_dot", [r"group_sizes has shape \[3, 2\]", r"expected \[2, groups\] for 2 chunks"]),
     "transposed_ragged_dot_nine_chunks": (
         lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), *[ROWS] * 18,
-                      np.ones((9, 2), np.int32), OFFSET, gathered=np.bool_(False)),
+                      np.ones((9, 2), np.int32), OFFSET),
         "oxmoe_transposed_ragged_dot", [r"got 20 arguments, expected 4 to 18"]),
     "transposed_ragged_dot_chunks_of_two_widths": (
         lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS, ROWS[:, :3], ROWS, ROWS,
-                      np.ones((2, 2), np.int32), OFFSET, gathered=np.bool_(False)),
+                      np.ones((2, 2), np.int32), OFFSET),
         "oxmoe_transposed_ragged_dot", [r"lhs\[1\] has shape float32\[6, 3\], expected \[6, 8\]"]),
-    "transposed_ragged_dot_gathered_rows_of_another_length": (
-        lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS[:4], ROWS,
-                      np.zeros(5, np.int32), SIZES, OFFSET, gathered=np.bool_(True)),
-        "oxmoe_transposed_ragged_dot", [r"lhs_rows has shape int32\[5\], expected \[6\]"]),
-    "transposed_ragged_dot_gathered_rows_not_int32": (
-        lambda: _call("oxmoe_transposed_ragged_dot", _spec((2, E, E), jnp.float32), ROWS[:4], ROWS,
-                      np.zeros(6, np.float32), SIZES, OFFSET, gathered=np.bool_(True)),
-        "oxmoe_transposed_ragged_dot", [r"lhs_rows", r"int32"]),
     "fp8_ragged_dot_k_not_a_multiple_of_128": (
         lambda: _call("oxmoe_fp8_ragged_dot", _spec((4, 128), jnp.float32), np.zeros((4, 100), jnp.float8_e4m3fn),
                       np.ones((4, 1), np.float32), np.zeros((2, 100, 128), jnp.float8_e4m3fn),

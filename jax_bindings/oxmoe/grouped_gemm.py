@@ -72,20 +72,17 @@ _ragged_dot_activation_p = FfiPrimitive(
 
 
 @functools.cache
-def _transposed_ragged_dot_p(chunks: int, gathered: bool) -> FfiPrimitive:
+def _transposed_ragged_dot_p(chunks: int) -> FfiPrimitive:
     """The transposed product of ``chunks`` chunks: the lhs of each, the rhs of
-    each, if ``gathered`` the lhs_rows of each, group_sizes ``[chunks, G]``,
-    group_offset (its attribute ``gathered`` says which)."""
-    per_chunk = 3 if gathered else 2
+    each, group_sizes ``[chunks, G]``, group_offset."""
     return FfiPrimitive(
-        "oxmoe_transposed_ragged_dot", operands=(DISPATCHED,) * (per_chunk * chunks) + (WHOLE, WHOLE),
-        results=(WHOLE,),
+        "oxmoe_transposed_ragged_dot", operands=(DISPATCHED,) * (2 * chunks) + (WHOLE, WHOLE), results=(WHOLE,),
         result_specs=lambda *operands, groups, out_dtype, **_: [
             jax.ShapeDtypeStruct((groups, operands[0].shape[1], operands[chunks].shape[1]), out_dtype)],
         shape_params=("groups", "out_dtype"), workspace=lambda *_, groups, **__: _workspace_bytes(chunks, groups))
 
 
-_transposed_ragged_dot_p(1, False)  # registers the target at import, as every other primitive's is
+_transposed_ragged_dot_p(1)  # registers the target at import, as every other primitive's is
 
 
 def _out_dtype(preferred_element_type, dtype):
@@ -99,12 +96,12 @@ def _out_dtype(preferred_element_type, dtype):
 
 
 def _check_groups(group_sizes, group_offset, local_groups: int | None, local_groups_name: str,
-                  rows: tuple[int, ...], chunked: bool = False, rows_of: str = "lhs"):
+                  rows: tuple[int, ...], chunked: bool = False):
     """Checks the group arguments; returns ``(G, group_sizes as int32, group_offset
     as int32 [1])``. ``local_groups`` is the window's group count, which the
     argument named ``local_groups_name`` gives (None: not given, the window is
-    every group). ``rows``: the rows of each chunk (of the operand ``rows_of``);
-    ``chunked``: group_sizes is ``[chunks, G]``, else ``[G]``."""
+    every group). ``rows``: the rows of each chunk; ``chunked``: group_sizes is
+    ``[chunks, G]``, else ``[G]``."""
     check_array("group_sizes", group_sizes)
     if not jnp.issubdtype(group_sizes.dtype, jnp.integer):
         raise TypeError(f"group_sizes must be an integer array (int32, or another integer dtype that is cast "
@@ -128,7 +125,7 @@ def _check_groups(group_sizes, group_offset, local_groups: int | None, local_gro
         if local_groups is not None and local_groups > groups:
             raise ValueError(f"{local_groups_name} is {local_groups}, more than the {groups} groups of group_sizes")
         offset = jnp.reshape(_as_int32("group_offset", group_offset), (1,))
-    _check_concrete(group_sizes, group_offset, rows, chunked, rows_of)
+    _check_concrete(group_sizes, group_offset, rows, chunked)
     return groups, _as_int32("group_sizes", group_sizes), offset
 
 
@@ -153,7 +150,7 @@ def _as_int32(name: str, values):
     return values.astype(jnp.int32)
 
 
-def _check_concrete(group_sizes, group_offset, rows: tuple[int, ...], chunked: bool, rows_of: str) -> None:
+def _check_concrete(group_sizes, group_offset, rows: tuple[int, ...], chunked: bool) -> None:
     """Called eagerly, out-of-range sizes are errors, not clamped."""
     if not called_eagerly():
         return
@@ -166,8 +163,8 @@ def _check_concrete(group_sizes, group_offset, rows: tuple[int, ...], chunked: b
         total = int(chunk_sizes.sum(dtype=np.int64))
         if total > m:
             of = f"chunk {chunk}'s sizes" if chunked else "group_sizes"
-            operand = f"{rows_of}[{chunk}]" if chunked else rows_of
-            raise ValueError(f"{of} sum to {total}, more than the {m} rows of {operand}")
+            lhs = f"lhs[{chunk}]" if chunked else "lhs"
+            raise ValueError(f"{of} sum to {total}, more than the {m} rows of {lhs}")
     if group_offset is not None:
         offset = int(np.asarray(group_offset).reshape(()))
         if not 0 <= offset <= sizes.shape[1]:
@@ -361,7 +358,7 @@ def _ragged_dot_out_dtype(preferred_element_type, lhs_dtype, rhs_dtype):
 
 
 def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offset=None,
-                          preferred_element_type=None, lhs_rows=None):
+                          preferred_element_type=None):
     """Per group, the rows' outer products summed: ``out[i] = lhs_gᵀ · rhs_g``.
 
     ``lhs_g`` and ``rhs_g`` are the rows of group ``g = g0 + i`` (``g0`` the
@@ -377,71 +374,29 @@ def transposed_ragged_dot(lhs, rhs, group_sizes, *, num_groups=None, group_offse
     gathered together (the weight gradient over rows kept in ``C`` buffers,
     with no copy).
 
-    With ``lhs_rows``, lhs's rows are gathered: row ``r`` of (chunk ``c`` of)
-    the product's lhs is ``lhs[lhs_rows[r]]``, as if ``lhs`` were
-    ``jnp.take(lhs, lhs_rows, axis=0, mode="fill", fill_value=0)``. That is
-    the up projection's weight gradient reading a dispatch's rows straight
-    from the tokens (:attr:`oxmoe.permutation.RowIdMap.source_tokens`), with
-    no permuted copy written: on Hopper the kernel gathers each row of its
-    tiles as it loads them.
-
     Args:
-      lhs: ``[M, K]`` float32, bfloat16 or float16, or a sequence of chunks;
-        with ``lhs_rows``, ``[T, K]`` (each chunk its own ``T_c``).
+      lhs: ``[M, K]`` float32, bfloat16 or float16, or a sequence of chunks.
       rhs: ``[M, N]`` in lhs's dtype, or a sequence of chunks as ``lhs``'s.
       group_sizes: ``[G]`` int32 row counts, on the device; ``[C, G]`` for chunks.
       num_groups: the groups of the result; ``G`` by default, required with
         ``group_offset``.
       group_offset: optional int32 scalar or ``[1]`` array, the window's first group.
       preferred_element_type: the output dtype: None (lhs's dtype) or float32.
-      lhs_rows: optional ``[M]`` integer array (cast to int32), or a sequence
-        of one per chunk as ``lhs``'s: the row of ``lhs`` each row of the
-        product takes; where it is outside ``[0, T)`` (``-1``: a dispatch's
-        padding rows) the row is zeros.
 
     Returns:
       ``[num_groups, K, N]``, summed in float32; a group with no rows (or past
-      the last group) gives zeros. Differentiable in ``lhs`` and ``rhs`` (with
-      ``lhs_rows``, each row of ``lhs`` gets the sum of its rows' gradients).
+      the last group) gives zeros. Differentiable in ``lhs`` and ``rhs``.
     """
     lhs_chunks, rhs_chunks, chunked = _chunks_of(lhs, rhs, "arrays")
-    row_chunks = _check_lhs_rows(lhs_rows, chunked, len(lhs_chunks))
     for c, (a, b) in enumerate(zip(lhs_chunks, rhs_chunks)):
-        index = f"[{c}]" if chunked else ""
-        _check_chunk(a, b, lhs_chunks[0], rhs_chunks[0], index, None if row_chunks is None else row_chunks[c])
+        _check_chunk(a, b, lhs_chunks[0], rhs_chunks[0], f"[{c}]" if chunked else "")
     num_groups = _check_num_groups(num_groups, group_offset)
-    rows = tuple(b.shape[0] for b in rhs_chunks)
-    groups, sizes, offset = _check_groups(group_sizes, group_offset, num_groups, "num_groups", rows, chunked,
-                                          "lhs" if row_chunks is None else "rhs")
+    rows = tuple(a.shape[0] for a in lhs_chunks)
+    groups, sizes, offset = _check_groups(group_sizes, group_offset, num_groups, "num_groups", rows, chunked)
     out_dtype = _out_dtype(preferred_element_type, lhs_chunks[0].dtype)
     static = (groups if num_groups is None else num_groups, out_dtype)
-    row_maps = () if row_chunks is None else tuple(_as_int32("lhs_rows", r) for r in row_chunks)
-    *operands, sizes, offset = vary_alike(*lhs_chunks, *rhs_chunks, *row_maps, sizes.reshape(len(rows), groups),
-                                          offset)
-    count = len(rows)
-    lhs_chunks, rhs_chunks, row_maps = (tuple(operands[:count]), tuple(operands[count:2 * count]),
-                                        tuple(operands[2 * count:]) or None)
-    return _transposed(lhs_chunks, rhs_chunks, row_maps, sizes, offset, static)
-
-
-def _check_lhs_rows(lhs_rows, chunked: bool, chunks: int) -> tuple | None:
-    """A transposed product's ``lhs_rows``, one per chunk (None: not gathered):
-    a sequence of ``chunks`` integer vectors when lhs came in chunks, else one."""
-    if lhs_rows is None:
-        return None
-    if isinstance(lhs_rows, (list, tuple)) != chunked:
-        raise TypeError(f"lhs_rows must be {'a sequence of one array per chunk' if chunked else 'an array'}, as "
-                        f"lhs is, got {type(lhs_rows).__name__}")
-    row_chunks = tuple(lhs_rows) if chunked else (lhs_rows,)
-    if len(row_chunks) != chunks:
-        raise ValueError(f"lhs_rows must have lhs's {chunks} chunks, got {len(row_chunks)}")
-    for c, rows in enumerate(row_chunks):
-        name = f"lhs_rows[{c}]" if chunked else "lhs_rows"
-        check_array(name, rows)
-        if not jnp.issubdtype(rows.dtype, jnp.integer) or rows.ndim != 1:
-            raise TypeError(f"{name} must be a one-dimensional integer array [M] (the row of lhs each row of the "
-                            f"product takes), got {rows.dtype}{list(rows.shape)}")
-    return row_chunks
+    *operands, sizes, offset = vary_alike(*lhs_chunks, *rhs_chunks, sizes.reshape(len(rows), groups), offset)
+    return _transposed(tuple(operands[:len(rows)]), tuple(operands[len(rows):]), sizes, offset, static)
 
 
 def _chunks_of(lhs, rhs, single: str) -> tuple[tuple, tuple, bool]:
@@ -467,10 +422,10 @@ def _check_num_groups(num_groups, group_offset) -> int | None:
     return None if num_groups is None else check_count("num_groups", num_groups, 0)
 
 
-def _check_chunk(lhs, rhs, first_lhs, first_rhs, index: str, lhs_rows=None) -> None:
+def _check_chunk(lhs, rhs, first_lhs, first_rhs, index: str) -> None:
     """Chunk ``index`` (``"[c]"``, or ``""`` without chunks) of the transposed
     product: ``lhs [M_c, K]`` and ``rhs [M_c, N]``, with the first chunk's
-    dtype, ``K`` and ``N``; gathered (``lhs_rows [M_c]``), ``lhs [T_c, K]``."""
+    dtype, ``K`` and ``N``."""
     check_array(f"lhs{index}", lhs)
     check_array(f"rhs{index}", rhs)
     check_float_dtype(f"lhs{index}", lhs)
@@ -482,9 +437,9 @@ def _check_chunk(lhs, rhs, first_lhs, first_rhs, index: str, lhs_rows=None) -> N
     if lhs.ndim != 2 or lhs.shape[1] != first_lhs.shape[-1]:
         raise ValueError(f"lhs{index} must have shape [M, K]{k_of}, got {tuple(lhs.shape)}")
     n_of = f" and N = {first_rhs.shape[-1]} (rhs[0]'s)" if index else ""
-    m, m_of = (lhs.shape[0], f"lhs{index}'s rows") if lhs_rows is None else (len(lhs_rows), f"lhs_rows{index}'s")
-    if rhs.ndim != 2 or rhs.shape[0] != m or rhs.shape[1] != first_rhs.shape[-1]:
-        raise ValueError(f"rhs{index} must have shape [M, N] with M = {m} ({m_of}){n_of}, got {tuple(rhs.shape)}")
+    if rhs.ndim != 2 or rhs.shape[0] != lhs.shape[0] or rhs.shape[1] != first_rhs.shape[-1]:
+        raise ValueError(f"rhs{index} must have shape [M, N] with M = {lhs.shape[0]} (lhs{index}'s rows){n_of}, "
+                         f"got {tuple(rhs.shape)}")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -508,55 +463,35 @@ def _ragged_dot_vjp_bwd(static, residuals, grad_out):
     grad_lhs = _ragged_dot(grad_out, rhs, group_sizes, group_offset, (not rhs_transposed, lhs.dtype))
     # d rhs[g] = lhs_gᵀ · d out_g, or its transpose d out_gᵀ · lhs_g for [G, N, K].
     operands = (grad_out, lhs) if rhs_transposed else (lhs, grad_out)
-    grad_rhs = _transposed((operands[0],), (operands[1],), None, group_sizes[None], group_offset,
-                           (rhs.shape[0], rhs.dtype))
+    grad_rhs = _transposed((operands[0],), (operands[1],), group_sizes[None], group_offset, (rhs.shape[0], rhs.dtype))
     return grad_lhs, grad_rhs, None, None
 
 
 _ragged_dot.defvjp(_ragged_dot_vjp_fwd, _ragged_dot_vjp_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _transposed(lhs: tuple, rhs: tuple, lhs_rows: tuple | None, group_sizes, group_offset, static):
-    """The chunks ``lhs`` and ``rhs`` (tuples of arrays), their rows gathered
-    through ``lhs_rows`` unless it is None, ``group_sizes [C, G]``."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _transposed(lhs: tuple, rhs: tuple, group_sizes, group_offset, static):
+    """The chunks ``lhs`` and ``rhs`` (tuples of arrays), ``group_sizes [C, G]``."""
     groups, out_dtype = static
-    primitive = _transposed_ragged_dot_p(len(lhs), lhs_rows is not None)
-    (out,) = primitive(*lhs, *rhs, *(lhs_rows or ()), group_sizes, group_offset, groups=groups, out_dtype=out_dtype,
-                       gathered=np.bool_(lhs_rows is not None))
+    (out,) = _transposed_ragged_dot_p(len(lhs))(*lhs, *rhs, group_sizes, group_offset, groups=groups,
+                                                out_dtype=out_dtype)
     return out
 
 
-def _transposed_vjp_fwd(lhs, rhs, lhs_rows, group_sizes, group_offset, static):
-    residuals = (lhs, rhs, lhs_rows, group_sizes, group_offset)
-    return _transposed(lhs, rhs, lhs_rows, group_sizes, group_offset, static), residuals
-
-
-def _inside(lhs_rows, tokens: int):
-    """``lhs_rows`` with every row outside ``[0, tokens)`` (``-1`` too, which
-    JAX's indexing would count from the end) at ``tokens``: out of range."""
-    return jnp.where((lhs_rows >= 0) & (lhs_rows < tokens), lhs_rows, tokens)
+def _transposed_vjp_fwd(lhs, rhs, group_sizes, group_offset, static):
+    return _transposed(lhs, rhs, group_sizes, group_offset, static), (lhs, rhs, group_sizes, group_offset)
 
 
 def _transposed_vjp_bwd(static, residuals, grad_out):
-    lhs, rhs, lhs_rows, group_sizes, group_offset = residuals
+    lhs, rhs, group_sizes, group_offset = residuals
     grad_out = grad_out.astype(lhs[0].dtype)  # [G, K, N]
-    rows = lhs
-    if lhs_rows is not None:
-        lhs_rows = tuple(_inside(where, len(tokens)) for tokens, where in zip(lhs, lhs_rows))
-        rows = tuple(jnp.asarray(tokens).at[where].get(mode="fill", fill_value=0)
-                     for tokens, where in zip(lhs, lhs_rows))
     # out[g] = Σ_c lhs_cgᵀ rhs_cg: d lhs_cg = rhs_cg · d out[g]ᵀ, d rhs_cg = lhs_cg · d out[g].
     grad_lhs = tuple(_ragged_dot(b, grad_out, sizes, group_offset, (True, a.dtype))
-                     for a, b, sizes in zip(rows, rhs, group_sizes))
+                     for a, b, sizes in zip(lhs, rhs, group_sizes))
     grad_rhs = tuple(_ragged_dot(a, grad_out, sizes, group_offset, (False, b.dtype))
-                     for a, b, sizes in zip(rows, rhs, group_sizes))
-    if lhs_rows is not None:
-        # Each token sums its rows' gradients (in float32); rows of no token add nothing.
-        grad_lhs = tuple(jnp.zeros(tokens.shape, jnp.float32).at[where].add(grad.astype(jnp.float32), mode="drop")
-                         .astype(tokens.dtype)
-                         for tokens, where, grad in zip(lhs, lhs_rows, grad_lhs))
-    return grad_lhs, grad_rhs, None, None, None
+                     for a, b, sizes in zip(lhs, rhs, group_sizes))
+    return grad_lhs, grad_rhs, None, None
 
 
 _transposed.defvjp(_transposed_vjp_fwd, _transposed_vjp_bwd)

@@ -123,25 +123,11 @@ fn chunk_group_rows(shape: &GroupedShape, rows: impl Iterator<Item = usize>, gro
         .collect()
 }
 
-/// One chunk of a transposed product's rows: `lhs [rows, K]` (gathered: `[T, K]`),
-/// `rhs [rows, N]`.
+/// One chunk of a transposed product's rows: `lhs [rows, K]`, `rhs [rows, N]`.
 pub struct ChunkRows<'s, T> {
     pub lhs: &'s [T],
     pub rhs: &'s [T],
-    /// Gathered: row `r` takes `lhs`'s row `lhs_rows[r]` (zeros where that is
-    /// outside `lhs`).
-    pub lhs_rows: Option<&'s [i32]>,
     pub rows: usize,
-}
-
-impl<T> ChunkRows<'_, T> {
-    /// The row of `lhs` that row `r` of the product takes, if any (`k`: `lhs`'s columns).
-    fn lhs_row(&self, r: usize, k: usize) -> Option<usize> {
-        match self.lhs_rows {
-            None => Some(r),
-            Some(rows) => usize::try_from(rows[r]).ok().filter(|&t| t < self.lhs.len() / k),
-        }
-    }
 }
 
 /// `out[g] = lhs_gᵀ · rhs_g` (`[K, N]`), summed over the rows of local group
@@ -160,13 +146,10 @@ pub fn transposed_ragged_dot<T: Real, O: Real>(
     }
     let bounds = chunk_group_rows(shape, chunks.iter().map(|c| c.rows), group_sizes, group_offset);
     for (g, block) in out.chunks_mut(k * n).enumerate() {
-        // The group's rows, chunk after chunk, in the order they are summed: (chunk, its row
-        // of lhs if any, its row of rhs).
-        let rows: Vec<(&ChunkRows<T>, Option<usize>, usize)> = chunks.iter().zip(&bounds)
-            .flat_map(|(chunk, b)| (b[g].0..b[g].1).map(move |r| (chunk, chunk.lhs_row(r, k), r)))
-            .collect();
-        let rhs_rows: Vec<f32> =
-            rows.iter().flat_map(|&(c, _, r)| c.rhs[r * n..(r + 1) * n].iter().map(|x| x.to_f32())).collect();
+        // The group's rows, chunk after chunk: (chunk, row) in the order they are summed.
+        let rows: Vec<(&ChunkRows<T>, usize)> =
+            chunks.iter().zip(&bounds).flat_map(|(chunk, b)| (b[g].0..b[g].1).map(move |r| (chunk, r))).collect();
+        let rhs_rows: Vec<f32> = rows.iter().flat_map(|&(c, r)| c.rhs[r * n..(r + 1) * n].iter().map(|x| x.to_f32())).collect();
         block.par_chunks_mut(TILES_PER_TASK * TILE_ROWS * n).enumerate().for_each(|(task, out_rows)| {
             let mut panel: Panel = vec![[0f32; TILE_ROWS]; rows.len()];
             let mut tile = vec![0f32; TILE_ROWS * n];
@@ -174,12 +157,9 @@ pub fn transposed_ragged_dot<T: Real, O: Real>(
                 // Output rows are columns of lhs: the tile's rows are lhs[r, first..first + count].
                 let first = (task * TILES_PER_TASK + i) * TILE_ROWS;
                 let count = tile_rows.len() / n;
-                for (&(c, lhs_row, _), a) in rows.iter().zip(panel.iter_mut()) {
+                for (&(c, r), a) in rows.iter().zip(panel.iter_mut()) {
                     for (t, a_t) in a.iter_mut().enumerate() {
-                        *a_t = match lhs_row {
-                            Some(r) if t < count => c.lhs[r * k + first + t].to_f32(),
-                            _ => 0.0,
-                        };
+                        *a_t = if t < count { c.lhs[r * k + first + t].to_f32() } else { 0.0 };
                     }
                 }
                 panel_product(&panel, &rhs_rows, n, &mut tile);
@@ -355,14 +335,9 @@ mod tests {
 
         let shape = GroupedShape { m: 4, k: 2, n: 1, groups: 2, local_groups: 2 };
         let mut grad = [9f32; 4];
-        let chunk = ChunkRows { lhs: &lhs[..], rhs: &[1f32, 1., 2., 5.][..], lhs_rows: None, rows: 4 };
+        let chunk = ChunkRows { lhs: &lhs[..], rhs: &[1f32, 1., 2., 5.][..], rows: 4 };
         transposed_ragged_dot(&shape, &[chunk], &[1, 2], 0, &mut grad);
         assert_eq!(grad, [1., 2., 3. + 10., 4. + 12.]);
-
-        // Gathered: row r takes lhs's row lhs_rows[r] (rows 1 and 3 name none: zeros).
-        let chunk = ChunkRows { lhs: &lhs[..], rhs: &[1f32, 1., 2., 5.][..], lhs_rows: Some(&[3, -1, 0, 4]), rows: 4 };
-        transposed_ragged_dot(&shape, &[chunk], &[1, 2], 0, &mut grad);
-        assert_eq!(grad, [7., 8., 2. * 1., 2. * 2.]);
     }
 
     /// Two chunks of rows: each group's rows are its rows in chunk 0, then in
@@ -371,8 +346,7 @@ mod tests {
     fn chunks_sum_each_groups_rows_chunk_after_chunk() {
         let (lhs0, rhs0) = ([1f32, 2., 3., 4., 5., 6.], [1f32, 10., 100.]);
         let (lhs1, rhs1) = ([7f32, 8., 9., 10.], [1000f32, 10000.]);
-        let chunks = [ChunkRows { lhs: &lhs0[..], rhs: &rhs0[..], lhs_rows: None, rows: 3 },
-                      ChunkRows { lhs: &lhs1[..], rhs: &rhs1[..], lhs_rows: None, rows: 2 }];
+        let chunks = [ChunkRows { lhs: &lhs0[..], rhs: &rhs0[..], rows: 3 }, ChunkRows { lhs: &lhs1[..], rhs: &rhs1[..], rows: 2 }];
         // Chunk 0: group 0 row 0, group 1 rows 1..3; chunk 1: group 0 none, group 1 row 0 (row 1 in no group).
         let shape = GroupedShape { m: 5, k: 2, n: 1, groups: 2, local_groups: 2 };
         let mut out = [9f32; 4];

@@ -134,14 +134,6 @@ fn hopper_cluster(device: &Device, n: usize, width: u32) -> u32 {
     if n.div_ceil(width as usize).is_multiple_of(2) && device.multiprocessors >= 2 { 2 } else { 1 }
 }
 
-/// The blocks of a gathered weight gradient's cluster for `n` columns in tiles
-/// of `width`: as many (up to four) as the tiles divide into, each block
-/// issuing its share of the A tile's one-row boxes.
-fn gathered_cluster(device: &Device, n: usize, width: u32) -> u32 {
-    let tiles = n.div_ceil(width as usize);
-    [4, 2].into_iter().find(|&c| tiles.is_multiple_of(c as usize) && device.multiprocessors >= c).unwrap_or(1)
-}
-
 /// The rows of the boxes a Hopper product loads its A tiles in: each block
 /// of a cluster loads its share of a tile's rows for all of them.
 fn a_box_rows(cluster: u32) -> u32 {
@@ -155,12 +147,8 @@ pub fn ragged_dot_hopper_instance(dtype: DataType, out: DataType, rhs_transposed
     hopper_instance(instance.int(activation.map_or(0, Activation::code)), block_n)
 }
 
-/// `gathered`: lhs's rows read through each chunk's `lhs_rows`, in clusters of
-/// `cluster` (1, 2 or 4; 1 when not gathered).
-pub fn transposed_hopper_instance(dtype: DataType, out: DataType, gathered: bool, cluster: u32, block_n: u32)
-                                  -> Result<String> {
-    let instance = Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out).flag(gathered).int(cluster);
-    hopper_instance(instance, block_n)
+pub fn transposed_hopper_instance(dtype: DataType, out: DataType, block_n: u32) -> Result<String> {
+    hopper_instance(Instance::new("transposed_ragged_dot_hopper").dtype(dtype).dtype(out), block_n)
 }
 
 /// A Hopper kernel's instance: its own arguments, then its tile width and
@@ -261,26 +249,6 @@ struct ChunkOperands {
 struct ChunkMaps {
     lhs: [TensorMap; MAX_CHUNKS],
     rhs: [TensorMap; MAX_CHUNKS],
-}
-
-/// The transposed kernels' `GatheredRows`: each gathered chunk's `lhs_rows`
-/// and the rows of its lhs (null and 0 for a chunk not gathered).
-#[repr(C)]
-struct GatheredRows {
-    source: [u64; MAX_CHUNKS],
-    tokens: [i32; MAX_CHUNKS],
-}
-
-impl GatheredRows {
-    fn of(a: &TransposedRaggedDot) -> Result<Self> {
-        let mut rows = GatheredRows { source: [0; MAX_CHUNKS], tokens: [0; MAX_CHUNKS] };
-        for (c, chunk) in a.chunks.iter().enumerate() {
-            if let Some(lhs_rows) = &chunk.lhs_rows {
-                (rows.source[c], rows.tokens[c]) = (lhs_rows.device_ptr(), int(chunk.lhs_matrix_rows())?);
-            }
-        }
-        Ok(rows)
-    }
 }
 
 pub fn ragged_dot(stream: Stream, a: &RaggedDot) -> Result<()> {
@@ -394,28 +362,21 @@ pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<
     let rows: Vec<usize> = a.chunks.iter().map(|c| c.rows).collect();
     let bounds = chunk_bounds(stream, shape, a.group_sizes.device_ptr(), a.group_offset.device_ptr(), &rows, a.workspace.device_ptr())?;
 
-    let gathered = GatheredRows::of(a)?;
     let device = stream.device()?;
-    // A gathered chunk with rows has tokens to map (a tensor map has no dimension of 0).
-    let maps_tokens = a.chunks.iter().all(|c| c.rows == 0 || c.lhs_matrix_rows() > 0);
-    if shape.m > 0 && takes_hopper(device, dtype, shape) && maps_tokens {
+    if shape.m > 0 && takes_hopper(device, dtype, shape) {
         let bn = block_n(shape.n);
         let (k64, n64) = (shape.k as u64, shape.n as u64);
         let mut maps = ChunkMaps { lhs: std::array::from_fn(|_| TensorMap::unused()), rhs: std::array::from_fn(|_| TensorMap::unused()) };
         // A chunk without rows is never loaded from (its bounds are empty), and has no map.
         for (c, chunk) in a.chunks.iter().enumerate().filter(|(_, chunk)| chunk.rows > 0) {
-            let (m64, lhs_rows) = (chunk.rows as u64, chunk.lhs_matrix_rows() as u64);
-            // Gathered, each row of the A tile is a box of its own.
-            let lhs_box = if a.gathered() { [64, 1] } else { [64, 64] };
-            maps.lhs[c] = TensorMap::tiled_16bit(chunk.lhs.device_ptr(), &[k64, lhs_rows], &lhs_box)?;
+            let m64 = chunk.rows as u64;
+            maps.lhs[c] = TensorMap::tiled_16bit(chunk.lhs.device_ptr(), &[k64, m64], &[64, 64])?;
             maps.rhs[c] = TensorMap::tiled_16bit(chunk.rhs.device_ptr(), &[n64, m64], &[64, 64])?;
         }
         let out_map = out_map(out_dtype, out, n64, transposed_out_rows(shape)?)?;
-        // Gathered, the blocks of a cluster share the A tile's boxes (see the kernel).
-        let cluster = if a.gathered() { gathered_cluster(device, shape.n, bn) } else { 1 };
-        let instance = transposed_hopper_instance(dtype, out_dtype, a.gathered(), cluster, bn)?;
-        launch_hopper(stream, device, &instance, bn, cluster, &mut [
-            arg(&maps), arg(&gathered), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
+        let instance = transposed_hopper_instance(dtype, out_dtype, bn)?;
+        launch_hopper(stream, device, &instance, bn, 1, &mut [
+            arg(&maps), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out), arg(&out_map),
         ])
     } else {
         let mut operands = ChunkOperands { lhs: [0; MAX_CHUNKS], rhs: [0; MAX_CHUNKS] };
@@ -425,7 +386,7 @@ pub fn transposed_ragged_dot(stream: Stream, a: &TransposedRaggedDot) -> Result<
         let kernel = Kernel::get(stream, &GROUPED_GEMM, &transposed_simt_instance(dtype, out_dtype)?)?;
         let blocks = shape.local_groups * shape.k.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
         launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
-            arg(&operands), arg(&gathered), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out),
+            arg(&operands), arg(&chunks), arg(&bounds), arg(&k), arg(&n), arg(&out),
         ])
     }
 }
@@ -578,9 +539,7 @@ mod tests {
                         instances.push(ragged_dot_hopper_instance(dtype, out, transposed, cluster, None, bn).unwrap());
                     }
                 }
-                for (gathered, cluster) in [(false, 1), (true, 1), (true, 2), (true, 4)] {
-                    instances.push(transposed_hopper_instance(dtype, out, gathered, cluster, bn).unwrap());
-                }
+                instances.push(transposed_hopper_instance(dtype, out, bn).unwrap());
             }
         }
         // ragged_dot_activation's: outputs in the inputs' 16-bit type, rhs [G, K, N].

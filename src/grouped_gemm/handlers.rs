@@ -62,12 +62,7 @@ fn transposed_ragged_dot_cpu(op: TransposedRaggedDot) -> Result<()> {
     let (sizes, offset) = (op.group_sizes.slice::<i32>()?, op.group_offset.slice::<i32>()?[0]);
     with_real_type!(op.chunks[0].lhs.dtype(), T => {
         let chunks = op.chunks.iter()
-            .map(|c| Ok(cpu::ChunkRows {
-                lhs: c.lhs.slice::<T>()?,
-                rhs: c.rhs.slice::<T>()?,
-                lhs_rows: c.lhs_rows.as_ref().map(|rows| rows.slice::<i32>()).transpose()?,
-                rows: c.rows,
-            }))
+            .map(|c| Ok(cpu::ChunkRows { lhs: c.lhs.slice::<T>()?, rhs: c.rhs.slice::<T>()?, rows: c.rows }))
             .collect::<Result<Vec<_>>>()?;
         if op.out.dtype() == DataType::F32 {
             cpu::transposed_ragged_dot::<T, f32>(&op.shape, &chunks, sizes, offset, op.out.slice_mut()?);

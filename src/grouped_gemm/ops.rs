@@ -144,22 +144,12 @@ impl<'a> RaggedDotActivation<'a> {
     }
 }
 
-/// One chunk of a transposed product's rows: `lhs [M_c, K]` and `rhs [M_c, N]`;
-/// or, gathered, `lhs [T_c, K]` (the tokens) with `lhs_rows [M_c]` int32, row
-/// `r` of the product taking `lhs[lhs_rows[r]]` (zeros outside `[0, T_c)`).
+/// One chunk of a transposed product's rows: `lhs [M_c, K]` and `rhs [M_c, N]`.
 pub struct Chunk<'a> {
     pub lhs: Arg<'a>,
     pub rhs: Arg<'a>,
-    pub lhs_rows: Option<Arg<'a>>,
     /// `M_c`.
     pub rows: usize,
-}
-
-impl Chunk<'_> {
-    /// The rows of `lhs`: `M_c`, or gathered, `T_c`.
-    pub fn lhs_matrix_rows(&self) -> usize {
-        self.lhs.dims()[0] as usize
-    }
 }
 
 /// The most chunks a transposed product takes (the CUDA kernels take one
@@ -167,11 +157,10 @@ impl Chunk<'_> {
 pub const MAX_CHUNKS: usize = 8;
 
 /// `oxmoe_transposed_ragged_dot`: `C` chunks of rows, lhs_0 .. lhs_{C-1} [M_c, K]
-/// then rhs_0 .. rhs_{C-1} [M_c, N], with attribute `gathered` lhs_rows_0 ..
-/// lhs_rows_{C-1} [M_c] (lhs_c then [T_c, K]: see [`Chunk`]), group_sizes [C,
-/// G] ([G] for one chunk), group_offset -> out [Gl, K, N]. Local group `i`'s
-/// rows are those of group `g0 + i` in each chunk, chunk after chunk, and
-/// `out[i] = lhs_iᵀ · rhs_i` over them. `shape.m` is the rows of all chunks.
+/// then rhs_0 .. rhs_{C-1} [M_c, N], group_sizes [C, G] ([G] for one chunk),
+/// group_offset -> out [Gl, K, N]. Local group `i`'s rows are those of group
+/// `g0 + i` in each chunk, chunk after chunk, and `out[i] = lhs_iᵀ · rhs_i`
+/// over them. `shape.m` is the rows of all chunks.
 pub struct TransposedRaggedDot<'a> {
     pub shape: GroupedShape,
     pub chunks: Vec<Chunk<'a>>,
@@ -183,11 +172,8 @@ pub struct TransposedRaggedDot<'a> {
 
 impl<'a> TransposedRaggedDot<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
-        let gathered: bool = call.attr("gathered")?;
-        let operands = if gathered { 3 } else { 2 };
-        let count = chunk_count(call, operands)?;
+        let count = chunk_count(call, 2)?;
         let (lhs_name, rhs_name) = (chunk_name(&LHS, count), chunk_name(&RHS, count));
-        let rows_name = chunk_name(&LHS_ROWS, count);
         let first = call.arg(0, lhs_name(0))?;
         let dtype = first.expect_dtype(&FLOAT_TYPES)?;
         let (_, k) = first.matrix()?;
@@ -195,22 +181,13 @@ impl<'a> TransposedRaggedDot<'a> {
         let mut chunks = Vec::with_capacity(count);
         for c in 0..count {
             let lhs = call.arg(c, lhs_name(c))?;
+            let (rows, _) = lhs.matrix()?;
+            lhs.expect(&[dtype], &[rows, k])?;
             let rhs = call.arg(count + c, rhs_name(c))?;
-            let (rows, _) = rhs.matrix()?;
             rhs.expect(&[dtype], &[rows, n])?;
-            let lhs_rows = if gathered {
-                let lhs_rows = call.arg(2 * count + c, rows_name(c))?;
-                lhs_rows.expect(&[DataType::S32], &[rows])?;
-                let (tokens, _) = lhs.matrix()?;
-                lhs.expect(&[dtype], &[tokens, k])?;
-                Some(lhs_rows)
-            } else {
-                lhs.expect(&[dtype], &[rows, k])?;
-                None
-            };
-            chunks.push(Chunk { lhs, rhs, lhs_rows, rows });
+            chunks.push(Chunk { lhs, rhs, rows });
         }
-        let (group_sizes, group_offset, groups) = decode_chunk_groups(call, operands * count, count)?;
+        let (group_sizes, group_offset, groups) = decode_chunk_groups(call, 2 * count, count)?;
         let out = call.ret(0, "out")?;
         let local_groups = out_groups(&out, k, n)?;
         check_out(&out, dtype, &[local_groups, k, n])?;
@@ -219,11 +196,6 @@ impl<'a> TransposedRaggedDot<'a> {
         let m = chunks.iter().map(|c| c.rows).sum();
         let shape = GroupedShape { m, k, n, groups, local_groups };
         Ok(Self { shape, chunks, group_sizes, group_offset, out, workspace })
-    }
-
-    /// Whether lhs's rows are gathered through `lhs_rows` (every chunk's, or none's).
-    pub fn gathered(&self) -> bool {
-        self.chunks[0].lhs_rows.is_some()
     }
 }
 
@@ -249,7 +221,6 @@ macro_rules! chunk_names {
 type ChunkNames = [&'static str; MAX_CHUNKS + 1];
 const LHS: ChunkNames = chunk_names!("lhs");
 const RHS: ChunkNames = chunk_names!("rhs");
-const LHS_ROWS: ChunkNames = chunk_names!("lhs_rows");
 const LHS_SCALES: ChunkNames = chunk_names!("lhs_scales");
 const RHS_SCALES: ChunkNames = chunk_names!("rhs_scales");
 

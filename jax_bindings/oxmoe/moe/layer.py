@@ -477,19 +477,16 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     of a column, and transposed: each column's rows contiguous, as the FP8 product
     takes them; ``weighted_hidden`` and ``grad_up_rows`` come so from
     :func:`_expert_ffn_bwd`). The
-    dispatched rows are read from their tokens through the dispatch's map, with no
-    copy of them: by the up weight gradient's product itself (with ``config.fp8``, by
-    the requantization: on an H200 that kept the forward's copy of the rows out of the
-    step's memory, 411 MB of 2,234 at DeepSeek-V3's one-GPU shape, which XLA had kept
-    for the backward)."""
+    dispatched rows are permuted again from their tokens (with ``config.fp8``, read
+    from them through the dispatch's map by the requantization: on an H200 that kept
+    the forward's copy of the rows out of the step's memory, 411 MB of 2,234 at
+    DeepSeek-V3's one-GPU shape, which XLA had kept for the backward)."""
     sizes = jnp.stack([chunk.group_sizes for chunk in kept])  # [C, El]
     groups = sizes.shape[1]
     down_operands: tuple = (weighted_hidden, grad_out_rows)
     product: Callable = grouped_gemm.transposed_ragged_dot
-    up_product: Callable = product
     if config.fp8 is None:
-        up_operands: tuple = ([chunk.tokens for chunk in kept], grad_up_rows)
-        up_product = functools.partial(product, lhs_rows=[chunk.row_id_map.source_tokens for chunk in kept])
+        up_operands: tuple = ([_permuted(chunk.tokens, chunk.row_id_map) for chunk in kept], grad_up_rows)
     else:
         # Rows that travelled quantized per row (the tokens, the output gradient) are quantized
         # again per 128 rows (DeepSeek-V3's way), read as their FP8 values and scales: no 16-bit
@@ -504,11 +501,11 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
         # The weighted hidden and the up projection's gradient come so from _expert_ffn_bwd.
         down_operands = (weighted_hidden, [requantize(rows, config.fp8.gradient_block) for rows in grad_out_rows])
         up_operands = ([dispatched_rows(chunk) for chunk in kept], grad_up_rows)
-        product = up_product = fp8.transposed_ragged_dot
+        product = fp8.transposed_ragged_dot
     grad_down = product(*down_operands, sizes, num_groups=groups,
                         preferred_element_type=_weight_grad_dtype(params.down, config))
-    grad_up = up_product(*up_operands, sizes, num_groups=groups,
-                         preferred_element_type=_weight_grad_dtype(params.up, config))
+    grad_up = product(*up_operands, sizes, num_groups=groups,
+                      preferred_element_type=_weight_grad_dtype(params.up, config))
     return grad_up, grad_down
 
 
