@@ -14,7 +14,11 @@
 // zeroing block checks (ZERO_ROWS), rows a sort block writes (SORT_ROWS), the
 // most chunks of a sort (MAX_CHUNKS). They arrive as template arguments; the
 // kernels check what they assume of them.
+//
+// On Hopper, combine's gather of long rows moves them with bulk copies
+// instead (gather_rows_bulk), with the same sums in the same order.
 #include "common.cuh"
+#include "hopper.cuh"
 
 constexpr int ROW_BLOCK = 128;  // threads of the row kernels (RowShape and the helpers below)
 constexpr int GATHER_BLOCKS_PER_SM = 10;
@@ -487,6 +491,146 @@ gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_ro
       }
     }
   }
+}
+
+// ---- combine's gather with bulk copies (Hopper) ----------------------------------------
+
+// gather_rows on Hopper for rows of BULK_MIN_ROW_BYTES or more (multiples of
+// 16 bytes): persistent blocks of ROW_BLOCK threads take tokens blockIdx.x,
+// blockIdx.x + gridDim.x, ... Thread 0 issues each step's loads into a ring
+// of BULK_STAGES stages with one bulk copy a copy: a piece of the token's row
+// from each of a batch of at most BULK_COPIES of its copies; every thread
+// sums its 16-byte vectors of the piece over the batch in copy order and,
+// after the token's last batch, stores them. The register kernel waits on its
+// own loads (a few vectors a thread in flight, 3.3-3.4 TB/s at Qwen3-30B-A3B's
+// and DeepSeek-V3's rows); the stages keep 64 KB a block in flight
+// (bench/row_copy_bulk.cu: 4.0-4.1 TB/s, the copy's rate).
+constexpr int BULK_STAGES = 4, BULK_STAGE_BYTES = 16384, BULK_COPIES = 8, BULK_BLOCKS_PER_SM = 3;
+constexpr int BULK_MIN_ROW_BYTES = 4096;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A step: piece [piece, piece + piece_bytes) of the token's row, copies
+// [first, first + copies) of its count (token -1: the block has no more).
+struct BulkStep {
+  int token, piece, piece_bytes, first, copies, count;
+  bool invalid;
+  float weights[BULK_COPIES];
+};
+
+// The bytes of a token's row a step moves: a stage's worth of a batch's copies
+// (a piece of no copies moves nothing: the whole stage's worth).
+__device__ __forceinline__ int bulk_piece_bytes(int count, int row_bytes) {
+  const int batch = count < BULK_COPIES ? (count > 0 ? count : 1) : BULK_COPIES;
+  const int piece = BULK_STAGE_BYTES / batch / 16 * 16;
+  return piece < row_bytes ? piece : row_bytes;
+}
+#endif
+
+template <typename T, int H, int E, bool WEIGHTED, int BLOCK>
+__global__ void __launch_bounds__(BLOCK, BULK_BLOCKS_PER_SM)
+gather_rows_bulk(const T* __restrict__ expert_tokens, const int* __restrict__ dest_rows,
+                 const float* __restrict__ weights, T* __restrict__ out, int tokens, int rows) {
+  static_assert(BLOCK == ROW_BLOCK, "row kernels run ROW_BLOCK threads a block");
+  constexpr int ROW_BYTES = H * static_cast<int>(sizeof(T));
+  static_assert(ROW_BYTES % 16 == 0 && ROW_BYTES >= BULK_MIN_ROW_BYTES, "bulk copies of whole 16-byte vectors");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Vec = Pack<T, 16>;
+  constexpr int MAX_VECTORS = BULK_STAGE_BYTES / 16 / ROW_BLOCK;  // a thread's vectors of a piece
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ unsigned long long full[BULK_STAGES];
+  __shared__ BulkStep steps[BULK_STAGES];
+  __shared__ Routes<E> routes;  // the token warp 0 issues steps of
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < BULK_STAGES; ++s) barrier_init(&full[s], 1);
+    barrier_init_fence();
+  }
+  __syncthreads();
+
+  // Warp 0's cursor (the same in its every lane): the next step to issue.
+  int token = blockIdx.x, piece = 0, first = 0;
+  const auto issue = [&](int stage) {
+    if (threadIdx.x >= 32) return;
+    BulkStep& step = steps[stage];
+    if (token >= tokens) {
+      if (threadIdx.x == 0) {
+        step.token = -1;
+        barrier_arrive(&full[stage]);
+      }
+      return;
+    }
+    if (piece == 0 && first == 0) {
+      list_routes<E>(dest_rows + static_cast<size_t>(token) * E, rows, routes);
+      __syncwarp();
+    }
+    const int count = routes.count, piece_bytes = bulk_piece_bytes(count, ROW_BYTES);
+    const int copies = count - first < BULK_COPIES ? count - first : BULK_COPIES;
+    if (threadIdx.x == 0) {
+      step.token = token, step.piece = piece, step.piece_bytes = piece_bytes, step.first = first;
+      step.copies = copies, step.count = count, step.invalid = routes.invalid;
+      unsigned char* stage_bytes = ring + stage * BULK_STAGE_BYTES;
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(expert_tokens) + piece;
+      for (int c = 0; c < copies; ++c)
+        step.weights[c] = WEIGHTED ? weights[static_cast<size_t>(token) * E + routes.experts[first + c]] : 1.f;
+      barrier_expect_bytes(&full[stage], copies * piece_bytes);
+      for (int c = 0; c < copies; ++c)
+        bulk_load(stage_bytes + c * piece_bytes, src + static_cast<size_t>(routes.rows[first + c]) * ROW_BYTES,
+                  piece_bytes, &full[stage]);
+    }
+    __syncwarp();  // routes are read before the next token's listing overwrites them
+    // The next step: the next batch, else the next piece, else the next token.
+    first += BULK_COPIES;
+    if (first >= count) {
+      first = 0;
+      piece += piece_bytes;
+      if (piece >= ROW_BYTES) piece = 0, token += gridDim.x;
+    }
+  };
+  for (int s = 0; s < BULK_STAGES; ++s) issue(s);
+
+  float sum[MAX_VECTORS][Vec::N];
+  Ring ring_state;
+  for (;; ring_state.advance<BULK_STAGES>()) {
+    const int stage = ring_state.stage;
+    barrier_wait(&full[stage], ring_state.phase);
+    const BulkStep& step = steps[stage];
+    if (step.token < 0) break;
+    const int vectors = step.piece_bytes / 16;
+    const unsigned char* stage_bytes = ring + stage * BULK_STAGE_BYTES;
+    if (step.first == 0) {
+      const float poison = step.invalid ? __int_as_float(0x7fc00000) : 0.f;
+#pragma unroll
+      for (int j = 0; j < MAX_VECTORS; ++j)
+#pragma unroll
+        for (int e = 0; e < Vec::N; ++e) sum[j][e] = poison;
+    }
+    for (int c = 0; c < step.copies; ++c) {
+      const float w = step.weights[c];
+#pragma unroll
+      for (int j = 0; j < MAX_VECTORS; ++j) {
+        const int v = j * ROW_BLOCK + threadIdx.x;
+        if (v >= vectors) continue;
+        Vec x;
+        x.raw = reinterpret_cast<const uint4*>(stage_bytes + c * step.piece_bytes)[v];
+#pragma unroll
+        for (int e = 0; e < Vec::N; ++e) sum[j][e] += w * to_float(x.elems[e]);
+      }
+    }
+    if (step.first + step.copies >= step.count) {
+      T* out_piece = out + static_cast<size_t>(step.token) * H + step.piece / static_cast<int>(sizeof(T));
+#pragma unroll
+      for (int j = 0; j < MAX_VECTORS; ++j) {
+        const int v = j * ROW_BLOCK + threadIdx.x;
+        if (v >= vectors) continue;
+        Vec y;
+#pragma unroll
+        for (int e = 0; e < Vec::N; ++e) y.elems[e] = from_float<T>(sum[j][e]);
+        reinterpret_cast<uint4*>(out_piece)[v] = y.raw;
+      }
+    }
+    __syncthreads();  // every thread is done with the stage and its step
+    issue(stage);
+  }
+#endif
 }
 
 // ---- chunk sort ----------------------------------------------------------------------

@@ -497,3 +497,34 @@ def test_combine_and_its_vjp_on_maps_no_dispatch_made_on_gpu_follow_the_contract
     one_nan = lambda a: np.where(np.isnan(a), np.float32(np.nan), a)  # noqa: E731
     assert_same_bits([one_nan(a) for a in gpu_out[:2]], [one_nan(a) for a in cpu_out[:2]],
                      what="combine and d expert_tokens", context=context)
+
+
+# -- combine's gather with bulk copies (Hopper, rows of 4 KB or more) ------------------------
+
+
+@pytest.mark.parametrize("dtype, hidden", [(jnp.bfloat16, 2048), (jnp.float32, 1028), (jnp.float16, 7168)],
+                         ids=["bf16_H2048", "f32_H1028", "f16_H7168"])
+@pytest.mark.parametrize("with_probs", [True, False], ids=["merging_probs", "no_merging_probs"])
+def test_combine_of_tokens_of_0_to_20_copies_on_gpu_matches_the_cpu(dtype, hidden, with_probs, gpu, cpu, seed, rng):
+    # On Hopper these rows take gather_rows_bulk, which moves a token's copies 8 at a time in
+    # pieces of a 16 KB stage: tokens of no copies, of fewer than 8, of more (several batches a
+    # piece), rows that end in a short piece (H 1028 of float32), fewer tokens than its blocks,
+    # and entries out of range (NaN rows). Grid values and weights (j / 16): every sum is exact,
+    # so the GPU must equal the CPU implementation bit for bit.
+    num_tokens, num_experts = 300, 32
+    copies = rng.integers(0, 21, num_tokens)
+    routing_map = np.zeros((num_tokens, num_experts), bool)
+    for t, c in enumerate(copies):
+        routing_map[t, rng.choice(num_experts, c, replace=False)] = True
+    layout = ref.dispatch_layout(routing_map, num_out_tokens=int(copies.sum()))
+    dest_rows = layout.dest_rows.copy()
+    dest_rows[rng.integers(num_tokens), rng.integers(num_experts)] = len(layout.source_tokens) + 2
+    row_id_map = permutation.RowIdMap(jnp.asarray(dest_rows, jnp.int32), jnp.asarray(layout.source_tokens, jnp.int32))
+    y = (rng.integers(-8, 9, (len(layout.source_tokens), hidden)) / 16).astype(dtype)
+    w = (rng.integers(-8, 9, (num_tokens, num_experts)) / 16).astype(np.float32) if with_probs else None
+    combine = lambda y, w: permutation.combine(y, row_id_map, merging_probs=w)  # noqa: E731
+    context = f"{jnp.dtype(dtype).name} H={hidden}, merging_probs={with_probs}, seed={seed}"
+    gpu_out, cpu_out = run_on(gpu, combine, y, w), run_on(cpu, combine, y, w)
+    one_nan = lambda a: np.where(np.isnan(a.astype(np.float32)), np.float32(np.nan), a.astype(np.float32))  # noqa: E731
+    assert np.isnan(one_nan(gpu_out)).any(axis=1).sum() == 1, f"the one token with an entry out of range, {context}"
+    assert_same_bits(one_nan(gpu_out), one_nan(cpu_out), what="combine", context=context)

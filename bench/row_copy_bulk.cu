@@ -1,0 +1,323 @@
+// Can the permutation's row copies run nearer copy bandwidth on Hopper with bulk copies
+// (issue 19)? The layer's five permutation calls move every dispatched row once each at
+// 3.3-3.5 TB/s (bench/NOTES.md, the DeepSeek-V3 one-GPU trace), where a device copy reaches
+// ~4.1. This program times, at a layer's shape (tokens x top-k rows of `hidden` bf16, each
+// token's copies in distinct random rows, as a dispatch lays them out):
+//
+//   - scatter (a dispatch): each token's row to its k rows;
+//       registers: as kernels/permutation.cu's scatter_rows (128 threads, 4 tokens a block,
+//         a thread's vectors loaded, then stored to each copy);
+//       bulk: one thread of a warp a block loads each token's row into a ring of shared-memory
+//         stages with one cp.async.bulk and stores it to its k rows with k more;
+//   - gather (a combine): each token's k rows weighted and summed in float32 in copy order;
+//       registers: as gather_rows (128 threads, 4 tokens a block, 4 vectors a thread);
+//       bulk: one thread loads a stage's piece of each of the token's k rows with bulk copies,
+//         the block sums them from shared memory in the same order and stores the piece;
+//   - cudaMemcpy of the rows (the copy ceiling: every row read and written once).
+//
+// Checks that each bulk kernel's output is bit for bit its register kernel's, then prints GB/s
+// of each kernel's least bytes (scatter: the tokens read, the rows written; gather: the rows
+// read, the tokens written) over 20 launches, two rounds. On a Hopper GPU:
+//
+//   nvcc -O3 -arch=sm_90a -std=c++17 -o row_copy_bulk bench/row_copy_bulk.cu
+//   ./row_copy_bulk [tokens=8192] [hidden=7168] [topk=8]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "../kernels/common.cuh"
+#include "../kernels/hopper.cuh"
+
+constexpr int THREADS = 128, TOKENS = 4;
+
+// ---- registers (the library's kernels, without their map checks) -------------------------
+
+template <int VECTORS>
+__global__ void __launch_bounds__(THREADS) scatter_registers(const uint4* tokens, const int* dest, int topk,
+                                                             int count, uint4* rows) {
+  constexpr int PER = (VECTORS + THREADS - 1) / THREADS;
+  for (int k = 0; k < TOKENS; ++k) {
+    const int t = blockIdx.x * TOKENS + k;
+    if (t >= count) return;
+    uint4 v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int at = j * THREADS + threadIdx.x;
+      if (at < VECTORS) v[j] = tokens[static_cast<size_t>(t) * VECTORS + at];
+    }
+    for (int i = 0; i < topk; ++i) {
+      uint4* out = rows + static_cast<size_t>(dest[t * topk + i]) * VECTORS;
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int at = j * THREADS + threadIdx.x;
+        if (at < VECTORS) out[at] = v[j];
+      }
+    }
+  }
+}
+
+union Pack8 {
+  uint4 raw;
+  bf16 elems[8];
+};
+
+template <int VECTORS>
+__global__ void __launch_bounds__(THREADS, 10) gather_registers(const uint4* rows, const int* dest,
+                                                                const float* weights, int topk, int count,
+                                                                uint4* tokens) {
+  constexpr int PER = 4, CHUNK = PER * THREADS;
+  for (int k = 0; k < TOKENS; ++k) {
+    const int t = blockIdx.x * TOKENS + k;
+    if (t >= count) return;
+    for (int chunk = 0; chunk < VECTORS; chunk += CHUNK) {
+      float sum[PER][8];
+#pragma unroll
+      for (int j = 0; j < PER; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum[j][e] = 0.f;
+      for (int i = 0; i < topk; ++i) {
+        const uint4* row = rows + static_cast<size_t>(dest[t * topk + i]) * VECTORS;
+        const float w = weights[t * topk + i];
+#pragma unroll
+        for (int j = 0; j < PER; ++j) {
+          const int at = chunk + j * THREADS + threadIdx.x;
+          if (at >= VECTORS) continue;
+          Pack8 x;
+          x.raw = row[at];
+#pragma unroll
+          for (int e = 0; e < 8; ++e) sum[j][e] += w * to_float(x.elems[e]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < PER; ++j) {
+        const int at = chunk + j * THREADS + threadIdx.x;
+        if (at >= VECTORS) continue;
+        Pack8 y;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) y.elems[e] = from_float<bf16>(sum[j][e]);
+        tokens[static_cast<size_t>(t) * VECTORS + at] = y.raw;
+      }
+    }
+  }
+}
+
+// ---- bulk copies (hopper.cuh's helpers: the sm_90a device pass only) -----------------------
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, unsigned bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(shared_address(src)),
+               "r"(bytes)
+               : "memory");
+}
+template <int N>
+__device__ __forceinline__ void bulk_wait_read_n() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+#endif
+
+// One warp a block, lane 0 issuing: token i of the block's (blockIdx.x + i gridDim.x) in stage
+// i % STAGES; its row's k stores go as one bulk group, and a stage is loaded again once the
+// group that read it is done reading.
+template <int STAGES>
+__global__ void __launch_bounds__(32) scatter_bulk(const unsigned char* tokens, const int* dest, int topk, int count,
+                                                   int row_bytes, unsigned char* rows) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ unsigned long long full[STAGES];
+  if (threadIdx.x != 0) return;
+  for (int s = 0; s < STAGES; ++s) barrier_init(&full[s], 1);
+  barrier_init_fence();
+  const int mine = count > static_cast<int>(blockIdx.x) ? (count - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  auto load = [&](int i) {
+    const int s = i % STAGES;
+    barrier_expect_bytes(&full[s], row_bytes);
+    bulk_load(ring + s * row_bytes, tokens + static_cast<size_t>(blockIdx.x + i * gridDim.x) * row_bytes, row_bytes,
+              &full[s]);
+  };
+  for (int i = 0; i < STAGES - 1 && i < mine; ++i) load(i);
+  for (int i = 0; i < mine; ++i) {
+    const int s = i % STAGES, t = blockIdx.x + i * gridDim.x;
+    barrier_wait(&full[s], (i / STAGES) & 1);
+    fence_async_shared();
+    for (int c = 0; c < topk; ++c)
+      bulk_store(rows + static_cast<size_t>(dest[t * topk + c]) * row_bytes, ring + s * row_bytes, row_bytes);
+    bulk_commit();
+    if (i + STAGES - 1 < mine) {
+      bulk_wait_read_n<1>();  // group i - 1, which read stage (i + STAGES - 1) % STAGES, is done reading
+      load(i + STAGES - 1);
+    }
+  }
+  bulk_wait();
+#endif
+}
+
+// A block of THREADS threads per token at a time; a stage holds PIECE bytes of each of the
+// token's k rows (k <= MAX_K), loaded by thread 0 with bulk copies; every thread sums its
+// 16-byte vectors of the piece over the copies in order and stores them.
+template <int STAGES, int PIECE, int MAX_K>
+__global__ void __launch_bounds__(THREADS) gather_bulk(const unsigned char* rows, const int* dest,
+                                                       const float* weights, int topk, int count, int row_bytes,
+                                                       unsigned char* tokens) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ unsigned long long full[STAGES];
+  constexpr int STAGE_BYTES = PIECE * MAX_K;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) barrier_init(&full[s], 1);
+    barrier_init_fence();
+  }
+  __syncthreads();
+  const int pieces = row_bytes / PIECE;
+  const int mine = count > static_cast<int>(blockIdx.x) ? (count - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int steps = mine * pieces;
+  auto load = [&](int i) {  // step i: piece i % pieces of the block's token i / pieces
+    const int s = i % STAGES, t = blockIdx.x + (i / pieces) * gridDim.x, p = i % pieces;
+    barrier_expect_bytes(&full[s], PIECE * topk);
+    for (int c = 0; c < topk; ++c)
+      bulk_load(ring + s * STAGE_BYTES + c * PIECE, rows + static_cast<size_t>(dest[t * topk + c]) * row_bytes +
+                p * PIECE, PIECE, &full[s]);
+  };
+  if (threadIdx.x == 0)
+    for (int i = 0; i < STAGES - 1 && i < steps; ++i) load(i);
+  for (int i = 0; i < steps; ++i) {
+    const int s = i % STAGES, t = blockIdx.x + (i / pieces) * gridDim.x, p = i % pieces;
+    barrier_wait(&full[s], (i / STAGES) & 1);
+    for (int v = threadIdx.x; v < PIECE / 16; v += THREADS) {
+      float sum[8] = {};
+      for (int c = 0; c < topk; ++c) {
+        Pack8 x;
+        x.raw = reinterpret_cast<const uint4*>(ring + s * STAGE_BYTES + c * PIECE)[v];
+        const float w = weights[t * topk + c];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) sum[e] += w * to_float(x.elems[e]);
+      }
+      Pack8 y;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) y.elems[e] = from_float<bf16>(sum[e]);
+      reinterpret_cast<uint4*>(tokens + static_cast<size_t>(t) * row_bytes + p * PIECE)[v] = y.raw;
+    }
+    __syncthreads();  // every thread is done with stage (i - 1) % STAGES's reads too
+    if (threadIdx.x == 0 && i + STAGES - 1 < steps) load(i + STAGES - 1);
+  }
+#endif
+}
+
+#define CHECK(call)                                                  \
+  do {                                                               \
+    const cudaError_t status = (call);                               \
+    if (status != cudaSuccess) {                                     \
+      printf("%s failed: %s (line %d)\n", #call, cudaGetErrorString(status), __LINE__); \
+      exit(1);                                                       \
+    }                                                                \
+  } while (0)
+
+template <typename Launch>
+static float milliseconds(Launch launch, int reps = 20) {
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  launch();
+  CHECK(cudaEventRecord(start));
+  for (int r = 0; r < reps; ++r) launch();
+  CHECK(cudaEventRecord(stop));
+  CHECK(cudaEventSynchronize(stop));
+  float ms;
+  CHECK(cudaEventElapsedTime(&ms, start, stop));
+  CHECK(cudaGetLastError());
+  return ms / reps;
+}
+
+template <int H>
+static void run(int tokens, int topk) {
+  constexpr int ROW_BYTES = H * 2, VECTORS = ROW_BYTES / 16;
+  const int rows = tokens * topk;
+  std::mt19937 rng(0);
+  std::vector<int> dest(rows), perm(rows);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  for (int i = 0; i < rows; ++i) dest[i] = perm[i];
+  std::vector<float> weights(rows);
+  for (auto& w : weights) w = (rng() % 1000) / 1000.f;
+  std::vector<unsigned short> host(static_cast<size_t>(rows) * H);
+  for (auto& v : host) v = (rng() & 0x3fff) | 0x3c00;  // finite bf16 of moderate size
+  unsigned char *x, *r, *x2, *r2;
+  int* dest_d;
+  float* weights_d;
+  const size_t token_bytes = static_cast<size_t>(tokens) * ROW_BYTES, row_total = static_cast<size_t>(rows) * ROW_BYTES;
+  CHECK(cudaMalloc(&x, token_bytes));
+  CHECK(cudaMalloc(&x2, token_bytes));
+  CHECK(cudaMalloc(&r, row_total));
+  CHECK(cudaMalloc(&r2, row_total));
+  CHECK(cudaMalloc(&dest_d, rows * 4));
+  CHECK(cudaMalloc(&weights_d, rows * 4));
+  CHECK(cudaMemcpy(x, host.data(), token_bytes, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(r, host.data(), row_total, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dest_d, dest.data(), rows * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(weights_d, weights.data(), rows * 4, cudaMemcpyHostToDevice));
+  int sms;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int blocks = (tokens + TOKENS - 1) / TOKENS;
+
+  constexpr int SCATTER_STAGES = 4, GATHER_STAGES = 4, PIECE = ROW_BYTES % 2048 == 0 ? 2048 : ROW_BYTES, MAX_K = 8;
+  const int scatter_shared = SCATTER_STAGES * ROW_BYTES, gather_shared = GATHER_STAGES * PIECE * MAX_K;
+  CHECK(cudaFuncSetAttribute(scatter_bulk<SCATTER_STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, scatter_shared));
+  CHECK(cudaFuncSetAttribute(gather_bulk<GATHER_STAGES, PIECE, MAX_K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             gather_shared));
+  const int scatter_per_sm = std::min(32, 200 * 1024 / scatter_shared), gather_per_sm = std::max(1, 200 * 1024 / gather_shared);
+
+  const double scatter_gb = (token_bytes + row_total) / 1e9, gather_gb = scatter_gb;
+  for (int round = 0; round < 2; ++round) {
+    auto scatter_r = [&] { scatter_registers<VECTORS><<<blocks, THREADS>>>(reinterpret_cast<uint4*>(x), dest_d, topk, tokens, reinterpret_cast<uint4*>(r)); };
+    auto scatter_b = [&] { scatter_bulk<SCATTER_STAGES><<<sms * scatter_per_sm, 32, scatter_shared>>>(x, dest_d, topk, tokens, ROW_BYTES, r2); };
+    auto gather_r = [&] { gather_registers<VECTORS><<<blocks, THREADS>>>(reinterpret_cast<uint4*>(r), dest_d, weights_d, topk, tokens, reinterpret_cast<uint4*>(x)); };
+    auto gather_b = [&] { gather_bulk<GATHER_STAGES, PIECE, MAX_K><<<sms * gather_per_sm, THREADS, gather_shared>>>(r, dest_d, weights_d, topk, tokens, ROW_BYTES, x2); };
+    auto copy = [&] { CHECK(cudaMemcpyAsync(r2, r, row_total, cudaMemcpyDeviceToDevice)); };
+    const float ms_copy = milliseconds(copy);
+    const float ms_sr = milliseconds(scatter_r), ms_sb = milliseconds(scatter_b);
+    const float ms_gr = milliseconds(gather_r), ms_gb = milliseconds(gather_b);
+    if (round == 0) {
+      CHECK(cudaDeviceSynchronize());
+      std::vector<unsigned char> a(row_total), b(row_total);
+      scatter_r();
+      scatter_b();
+      CHECK(cudaMemcpy(a.data(), r, row_total, cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(b.data(), r2, row_total, cudaMemcpyDeviceToHost));
+      printf("scatter bulk %s the registers' rows\n", memcmp(a.data(), b.data(), row_total) ? "DIFFERS from" : "equals");
+      gather_r();
+      gather_b();
+      std::vector<unsigned char> c(token_bytes), d(token_bytes);
+      CHECK(cudaMemcpy(c.data(), x, token_bytes, cudaMemcpyDeviceToHost));
+      CHECK(cudaMemcpy(d.data(), x2, token_bytes, cudaMemcpyDeviceToHost));
+      printf("gather bulk %s the registers' tokens\n", memcmp(c.data(), d.data(), token_bytes) ? "DIFFERS from" : "equals");
+    }
+    printf("T %d H %d k %d round %d: copy %.0f us (%.0f GB/s of %.2f GB); scatter registers %.0f us (%.0f GB/s), "
+           "bulk %.0f us (%.0f GB/s, %d blocks an SM); gather registers %.0f us (%.0f GB/s), bulk %.0f us (%.0f GB/s, "
+           "%d blocks an SM)\n",
+           tokens, H, topk, round, ms_copy * 1e3, 2 * row_total / 1e9 / ms_copy * 1e3, 2 * row_total / 1e9,
+           ms_sr * 1e3, scatter_gb / ms_sr * 1e3, ms_sb * 1e3, scatter_gb / ms_sb * 1e3, scatter_per_sm,
+           ms_gr * 1e3, gather_gb / ms_gr * 1e3, ms_gb * 1e3, gather_gb / ms_gb * 1e3, gather_per_sm);
+  }
+  CHECK(cudaFree(x));
+  CHECK(cudaFree(x2));
+  CHECK(cudaFree(r));
+  CHECK(cudaFree(r2));
+  CHECK(cudaFree(dest_d));
+  CHECK(cudaFree(weights_d));
+}
+
+int main(int argc, char** argv) {
+  const int tokens = argc > 1 ? atoi(argv[1]) : 8192, topk = argc > 3 ? atoi(argv[3]) : 8;
+  const int hidden = argc > 2 ? atoi(argv[2]) : 7168;
+  if (topk > 8) return printf("top-k up to 8\n"), 1;
+  if (hidden == 7168) run<7168>(tokens, topk);
+  else if (hidden == 2048) run<2048>(tokens, topk);
+  else if (hidden == 1024) run<1024>(tokens, topk);
+  else return printf("hidden 7168, 2048 or 1024\n"), 1;
+  return 0;
+}
