@@ -20,7 +20,11 @@
 // read, the tokens written) over 20 launches, two rounds. On a Hopper GPU:
 //
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o row_copy_bulk bench/row_copy_bulk.cu
-//   ./row_copy_bulk [tokens=8192] [hidden=7168] [topk=8]
+//   ./row_copy_bulk [tokens=8192] [hidden=7168] [topk=8] [experts=0]
+//
+// With experts > 0 the rows are laid out as a dispatch lays them out (each token's top-k of
+// random experts, every expert's rows together, in token order); else each token's copies
+// are distinct random rows.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -234,7 +238,7 @@ static float milliseconds(Launch launch, int reps = 20) {
 }
 
 template <int H>
-static void run(int tokens, int topk) {
+static void run(int tokens, int topk, int experts) {
   constexpr int ROW_BYTES = H * 2, VECTORS = ROW_BYTES / 16;
   const int rows = tokens * topk;
   std::mt19937 rng(0);
@@ -242,6 +246,23 @@ static void run(int tokens, int topk) {
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), rng);
   for (int i = 0; i < rows; ++i) dest[i] = perm[i];
+  if (experts > 0) {
+    // As a dispatch lays them out: each token's k distinct experts, every expert's rows
+    // together in token order, a token's copies in expert order.
+    std::vector<std::vector<int>> chosen(tokens);
+    std::vector<int> counts(experts, 0), order(experts);
+    std::iota(order.begin(), order.end(), 0);
+    for (int t = 0; t < tokens; ++t) {
+      std::shuffle(order.begin(), order.end(), rng);
+      chosen[t].assign(order.begin(), order.begin() + topk);
+      std::sort(chosen[t].begin(), chosen[t].end());
+      for (int e : chosen[t]) ++counts[e];
+    }
+    std::vector<int> next(experts, 0);
+    for (int e = 1; e < experts; ++e) next[e] = next[e - 1] + counts[e - 1];
+    for (int t = 0; t < tokens; ++t)
+      for (int i = 0; i < topk; ++i) dest[t * topk + i] = next[chosen[t][i]]++;
+  }
   std::vector<float> weights(rows);
   for (auto& w : weights) w = (rng() % 1000) / 1000.f;
   std::vector<unsigned short> host(static_cast<size_t>(rows) * H);
@@ -296,10 +317,10 @@ static void run(int tokens, int topk) {
       CHECK(cudaMemcpy(d.data(), x2, token_bytes, cudaMemcpyDeviceToHost));
       printf("gather bulk %s the registers' tokens\n", memcmp(c.data(), d.data(), token_bytes) ? "DIFFERS from" : "equals");
     }
-    printf("T %d H %d k %d round %d: copy %.0f us (%.0f GB/s of %.2f GB); scatter registers %.0f us (%.0f GB/s), "
+    printf("T %d H %d k %d E %d round %d: copy %.0f us (%.0f GB/s of %.2f GB); scatter registers %.0f us (%.0f GB/s), "
            "bulk %.0f us (%.0f GB/s, %d blocks an SM); gather registers %.0f us (%.0f GB/s), bulk %.0f us (%.0f GB/s, "
            "%d blocks an SM)\n",
-           tokens, H, topk, round, ms_copy * 1e3, 2 * row_total / 1e9 / ms_copy * 1e3, 2 * row_total / 1e9,
+           tokens, H, topk, experts, round, ms_copy * 1e3, 2 * row_total / 1e9 / ms_copy * 1e3, 2 * row_total / 1e9,
            ms_sr * 1e3, scatter_gb / ms_sr * 1e3, ms_sb * 1e3, scatter_gb / ms_sb * 1e3, scatter_per_sm,
            ms_gr * 1e3, gather_gb / ms_gr * 1e3, ms_gb * 1e3, gather_gb / ms_gb * 1e3, gather_per_sm);
   }
@@ -313,11 +334,11 @@ static void run(int tokens, int topk) {
 
 int main(int argc, char** argv) {
   const int tokens = argc > 1 ? atoi(argv[1]) : 8192, topk = argc > 3 ? atoi(argv[3]) : 8;
-  const int hidden = argc > 2 ? atoi(argv[2]) : 7168;
-  if (topk > 8) return printf("top-k up to 8\n"), 1;
-  if (hidden == 7168) run<7168>(tokens, topk);
-  else if (hidden == 2048) run<2048>(tokens, topk);
-  else if (hidden == 1024) run<1024>(tokens, topk);
+  const int hidden = argc > 2 ? atoi(argv[2]) : 7168, experts = argc > 4 ? atoi(argv[4]) : 0;
+  if (topk > 8 || topk > experts && experts > 0) return printf("top-k up to 8 and the experts\n"), 1;
+  if (hidden == 7168) run<7168>(tokens, topk, experts);
+  else if (hidden == 2048) run<2048>(tokens, topk, experts);
+  else if (hidden == 1024) run<1024>(tokens, topk, experts);
   else return printf("hidden 7168, 2048 or 1024\n"), 1;
   return 0;
 }

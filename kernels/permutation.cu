@@ -518,11 +518,12 @@ struct BulkStep {
 };
 
 // The bytes of a token's row a step moves: a stage's worth of a batch's copies
-// (a piece of no copies moves nothing: the whole stage's worth).
-__device__ __forceinline__ int bulk_piece_bytes(int count, int row_bytes) {
+// (a piece of no copies moves nothing: the whole stage's worth), at most the
+// `rest` of the row.
+__device__ __forceinline__ int bulk_piece_bytes(int count, int rest) {
   const int batch = count < BULK_COPIES ? (count > 0 ? count : 1) : BULK_COPIES;
   const int piece = BULK_STAGE_BYTES / batch / 16 * 16;
-  return piece < row_bytes ? piece : row_bytes;
+  return piece < rest ? piece : rest;
 }
 #endif
 
@@ -562,7 +563,7 @@ gather_rows_bulk(const T* __restrict__ expert_tokens, const int* __restrict__ de
       list_routes<E>(dest_rows + static_cast<size_t>(token) * E, rows, routes);
       __syncwarp();
     }
-    const int count = routes.count, piece_bytes = bulk_piece_bytes(count, ROW_BYTES);
+    const int count = routes.count, rest = ROW_BYTES - piece, piece_bytes = bulk_piece_bytes(count, rest);
     const int copies = count - first < BULK_COPIES ? count - first : BULK_COPIES;
     if (threadIdx.x == 0) {
       step.token = token, step.piece = piece, step.piece_bytes = piece_bytes, step.first = first;
