@@ -499,18 +499,19 @@ def test_combine_and_its_vjp_on_maps_no_dispatch_made_on_gpu_follow_the_contract
                      what="combine and d expert_tokens", context=context)
 
 
-# -- combine's gather with bulk copies (Hopper, rows of 4 KB or more) ------------------------
+# -- combine of tokens of many copies -----------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype, hidden", [(jnp.bfloat16, 2048), (jnp.float32, 1028), (jnp.float16, 7168)],
                          ids=["bf16_H2048", "f32_H1028", "f16_H7168"])
 @pytest.mark.parametrize("with_probs", [True, False], ids=["merging_probs", "no_merging_probs"])
 def test_combine_of_tokens_of_0_to_20_copies_on_gpu_matches_the_cpu(dtype, hidden, with_probs, gpu, cpu, seed, rng):
-    # On Hopper these rows take gather_rows_bulk, which moves a token's copies 8 at a time in
-    # pieces of a 16 KB stage: tokens of no copies, of fewer than 8, of more (several batches a
-    # piece), rows that end in a short piece (H 1028 of float32), fewer tokens than its blocks,
-    # and entries out of range (NaN rows). Grid values and weights (j / 16): every sum is exact,
-    # so the GPU must equal the CPU implementation bit for bit.
+    # Tokens of no copies, of fewer than a top-8's and of more (up to 20 of 32 experts), rows
+    # that are not a whole number of the kernel's vectors a thread (H 1028 of float32), and an
+    # entry out of range (a NaN row). Grid values and weights (j / 16): every sum is exact, so
+    # the GPU must equal the CPU implementation bit for bit. (A gather with bulk copies, built
+    # and reverted on 2026-11-29, moved a token's copies 8 at a time in pieces of a stage: this
+    # is what it had to get right, and what any such kernel will.)
     num_tokens, num_experts = 300, 32
     copies = rng.integers(0, 21, num_tokens)
     routing_map = np.zeros((num_tokens, num_experts), bool)

@@ -70,31 +70,6 @@ pub fn gather_instance(dtype: DataType, hidden: usize, experts: usize, weighted:
     instance.int(ROW_BLOCK).int(tokens_per_block(experts)).build()
 }
 
-/// Combine's gather with bulk copies on Hopper (`gather_rows_bulk`): for rows
-/// of whole 16-byte vectors and at least the kernel's `BULK_MIN_ROW_BYTES`,
-/// and at most `BULK_MAX_EXPERTS` experts (a block's list of a token's copies
-/// stays small enough for three blocks an SM).
-pub fn gather_bulk_instance(dtype: DataType, hidden: usize, experts: usize, weighted: bool) -> Result<String> {
-    Instance::new("gather_rows_bulk").dtype(dtype).int(hidden).int(experts).flag(weighted).int(ROW_BLOCK).build()
-}
-
-/// The kernel's constants of its launch: blocks an SM (all resident: the
-/// blocks are persistent), the ring's dynamic shared memory, the shortest row.
-const BULK_BLOCKS_PER_SM: u32 = 3;
-const BULK_SHARED_BYTES: u32 = 4 * 16384;
-const BULK_MIN_ROW_BYTES: usize = 4096;
-const BULK_MAX_EXPERTS: usize = 512;
-
-/// Whether combine's gather of `hidden` elements of `dtype` a row over
-/// `experts` takes the bulk kernel on `architecture`. Shorter rows stay on the
-/// register kernel: at Mixtral's 2 KB rows of two copies, a stage holds 4 KB
-/// and the bulk kernel measured slower (bench/row_copy_bulk.cu).
-fn gathers_in_bulk(architecture: &str, dtype: DataType, hidden: usize, experts: usize) -> bool {
-    let row_bytes = hidden * dtype.size().unwrap_or(0);
-    architecture == "sm_90a" && row_bytes.is_multiple_of(16) && row_bytes >= BULK_MIN_ROW_BYTES
-        && experts <= BULK_MAX_EXPERTS
-}
-
 /// `sort_chunks` (or its inverse).
 pub fn sort_instance(dtype: DataType, hidden: usize, inverse: bool) -> Result<String> {
     let instance = Instance::new("sort_chunks").dtype(dtype).int(hidden).flag(inverse);
@@ -207,22 +182,12 @@ pub fn dispatch_fwd(stream: Stream, a: &DispatchFwd) -> Result<()> {
 
 pub fn combine_fwd(stream: Stream, a: &CombineFwd) -> Result<()> {
     let weighted = a.merging_probs.is_some();
-    let dtype = a.expert_tokens.dtype();
+    let kernel = Kernel::get(stream, &PERMUTATION, &gather_instance(a.expert_tokens.dtype(), a.hidden, a.experts, weighted)?)?;
     let (src, dest_rows, out) = (a.expert_tokens.device_ptr(), a.dest_rows.device_ptr(), a.out.device_ptr());
     let weights = a.merging_probs.as_ref().map_or(0, |w| w.device_ptr());
     let (tokens, rows) = (int(a.tokens)?, int(a.rows)?);
-    let args = &mut [arg(&src), arg(&dest_rows), arg(&weights), arg(&out), arg(&tokens), arg(&rows)];
-    let device = stream.device()?;
-    if a.tokens > 0 && gathers_in_bulk(&device.architecture.0, dtype, a.hidden, a.experts) {
-        let instance = gather_bulk_instance(dtype, a.hidden, a.experts, weighted)?;
-        let kernel = Kernel::get_with_shared_bytes(stream, &PERMUTATION, &instance, BULK_SHARED_BYTES)?;
-        let blocks = (device.multiprocessors * BULK_BLOCKS_PER_SM) as usize;
-        let config = LaunchConfig { grid: grid(blocks.min(a.tokens))?, block: ROW_BLOCK, shared_bytes: BULK_SHARED_BYTES };
-        return launch(stream, kernel, config, args);
-    }
-    let kernel = Kernel::get(stream, &PERMUTATION, &gather_instance(dtype, a.hidden, a.experts, weighted)?)?;
     let config = LaunchConfig { grid: grid(token_blocks(a.tokens, a.experts))?, block: ROW_BLOCK, shared_bytes: 0 };
-    launch(stream, kernel, config, args)
+    launch(stream, kernel, config, &mut [arg(&src), arg(&dest_rows), arg(&weights), arg(&out), arg(&tokens), arg(&rows)])
 }
 
 pub fn combine_bwd(stream: Stream, a: &CombineBwd) -> Result<()> {
@@ -281,28 +246,11 @@ mod tests {
         out
     }
 
-    /// The bulk gather's instances at the real-model shapes it takes, and at
-    /// the most experts and a row of one 16-byte vector past its shortest.
-    fn bulk_instances() -> Vec<String> {
-        let mut out = Vec::new();
-        for (dtype, hidden, experts) in [(DataType::BF16, 2048, 128), (DataType::BF16, 7168, 256),
-                                         (DataType::F16, 7168, 32), (DataType::F32, 1028, 512)] {
-            assert!(gathers_in_bulk("sm_90a", dtype, hidden, experts) && !gathers_in_bulk("sm_100", dtype, hidden, experts));
-            for weighted in [false, true] {
-                out.push(gather_bulk_instance(dtype, hidden, experts, weighted).unwrap());
-            }
-        }
-        assert!(!gathers_in_bulk("sm_90a", DataType::BF16, 1024, 8), "Mixtral's rows stay on the register kernel");
-        out
-    }
-
     /// CI has no GPU but has NVRTC (the pip wheel, on LD_LIBRARY_PATH): a
     /// kernel that does not compile for any supported architecture fails here.
     #[test]
     fn permutation_kernels_compile_for_ampere_hopper_and_blackwell() {
         let all = instances();
-        let mut hopper = all.clone();
-        hopper.extend(bulk_instances());
-        assert_compiles(&PERMUTATION, &[("sm_80", &all), ("sm_90a", &hopper), ("sm_100", &all)]);
+        assert_compiles(&PERMUTATION, &[("sm_80", &all), ("sm_90a", &all), ("sm_100", &all)]);
     }
 }
