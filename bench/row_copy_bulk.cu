@@ -24,19 +24,23 @@
 //
 // With experts > 0 the rows are laid out as a dispatch lays them out (each token's top-k of
 // random experts, every expert's rows together, in token order); else each token's copies
-// are distinct random rows.
+// are distinct random rows. With 32 or 128 experts (and rows of 4 KB or more) it also times the
+// library's own gather (kernels/permutation.cu's gather_rows) and the bulk gather it took for a
+// while (gather_rows_bulk, reverted: below) on the same rows, weighted.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <vector>
 
 #include "../kernels/common.cuh"
 #include "../kernels/hopper.cuh"
+#include "../kernels/permutation.cu"  // the library's row kernels (templates), timed beside these
 
 constexpr int THREADS = 128, TOKENS = 4;
 
@@ -212,6 +216,152 @@ __global__ void __launch_bounds__(THREADS) gather_bulk(const unsigned char* rows
 #endif
 }
 
+// ---- the library's bulk gather, reverted (a8bd985) -------------------------------------
+//
+// Verbatim but for this comment: in the library it gathered at half the rate of gather_bulk
+// above (bench/NOTES.md), which this program shows beside it on the same rows, to find which
+// of their differences costs it.
+
+// gather_rows on Hopper for rows of BULK_MIN_ROW_BYTES or more (multiples of
+// 16 bytes): persistent blocks of ROW_BLOCK threads take tokens blockIdx.x,
+// blockIdx.x + gridDim.x, ... Thread 0 issues each step's loads into a ring
+// of BULK_STAGES stages with one bulk copy a copy: a piece of the token's row
+// from each of a batch of at most BULK_COPIES of its copies; every thread
+// sums its 16-byte vectors of the piece over the batch in copy order and,
+// after the token's last batch, stores them. The register kernel waits on its
+// own loads (a few vectors a thread in flight, 3.3-3.4 TB/s at Qwen3-30B-A3B's
+// and DeepSeek-V3's rows); the stages keep 64 KB a block in flight
+// (bench/row_copy_bulk.cu: 4.0-4.1 TB/s, the copy's rate).
+constexpr int BULK_STAGES = 4, BULK_STAGE_BYTES = 16384, BULK_COPIES = 8, BULK_BLOCKS_PER_SM = 3;
+constexpr int BULK_MIN_ROW_BYTES = 4096;
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// A step: piece [piece, piece + piece_bytes) of the token's row, copies
+// [first, first + copies) of its count (token -1: the block has no more).
+struct BulkStep {
+  int token, piece, piece_bytes, first, copies, count;
+  bool invalid;
+  float weights[BULK_COPIES];
+};
+
+// The bytes of a token's row a step moves: a stage's worth of a batch's copies
+// (a piece of no copies moves nothing: the whole stage's worth), at most the
+// `rest` of the row.
+__device__ __forceinline__ int bulk_piece_bytes(int count, int rest) {
+  const int batch = count < BULK_COPIES ? (count > 0 ? count : 1) : BULK_COPIES;
+  const int piece = BULK_STAGE_BYTES / batch / 16 * 16;
+  return piece < rest ? piece : rest;
+}
+#endif
+
+template <typename T, int H, int E, bool WEIGHTED, int BLOCK>
+__global__ void __launch_bounds__(BLOCK, BULK_BLOCKS_PER_SM)
+gather_rows_bulk(const T* __restrict__ expert_tokens, const int* __restrict__ dest_rows,
+                 const float* __restrict__ weights, T* __restrict__ out, int tokens, int rows) {
+  static_assert(BLOCK == ROW_BLOCK, "row kernels run ROW_BLOCK threads a block");
+  constexpr int ROW_BYTES = H * static_cast<int>(sizeof(T));
+  static_assert(ROW_BYTES % 16 == 0 && ROW_BYTES >= BULK_MIN_ROW_BYTES, "bulk copies of whole 16-byte vectors");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Vec = Pack<T, 16>;
+  constexpr int MAX_VECTORS = BULK_STAGE_BYTES / 16 / ROW_BLOCK;  // a thread's vectors of a piece
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ unsigned long long full[BULK_STAGES];
+  __shared__ BulkStep steps[BULK_STAGES];
+  __shared__ Routes<E> routes;  // the token warp 0 issues steps of
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < BULK_STAGES; ++s) barrier_init(&full[s], 1);
+    barrier_init_fence();
+  }
+  __syncthreads();
+
+  // Warp 0's cursor (the same in its every lane): the next step to issue.
+  int token = blockIdx.x, piece = 0, first = 0;
+  const auto issue = [&](int stage) {
+    if (threadIdx.x >= 32) return;
+    BulkStep& step = steps[stage];
+    if (token >= tokens) {
+      if (threadIdx.x == 0) {
+        step.token = -1;
+        barrier_arrive(&full[stage]);
+      }
+      return;
+    }
+    if (piece == 0 && first == 0) {
+      list_routes<E>(dest_rows + static_cast<size_t>(token) * E, rows, routes);
+      __syncwarp();
+    }
+    const int count = routes.count, rest = ROW_BYTES - piece, piece_bytes = bulk_piece_bytes(count, rest);
+    const int copies = count - first < BULK_COPIES ? count - first : BULK_COPIES;
+    if (threadIdx.x == 0) {
+      step.token = token, step.piece = piece, step.piece_bytes = piece_bytes, step.first = first;
+      step.copies = copies, step.count = count, step.invalid = routes.invalid;
+      unsigned char* stage_bytes = ring + stage * BULK_STAGE_BYTES;
+      const unsigned char* src = reinterpret_cast<const unsigned char*>(expert_tokens) + piece;
+      for (int c = 0; c < copies; ++c)
+        step.weights[c] = WEIGHTED ? weights[static_cast<size_t>(token) * E + routes.experts[first + c]] : 1.f;
+      barrier_expect_bytes(&full[stage], copies * piece_bytes);
+      for (int c = 0; c < copies; ++c)
+        bulk_load(stage_bytes + c * piece_bytes, src + static_cast<size_t>(routes.rows[first + c]) * ROW_BYTES,
+                  piece_bytes, &full[stage]);
+    }
+    __syncwarp();  // routes are read before the next token's listing overwrites them
+    // The next step: the next batch, else the next piece, else the next token.
+    first += BULK_COPIES;
+    if (first >= count) {
+      first = 0;
+      piece += piece_bytes;
+      if (piece >= ROW_BYTES) piece = 0, token += gridDim.x;
+    }
+  };
+  for (int s = 0; s < BULK_STAGES; ++s) issue(s);
+
+  float sum[MAX_VECTORS][Vec::N];
+  Ring ring_state;
+  for (;; ring_state.advance<BULK_STAGES>()) {
+    const int stage = ring_state.stage;
+    barrier_wait(&full[stage], ring_state.phase);
+    const BulkStep& step = steps[stage];
+    if (step.token < 0) break;
+    const int vectors = step.piece_bytes / 16;
+    const unsigned char* stage_bytes = ring + stage * BULK_STAGE_BYTES;
+    if (step.first == 0) {
+      const float poison = step.invalid ? __int_as_float(0x7fc00000) : 0.f;
+#pragma unroll
+      for (int j = 0; j < MAX_VECTORS; ++j)
+#pragma unroll
+        for (int e = 0; e < Vec::N; ++e) sum[j][e] = poison;
+    }
+    for (int c = 0; c < step.copies; ++c) {
+      const float w = step.weights[c];
+#pragma unroll
+      for (int j = 0; j < MAX_VECTORS; ++j) {
+        const int v = j * ROW_BLOCK + threadIdx.x;
+        if (v >= vectors) continue;
+        Vec x;
+        x.raw = reinterpret_cast<const uint4*>(stage_bytes + c * step.piece_bytes)[v];
+#pragma unroll
+        for (int e = 0; e < Vec::N; ++e) sum[j][e] += w * to_float(x.elems[e]);
+      }
+    }
+    if (step.first + step.copies >= step.count) {
+      T* out_piece = out + static_cast<size_t>(step.token) * H + step.piece / static_cast<int>(sizeof(T));
+#pragma unroll
+      for (int j = 0; j < MAX_VECTORS; ++j) {
+        const int v = j * ROW_BLOCK + threadIdx.x;
+        if (v >= vectors) continue;
+        Vec y;
+#pragma unroll
+        for (int e = 0; e < Vec::N; ++e) y.elems[e] = from_float<T>(sum[j][e]);
+        reinterpret_cast<uint4*>(out_piece)[v] = y.raw;
+      }
+    }
+    __syncthreads();  // every thread is done with the stage and its step
+    issue(stage);
+  }
+#endif
+}
+
+
 #define CHECK(call)                                                  \
   do {                                                               \
     const cudaError_t status = (call);                               \
@@ -237,12 +387,44 @@ static float milliseconds(Launch launch, int reps = 20) {
   return ms / reps;
 }
 
+// The library's register gather (gather_rows) and its reverted bulk gather (gather_rows_bulk) on
+// the same rows, with the map as the library takes it (dest_rows [T, E], weights [T, E]); their
+// outputs against `expected` (gather_registers' tokens).
+template <int H, int E>
+static void run_library(const unsigned char* rows, const int* dest_rows, const float* weights, int tokens, int total_rows,
+                        unsigned char* out, const std::vector<unsigned char>& expected, double gb, int sms) {
+  if constexpr (H * 2 >= BULK_MIN_ROW_BYTES) {
+    const bf16* in = reinterpret_cast<const bf16*>(rows);
+    bf16* tokens_out = reinterpret_cast<bf16*>(out);
+    constexpr int SHARED = BULK_STAGES * BULK_STAGE_BYTES;
+    CHECK(cudaFuncSetAttribute(gather_rows_bulk<bf16, H, E, true, ROW_BLOCK>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, SHARED));
+    auto registers = [&] {
+      gather_rows<bf16, H, E, true, ROW_BLOCK, 4><<<(tokens + 3) / 4, ROW_BLOCK>>>(in, dest_rows, weights, tokens_out,
+                                                                                    tokens, total_rows);
+    };
+    auto bulk = [&] {
+      gather_rows_bulk<bf16, H, E, true, ROW_BLOCK><<<sms * BULK_BLOCKS_PER_SM, ROW_BLOCK, SHARED>>>(
+          in, dest_rows, weights, tokens_out, tokens, total_rows);
+    };
+    std::vector<unsigned char> got(expected.size());
+    for (auto [name, launch] : {std::pair<const char*, std::function<void()>>{"gather_rows", registers},
+                                {"gather_rows_bulk", bulk}}) {
+      const float ms = milliseconds(launch);
+      launch();
+      CHECK(cudaMemcpy(got.data(), out, got.size(), cudaMemcpyDeviceToHost));
+      printf("  library %s: %.0f us (%.0f GB/s), %s gather_registers' tokens\n", name, ms * 1e3, gb / ms * 1e3,
+             memcmp(got.data(), expected.data(), got.size()) ? "DIFFERS from" : "equals");
+    }
+  }
+}
+
 template <int H>
 static void run(int tokens, int topk, int experts) {
   constexpr int ROW_BYTES = H * 2, VECTORS = ROW_BYTES / 16;
   const int rows = tokens * topk;
   std::mt19937 rng(0);
-  std::vector<int> dest(rows), perm(rows);
+  std::vector<int> dest(rows), perm(rows), dest_rows;  // dest_rows [T, E]: the library's map
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), rng);
   for (int i = 0; i < rows; ++i) dest[i] = perm[i];
@@ -260,11 +442,20 @@ static void run(int tokens, int topk, int experts) {
     }
     std::vector<int> next(experts, 0);
     for (int e = 1; e < experts; ++e) next[e] = next[e - 1] + counts[e - 1];
+    dest_rows.assign(static_cast<size_t>(tokens) * experts, -1);
     for (int t = 0; t < tokens; ++t)
-      for (int i = 0; i < topk; ++i) dest[t * topk + i] = next[chosen[t][i]]++;
+      for (int i = 0; i < topk; ++i) {
+        dest[t * topk + i] = next[chosen[t][i]]++;
+        dest_rows[static_cast<size_t>(t) * experts + chosen[t][i]] = dest[t * topk + i];
+      }
   }
   std::vector<float> weights(rows);
   for (auto& w : weights) w = (rng() % 1000) / 1000.f;
+  // The same weights as the library takes them, [T, E] (a token's copies are in expert order).
+  std::vector<float> weights_te(experts > 0 ? static_cast<size_t>(tokens) * experts : 0, 0.f);
+  for (int t = 0; t < tokens && experts > 0; ++t)
+    for (int e = 0, i = 0; e < experts; ++e)
+      if (dest_rows[static_cast<size_t>(t) * experts + e] >= 0) weights_te[static_cast<size_t>(t) * experts + e] = weights[t * topk + i++];
   std::vector<unsigned short> host(static_cast<size_t>(rows) * H);
   for (auto& v : host) v = (rng() & 0x3fff) | 0x3c00;  // finite bf16 of moderate size
   unsigned char *x, *r, *x2, *r2;
@@ -281,6 +472,14 @@ static void run(int tokens, int topk, int experts) {
   CHECK(cudaMemcpy(r, host.data(), row_total, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(dest_d, dest.data(), rows * 4, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(weights_d, weights.data(), rows * 4, cudaMemcpyHostToDevice));
+  int* dest_rows_d = nullptr;
+  float* weights_te_d = nullptr;
+  if (experts > 0) {
+    CHECK(cudaMalloc(&dest_rows_d, dest_rows.size() * 4));
+    CHECK(cudaMalloc(&weights_te_d, weights_te.size() * 4));
+    CHECK(cudaMemcpy(dest_rows_d, dest_rows.data(), dest_rows.size() * 4, cudaMemcpyHostToDevice));
+    CHECK(cudaMemcpy(weights_te_d, weights_te.data(), weights_te.size() * 4, cudaMemcpyHostToDevice));
+  }
   int sms;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int blocks = (tokens + TOKENS - 1) / TOKENS;
@@ -323,6 +522,13 @@ static void run(int tokens, int topk, int experts) {
            tokens, H, topk, experts, round, ms_copy * 1e3, 2 * row_total / 1e9 / ms_copy * 1e3, 2 * row_total / 1e9,
            ms_sr * 1e3, scatter_gb / ms_sr * 1e3, ms_sb * 1e3, scatter_gb / ms_sb * 1e3, scatter_per_sm,
            ms_gr * 1e3, gather_gb / ms_gr * 1e3, ms_gb * 1e3, gather_gb / ms_gb * 1e3, gather_per_sm);
+    if (experts == 32 || experts == 128) {
+      gather_r();
+      std::vector<unsigned char> expected(token_bytes);
+      CHECK(cudaMemcpy(expected.data(), x, token_bytes, cudaMemcpyDeviceToHost));
+      const auto library = experts == 32 ? run_library<H, 32> : run_library<H, 128>;
+      library(r, dest_rows_d, weights_te_d, tokens, rows, x2, expected, gather_gb, sms);
+    }
   }
   CHECK(cudaFree(x));
   CHECK(cudaFree(x2));
@@ -330,6 +536,8 @@ static void run(int tokens, int topk, int experts) {
   CHECK(cudaFree(r2));
   CHECK(cudaFree(dest_d));
   CHECK(cudaFree(weights_d));
+  CHECK(cudaFree(dest_rows_d));
+  CHECK(cudaFree(weights_te_d));
 }
 
 int main(int argc, char** argv) {
