@@ -135,6 +135,13 @@ def assert_same_bits(gpu_out, cpu_out, *, what: str, context: str, row_chunk: in
                                      what=f"GPU vs CPU {name} rows from {start}", context=context)
 
 
+def one_nan(a: np.ndarray) -> np.ndarray:
+    """``a`` as float32 with every NaN the same NaN: the GPU's arithmetic gives its own NaN bits,
+    which a bitwise comparison with the CPU's must not count."""
+    a = a.astype(np.float32)
+    return np.where(np.isnan(a), np.float32(np.nan), a)
+
+
 def sample_indices(rng, n: int) -> np.ndarray:
     """SAMPLE random indices of range(n), the first and the last included."""
     return np.unique(np.concatenate([[0, n - 1], rng.integers(0, n, SAMPLE)]))
@@ -493,8 +500,7 @@ def test_combine_and_its_vjp_on_maps_no_dispatch_made_on_gpu_follow_the_contract
     check_combine_of_any_maps(*gpu_out, row_id_map, y, w, g, context=context)
     cpu_out = run_on(cpu, combine_of_any_maps_and_vjp, row_id_map, y, w, g)
     # The rows move and scale alike; only d merging_probs' dot products are summed differently.
-    # (NaN where both have it, already checked; the GPU's arithmetic gives its own NaN bits.)
-    one_nan = lambda a: np.where(np.isnan(a), np.float32(np.nan), a)  # noqa: E731
+    # (NaN where both have it, already checked.)
     assert_same_bits([one_nan(a) for a in gpu_out[:2]], [one_nan(a) for a in cpu_out[:2]],
                      what="combine and d expert_tokens", context=context)
 
@@ -526,6 +532,5 @@ def test_combine_of_tokens_of_0_to_20_copies_on_gpu_matches_the_cpu(dtype, hidde
     combine = lambda y, w: permutation.combine(y, row_id_map, merging_probs=w)  # noqa: E731
     context = f"{jnp.dtype(dtype).name} H={hidden}, merging_probs={with_probs}, seed={seed}"
     gpu_out, cpu_out = run_on(gpu, combine, y, w), run_on(cpu, combine, y, w)
-    one_nan = lambda a: np.where(np.isnan(a.astype(np.float32)), np.float32(np.nan), a.astype(np.float32))  # noqa: E731
     assert np.isnan(one_nan(gpu_out)).any(axis=1).sum() == 1, f"the one token with an entry out of range, {context}"
     assert_same_bits(one_nan(gpu_out), one_nan(cpu_out), what="combine", context=context)
