@@ -1,32 +1,28 @@
 // Can the permutation's row copies run nearer copy bandwidth on Hopper with bulk copies
 // (issue 19)? The layer's five permutation calls move every dispatched row once each at
 // 3.3-3.5 TB/s (bench/NOTES.md, the DeepSeek-V3 one-GPU trace), where a device copy reaches
-// ~4.1. This program times, at a layer's shape (tokens x top-k rows of `hidden` bf16, each
-// token's copies in distinct random rows, as a dispatch lays them out):
+// ~4.1. This program times, at a layer's shape (tokens x top-k rows of `hidden` bf16, laid out
+// as a dispatch lays them out: each token's top-k of `experts` random experts, every expert's
+// rows together in token order):
 //
 //   - scatter (a dispatch): each token's row to its k rows;
-//       registers: as kernels/permutation.cu's scatter_rows (128 threads, 4 tokens a block,
-//         a thread's vectors loaded, then stored to each copy);
+//       registers: the library's scatter_rows (kernels/permutation.cu, as the dispatch runs it);
 //       bulk: one thread of a warp a block loads each token's row into a ring of shared-memory
 //         stages with one cp.async.bulk and stores it to its k rows with k more;
 //   - gather (a combine): each token's k rows weighted and summed in float32 in copy order;
-//       registers: as gather_rows (128 threads, 4 tokens a block, 4 vectors a thread);
+//       registers: the library's gather_rows;
 //       bulk: one thread loads a stage's piece of each of the token's k rows with bulk copies,
 //         the block sums them from shared memory in the same order and stores the piece;
+//       library bulk (rows of 4 KB or more): gather_rows_bulk, the library's bulk gather for a
+//         while (reverted, kept below to find why it runs at half gather_bulk's rate);
 //   - cudaMemcpy of the rows (the copy ceiling: every row read and written once).
 //
-// Checks that each bulk kernel's output is bit for bit its register kernel's, then prints GB/s
+// Checks that each bulk kernel's output is bit for bit the register kernel's, then prints GB/s
 // of each kernel's least bytes (scatter: the tokens read, the rows written; gather: the rows
 // read, the tokens written) over 20 launches, two rounds. On a Hopper GPU:
 //
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o row_copy_bulk bench/row_copy_bulk.cu
-//   ./row_copy_bulk [tokens=8192] [hidden=7168] [topk=8] [experts=0]
-//
-// With experts > 0 the rows are laid out as a dispatch lays them out (each token's top-k of
-// random experts, every expert's rows together, in token order); else each token's copies
-// are distinct random rows. With 32 or 128 experts (and rows of 4 KB or more) it also times the
-// library's own gather (kernels/permutation.cu's gather_rows) and the bulk gather it took for a
-// while (gather_rows_bulk, reverted: below) on the same rows, weighted.
+//   ./row_copy_bulk [tokens=8192] [hidden=7168: 7168, 2048 or 1024] [topk=8] [experts=32: 8, 32 or 128]
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -42,78 +38,8 @@
 #include "../kernels/hopper.cuh"
 #include "../kernels/permutation.cu"  // the library's row kernels (templates), timed beside these
 
-constexpr int THREADS = 128, TOKENS = 4;
-
-// ---- registers (the library's kernels, without their map checks) -------------------------
-
-template <int VECTORS>
-__global__ void __launch_bounds__(THREADS) scatter_registers(const uint4* tokens, const int* dest, int topk,
-                                                             int count, uint4* rows) {
-  constexpr int PER = (VECTORS + THREADS - 1) / THREADS;
-  for (int k = 0; k < TOKENS; ++k) {
-    const int t = blockIdx.x * TOKENS + k;
-    if (t >= count) return;
-    uint4 v[PER];
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int at = j * THREADS + threadIdx.x;
-      if (at < VECTORS) v[j] = tokens[static_cast<size_t>(t) * VECTORS + at];
-    }
-    for (int i = 0; i < topk; ++i) {
-      uint4* out = rows + static_cast<size_t>(dest[t * topk + i]) * VECTORS;
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int at = j * THREADS + threadIdx.x;
-        if (at < VECTORS) out[at] = v[j];
-      }
-    }
-  }
-}
-
-union Pack8 {
-  uint4 raw;
-  bf16 elems[8];
-};
-
-template <int VECTORS>
-__global__ void __launch_bounds__(THREADS, 10) gather_registers(const uint4* rows, const int* dest,
-                                                                const float* weights, int topk, int count,
-                                                                uint4* tokens) {
-  constexpr int PER = 4, CHUNK = PER * THREADS;
-  for (int k = 0; k < TOKENS; ++k) {
-    const int t = blockIdx.x * TOKENS + k;
-    if (t >= count) return;
-    for (int chunk = 0; chunk < VECTORS; chunk += CHUNK) {
-      float sum[PER][8];
-#pragma unroll
-      for (int j = 0; j < PER; ++j)
-#pragma unroll
-        for (int e = 0; e < 8; ++e) sum[j][e] = 0.f;
-      for (int i = 0; i < topk; ++i) {
-        const uint4* row = rows + static_cast<size_t>(dest[t * topk + i]) * VECTORS;
-        const float w = weights[t * topk + i];
-#pragma unroll
-        for (int j = 0; j < PER; ++j) {
-          const int at = chunk + j * THREADS + threadIdx.x;
-          if (at >= VECTORS) continue;
-          Pack8 x;
-          x.raw = row[at];
-#pragma unroll
-          for (int e = 0; e < 8; ++e) sum[j][e] += w * to_float(x.elems[e]);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < PER; ++j) {
-        const int at = chunk + j * THREADS + threadIdx.x;
-        if (at >= VECTORS) continue;
-        Pack8 y;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) y.elems[e] = from_float<bf16>(sum[j][e]);
-        tokens[static_cast<size_t>(t) * VECTORS + at] = y.raw;
-      }
-    }
-  }
-}
+constexpr int THREADS = 128;
+using Vec = Pack<bf16, 16>;  // 16 bytes of a row
 
 // ---- bulk copies (hopper.cuh's helpers: the sm_90a device pass only) -----------------------
 
@@ -199,13 +125,13 @@ __global__ void __launch_bounds__(THREADS) gather_bulk(const unsigned char* rows
     for (int v = threadIdx.x; v < PIECE / 16; v += THREADS) {
       float sum[8] = {};
       for (int c = 0; c < topk; ++c) {
-        Pack8 x;
+        Vec x;
         x.raw = reinterpret_cast<const uint4*>(ring + s * STAGE_BYTES + c * PIECE)[v];
         const float w = weights[t * topk + c];
 #pragma unroll
         for (int e = 0; e < 8; ++e) sum[e] += w * to_float(x.elems[e]);
       }
-      Pack8 y;
+      Vec y;
 #pragma unroll
       for (int e = 0; e < 8; ++e) y.elems[e] = from_float<bf16>(sum[e]);
       reinterpret_cast<uint4*>(tokens + static_cast<size_t>(t) * row_bytes + p * PIECE)[v] = y.raw;
@@ -387,166 +313,142 @@ static float milliseconds(Launch launch, int reps = 20) {
   return ms / reps;
 }
 
-// The library's register gather (gather_rows) and its reverted bulk gather (gather_rows_bulk) on
-// the same rows, with the map as the library takes it (dest_rows [T, E], weights [T, E]); their
-// outputs against `expected` (gather_registers' tokens).
-template <int H, int E>
-static void run_library(const unsigned char* rows, const int* dest_rows, const float* weights, int tokens, int total_rows,
-                        unsigned char* out, const std::vector<unsigned char>& expected, double gb, int sms) {
-  if constexpr (H * 2 >= BULK_MIN_ROW_BYTES) {
-    const bf16* in = reinterpret_cast<const bf16*>(rows);
-    bf16* tokens_out = reinterpret_cast<bf16*>(out);
-    constexpr int SHARED = BULK_STAGES * BULK_STAGE_BYTES;
-    CHECK(cudaFuncSetAttribute(gather_rows_bulk<bf16, H, E, true, ROW_BLOCK>,
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, SHARED));
-    auto registers = [&] {
-      gather_rows<bf16, H, E, true, ROW_BLOCK, 4><<<(tokens + 3) / 4, ROW_BLOCK>>>(in, dest_rows, weights, tokens_out,
-                                                                                    tokens, total_rows);
-    };
-    auto bulk = [&] {
-      gather_rows_bulk<bf16, H, E, true, ROW_BLOCK><<<sms * BULK_BLOCKS_PER_SM, ROW_BLOCK, SHARED>>>(
-          in, dest_rows, weights, tokens_out, tokens, total_rows);
-    };
-    std::vector<unsigned char> got(expected.size());
-    for (auto [name, launch] : {std::pair<const char*, std::function<void()>>{"gather_rows", registers},
-                                {"gather_rows_bulk", bulk}}) {
-      const float ms = milliseconds(launch);
-      launch();
-      CHECK(cudaMemcpy(got.data(), out, got.size(), cudaMemcpyDeviceToHost));
-      printf("  library %s: %.0f us (%.0f GB/s), %s gather_registers' tokens\n", name, ms * 1e3, gb / ms * 1e3,
-             memcmp(got.data(), expected.data(), got.size()) ? "DIFFERS from" : "equals");
-    }
+// The times of `launches` (name, launch) and whether each output (`out`, `bytes` long) equals
+// the first's.
+static void time_and_check(const char* what, const std::vector<std::pair<const char*, std::function<void()>>>& launches,
+                           const void* out, size_t bytes, double gb) {
+  std::vector<unsigned char> first(bytes), got(bytes);
+  printf("  %s:", what);
+  for (size_t i = 0; i < launches.size(); ++i) {
+    const auto& [name, launch] = launches[i];
+    const float ms = milliseconds(launch);
+    launch();
+    CHECK(cudaMemcpy(i == 0 ? first.data() : got.data(), out, bytes, cudaMemcpyDeviceToHost));
+    const bool same = i == 0 || memcmp(first.data(), got.data(), bytes) == 0;
+    printf(" %s %.0f us (%.0f GB/s)%s", name, ms * 1e3, gb / ms * 1e3, same ? "" : " [DIFFERS from the first]");
   }
+  printf("\n");
 }
 
-template <int H>
-static void run(int tokens, int topk, int experts) {
-  constexpr int ROW_BYTES = H * 2, VECTORS = ROW_BYTES / 16;
+template <int H, int E>
+static void run(int tokens, int topk) {
+  constexpr int ROW_BYTES = H * 2;
   const int rows = tokens * topk;
+  // The layout: token t's copies in expert order, at dest[t * topk + i] and dest_rows[t, e];
+  // weights alike, [T * k] for the benchmark's kernels and [T, E] for the library's.
   std::mt19937 rng(0);
-  std::vector<int> dest(rows), perm(rows), dest_rows;  // dest_rows [T, E]: the library's map
-  std::iota(perm.begin(), perm.end(), 0);
-  std::shuffle(perm.begin(), perm.end(), rng);
-  for (int i = 0; i < rows; ++i) dest[i] = perm[i];
-  if (experts > 0) {
-    // As a dispatch lays them out: each token's k distinct experts, every expert's rows
-    // together in token order, a token's copies in expert order.
-    std::vector<std::vector<int>> chosen(tokens);
-    std::vector<int> counts(experts, 0), order(experts);
-    std::iota(order.begin(), order.end(), 0);
-    for (int t = 0; t < tokens; ++t) {
-      std::shuffle(order.begin(), order.end(), rng);
-      chosen[t].assign(order.begin(), order.begin() + topk);
-      std::sort(chosen[t].begin(), chosen[t].end());
-      for (int e : chosen[t]) ++counts[e];
-    }
-    std::vector<int> next(experts, 0);
-    for (int e = 1; e < experts; ++e) next[e] = next[e - 1] + counts[e - 1];
-    dest_rows.assign(static_cast<size_t>(tokens) * experts, -1);
-    for (int t = 0; t < tokens; ++t)
-      for (int i = 0; i < topk; ++i) {
-        dest[t * topk + i] = next[chosen[t][i]]++;
-        dest_rows[static_cast<size_t>(t) * experts + chosen[t][i]] = dest[t * topk + i];
-      }
+  std::vector<std::vector<int>> chosen(tokens);
+  std::vector<int> counts(E, 0), order(E);
+  std::iota(order.begin(), order.end(), 0);
+  for (int t = 0; t < tokens; ++t) {
+    std::shuffle(order.begin(), order.end(), rng);
+    chosen[t].assign(order.begin(), order.begin() + topk);
+    std::sort(chosen[t].begin(), chosen[t].end());
+    for (int e : chosen[t]) ++counts[e];
   }
-  std::vector<float> weights(rows);
-  for (auto& w : weights) w = (rng() % 1000) / 1000.f;
-  // The same weights as the library takes them, [T, E] (a token's copies are in expert order).
-  std::vector<float> weights_te(experts > 0 ? static_cast<size_t>(tokens) * experts : 0, 0.f);
-  for (int t = 0; t < tokens && experts > 0; ++t)
-    for (int e = 0, i = 0; e < experts; ++e)
-      if (dest_rows[static_cast<size_t>(t) * experts + e] >= 0) weights_te[static_cast<size_t>(t) * experts + e] = weights[t * topk + i++];
+  std::vector<int> next(E, 0), dest(rows), dest_rows(static_cast<size_t>(tokens) * E, -1);
+  for (int e = 1; e < E; ++e) next[e] = next[e - 1] + counts[e - 1];
+  std::vector<float> weights(rows), weights_te(static_cast<size_t>(tokens) * E, 0.f);
+  for (int t = 0; t < tokens; ++t)
+    for (int i = 0; i < topk; ++i) {
+      const size_t at = static_cast<size_t>(t) * E + chosen[t][i];
+      dest[t * topk + i] = dest_rows[at] = next[chosen[t][i]]++;
+      weights[t * topk + i] = weights_te[at] = (rng() % 1000) / 1000.f;
+    }
   std::vector<unsigned short> host(static_cast<size_t>(rows) * H);
   for (auto& v : host) v = (rng() & 0x3fff) | 0x3c00;  // finite bf16 of moderate size
-  unsigned char *x, *r, *x2, *r2;
-  int* dest_d;
-  float* weights_d;
   const size_t token_bytes = static_cast<size_t>(tokens) * ROW_BYTES, row_total = static_cast<size_t>(rows) * ROW_BYTES;
+  unsigned char *x, *r, *copy;  // copy: the copy ceiling's destination
+  int *dest_d, *dest_rows_d;
+  float *weights_d, *weights_te_d;
   CHECK(cudaMalloc(&x, token_bytes));
-  CHECK(cudaMalloc(&x2, token_bytes));
   CHECK(cudaMalloc(&r, row_total));
-  CHECK(cudaMalloc(&r2, row_total));
-  CHECK(cudaMalloc(&dest_d, rows * 4));
-  CHECK(cudaMalloc(&weights_d, rows * 4));
+  CHECK(cudaMalloc(&copy, row_total));
+  CHECK(cudaMalloc(&dest_d, dest.size() * 4));
+  CHECK(cudaMalloc(&dest_rows_d, dest_rows.size() * 4));
+  CHECK(cudaMalloc(&weights_d, weights.size() * 4));
+  CHECK(cudaMalloc(&weights_te_d, weights_te.size() * 4));
   CHECK(cudaMemcpy(x, host.data(), token_bytes, cudaMemcpyHostToDevice));
   CHECK(cudaMemcpy(r, host.data(), row_total, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(dest_d, dest.data(), rows * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(weights_d, weights.data(), rows * 4, cudaMemcpyHostToDevice));
-  int* dest_rows_d = nullptr;
-  float* weights_te_d = nullptr;
-  if (experts > 0) {
-    CHECK(cudaMalloc(&dest_rows_d, dest_rows.size() * 4));
-    CHECK(cudaMalloc(&weights_te_d, weights_te.size() * 4));
-    CHECK(cudaMemcpy(dest_rows_d, dest_rows.data(), dest_rows.size() * 4, cudaMemcpyHostToDevice));
-    CHECK(cudaMemcpy(weights_te_d, weights_te.data(), weights_te.size() * 4, cudaMemcpyHostToDevice));
-  }
+  CHECK(cudaMemcpy(dest_d, dest.data(), dest.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(dest_rows_d, dest_rows.data(), dest_rows.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(weights_d, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(weights_te_d, weights_te.data(), weights_te.size() * 4, cudaMemcpyHostToDevice));
   int sms;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  const int blocks = (tokens + TOKENS - 1) / TOKENS;
 
   constexpr int SCATTER_STAGES = 4, GATHER_STAGES = 4, PIECE = ROW_BYTES % 2048 == 0 ? 2048 : ROW_BYTES, MAX_K = 8;
+  constexpr int LIBRARY_BULK_SHARED = BULK_STAGES * BULK_STAGE_BYTES;
   const int scatter_shared = SCATTER_STAGES * ROW_BYTES, gather_shared = GATHER_STAGES * PIECE * MAX_K;
   CHECK(cudaFuncSetAttribute(scatter_bulk<SCATTER_STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize, scatter_shared));
   CHECK(cudaFuncSetAttribute(gather_bulk<GATHER_STAGES, PIECE, MAX_K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              gather_shared));
   const int scatter_per_sm = std::min(32, 200 * 1024 / scatter_shared), gather_per_sm = std::max(1, 200 * 1024 / gather_shared);
+  // The library's row kernels as it launches them: 4 tokens a block (as for up to 512 experts).
+  const int token_blocks = (tokens + 3) / 4;
+  const bf16* tokens_in = reinterpret_cast<const bf16*>(x);
+  const bf16* rows_in = reinterpret_cast<const bf16*>(r);
 
-  const double scatter_gb = (token_bytes + row_total) / 1e9, gather_gb = scatter_gb;
+  const double gb = (token_bytes + row_total) / 1e9;  // either way: the tokens once, the rows once
+  std::vector<std::pair<const char*, std::function<void()>>> scatters = {
+      {"registers", [&] {
+         scatter_rows<bf16, H, E, false, false, ROW_BLOCK, 4, 32><<<token_blocks, ROW_BLOCK>>>(
+             tokens_in, dest_rows_d, nullptr, nullptr, nullptr, nullptr, reinterpret_cast<bf16*>(r), tokens, rows);
+       }},
+      {"bulk", [&] {
+         scatter_bulk<SCATTER_STAGES><<<sms * scatter_per_sm, 32, scatter_shared>>>(x, dest_d, topk, tokens, ROW_BYTES, r);
+       }},
+  };
+  std::vector<std::pair<const char*, std::function<void()>>> gathers = {
+      {"registers", [&] {
+         gather_rows<bf16, H, E, true, ROW_BLOCK, 4><<<token_blocks, ROW_BLOCK>>>(
+             rows_in, dest_rows_d, weights_te_d, reinterpret_cast<bf16*>(x), tokens, rows);
+       }},
+      {"bulk", [&] {
+         gather_bulk<GATHER_STAGES, PIECE, MAX_K><<<sms * gather_per_sm, THREADS, gather_shared>>>(
+             r, dest_d, weights_d, topk, tokens, ROW_BYTES, x);
+       }},
+  };
+  if constexpr (ROW_BYTES >= BULK_MIN_ROW_BYTES) {
+    CHECK(cudaFuncSetAttribute(gather_rows_bulk<bf16, H, E, true, ROW_BLOCK>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, LIBRARY_BULK_SHARED));
+    gathers.push_back({"library bulk", [&] {
+                         gather_rows_bulk<bf16, H, E, true, ROW_BLOCK>
+                             <<<sms * BULK_BLOCKS_PER_SM, ROW_BLOCK, LIBRARY_BULK_SHARED>>>(
+                                 rows_in, dest_rows_d, weights_te_d, reinterpret_cast<bf16*>(x), tokens, rows);
+                       }});
+  }
   for (int round = 0; round < 2; ++round) {
-    auto scatter_r = [&] { scatter_registers<VECTORS><<<blocks, THREADS>>>(reinterpret_cast<uint4*>(x), dest_d, topk, tokens, reinterpret_cast<uint4*>(r)); };
-    auto scatter_b = [&] { scatter_bulk<SCATTER_STAGES><<<sms * scatter_per_sm, 32, scatter_shared>>>(x, dest_d, topk, tokens, ROW_BYTES, r2); };
-    auto gather_r = [&] { gather_registers<VECTORS><<<blocks, THREADS>>>(reinterpret_cast<uint4*>(r), dest_d, weights_d, topk, tokens, reinterpret_cast<uint4*>(x)); };
-    auto gather_b = [&] { gather_bulk<GATHER_STAGES, PIECE, MAX_K><<<sms * gather_per_sm, THREADS, gather_shared>>>(r, dest_d, weights_d, topk, tokens, ROW_BYTES, x2); };
-    auto copy = [&] { CHECK(cudaMemcpyAsync(r2, r, row_total, cudaMemcpyDeviceToDevice)); };
-    const float ms_copy = milliseconds(copy);
-    const float ms_sr = milliseconds(scatter_r), ms_sb = milliseconds(scatter_b);
-    const float ms_gr = milliseconds(gather_r), ms_gb = milliseconds(gather_b);
-    if (round == 0) {
-      CHECK(cudaDeviceSynchronize());
-      std::vector<unsigned char> a(row_total), b(row_total);
-      scatter_r();
-      scatter_b();
-      CHECK(cudaMemcpy(a.data(), r, row_total, cudaMemcpyDeviceToHost));
-      CHECK(cudaMemcpy(b.data(), r2, row_total, cudaMemcpyDeviceToHost));
-      printf("scatter bulk %s the registers' rows\n", memcmp(a.data(), b.data(), row_total) ? "DIFFERS from" : "equals");
-      gather_r();
-      gather_b();
-      std::vector<unsigned char> c(token_bytes), d(token_bytes);
-      CHECK(cudaMemcpy(c.data(), x, token_bytes, cudaMemcpyDeviceToHost));
-      CHECK(cudaMemcpy(d.data(), x2, token_bytes, cudaMemcpyDeviceToHost));
-      printf("gather bulk %s the registers' tokens\n", memcmp(c.data(), d.data(), token_bytes) ? "DIFFERS from" : "equals");
-    }
-    printf("T %d H %d k %d E %d round %d: copy %.0f us (%.0f GB/s of %.2f GB); scatter registers %.0f us (%.0f GB/s), "
-           "bulk %.0f us (%.0f GB/s, %d blocks an SM); gather registers %.0f us (%.0f GB/s), bulk %.0f us (%.0f GB/s, "
-           "%d blocks an SM)\n",
-           tokens, H, topk, experts, round, ms_copy * 1e3, 2 * row_total / 1e9 / ms_copy * 1e3, 2 * row_total / 1e9,
-           ms_sr * 1e3, scatter_gb / ms_sr * 1e3, ms_sb * 1e3, scatter_gb / ms_sb * 1e3, scatter_per_sm,
-           ms_gr * 1e3, gather_gb / ms_gr * 1e3, ms_gb * 1e3, gather_gb / ms_gb * 1e3, gather_per_sm);
-    if (experts == 32 || experts == 128) {
-      gather_r();
-      std::vector<unsigned char> expected(token_bytes);
-      CHECK(cudaMemcpy(expected.data(), x, token_bytes, cudaMemcpyDeviceToHost));
-      const auto library = experts == 32 ? run_library<H, 32> : run_library<H, 128>;
-      library(r, dest_rows_d, weights_te_d, tokens, rows, x2, expected, gather_gb, sms);
-    }
+    const float ms_copy = milliseconds([&] { CHECK(cudaMemcpyAsync(copy, r, row_total, cudaMemcpyDeviceToDevice)); });
+    printf("T %d H %d k %d E %d round %d: copy %.0f us (%.0f GB/s of %.2f GB)\n", tokens, H, topk, E, round,
+           ms_copy * 1e3, 2 * row_total / 1e9 / ms_copy * 1e3, 2 * row_total / 1e9);
+    time_and_check("scatter", scatters, r, row_total, gb);
+    time_and_check("gather", gathers, x, token_bytes, gb);
   }
   CHECK(cudaFree(x));
-  CHECK(cudaFree(x2));
   CHECK(cudaFree(r));
-  CHECK(cudaFree(r2));
+  CHECK(cudaFree(copy));
   CHECK(cudaFree(dest_d));
-  CHECK(cudaFree(weights_d));
   CHECK(cudaFree(dest_rows_d));
+  CHECK(cudaFree(weights_d));
   CHECK(cudaFree(weights_te_d));
 }
 
-int main(int argc, char** argv) {
-  const int tokens = argc > 1 ? atoi(argv[1]) : 8192, topk = argc > 3 ? atoi(argv[3]) : 8;
-  const int hidden = argc > 2 ? atoi(argv[2]) : 7168, experts = argc > 4 ? atoi(argv[4]) : 0;
-  if (topk > 8 || topk > experts && experts > 0) return printf("top-k up to 8 and the experts\n"), 1;
-  if (hidden == 7168) run<7168>(tokens, topk, experts);
-  else if (hidden == 2048) run<2048>(tokens, topk, experts);
-  else if (hidden == 1024) run<1024>(tokens, topk, experts);
-  else return printf("hidden 7168, 2048 or 1024\n"), 1;
+template <int H>
+static int run_experts(int tokens, int topk, int experts) {
+  if (experts == 8) run<H, 8>(tokens, topk);
+  else if (experts == 32) run<H, 32>(tokens, topk);
+  else if (experts == 128) run<H, 128>(tokens, topk);
+  else return printf("experts 8, 32 or 128\n"), 1;
   return 0;
+}
+
+int main(int argc, char** argv) {
+  const int tokens = argc > 1 ? atoi(argv[1]) : 8192, hidden = argc > 2 ? atoi(argv[2]) : 7168;
+  const int topk = argc > 3 ? atoi(argv[3]) : 8, experts = argc > 4 ? atoi(argv[4]) : 32;
+  if (topk < 1 || topk > 8 || topk > experts) return printf("top-k 1 to 8, at most the experts\n"), 1;
+  if (hidden == 7168) return run_experts<7168>(tokens, topk, experts);
+  if (hidden == 2048) return run_experts<2048>(tokens, topk, experts);
+  if (hidden == 1024) return run_experts<1024>(tokens, topk, experts);
+  return printf("hidden 7168, 2048 or 1024\n"), 1;
 }
