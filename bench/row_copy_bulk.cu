@@ -288,6 +288,184 @@ gather_rows_bulk(const T* __restrict__ expert_tokens, const int* __restrict__ de
 }
 
 
+// ---- candidates (session 17) ---------------------------------------------------------------
+//
+// gather_rows_bulk with a producer warp: warp 4 lists each token's copies and issues every
+// step's bulk loads as soon as the step's stage is free (an `empty` barrier the four consumer
+// warps arrive on), so no consumer ever waits on the listing, the weights' reads or the issue;
+// in gather_rows_bulk warp 0 did all three between the block's barrier and its next stage.
+constexpr int PRODUCER_BLOCK = ROW_BLOCK + 32;
+
+template <typename T, int H, int E, bool WEIGHTED, int STAGES>
+__global__ void __launch_bounds__(PRODUCER_BLOCK, BULK_BLOCKS_PER_SM)
+gather_rows_bulk_producer(const T* __restrict__ expert_tokens, const int* __restrict__ dest_rows,
+                          const float* __restrict__ weights, T* __restrict__ out, int tokens, int rows) {
+  constexpr int ROW_BYTES = H * static_cast<int>(sizeof(T));
+  static_assert(ROW_BYTES % 16 == 0 && ROW_BYTES >= BULK_MIN_ROW_BYTES, "bulk copies of whole 16-byte vectors");
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using Vec = Pack<T, 16>;
+  constexpr int MAX_VECTORS = BULK_STAGE_BYTES / 16 / ROW_BLOCK;
+  extern __shared__ __align__(128) unsigned char ring[];
+  __shared__ unsigned long long full[STAGES], empty[STAGES];
+  __shared__ BulkStep steps[STAGES];
+  __shared__ Routes<E> routes;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) barrier_init(&full[s], 1), barrier_init(&empty[s], ROW_BLOCK / 32);
+    barrier_init_fence();
+  }
+  __syncthreads();
+
+  if (threadIdx.x >= ROW_BLOCK) {  // the producer warp
+    const int lane = threadIdx.x - ROW_BLOCK;
+    Ring ring_state;
+    for (int token = blockIdx.x; token < tokens; token += gridDim.x) {
+      list_routes<E>(dest_rows + static_cast<size_t>(token) * E, rows, routes);
+      __syncwarp();
+      const int count = routes.count;
+      for (int piece = 0; piece < ROW_BYTES;) {
+        const int piece_bytes = bulk_piece_bytes(count, ROW_BYTES - piece);
+        for (int first = 0; first == 0 || first < count; first += BULK_COPIES, ring_state.advance<STAGES>()) {
+          const int stage = ring_state.stage, copies = min(count - first, BULK_COPIES);
+          barrier_wait(&empty[stage], ring_state.phase ^ 1);
+          BulkStep& step = steps[stage];
+          if (lane < copies)
+            step.weights[lane] = WEIGHTED ? weights[static_cast<size_t>(token) * E + routes.experts[first + lane]] : 1.f;
+          __syncwarp();
+          if (lane == 0) {
+            step.token = token, step.piece = piece, step.piece_bytes = piece_bytes, step.first = first;
+            step.copies = copies, step.count = count, step.invalid = routes.invalid;
+            unsigned char* stage_bytes = ring + stage * BULK_STAGE_BYTES;
+            const unsigned char* src = reinterpret_cast<const unsigned char*>(expert_tokens) + piece;
+            barrier_expect_bytes(&full[stage], copies * piece_bytes);
+            for (int c = 0; c < copies; ++c)
+              bulk_load(stage_bytes + c * piece_bytes, src + static_cast<size_t>(routes.rows[first + c]) * ROW_BYTES,
+                        piece_bytes, &full[stage]);
+          }
+        }
+        piece += piece_bytes;
+      }
+      __syncwarp();  // routes are read before the next token's listing overwrites them
+    }
+    const int stage = ring_state.stage;
+    barrier_wait(&empty[stage], ring_state.phase ^ 1);
+    if (lane == 0) {
+      steps[stage].token = -1;
+      barrier_arrive(&full[stage]);
+    }
+    return;
+  }
+
+  float sum[MAX_VECTORS][Vec::N];
+  Ring ring_state;
+  for (;; ring_state.advance<STAGES>()) {
+    const int stage = ring_state.stage;
+    barrier_wait(&full[stage], ring_state.phase);
+    const BulkStep& step = steps[stage];
+    const int token = step.token;
+    if (token < 0) break;
+    const int vectors = step.piece_bytes / 16, copies = step.copies, piece = step.piece;
+    const bool last = step.first + copies >= step.count;
+    const unsigned char* stage_bytes = ring + stage * BULK_STAGE_BYTES;
+    if (step.first == 0) {
+      const float poison = step.invalid ? __int_as_float(0x7fc00000) : 0.f;
+#pragma unroll
+      for (int j = 0; j < MAX_VECTORS; ++j)
+#pragma unroll
+        for (int e = 0; e < Vec::N; ++e) sum[j][e] = poison;
+    }
+    for (int c = 0; c < copies; ++c) {
+      const float w = step.weights[c];
+#pragma unroll
+      for (int j = 0; j < MAX_VECTORS; ++j) {
+        const int v = j * ROW_BLOCK + threadIdx.x;
+        if (v >= vectors) continue;
+        Vec x;
+        x.raw = reinterpret_cast<const uint4*>(stage_bytes + c * step.piece_bytes)[v];
+#pragma unroll
+        for (int e = 0; e < Vec::N; ++e) sum[j][e] += w * to_float(x.elems[e]);
+      }
+    }
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) barrier_arrive(&empty[stage]);  // this warp is done with the stage and its step
+    if (last) {
+      T* out_piece = out + static_cast<size_t>(token) * H + piece / static_cast<int>(sizeof(T));
+#pragma unroll
+      for (int j = 0; j < MAX_VECTORS; ++j) {
+        const int v = j * ROW_BLOCK + threadIdx.x;
+        if (v >= vectors) continue;
+        Vec y;
+#pragma unroll
+        for (int e = 0; e < Vec::N; ++e) y.elems[e] = from_float<T>(sum[j][e]);
+        reinterpret_cast<uint4*>(out_piece)[v] = y.raw;
+      }
+    }
+  }
+#endif
+}
+
+// gather_rows with COPIES of a token's copies loaded before any is summed (the same sums in the
+// same order), at most VECTORS vectors a thread a pass: the register kernel keeps one copy's
+// vectors in flight a thread and waits on them before the next copy's loads issue.
+template <typename T, int H, int E, bool WEIGHTED, int TOKENS, int COPIES, int VECTORS, int BLOCKS_PER_SM>
+__global__ void __launch_bounds__(ROW_BLOCK, BLOCKS_PER_SM)
+gather_rows_ahead(const T* __restrict__ expert_tokens, const int* __restrict__ dest_rows,
+                  const float* __restrict__ weights, T* __restrict__ out, int tokens, int rows) {
+  using Shape = RowShape<T, H, VECTORS>;
+  __shared__ Routes<E> block_routes[TOKENS];
+  const int first = blockIdx.x * TOKENS;
+  list_block_routes<E, TOKENS>(dest_rows, first, tokens, rows, block_routes);
+
+  for (int k = 0; k < TOKENS && first + k < tokens; ++k) {
+    const int t = first + k;
+    const Routes<E>& routes = block_routes[k];
+    T* out_row = out + static_cast<size_t>(t) * H;
+    const float poison = routes.invalid ? __int_as_float(0x7fc00000) : 0.f;
+    for (int chunk = 0; chunk < Shape::VECTORS; chunk += Shape::CHUNK) {
+      float sum[Shape::PER_THREAD][Shape::PER];
+#pragma unroll
+      for (int j = 0; j < Shape::PER_THREAD; ++j)
+#pragma unroll
+        for (int e = 0; e < Shape::PER; ++e) sum[j][e] = poison;
+      for (int i = 0; i < routes.count; i += COPIES) {
+        typename Shape::Vec x[COPIES][Shape::PER_THREAD];
+        float w[COPIES];
+#pragma unroll
+        for (int u = 0; u < COPIES; ++u) {
+          if (i + u >= routes.count) continue;
+          const T* row = expert_tokens + static_cast<size_t>(routes.rows[i + u]) * H;
+          w[u] = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i + u]] : 1.f;
+#pragma unroll
+          for (int j = 0; j < Shape::PER_THREAD; ++j) {
+            const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+            if (at < Shape::VECTORS) x[u][j] = load_vector<T, H>(row, at);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < COPIES; ++u) {
+          if (i + u >= routes.count) continue;
+#pragma unroll
+          for (int j = 0; j < Shape::PER_THREAD; ++j) {
+            const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+            if (at >= Shape::VECTORS) continue;
+#pragma unroll
+            for (int e = 0; e < Shape::PER; ++e) sum[j][e] += w[u] * to_float(x[u][j].elems[e]);
+          }
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < Shape::PER_THREAD; ++j) {
+        const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+        if (at >= Shape::VECTORS) continue;
+        typename Shape::Vec y;
+#pragma unroll
+        for (int e = 0; e < Shape::PER; ++e) y.elems[e] = from_float<T>(sum[j][e]);
+        store_vector<T, H>(out_row, at, y);
+      }
+    }
+  }
+}
+
+
 #define CHECK(call)                                                  \
   do {                                                               \
     const cudaError_t status = (call);                               \
@@ -408,6 +586,18 @@ static void run(int tokens, int topk) {
          gather_bulk<GATHER_STAGES, PIECE, MAX_K><<<sms * gather_per_sm, THREADS, gather_shared>>>(
              r, dest_d, weights_d, topk, tokens, ROW_BYTES, x);
        }},
+      {"ahead 2 x 2 (10/SM)", [&] {
+         gather_rows_ahead<bf16, H, E, true, 4, 2, 2, 10><<<token_blocks, ROW_BLOCK>>>(
+             rows_in, dest_rows_d, weights_te_d, reinterpret_cast<bf16*>(x), tokens, rows);
+       }},
+      {"ahead 2 x 4 (8/SM)", [&] {
+         gather_rows_ahead<bf16, H, E, true, 4, 2, 4, 8><<<token_blocks, ROW_BLOCK>>>(
+             rows_in, dest_rows_d, weights_te_d, reinterpret_cast<bf16*>(x), tokens, rows);
+       }},
+      {"ahead 4 x 2 (8/SM)", [&] {
+         gather_rows_ahead<bf16, H, E, true, 4, 4, 2, 8><<<token_blocks, ROW_BLOCK>>>(
+             rows_in, dest_rows_d, weights_te_d, reinterpret_cast<bf16*>(x), tokens, rows);
+       }},
   };
   if constexpr (ROW_BYTES >= BULK_MIN_ROW_BYTES) {
     CHECK(cudaFuncSetAttribute(gather_rows_bulk<bf16, H, E, true, ROW_BLOCK>,
@@ -415,6 +605,14 @@ static void run(int tokens, int topk) {
     gathers.push_back({"library bulk", [&] {
                          gather_rows_bulk<bf16, H, E, true, ROW_BLOCK>
                              <<<sms * BULK_BLOCKS_PER_SM, ROW_BLOCK, LIBRARY_BULK_SHARED>>>(
+                                 rows_in, dest_rows_d, weights_te_d, reinterpret_cast<bf16*>(x), tokens, rows);
+                       }});
+    constexpr int PRODUCER_SHARED = 4 * BULK_STAGE_BYTES;
+    CHECK(cudaFuncSetAttribute(gather_rows_bulk_producer<bf16, H, E, true, 4>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, PRODUCER_SHARED));
+    gathers.push_back({"bulk producer warp", [&] {
+                         gather_rows_bulk_producer<bf16, H, E, true, 4>
+                             <<<sms * BULK_BLOCKS_PER_SM, PRODUCER_BLOCK, PRODUCER_SHARED>>>(
                                  rows_in, dest_rows_d, weights_te_d, reinterpret_cast<bf16*>(x), tokens, rows);
                        }});
   }
