@@ -17,7 +17,7 @@
 #include "common.cuh"
 
 constexpr int ROW_BLOCK = 128;  // threads of the row kernels (RowShape and the helpers below)
-constexpr int GATHER_BLOCKS_PER_SM = 10;
+constexpr int GATHER_BLOCKS_PER_SM = 10, GATHER_COPIES = 2;  // gather_rows's occupancy and loads in flight
 
 // A row of H elements of T, moved W bytes at a time, at most MAX_PER_THREAD
 // vectors a thread per pass.
@@ -445,9 +445,12 @@ __global__ void __launch_bounds__(BLOCK, GATHER_BLOCKS_PER_SM)
 gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_rows,
             const float* __restrict__ weights, T* __restrict__ out, int tokens, int rows) {
   static_assert(BLOCK == ROW_BLOCK, "row kernels run ROW_BLOCK threads a block");
-  // Few vectors a thread (few f32 sums in registers), so that many blocks fit
-  // an SM: the sum's loads are latency-bound.
-  using Shape = RowShape<T, H, 4>;
+  // The sum's loads are latency-bound: few vectors a thread (few f32 sums in
+  // registers) so that many blocks fit an SM, and GATHER_COPIES copies' loads
+  // issued before the first is summed (one copy at a time read 3.3 TB/s at
+  // DeepSeek-V3's and Qwen3-30B-A3B's rows on an H200, two at a time 4.1:
+  // bench/row_copy_bulk.cu).
+  using Shape = RowShape<T, H, 2>;
   __shared__ Routes<E> block_routes[TOKENS];
   const int first = blockIdx.x * TOKENS;
   list_block_routes<E, TOKENS>(dest_rows, first, tokens, rows, block_routes);
@@ -464,16 +467,30 @@ gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_ro
       for (int j = 0; j < Shape::PER_THREAD; ++j)
 #pragma unroll
         for (int e = 0; e < Shape::PER; ++e) sum[j][e] = poison;
-      for (int i = 0; i < routes.count; ++i) {
-        const T* row = expert_tokens + static_cast<size_t>(routes.rows[i]) * H;
-        const float w = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i]] : 1.f;
+      for (int i = 0; i < routes.count; i += GATHER_COPIES) {
+        typename Shape::Vec x[GATHER_COPIES][Shape::PER_THREAD];
+        float w[GATHER_COPIES];
 #pragma unroll
-        for (int j = 0; j < Shape::PER_THREAD; ++j) {
-          const int at = chunk + j * ROW_BLOCK + threadIdx.x;
-          if (at >= Shape::VECTORS) continue;
-          const typename Shape::Vec x = load_vector<T, H>(row, at);
+        for (int c = 0; c < GATHER_COPIES; ++c) {
+          if (i + c >= routes.count) continue;
+          const T* row = expert_tokens + static_cast<size_t>(routes.rows[i + c]) * H;
+          w[c] = WEIGHTED ? weights[static_cast<size_t>(t) * E + routes.experts[i + c]] : 1.f;
 #pragma unroll
-          for (int e = 0; e < Shape::PER; ++e) sum[j][e] += w * to_float(x.elems[e]);
+          for (int j = 0; j < Shape::PER_THREAD; ++j) {
+            const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+            if (at < Shape::VECTORS) x[c][j] = load_vector<T, H>(row, at);
+          }
+        }
+#pragma unroll
+        for (int c = 0; c < GATHER_COPIES; ++c) {
+          if (i + c >= routes.count) continue;
+#pragma unroll
+          for (int j = 0; j < Shape::PER_THREAD; ++j) {
+            const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+            if (at >= Shape::VECTORS) continue;
+#pragma unroll
+            for (int e = 0; e < Shape::PER; ++e) sum[j][e] += w[c] * to_float(x[c][j].elems[e]);
+          }
         }
       }
 #pragma unroll
