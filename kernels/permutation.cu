@@ -448,8 +448,8 @@ gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_ro
   // The sum's loads are latency-bound: few vectors a thread (few f32 sums in
   // registers) so that many blocks fit an SM, and GATHER_COPIES copies' loads
   // issued before the first is summed (one copy at a time read 3.3 TB/s at
-  // DeepSeek-V3's and Qwen3-30B-A3B's rows on an H200, two at a time 4.1:
-  // bench/row_copy_bulk.cu).
+  // DeepSeek-V3's and Qwen3-30B-A3B's rows on an H200, two at a time 3.8-4.1:
+  // bench/row_copy_bulk.cu and bench/RESULTS.md).
   using Shape = RowShape<T, H, 2>;
   __shared__ Routes<E> block_routes[TOKENS];
   const int first = blockIdx.x * TOKENS;
