@@ -9,6 +9,8 @@
 //       registers: the library's scatter_rows (kernels/permutation.cu, as the dispatch runs it);
 //       bulk: one thread of a warp a block loads each token's row into a ring of shared-memory
 //         stages with one cp.async.bulk and stores it to its k rows with k more;
+//   - scatter with the maps checked (combine's backward, unweighted): the library's scatter_rows
+//       as combine's backward runs it, every row of the output checked against its token's;
 //   - gather (a combine): each token's k rows weighted and summed in float32 in copy order;
 //       registers: the library's gather_rows;
 //       bulk: one thread loads a stage's piece of each of the token's k rows with bulk copies,
@@ -140,77 +142,6 @@ __global__ void __launch_bounds__(THREADS) gather_bulk(const unsigned char* rows
 #endif
 }
 
-// ---- a candidate (seventeenth session) -----------------------------------------------------
-//
-// scatter_rows, unweighted, with the first chunk of the block's first EARLY tokens loaded
-// before the listing (and, with CHECK_MAP, the check) rather than after: the rows' loads then
-// wait out the same memory round trips as the listing's and the check's, where the library's
-// block waits on them one after another.
-template <typename T, int H, int E, bool CHECK_MAP, int TOKENS, int ZERO_ROWS, int EARLY>
-__global__ void __launch_bounds__(ROW_BLOCK)
-scatter_rows_early(const T* __restrict__ src, const int* __restrict__ dest_rows,
-                   const int* __restrict__ source_tokens, T* __restrict__ out, int tokens, int rows) {
-  using Shape = RowShape<T, H>;
-  using Vec = typename Shape::Vec;
-  using BlockRoutes = typename Either<CHECK_MAP, CheckedRoutes<E>, Routes<E>>::type;
-  static_assert(EARLY >= 1 && EARLY <= TOKENS, "the early tokens are the block's");
-  const int token_blocks = (tokens + TOKENS - 1) / TOKENS;
-  if (static_cast<int>(blockIdx.x) >= token_blocks) {
-    fill_unwritten_rows<T, H, E, CHECK_MAP, ZERO_ROWS>(out, source_tokens, dest_rows, tokens, rows,
-                                                       static_cast<long long>(blockIdx.x - token_blocks) * ZERO_ROWS);
-    return;
-  }
-  __shared__ BlockRoutes block_routes[TOKENS];
-  const int first = blockIdx.x * TOKENS;
-  Vec early[EARLY][Shape::PER_THREAD];
-#pragma unroll
-  for (int k = 0; k < EARLY; ++k) {
-    if (first + k >= tokens) continue;
-#pragma unroll
-    for (int j = 0; j < Shape::PER_THREAD; ++j) {
-      const int at = j * ROW_BLOCK + threadIdx.x;
-      if (at < Shape::VECTORS) early[k][j] = load_vector<T, H>(src + static_cast<size_t>(first + k) * H, at);
-    }
-  }
-  list_block_routes<E, TOKENS, BlockRoutes>(dest_rows, first, tokens, rows, block_routes);
-  if constexpr (CHECK_MAP) check_block_routes<E, TOKENS, false>(block_routes, first, tokens, source_tokens, nullptr);
-
-#pragma unroll
-  for (int k = 0; k < TOKENS; ++k) {
-    const int t = first + k;
-    if (t >= tokens) break;
-    const BlockRoutes& routes = block_routes[k];
-    const T* in = src + static_cast<size_t>(t) * H;
-    for (int chunk = 0; chunk < Shape::VECTORS; chunk += Shape::CHUNK) {
-      Vec v[Shape::PER_THREAD];
-#pragma unroll
-      for (int j = 0; j < Shape::PER_THREAD; ++j) {
-        const int at = chunk + j * ROW_BLOCK + threadIdx.x;
-        if (k < EARLY && chunk == 0) v[j] = early[k < EARLY ? k : 0][j];
-        else if (at < Shape::VECTORS) v[j] = load_vector<T, H>(in, at);
-      }
-      for (int i = 0; i < routes.count; ++i) {
-        T* dst = out + static_cast<size_t>(routes.rows[i]) * H;
-        bool writes = true;
-        float scale = 1.f;
-        if constexpr (CHECK_MAP) writes = routes.writes[i], scale = routes.scale[i];
-        if (!writes) continue;
-#pragma unroll
-        for (int j = 0; j < Shape::PER_THREAD; ++j) {
-          const int at = chunk + j * ROW_BLOCK + threadIdx.x;
-          if (at >= Shape::VECTORS) continue;
-          Vec row = v[j];
-          if (CHECK_MAP && scale != 1.f) {
-#pragma unroll
-            for (int e = 0; e < Shape::PER; ++e) row.elems[e] = from_float<T>(scale * to_float(v[j].elems[e]));
-          }
-          store_vector<T, H>(dst, at, row);
-        }
-      }
-    }
-  }
-}
-
 #define CHECK(call)                                                  \
   do {                                                               \
     const cudaError_t status = (call);                               \
@@ -325,33 +256,14 @@ static void run(int tokens, int topk) {
          scatter_bulk<SCATTER_STAGES><<<sms * scatter_per_sm, 32, scatter_shared>>>(x, dest_d, topk, tokens, ROW_BYTES, r);
        }},
   };
-  constexpr int EARLY_ALL = RowShape<bf16, H>::PER_THREAD * 4 <= 8 ? 4 : 1;  // at most 8 vectors a thread early
   const int checked_blocks = token_blocks + (rows + 31) / 32;
-  scatters.push_back({"early 1", [&] {
-                        scatter_rows_early<bf16, H, E, false, 4, 32, 1><<<token_blocks, ROW_BLOCK>>>(
-                            tokens_in, dest_rows_d, nullptr, reinterpret_cast<bf16*>(r), tokens, rows);
-                      }});
-  if (EARLY_ALL > 1)
-    scatters.push_back({"early 4", [&] {
-                          scatter_rows_early<bf16, H, E, false, 4, 32, EARLY_ALL><<<token_blocks, ROW_BLOCK>>>(
-                              tokens_in, dest_rows_d, nullptr, reinterpret_cast<bf16*>(r), tokens, rows);
-                        }});
   // Combine's backward (unweighted): the same rows, the maps checked, every row the kernel's.
   std::vector<std::pair<const char*, std::function<void()>>> checked = {
       {"registers", [&] {
          scatter_rows<bf16, H, E, false, true, ROW_BLOCK, 4, 32><<<checked_blocks, ROW_BLOCK>>>(
              tokens_in, dest_rows_d, source_d, nullptr, nullptr, nullptr, reinterpret_cast<bf16*>(r), tokens, rows);
        }},
-      {"early 1", [&] {
-         scatter_rows_early<bf16, H, E, true, 4, 32, 1><<<checked_blocks, ROW_BLOCK>>>(
-             tokens_in, dest_rows_d, source_d, reinterpret_cast<bf16*>(r), tokens, rows);
-       }},
   };
-  if (EARLY_ALL > 1)
-    checked.push_back({"early 4", [&] {
-                         scatter_rows_early<bf16, H, E, true, 4, 32, EARLY_ALL><<<checked_blocks, ROW_BLOCK>>>(
-                             tokens_in, dest_rows_d, source_d, reinterpret_cast<bf16*>(r), tokens, rows);
-                       }});
   std::vector<std::pair<const char*, std::function<void()>>> gathers = {
       {"registers", [&] {
          gather_rows<bf16, H, E, true, ROW_BLOCK, 4><<<token_blocks, ROW_BLOCK>>>(
