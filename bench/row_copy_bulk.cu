@@ -1,7 +1,7 @@
 // Can the permutation's row copies run nearer copy bandwidth on Hopper with bulk copies
-// (issue 19)? The layer's five permutation calls move every dispatched row once each at
-// 3.3-3.5 TB/s (bench/NOTES.md, the DeepSeek-V3 one-GPU trace), where a device copy reaches
-// ~4.1. This program times, at a layer's shape (tokens x top-k rows of `hidden` bf16, laid out
+// (issue 19)? The layer's five permutation calls each move every dispatched row once; in the
+// DeepSeek-V3 one-GPU trace of 2026-11-29 (bench/NOTES.md) all five ran at 3.3-3.5 TB/s, where a
+// device copy reaches ~4.1 (the gathers have since reached 3.8-4.1). This program times, at a layer's shape (tokens x top-k rows of `hidden` bf16, laid out
 // as a dispatch lays them out: each token's top-k of `experts` random experts, every expert's
 // rows together in token order):
 //
@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -38,8 +39,16 @@
 #include "../kernels/hopper.cuh"
 #include "../kernels/permutation.cu"  // the library's row kernels (templates), timed beside these
 
-constexpr int THREADS = 128;
 using Vec = Pack<bf16, 16>;  // 16 bytes of a row
+// The library's row kernels as src/permutation/cuda.rs launches them for up to 512 experts:
+// 4 tokens a row block, 32 rows a block that writes the rows no token writes.
+constexpr int TOKENS_PER_BLOCK = 4, ZERO_ROWS = 32;
+
+// Of `count` items dealt to the grid's blocks in turn (blockIdx.x, blockIdx.x + gridDim.x, ...),
+// how many are this block's.
+__device__ __forceinline__ int block_share(int count) {
+  return count > static_cast<int>(blockIdx.x) ? (count - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+}
 
 // ---- bulk copies (hopper.cuh's helpers: the sm_90a device pass only) -----------------------
 
@@ -67,7 +76,7 @@ __global__ void __launch_bounds__(32) scatter_bulk(const unsigned char* tokens, 
   if (threadIdx.x != 0) return;
   for (int s = 0; s < STAGES; ++s) barrier_init(&full[s], 1);
   barrier_init_fence();
-  const int mine = count > static_cast<int>(blockIdx.x) ? (count - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int mine = block_share(count);
   auto load = [&](int i) {
     const int s = i % STAGES;
     barrier_expect_bytes(&full[s], row_bytes);
@@ -91,11 +100,11 @@ __global__ void __launch_bounds__(32) scatter_bulk(const unsigned char* tokens, 
 #endif
 }
 
-// A block of THREADS threads per token at a time; a stage holds PIECE bytes of each of the
+// A block of ROW_BLOCK threads per token at a time; a stage holds PIECE bytes of each of the
 // token's k rows (k <= MAX_K), loaded by thread 0 with bulk copies; every thread sums its
 // 16-byte vectors of the piece over the copies in order and stores them.
 template <int STAGES, int PIECE, int MAX_K>
-__global__ void __launch_bounds__(THREADS) gather_bulk(const unsigned char* rows, const int* dest,
+__global__ void __launch_bounds__(ROW_BLOCK) gather_bulk(const unsigned char* rows, const int* dest,
                                                        const float* weights, int topk, int count, int row_bytes,
                                                        unsigned char* tokens) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -108,7 +117,7 @@ __global__ void __launch_bounds__(THREADS) gather_bulk(const unsigned char* rows
   }
   __syncthreads();
   const int pieces = row_bytes / PIECE;
-  const int mine = count > static_cast<int>(blockIdx.x) ? (count - 1 - blockIdx.x) / gridDim.x + 1 : 0;
+  const int mine = block_share(count);
   const int steps = mine * pieces;
   auto load = [&](int i) {  // step i: piece i % pieces of the block's token i / pieces
     const int s = i % STAGES, t = blockIdx.x + (i / pieces) * gridDim.x, p = i % pieces;
@@ -122,7 +131,7 @@ __global__ void __launch_bounds__(THREADS) gather_bulk(const unsigned char* rows
   for (int i = 0; i < steps; ++i) {
     const int s = i % STAGES, t = blockIdx.x + (i / pieces) * gridDim.x, p = i % pieces;
     barrier_wait(&full[s], (i / STAGES) & 1);
-    for (int v = threadIdx.x; v < PIECE / 16; v += THREADS) {
+    for (int v = threadIdx.x; v < PIECE / 16; v += ROW_BLOCK) {
       float sum[8] = {};
       for (int c = 0; c < topk; ++c) {
         Vec x;
@@ -184,6 +193,15 @@ static void time_and_check(const char* what, const std::vector<std::pair<const c
   printf("\n");
 }
 
+// A device copy of `host`.
+template <typename T>
+static T* to_device(const std::vector<T>& host) {
+  T* device;
+  CHECK(cudaMalloc(&device, host.size() * sizeof(T)));
+  CHECK(cudaMemcpy(device, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+  return device;
+}
+
 template <int H, int E>
 static void run(int tokens, int topk) {
   constexpr int ROW_BYTES = H * 2;
@@ -214,24 +232,13 @@ static void run(int tokens, int topk) {
   std::vector<unsigned short> host(static_cast<size_t>(rows) * H);
   for (auto& v : host) v = (rng() & 0x3fff) | 0x3c00;  // finite bf16 of moderate size
   const size_t token_bytes = static_cast<size_t>(tokens) * ROW_BYTES, row_total = static_cast<size_t>(rows) * ROW_BYTES;
-  unsigned char *x, *r, *copy;  // copy: the copy ceiling's destination
-  int *dest_d, *dest_rows_d, *source_d;
-  float *weights_d, *weights_te_d;
+  // x: the tokens, r: the rows (both start as `host`'s bytes), copy: the copy ceiling's destination.
+  unsigned char *x, *r = reinterpret_cast<unsigned char*>(to_device(host)), *copy;
   CHECK(cudaMalloc(&x, token_bytes));
-  CHECK(cudaMalloc(&r, row_total));
-  CHECK(cudaMalloc(&copy, row_total));
-  CHECK(cudaMalloc(&dest_d, dest.size() * 4));
-  CHECK(cudaMalloc(&dest_rows_d, dest_rows.size() * 4));
-  CHECK(cudaMalloc(&source_d, source.size() * 4));
-  CHECK(cudaMemcpy(source_d, source.data(), source.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMalloc(&weights_d, weights.size() * 4));
-  CHECK(cudaMalloc(&weights_te_d, weights_te.size() * 4));
   CHECK(cudaMemcpy(x, host.data(), token_bytes, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(r, host.data(), row_total, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(dest_d, dest.data(), dest.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(dest_rows_d, dest_rows.data(), dest_rows.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(weights_d, weights.data(), weights.size() * 4, cudaMemcpyHostToDevice));
-  CHECK(cudaMemcpy(weights_te_d, weights_te.data(), weights_te.size() * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMalloc(&copy, row_total));
+  int *dest_d = to_device(dest), *dest_rows_d = to_device(dest_rows), *source_d = to_device(source);
+  float *weights_d = to_device(weights), *weights_te_d = to_device(weights_te);
   int sms;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
 
@@ -241,36 +248,35 @@ static void run(int tokens, int topk) {
   CHECK(cudaFuncSetAttribute(gather_bulk<GATHER_STAGES, PIECE, MAX_K>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              gather_shared));
   const int scatter_per_sm = std::min(32, 200 * 1024 / scatter_shared), gather_per_sm = std::max(1, 200 * 1024 / gather_shared);
-  // The library's row kernels as it launches them: 4 tokens a block (as for up to 512 experts).
-  const int token_blocks = (tokens + 3) / 4;
+  const int token_blocks = (tokens + TOKENS_PER_BLOCK - 1) / TOKENS_PER_BLOCK;
   const bf16* tokens_in = reinterpret_cast<const bf16*>(x);
   const bf16* rows_in = reinterpret_cast<const bf16*>(r);
 
   const double gb = (token_bytes + row_total) / 1e9;  // either way: the tokens once, the rows once
   std::vector<std::pair<const char*, std::function<void()>>> scatters = {
       {"registers", [&] {
-         scatter_rows<bf16, H, E, false, false, ROW_BLOCK, 4, 32><<<token_blocks, ROW_BLOCK>>>(
+         scatter_rows<bf16, H, E, false, false, ROW_BLOCK, TOKENS_PER_BLOCK, ZERO_ROWS><<<token_blocks, ROW_BLOCK>>>(
              tokens_in, dest_rows_d, nullptr, nullptr, nullptr, nullptr, reinterpret_cast<bf16*>(r), tokens, rows);
        }},
       {"bulk", [&] {
          scatter_bulk<SCATTER_STAGES><<<sms * scatter_per_sm, 32, scatter_shared>>>(x, dest_d, topk, tokens, ROW_BYTES, r);
        }},
   };
-  const int checked_blocks = token_blocks + (rows + 31) / 32;
+  const int checked_blocks = token_blocks + (rows + ZERO_ROWS - 1) / ZERO_ROWS;
   // Combine's backward (unweighted): the same rows, the maps checked, every row the kernel's.
   std::vector<std::pair<const char*, std::function<void()>>> checked = {
       {"registers", [&] {
-         scatter_rows<bf16, H, E, false, true, ROW_BLOCK, 4, 32><<<checked_blocks, ROW_BLOCK>>>(
+         scatter_rows<bf16, H, E, false, true, ROW_BLOCK, TOKENS_PER_BLOCK, ZERO_ROWS><<<checked_blocks, ROW_BLOCK>>>(
              tokens_in, dest_rows_d, source_d, nullptr, nullptr, nullptr, reinterpret_cast<bf16*>(r), tokens, rows);
        }},
   };
   std::vector<std::pair<const char*, std::function<void()>>> gathers = {
       {"registers", [&] {
-         gather_rows<bf16, H, E, true, ROW_BLOCK, 4><<<token_blocks, ROW_BLOCK>>>(
+         gather_rows<bf16, H, E, true, ROW_BLOCK, TOKENS_PER_BLOCK><<<token_blocks, ROW_BLOCK>>>(
              rows_in, dest_rows_d, weights_te_d, reinterpret_cast<bf16*>(x), tokens, rows);
        }},
       {"bulk", [&] {
-         gather_bulk<GATHER_STAGES, PIECE, MAX_K><<<sms * gather_per_sm, THREADS, gather_shared>>>(
+         gather_bulk<GATHER_STAGES, PIECE, MAX_K><<<sms * gather_per_sm, ROW_BLOCK, gather_shared>>>(
              r, dest_d, weights_d, topk, tokens, ROW_BYTES, x);
        }},
   };
@@ -282,14 +288,8 @@ static void run(int tokens, int topk) {
     time_and_check("scatter, maps checked", checked, r, row_total, gb);
     time_and_check("gather", gathers, x, token_bytes, gb);
   }
-  CHECK(cudaFree(x));
-  CHECK(cudaFree(r));
-  CHECK(cudaFree(copy));
-  CHECK(cudaFree(dest_d));
-  CHECK(cudaFree(dest_rows_d));
-  CHECK(cudaFree(source_d));
-  CHECK(cudaFree(weights_d));
-  CHECK(cudaFree(weights_te_d));
+  for (void* buffer : std::initializer_list<void*>{x, r, copy, dest_d, dest_rows_d, source_d, weights_d, weights_te_d})
+    CHECK(cudaFree(buffer));
 }
 
 template <int H>
