@@ -287,25 +287,55 @@ __device__ __forceinline__ void fill_unwritten_rows(T* __restrict__ out, const i
     __syncthreads();
     fill_rows<T, H>(out, first, zero_mask, 0.f);
   } else {
-    // Each row's token, then every (row, expert) entry of those tokens'
-    // dest_rows rows at once: two memory round trips, not one per row.
+    // Each row's token; then the expert that lists the first of them (found
+    // in its token's dest_rows row) is tried for every row, one lookup a row,
+    // as a dispatch's rows come grouped by expert; the rows it does not list
+    // (past a group's first row, or in maps no dispatch made) are looked for
+    // in their tokens' whole dest_rows rows. Three memory round trips a block
+    // where one expert's rows fill it, not one per entry of E.
     __shared__ int source[ZERO_ROWS];
-    __shared__ unsigned agrees;
-    if (threadIdx.x < ZERO_ROWS) source[threadIdx.x] = first + threadIdx.x < rows ? source_tokens[first + threadIdx.x] : -1;
-    if (threadIdx.x == 0) agrees = 0;
-    __syncthreads();
-    unsigned mine = 0;
-    for (int p = threadIdx.x; p < ZERO_ROWS * E; p += ROW_BLOCK) {
-      const int i = p / E, s = source[i];
-      if (s >= 0 && s < tokens && dest_rows[static_cast<size_t>(s) * E + p % E] == first + i) mine |= 1u << i;
+    __shared__ unsigned valid, agrees, found;
+    __shared__ int expert;
+    if (threadIdx.x < 32) {
+      const long long r = first + threadIdx.x;
+      const int s = threadIdx.x < ZERO_ROWS && r < rows ? source_tokens[r] : -1;
+      if (threadIdx.x < ZERO_ROWS) source[threadIdx.x] = s;
+      const unsigned mask = __ballot_sync(0xffffffffu, s >= 0 && s < tokens);
+      if (threadIdx.x == 0) {
+        valid = mask;
+        agrees = found = 0;
+        expert = E;
+      }
     }
-    if (mine) atomicOr(&agrees, mine);
     __syncthreads();
+    if (valid) {
+      const int lead = __ffs(valid) - 1;
+      const int* lead_row = dest_rows + static_cast<size_t>(source[lead]) * E;
+      for (int e = threadIdx.x; e < E; e += ROW_BLOCK)
+        if (lead_row[e] == first + lead) atomicMin(&expert, e);
+      __syncthreads();
+      const int i = threadIdx.x;
+      if (i < ZERO_ROWS && (valid >> i & 1u) && expert < E &&
+          dest_rows[static_cast<size_t>(source[i]) * E + expert] == first + i)
+        atomicOr(&agrees, 1u << i);
+      __syncthreads();
+      const unsigned unsure = valid & ~agrees;
+      if (unsure) {
+        unsigned mine = 0;
+        for (int p = threadIdx.x; p < ZERO_ROWS * E; p += ROW_BLOCK) {
+          const int row = p / E;
+          if ((unsure >> row & 1u) && dest_rows[static_cast<size_t>(source[row]) * E + p % E] == first + row)
+            mine |= 1u << row;
+        }
+        if (mine) atomicOr(&found, mine);
+        __syncthreads();
+      }
+    }
     if (threadIdx.x == 0) {
       zero_mask = nan_mask = 0;
       for (int i = 0; i < ZERO_ROWS && first + i < rows; ++i) {
         if (source[i] == -1) zero_mask |= 1u << i;
-        else if (!(agrees >> i & 1u)) nan_mask |= 1u << i;
+        else if (!((agrees | found) >> i & 1u)) nan_mask |= 1u << i;
       }
     }
     __syncthreads();
@@ -315,26 +345,27 @@ __device__ __forceinline__ void fill_unwritten_rows(T* __restrict__ out, const i
 }
 
 // With CHECK_MAP: writes and scale of each of the block's copies, found
-// before the rows move (a thread a copy), so that no copy's stores wait on
-// its own lookups.
+// before the rows move, so that no copy's stores wait on its own lookups: a
+// warp a token and a lane a copy, so one round of lookups whatever E is.
 template <int E, int TOKENS, bool WEIGHTED>
 __device__ __forceinline__ void check_block_routes(CheckedRoutes<E> (&routes)[TOKENS], int first, int tokens,
                                                    const int* __restrict__ source_tokens,
                                                    const float* __restrict__ weights) {
-  for (int p = threadIdx.x; p < TOKENS * E; p += ROW_BLOCK) {
-    const int k = p / E, i = p % E, t = first + k;
-    CheckedRoutes<E>& copies = routes[k];
-    if (t >= tokens || i >= copies.count) continue;
-    const int row = copies.rows[i];
+  const int warp = threadIdx.x / 32, t = first + warp;
+  if (warp < TOKENS && t < tokens) {
+    CheckedRoutes<E>& copies = routes[warp];
     const float* w = WEIGHTED ? weights + static_cast<size_t>(t) * E : nullptr;
-    bool earlier = false;
-    float scale = WEIGHTED ? w[copies.experts[i]] : 1.f;
-    for (int j = 0; j < copies.count; ++j) {
-      earlier |= j < i && copies.rows[j] == row;
-      if (j > i && copies.rows[j] == row) scale += WEIGHTED ? w[copies.experts[j]] : 1.f;
+    for (int i = threadIdx.x & 31; i < copies.count; i += 32) {
+      const int row = copies.rows[i];
+      bool earlier = false;
+      float scale = WEIGHTED ? w[copies.experts[i]] : 1.f;
+      for (int j = 0; j < copies.count; ++j) {
+        earlier |= j < i && copies.rows[j] == row;
+        if (j > i && copies.rows[j] == row) scale += WEIGHTED ? w[copies.experts[j]] : 1.f;
+      }
+      copies.writes[i] = !earlier && source_tokens[row] == t;
+      copies.scale[i] = scale;
     }
-    copies.writes[i] = !earlier && source_tokens[row] == t;
-    copies.scale[i] = scale;
   }
   __syncthreads();
 }
