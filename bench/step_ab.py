@@ -11,6 +11,7 @@ loss is; median of 7 x 10 steps each. Run it once per build, alternating, e.g.
       python3 bench/step_ab.py after_$i
     done
 
+``--only NAME[,NAME...]`` times only the layers of those names (of ``LAYERS``).
 With ``--dense`` it also times each layer's dense ceiling (the step's six expert GEMMs as
 dense bf16 dots, as the benchmark's layer cases do) and prints the step's share of it: the
 benchmark's figure without its plain-JAX layer, whose compilation at Qwen3-30B-A3B's 128
@@ -51,11 +52,11 @@ def median_seconds(step, *args, calls: int = 10, samples: int = 7) -> float:
     return float(np.median(times))
 
 
-def main(label: str, with_dense: bool) -> None:
+def main(label: str, with_dense: bool, names: tuple[str, ...] = LAYERS) -> None:
     ms = {}
     dense = bench_gemm.DenseTimes()
     known = fp8_gemm.layers_by_name(smoke=False)
-    for layer in (known[name] for name in LAYERS):
+    for layer in (known[name] for name in names):
         (x, params, w), = bench_moe._draw_sets(layer, bench_moe.Placement(None),
                                               (0, zlib.crc32(layer.name.encode())), 1)
         ox = bench_moe.oxmoe_layer(layer.config)
@@ -76,4 +77,9 @@ def main(label: str, with_dense: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], "--dense" in sys.argv[2:])
+    flags = sys.argv[2:]
+    only = flags[flags.index("--only") + 1].split(",") if "--only" in flags else LAYERS
+    unknown = set(only) - set(LAYERS)
+    if unknown:
+        sys.exit(f"--only: no layer {sorted(unknown)}; the layers are {LAYERS}")
+    main(sys.argv[1], "--dense" in flags, tuple(only))
