@@ -534,3 +534,42 @@ def test_combine_of_tokens_of_0_to_20_copies_on_gpu_matches_the_cpu(dtype, hidde
     gpu_out, cpu_out = run_on(gpu, combine, y, w), run_on(cpu, combine, y, w)
     assert np.isnan(one_nan(gpu_out)).any(axis=1).sum() == 1, f"the one token with an entry out of range, {context}"
     assert_same_bits(one_nan(gpu_out), one_nan(cpu_out), what="combine", context=context)
+
+
+@pytest.mark.parametrize("with_probs", [True, False], ids=["merging_probs", "no_merging_probs"])
+def test_combine_backward_of_tokens_of_0_to_48_copies_and_a_block_whose_first_row_is_unlisted(with_probs, gpu, cpu,
+                                                                                              seed, rng):
+    # Combine's backward checks each token's copies a warp a token, a lane a copy: tokens of more
+    # copies than a warp's 32 lanes (up to 48 of 64 experts) must have every copy checked. Its
+    # zeroing blocks try the expert that lists a block's first row on every row of the block,
+    # then scan whole dest_rows rows for the rest: a group boundary in a block, and a block whose
+    # first row names a token that does not list it (NaN there, every other row of the block as
+    # the reference has it), take the scan. Grid values: every sum is exact, so the GPU equals the
+    # CPU bit for bit as well as the float64 reference.
+    from test_permutation_grads import check_combine_of_any_maps, combine_of_any_maps_and_vjp
+
+    num_tokens, num_experts, hidden, block_rows = 300, 64, 256, 32
+    copies = rng.integers(0, 49, num_tokens)
+    copies[rng.integers(num_tokens)] = 48
+    routing_map = np.zeros((num_tokens, num_experts), bool)
+    for t, c in enumerate(copies):
+        routing_map[t, rng.choice(num_experts, c, replace=False)] = True
+    layout = ref.dispatch_layout(routing_map, num_out_tokens=int(copies.sum()), align_size=16)
+    dest_rows, source_tokens = layout.dest_rows.copy(), layout.source_tokens.copy()
+    block_firsts = [r for r in range(0, len(source_tokens), block_rows) if source_tokens[r] >= 0]
+    unlisted = block_firsts[rng.integers(len(block_firsts))]
+    source_tokens[unlisted] = next(t for t in rng.permutation(num_tokens) if unlisted not in dest_rows[t])
+    row_id_map = permutation.RowIdMap(jnp.asarray(dest_rows, jnp.int32), jnp.asarray(source_tokens, jnp.int32))
+    num_rows = len(source_tokens)
+    y = (rng.integers(-8, 9, (num_rows, hidden)) / 16).astype(np.float32)
+    g = (rng.integers(-8, 9, (num_tokens, hidden)) / 16).astype(np.float32)
+    w = (rng.integers(-8, 9, (num_tokens, num_experts)) / 16).astype(np.float32) if with_probs else None
+    context = f"unlisted row {unlisted}, merging_probs={with_probs}, seed={seed}"
+    gpu_out = run_on(gpu, combine_of_any_maps_and_vjp, row_id_map, y, w, g)
+    check_combine_of_any_maps(*gpu_out, row_id_map, y, w, g, context=context)
+    block = slice(unlisted, unlisted + block_rows)
+    assert np.isnan(gpu_out[1][block]).any(axis=1).tolist() == [r == unlisted for r in range(num_rows)[block]], (
+        f"NaN only in the block's first row ({context})")
+    cpu_out = run_on(cpu, combine_of_any_maps_and_vjp, row_id_map, y, w, g)
+    assert_same_bits([one_nan(a) for a in gpu_out if a is not None], [one_nan(a) for a in cpu_out if a is not None],
+                     what="combine, d expert_tokens and d merging_probs", context=context)
