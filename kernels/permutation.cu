@@ -469,12 +469,14 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
 }
 
 // out[t] = sum over token t's copies (increasing expert order) of
-// weights[t, e] * expert_tokens[row] (weight 1 unless WEIGHTED), in f32; NaN
-// when its dest_rows row has an entry out of range. TOKENS tokens a block.
-template <typename T, int H, int E, bool WEIGHTED, int BLOCK, int TOKENS>
+// weights[t, e] * expert_tokens[row] (weight 1 unless WEIGHTED), in f32,
+// starting from addend[t] (f32 [T, H]) with ADDEND, else from 0; NaN when its
+// dest_rows row has an entry out of range. TOKENS tokens a block.
+template <typename T, int H, int E, bool WEIGHTED, bool ADDEND, int BLOCK, int TOKENS>
 __global__ void __launch_bounds__(BLOCK, GATHER_BLOCKS_PER_SM)
 gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_rows,
-            const float* __restrict__ weights, T* __restrict__ out, int tokens, int rows) {
+            const float* __restrict__ weights, const float* __restrict__ addend, T* __restrict__ out, int tokens,
+            int rows) {
   static_assert(BLOCK == ROW_BLOCK, "row kernels run ROW_BLOCK threads a block");
   // The sum's loads are latency-bound: few vectors a thread (few f32 sums in
   // registers) so that many blocks fit an SM, and GATHER_COPIES copies' loads
@@ -482,6 +484,8 @@ gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_ro
   // DeepSeek-V3's and Qwen3-30B-A3B's rows on an H200, two at a time 3.8-4.1:
   // bench/row_copy_bulk.cu and bench/RESULTS.md).
   using Shape = RowShape<T, H, 2>;
+  // A vector of the row's elements as f32 in the addend.
+  constexpr int ADDEND_W = vector_bytes(Shape::PER * 4, H * 4, 4);
   __shared__ Routes<E> block_routes[TOKENS];
   const int first = blockIdx.x * TOKENS;
   list_block_routes<E, TOKENS>(dest_rows, first, tokens, rows, block_routes);
@@ -495,9 +499,16 @@ gather_rows(const T* __restrict__ expert_tokens, const int* __restrict__ dest_ro
     for (int chunk = 0; chunk < Shape::VECTORS; chunk += Shape::CHUNK) {
       float sum[Shape::PER_THREAD][Shape::PER];
 #pragma unroll
-      for (int j = 0; j < Shape::PER_THREAD; ++j)
+      for (int j = 0; j < Shape::PER_THREAD; ++j) {
+        const int at = chunk + j * ROW_BLOCK + threadIdx.x;
+        // The addend is taken as it is (no 0 added: -0 stays -0), as the CPU takes it.
+        if (ADDEND && !routes.invalid && at < Shape::VECTORS)
+          load_floats<float, Shape::PER, ADDEND_W>(addend + static_cast<size_t>(t) * H + at * Shape::PER, Shape::PER,
+                                                   sum[j]);
+        else
 #pragma unroll
-        for (int e = 0; e < Shape::PER; ++e) sum[j][e] = poison;
+          for (int e = 0; e < Shape::PER; ++e) sum[j][e] = poison;
+      }
       for (int i = 0; i < routes.count; i += GATHER_COPIES) {
         typename Shape::Vec x[GATHER_COPIES][Shape::PER_THREAD];
         float w[GATHER_COPIES];

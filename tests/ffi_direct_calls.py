@@ -162,6 +162,18 @@ SPLITS, ORDER = np.array([2, 4], np.int32), np.array([1, 0], np.int32)
 NO_EXPERTS = np.zeros((T, 0), bool)
 
 
+#: A dispatch's map of T tokens over E experts into 2 rows of H = 3: token 0's copies for experts 0 and 1.
+DEST_ROWS = np.full((T, E), -1, np.int32)
+DEST_ROWS[0, :2] = [0, 1]
+
+
+def combine_fwd(dest_rows=DEST_ROWS, *optional, weighted=np.bool_(False)):
+    """oxmoe_combine_fwd of 2 rows of H = 3 (a None ``weighted`` leaves the attribute out)."""
+    attrs = {} if weighted is None else {"weighted": weighted}
+    return _call("oxmoe_combine_fwd", _spec((len(dest_rows), 3), jnp.float32), np.ones((2, 3), np.float32),
+                 dest_rows, *optional, **attrs)
+
+
 def dispatch_fwd(tokens, routing_map, rows, **attrs):
     t, e = routing_map.shape
     per_expert = _spec((e,), jnp.int32)
@@ -368,9 +380,21 @@ CASES.update({
         lambda: dispatch_fwd(LOGITS, NO_EXPERTS, 4, align_size=np.int64(1)), "oxmoe_dispatch_fwd",
         [r"routing_map", r"no experts"]),
     "combine_fwd_no_experts": (
-        lambda: _call("oxmoe_combine_fwd", _spec((T, 3), jnp.float32), np.ones((2, 3), np.float32),
-                      np.zeros((T, 0), np.int32)),
-        "oxmoe_combine_fwd", [r"dest_rows", r"no experts"]),
+        lambda: combine_fwd(np.zeros((T, 0), np.int32)), "oxmoe_combine_fwd", [r"dest_rows", r"no experts"]),
+    "combine_fwd_without_weighted": (
+        lambda: combine_fwd(weighted=None), "oxmoe_combine_fwd", [r"attribute `weighted` \(a bool\) is missing"]),
+    "combine_fwd_weighted_without_merging_probs": (
+        lambda: combine_fwd(weighted=np.bool_(True)), "oxmoe_combine_fwd", [r"got 2 arguments, expected 3 to 4"]),
+    "combine_fwd_addend_of_the_probs_shape": (
+        lambda: combine_fwd(DEST_ROWS, np.ones((T, E), np.float32)), "oxmoe_combine_fwd",
+        [r"addend has shape float32\[4, 8\], expected \[4, 3\]"]),
+    "combine_fwd_addend_in_bfloat16": (
+        lambda: combine_fwd(DEST_ROWS, np.ones((T, 3), jnp.bfloat16)), "oxmoe_combine_fwd",
+        [r"addend has dtype bfloat16", r"float32"]),
+    "combine_fwd_weighted_and_an_addend_and_more": (
+        lambda: combine_fwd(DEST_ROWS, np.ones((T, E), np.float32), np.ones((T, 3), np.float32),
+                            np.ones((T, 3), np.float32), weighted=np.bool_(True)),
+        "oxmoe_combine_fwd", [r"got 5 arguments, expected 3 to 4"]),
     "aux_loss_fwd_without_its_workspace": (
         lambda: aux_fwd(LOGITS, COUNTS), "oxmoe_aux_loss_fwd",
         [r"result 1 \(workspace\) is missing: the call has 1 results"]),

@@ -67,7 +67,7 @@ def assert_bitwise_equal(actual, expected, *, what: str, context: str) -> None:
     actual, expected = np.asarray(actual), np.asarray(expected)
     assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype}, expected {expected.dtype} ({context})"
     assert actual.shape == expected.shape, f"{what}: shape {actual.shape}, expected {expected.shape} ({context})"
-    if actual.dtype.kind == "f":
+    if actual.dtype.kind == "f" or actual.dtype.name == "bfloat16":  # bfloat16's kind is "V"
         bad = _bits(actual) != _bits(expected)
     else:
         bad = actual != expected

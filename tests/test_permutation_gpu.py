@@ -508,6 +508,20 @@ def test_combine_and_its_vjp_on_maps_no_dispatch_made_on_gpu_follow_the_contract
 # -- combine of tokens of many copies -----------------------------------------------------
 
 
+def tokens_of_0_to_20_copies(rng, num_tokens: int, num_experts: int):
+    """``(copies, row_id_map)``: a dispatch's map of tokens of 0 to 20 copies each, one entry of
+    one token's row out of range (a NaN row for combine)."""
+    copies = rng.integers(0, 21, num_tokens)
+    routing_map = np.zeros((num_tokens, num_experts), bool)
+    for t, c in enumerate(copies):
+        routing_map[t, rng.choice(num_experts, c, replace=False)] = True
+    layout = ref.dispatch_layout(routing_map, num_out_tokens=int(copies.sum()))
+    dest_rows = layout.dest_rows.copy()
+    dest_rows[rng.integers(num_tokens), rng.integers(num_experts)] = len(layout.source_tokens) + 2
+    return copies, permutation.RowIdMap(jnp.asarray(dest_rows, jnp.int32),
+                                        jnp.asarray(layout.source_tokens, jnp.int32))
+
+
 @pytest.mark.parametrize("dtype, hidden", [(jnp.bfloat16, 2048), (jnp.float32, 1028), (jnp.float16, 7168)],
                          ids=["bf16_H2048", "f32_H1028", "f16_H7168"])
 @pytest.mark.parametrize("with_probs", [True, False], ids=["merging_probs", "no_merging_probs"])
@@ -519,21 +533,42 @@ def test_combine_of_tokens_of_0_to_20_copies_on_gpu_matches_the_cpu(dtype, hidde
     # and reverted on 2026-11-29, moved a token's copies 8 at a time in pieces of a stage: this
     # is what it had to get right, and what any such kernel will.)
     num_tokens, num_experts = 300, 32
-    copies = rng.integers(0, 21, num_tokens)
-    routing_map = np.zeros((num_tokens, num_experts), bool)
-    for t, c in enumerate(copies):
-        routing_map[t, rng.choice(num_experts, c, replace=False)] = True
-    layout = ref.dispatch_layout(routing_map, num_out_tokens=int(copies.sum()))
-    dest_rows = layout.dest_rows.copy()
-    dest_rows[rng.integers(num_tokens), rng.integers(num_experts)] = len(layout.source_tokens) + 2
-    row_id_map = permutation.RowIdMap(jnp.asarray(dest_rows, jnp.int32), jnp.asarray(layout.source_tokens, jnp.int32))
-    y = (rng.integers(-8, 9, (len(layout.source_tokens), hidden)) / 16).astype(dtype)
+    _, row_id_map = tokens_of_0_to_20_copies(rng, num_tokens, num_experts)
+    y = (rng.integers(-8, 9, (len(row_id_map.source_tokens), hidden)) / 16).astype(dtype)
     w = (rng.integers(-8, 9, (num_tokens, num_experts)) / 16).astype(np.float32) if with_probs else None
     combine = lambda y, w: permutation.combine(y, row_id_map, merging_probs=w)  # noqa: E731
     context = f"{jnp.dtype(dtype).name} H={hidden}, merging_probs={with_probs}, seed={seed}"
     gpu_out, cpu_out = run_on(gpu, combine, y, w), run_on(cpu, combine, y, w)
     assert np.isnan(one_nan(gpu_out)).any(axis=1).sum() == 1, f"the one token with an entry out of range, {context}"
     assert_same_bits(one_nan(gpu_out), one_nan(cpu_out), what="combine", context=context)
+
+
+@pytest.mark.parametrize("dtype, hidden", [(jnp.bfloat16, 7168), (jnp.float32, 1028), (jnp.float16, 2048)],
+                         ids=["bf16_H7168", "f32_H1028", "f16_H2048"])
+@pytest.mark.parametrize("with_probs", [False, True], ids=["no_merging_probs", "merging_probs"])
+def test_combine_fwd_from_an_addend_on_gpu_matches_the_cpu_and_the_exact_sum(dtype, hidden, with_probs, gpu, cpu,
+                                                                              seed, rng):
+    # The layer's dispatch backward starts each token's sum from the router's float32 gradient
+    # (combine_fwd's addend). Grid values, weights and addend: every float32 sum is exact, so the
+    # GPU equals the CPU bit for bit and both the exact sum rounded once; a token of no copies is
+    # its addend row (-0 kept), the token with an entry out of range NaN.
+    num_tokens, num_experts = 300, 32
+    copies, row_id_map = tokens_of_0_to_20_copies(rng, num_tokens, num_experts)
+    y = (rng.integers(-8, 9, (len(row_id_map.source_tokens), hidden)) / 16).astype(dtype)
+    w = (rng.integers(-8, 9, (num_tokens, num_experts)) / 16).astype(np.float32) if with_probs else None
+    addend = (rng.integers(-64, 65, (num_tokens, hidden)) / 16).astype(np.float32)
+    addend[copies == 0] = -0.0
+    combine = lambda y, w, a: permutation.combine_fwd(y, row_id_map, w, addend=a)  # noqa: E731
+    context = f"{jnp.dtype(dtype).name} H={hidden}, merging_probs={with_probs}, seed={seed}"
+    gpu_out, cpu_out = run_on(gpu, combine, y, w, addend), run_on(cpu, combine, y, w, addend)
+    assert_same_bits(one_nan(gpu_out), one_nan(cpu_out), what="combine_fwd from an addend", context=context)
+    dest_rows = np.asarray(row_id_map.dest_rows)
+    bad = ((dest_rows < -1) | (dest_rows >= len(y))).any(axis=1)
+    assert np.isnan(gpu_out.astype(np.float32)).any(axis=1).tolist() == bad.tolist(), context
+    exact = addend.astype(np.float64) + ref.combine(y, np.where(bad[:, None], -1, dest_rows), w)
+    exact[copies == 0] = addend[copies == 0]  # -0 + 0 would be +0
+    checks.assert_bitwise_equal(gpu_out[~bad], exact[~bad].astype(dtype), what="combine_fwd from an addend",
+                                context=context)
 
 
 @pytest.mark.parametrize("with_probs", [True, False], ids=["merging_probs", "no_merging_probs"])

@@ -303,6 +303,42 @@ def test_combine_with_f32_merging_probs_on_bf16_rows_returns_bf16(seed, rng):
     check_combine(out, expert_tokens, layout.dest_rows, merging_probs, context=f"seed={seed}")
 
 
+@MODELS
+@pytest.mark.parametrize("with_probs", [False, True], ids=["no_merging_probs", "merging_probs"])
+def test_combine_fwd_started_from_an_addend_is_their_sum_rounded_once(model, with_probs, seed, rng):
+    # The layer's backward starts the sum of each token's copies (dispatch's backward) from the
+    # router's float32 gradient. A token of no copies is its addend row rounded (-0 kept); the
+    # token whose dest_rows row has an entry out of range is NaN; with a zero addend the result is
+    # combine_fwd's without one, bit for bit.
+    x, routing_map = model_inputs(model, rng, jnp.bfloat16, "ragged")
+    routing_map[:5] = False
+    d, layout = dispatch_with_layout(x, routing_map, model, 16)
+    expert_tokens = expert_rows_for(layout, rng, model.hidden, jnp.bfloat16)
+    merging_probs = draw_probs(rng, routing_map, jnp.float32) if with_probs else None
+    addend = rng.standard_normal((len(x), model.hidden)).astype(np.float32) * 4
+    addend[:5] = -0.0
+    context = f"{model.name}, merging_probs={with_probs}, seed={seed}"
+
+    out = np.asarray(permutation.combine_fwd(expert_tokens, d.row_id_map, merging_probs, addend=addend))
+    rows, compact_dest = ref.compact_rows(expert_tokens, layout.dest_rows)
+    expected = ref.as_f64(addend) + ref.combine(rows, compact_dest, merging_probs)
+    terms = np.abs(ref.as_f64(addend)) + ref.combine_abs_terms(rows, compact_dest, merging_probs)
+    num_terms = int(routing_map.sum(axis=1).max()) + 1
+    checks.assert_rounded_sum_close(out, expected, terms, jnp.bfloat16, num_terms=num_terms,
+                                    what="combine_fwd from an addend", context=context)
+    checks.assert_bitwise_equal(out[:5], addend[:5].astype(jnp.bfloat16), what="tokens of no copies", context=context)
+
+    zero = permutation.combine_fwd(expert_tokens, d.row_id_map, merging_probs, addend=np.zeros_like(addend))
+    checks.assert_bitwise_equal(zero, permutation.combine_fwd(expert_tokens, d.row_id_map, merging_probs),
+                                what="from a zero addend", context=context)
+
+    bad = layout.dest_rows.copy()
+    bad[7, np.flatnonzero(bad[7] < 0)[0]] = layout.num_rows + 3
+    bad_map = permutation.RowIdMap(jnp.asarray(bad), d.row_id_map.source_tokens)
+    out = np.asarray(permutation.combine_fwd(expert_tokens, bad_map, merging_probs, addend=addend))
+    assert np.isnan(out.astype(np.float32)).any(axis=1).tolist() == [t == 7 for t in range(len(x))], context
+
+
 @pytest.mark.parametrize("model, align_size, dtype", dispatch_combine_cases(with_heavy=False))
 def test_dispatch_then_combine_is_the_weighted_sum_of_each_token(model, align_size, dtype, seed, rng):
     variant = VARIANTS[ALIGN_SIZES.index(align_size)]

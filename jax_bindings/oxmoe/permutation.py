@@ -45,7 +45,8 @@ from oxmoe._checks import MAX_ROWS, called_eagerly, check_array, check_count, ch
 from oxmoe._primitive import FfiPrimitive, Layout
 
 __all__ = ["Dispatched", "RowIdMap", "dispatch", "combine", "sort_chunks", "unsort_chunks", "dispatched_rows",
-           "padded_rows", "dispatch_fwd", "dispatch_bwd", "combine_fwd", "combine_bwd", "permute_chunks"]
+           "padded_rows", "dispatch_fwd", "dispatch_bwd", "dispatch_probs_bwd", "combine_fwd", "combine_bwd",
+           "permute_chunks"]
 
 ROWS, WHOLE, DISPATCHED = Layout.ROWS, Layout.WHOLE, Layout.DISPATCHED
 _I32 = jnp.int32
@@ -71,7 +72,7 @@ _dispatch_fwd_p = FfiPrimitive(
     result_specs=_dispatch_specs, shape_params=("num_rows",),
     workspace=lambda tokens, routing_map, *_, **__: _library.workspace_bytes("oxmoe_dispatch_fwd", *routing_map.shape))
 _combine_fwd_p = FfiPrimitive(
-    "oxmoe_combine_fwd", operands=(DISPATCHED, ROWS, ROWS), results=(ROWS,),
+    "oxmoe_combine_fwd", operands=(DISPATCHED, ROWS, ROWS, ROWS), results=(ROWS,),
     result_specs=lambda x, dest_rows, *w, **_: [jax.ShapeDtypeStruct((dest_rows.shape[0], x.shape[1]), x.dtype)])
 _combine_bwd_p = FfiPrimitive(
     "oxmoe_combine_bwd", operands=(ROWS, ROWS, DISPATCHED, ROWS, DISPATCHED), results=(DISPATCHED, ROWS),
@@ -402,12 +403,19 @@ def dispatch_fwd(tokens, routing_map, probs, *, num_rows: int, align_size: int |
 def dispatch_bwd(grad_rows, row_id_map: RowIdMap, grad_row_probs=None) -> tuple[jax.Array, jax.Array | None]:
     """The transpose of :func:`dispatch_fwd`: ``grad_rows [R, H]`` back to
     ``[T, H]``, each token's copies summed (a :func:`combine_fwd` without
-    weights); ``grad_row_probs [R]`` (or ``[R, X]``: a vector per row) back to
-    ``[T, E]`` (``[T, E, X]``) in its dtype, zero where nothing was dispatched
-    (None without it)."""
+    weights), and :func:`dispatch_probs_bwd` of ``grad_row_probs`` (None without it)."""
     grad_tokens = combine_fwd(grad_rows, row_id_map)
     if grad_row_probs is None:
         return grad_tokens, None
+    return grad_tokens, dispatch_probs_bwd(grad_row_probs, row_id_map)
+
+
+def dispatch_probs_bwd(grad_row_probs, row_id_map: RowIdMap) -> jax.Array:
+    """The routing weights' half of :func:`dispatch_bwd`: ``grad_row_probs [R]``
+    (or ``[R, X]``: a vector per row) back to ``[T, E]`` (``[T, E, X]``) in its
+    dtype, zero where nothing was dispatched. Apart from the rows' half, so that
+    what the weights' gradient feeds can start that half's sums
+    (:func:`combine_fwd`'s ``addend``)."""
     # Entries that were not dispatched (-1) pick a zero appended past the rows
     # (which may be none). On an explicit-sharding mesh the gather's result
     # sharding must be named.
@@ -415,16 +423,18 @@ def dispatch_bwd(grad_rows, row_id_map: RowIdMap, grad_row_probs=None) -> tuple[
     sharding = jax.typeof(dest_rows).sharding
     rows = grad_row_probs.shape[0]
     zero = jnp.zeros((1, *grad_row_probs.shape[1:]), grad_row_probs.dtype)
-    picked = jnp.append(grad_row_probs, zero, axis=0).at[jnp.where(dest_rows >= 0, dest_rows, rows)].get(
+    return jnp.append(grad_row_probs, zero, axis=0).at[jnp.where(dest_rows >= 0, dest_rows, rows)].get(
         out_sharding=sharding if sharding.mesh.axis_names else None)
-    return grad_tokens, picked
 
 
-def combine_fwd(rows, row_id_map: RowIdMap, merging_probs=None) -> jax.Array:
+def combine_fwd(rows, row_id_map: RowIdMap, merging_probs=None, addend=None) -> jax.Array:
     """:func:`combine` of ``rows [R, H]``, unchecked and not differentiable:
-    ``[T, H]`` in the rows' dtype (``merging_probs`` is cast to float32)."""
+    ``[T, H]`` in the rows' dtype (``merging_probs`` is cast to float32). With
+    ``addend [T, H]`` (cast to float32) each token's float32 sum starts from its
+    row, and is rounded to the rows' dtype once."""
     weights = () if merging_probs is None else (merging_probs.astype(jnp.float32),)
-    (out,) = _combine_fwd_p(rows, row_id_map.dest_rows, *weights)
+    start = () if addend is None else (addend.astype(jnp.float32),)
+    (out,) = _combine_fwd_p(rows, row_id_map.dest_rows, *weights, *start, weighted=np.bool_(bool(weights)))
     return out
 
 

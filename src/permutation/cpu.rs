@@ -99,13 +99,15 @@ pub fn dispatch_rows<T: Real>(tokens: &[T], hidden: usize, source_tokens: &[i32]
 
 
 /// `out[t] = sum over e (in increasing order) of w[t, e] * expert_tokens[dest_rows[t, e]]`
-/// for the routed `e`, with `w = 1` without `weights`; NaN if an entry is out of range.
+/// for the routed `e`, with `w = 1` without `weights`, in f32 from `addend[t]`
+/// (`[T, H]`) or from 0 without it; NaN if an entry is out of range.
 pub fn combine<T: Real>(
     expert_tokens: &[T],
     hidden: usize,
     dest_rows: &[i32],
     experts: usize,
     weights: Option<&[f32]>,
+    addend: Option<&[f32]>,
     out: &mut [T],
 ) {
     if hidden == 0 {
@@ -115,7 +117,10 @@ pub fn combine<T: Real>(
     out.par_chunks_mut(hidden).enumerate().with_min_len(ROWS_PER_TASK).for_each_init(
         || vec![0f32; hidden],
         |sum, (t, out_row)| {
-            sum.fill(0.0);
+            match addend {
+                Some(addend) => sum.copy_from_slice(&addend[t * hidden..(t + 1) * hidden]),
+                None => sum.fill(0.0),
+            }
             for x in 0..experts {
                 let row = match Entry::of(dest_rows[t * experts + x], rows) {
                     Entry::None => continue,
@@ -314,10 +319,15 @@ mod tests {
     fn combine_weights_rows_and_marks_bad_maps() {
         let expert_tokens = [1.0f32, 2.0, 10.0, 20.0];
         let mut out = [0f32; 4];
-        combine(&expert_tokens, 2, &[1, 0, -1, 1], 2, Some(&[0.5, 2.0, 9.0, 1.0]), &mut out);
+        combine(&expert_tokens, 2, &[1, 0, -1, 1], 2, Some(&[0.5, 2.0, 9.0, 1.0]), None, &mut out);
         assert_eq!(out, [0.5 * 10.0 + 2.0 * 1.0, 0.5 * 20.0 + 2.0 * 2.0, 10.0, 20.0]);
-        combine(&expert_tokens, 2, &[2, -1, -1, -1], 2, None, &mut out);
+        combine(&expert_tokens, 2, &[2, -1, -1, -1], 2, None, None, &mut out);
         assert!(out[..2].iter().all(|x| x.is_nan()) && out[2..] == [0.0, 0.0]);
+        // An addend starts each sum; a token of no copies is its row, -0 kept; a bad map is NaN still.
+        combine(&expert_tokens, 2, &[1, 0, -1, -1], 2, None, Some(&[0.25, -0.5, -0.0, 3.0]), &mut out);
+        assert_eq!(out.map(f32::to_bits), [0.25 + 10.0 + 1.0, -0.5 + 20.0 + 2.0, -0.0, 3.0].map(f32::to_bits));
+        combine(&expert_tokens, 2, &[7, -1, -1, -1], 2, None, Some(&[1.0; 4]), &mut out);
+        assert!(out[..2].iter().all(|x| x.is_nan()) && out[2..] == [1.0, 1.0]);
     }
 
     #[test]

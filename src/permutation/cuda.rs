@@ -63,10 +63,11 @@ pub fn scatter_instance(dtype: DataType, hidden: usize, experts: usize, scatter:
         .build()
 }
 
-/// `gather_rows` (combine, and dispatch's backward).
-pub fn gather_instance(dtype: DataType, hidden: usize, experts: usize, weighted: bool) -> Result<String> {
+/// `gather_rows` (combine, and dispatch's backward), its sums started from an
+/// `addend` or from zero.
+pub fn gather_instance(dtype: DataType, hidden: usize, experts: usize, weighted: bool, addend: bool) -> Result<String> {
     check_experts(experts)?;
-    let instance = Instance::new("gather_rows").dtype(dtype).int(hidden).int(experts).flag(weighted);
+    let instance = Instance::new("gather_rows").dtype(dtype).int(hidden).int(experts).flag(weighted).flag(addend);
     instance.int(ROW_BLOCK).int(tokens_per_block(experts)).build()
 }
 
@@ -181,13 +182,16 @@ pub fn dispatch_fwd(stream: Stream, a: &DispatchFwd) -> Result<()> {
 }
 
 pub fn combine_fwd(stream: Stream, a: &CombineFwd) -> Result<()> {
-    let weighted = a.merging_probs.is_some();
-    let kernel = Kernel::get(stream, &PERMUTATION, &gather_instance(a.expert_tokens.dtype(), a.hidden, a.experts, weighted)?)?;
+    let instance = gather_instance(a.expert_tokens.dtype(), a.hidden, a.experts, a.merging_probs.is_some(), a.addend.is_some())?;
+    let kernel = Kernel::get(stream, &PERMUTATION, &instance)?;
     let (src, dest_rows, out) = (a.expert_tokens.device_ptr(), a.dest_rows.device_ptr(), a.out.device_ptr());
     let weights = a.merging_probs.as_ref().map_or(0, |w| w.device_ptr());
+    let addend = a.addend.as_ref().map_or(0, |x| x.device_ptr());
     let (tokens, rows) = (int(a.tokens)?, int(a.rows)?);
     let config = LaunchConfig { grid: grid(token_blocks(a.tokens, a.experts))?, block: ROW_BLOCK, shared_bytes: 0 };
-    launch(stream, kernel, config, &mut [arg(&src), arg(&dest_rows), arg(&weights), arg(&out), arg(&tokens), arg(&rows)])
+    launch(stream, kernel, config, &mut [
+        arg(&src), arg(&dest_rows), arg(&weights), arg(&addend), arg(&out), arg(&tokens), arg(&rows),
+    ])
 }
 
 pub fn combine_bwd(stream: Stream, a: &CombineBwd) -> Result<()> {
@@ -234,14 +238,17 @@ mod tests {
                 out.push(scatter_instance(dtype, hidden, experts, Scatter::Dispatch).unwrap());
                 for weighted in [false, true] {
                     out.push(scatter_instance(dtype, hidden, experts, Scatter::CombineBackward { weighted }).unwrap());
-                    out.push(gather_instance(dtype, hidden, experts, weighted).unwrap());
+                    out.push(gather_instance(dtype, hidden, experts, weighted, false).unwrap());
                 }
+                // The layer's: dispatch's backward started from the router's token gradient.
+                out.push(gather_instance(dtype, hidden, experts, false, true).unwrap());
                 for inverse in [false, true] {
                     out.push(sort_instance(dtype, hidden, inverse).unwrap());
                 }
             }
             // Rows of no elements: only the weights' gradient is written.
             out.push(scatter_instance(dtype, 0, 8, Scatter::CombineBackward { weighted: true }).unwrap());
+            out.push(gather_instance(dtype, 13, 8, true, true).unwrap());
         }
         out
     }

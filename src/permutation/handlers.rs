@@ -48,8 +48,10 @@ fn dispatch_fwd_cpu(op: DispatchFwd) -> Result<()> {
 
 fn combine_fwd_cpu(op: CombineFwd) -> Result<()> {
     let weights = op.merging_probs.map(|w| w.slice::<f32>()).transpose()?;
+    let addend = op.addend.map(|x| x.slice::<f32>()).transpose()?;
     with_real_type!(op.expert_tokens.dtype(), T => {
-        cpu::combine::<T>(op.expert_tokens.slice()?, op.hidden, op.dest_rows.slice()?, op.experts, weights, op.out.slice_mut()?);
+        let (expert_tokens, dest_rows) = (op.expert_tokens.slice()?, op.dest_rows.slice()?);
+        cpu::combine::<T>(expert_tokens, op.hidden, dest_rows, op.experts, weights, addend, op.out.slice_mut()?);
     });
     Ok(())
 }

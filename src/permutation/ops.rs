@@ -106,8 +106,9 @@ impl<'a> DispatchFwd<'a> {
     }
 }
 
-/// `oxmoe_combine_fwd`: expert_tokens [R, H], dest_rows [T, E] s32, optional
-/// merging_probs [T, E] f32 -> tokens [T, H].
+/// `oxmoe_combine_fwd`: expert_tokens [R, H], dest_rows [T, E] s32, with the
+/// attribute `weighted` merging_probs [T, E] f32, then optionally addend
+/// [T, H] f32 (each token's sum starts from its row) -> tokens [T, H].
 pub struct CombineFwd<'a> {
     pub tokens: usize,
     pub experts: usize,
@@ -116,25 +117,37 @@ pub struct CombineFwd<'a> {
     pub expert_tokens: Arg<'a>,
     pub dest_rows: Arg<'a>,
     pub merging_probs: Option<Arg<'a>>,
+    pub addend: Option<Arg<'a>>,
     pub out: Ret<'a>,
 }
 
 impl<'a> CombineFwd<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(2, 3)?;
+        // Both optional arguments are f32 and [T, E] may be [T, H]: the attribute tells them apart.
+        let weighted: bool = call.attr("weighted")?;
+        let first_optional = 2 + usize::from(weighted);
+        call.expect_num_args(first_optional, first_optional + 1)?;
         let expert_tokens = call.arg(0, "expert_tokens")?;
         let (rows, hidden) = float_matrix(&expert_tokens)?;
         check_index_range("rows", rows)?;
         let dest_rows = call.arg(1, "dest_rows")?;
         let (tokens, experts) = token_expert_map(&dest_rows, "dest_rows")?;
         dest_rows.expect(&[DataType::S32], &[tokens, experts])?;
-        let merging_probs = call.optional_arg(2, "merging_probs")?;
-        if let Some(probs) = &merging_probs {
-            probs.expect(&[DataType::F32], &[tokens, experts])?;
+        let merging_probs = match weighted {
+            true => {
+                let probs = call.arg(2, "merging_probs")?;
+                probs.expect(&[DataType::F32], &[tokens, experts])?;
+                Some(probs)
+            }
+            false => None,
+        };
+        let addend = call.optional_arg(first_optional, "addend")?;
+        if let Some(addend) = &addend {
+            addend.expect(&[DataType::F32], &[tokens, hidden])?;
         }
         let out = call.ret(0, "out")?;
         out.expect(&[expert_tokens.dtype()], &[tokens, hidden])?;
-        Ok(Self { tokens, experts, rows, hidden, expert_tokens, dest_rows, merging_probs, out })
+        Ok(Self { tokens, experts, rows, hidden, expert_tokens, dest_rows, merging_probs, addend, out })
     }
 }
 

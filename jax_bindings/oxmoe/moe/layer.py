@@ -893,6 +893,14 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     # Each chunk's output gradient travels to its experts and its tokens' gradient back on its
     # own, as in the forward; the weight gradients sum every chunk's rows in one product each.
     chunks = _token_chunks(len(grad_y), config, axes)
+    # The rows of one chunk of this shard's own tokens (nothing exchanged) are summed into the tokens'
+    # gradient after the router's backward: the router's float32 gradient starts each token's sum,
+    # rounded once to the layer's dtype, where a separate pass would add the two (-50 us a step at
+    # DeepSeek-V3 on one GPU). Not with shared experts: their float32 gradient would be added to
+    # the router's in a pass of its own, which costs more than it saves (bench/NOTES.md).
+    local = (len(res.chunks) == 1 and res.chunks[0].exchange is None and not res.chunks[0].ring
+             and res.shared is None and jnp.dtype(res.x_dtype) == jnp.dtype(config.dtype))
+    local_rows = None
     grad_tokens, grad_probs, hidden, grad_rows, grad_up_rows = [], [], [], [], []
     for rows, d in zip(chunks, res.chunks):
         # The output's gradient travels as the tokens did (with FP8, quantized once before it leaves).
@@ -903,15 +911,18 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
             g = d.exchange.scatter_tokens(*g)
         grad_out_rows = _permuted(_from_parts(g), d.row_id_map)  # each row's token's, unweighted
         grad_in, chunk_hidden, chunk_grad_up_rows, grad_row_probs = _expert_ffn_bwd(grad_out_rows, d, weights, config)
-        chunk_grad_tokens, chunk_grad_probs = permutation.dispatch_bwd(grad_in, d.row_id_map, grad_row_probs)
-        assert chunk_grad_probs is not None  # given the rows' weights' gradient, dispatch_bwd takes it back
-        if d.exchange is not None:
-            chunk_grad_tokens, chunk_grad_probs = d.exchange.gather_tokens(chunk_grad_tokens, chunk_grad_probs)
-        if d.ring:
-            chunk_grad_tokens = jax.lax.psum_scatter(chunk_grad_tokens, axes.expert_axis, scatter_dimension=0,
-                                                     tiled=True)
-            chunk_grad_probs = _scatter_expert_columns(chunk_grad_probs, config, axes)
-        grad_tokens.append(chunk_grad_tokens)
+        chunk_grad_probs = permutation.dispatch_probs_bwd(grad_row_probs, d.row_id_map)
+        if local:
+            local_rows = grad_in
+        else:
+            chunk_grad_tokens = permutation.combine_fwd(grad_in, d.row_id_map)
+            if d.exchange is not None:
+                chunk_grad_tokens, chunk_grad_probs = d.exchange.gather_tokens(chunk_grad_tokens, chunk_grad_probs)
+            if d.ring:
+                chunk_grad_tokens = jax.lax.psum_scatter(chunk_grad_tokens, axes.expert_axis, scatter_dimension=0,
+                                                         tiled=True)
+                chunk_grad_probs = _scatter_expert_columns(chunk_grad_probs, config, axes)
+            grad_tokens.append(chunk_grad_tokens)
         grad_probs.append(chunk_grad_probs)
         hidden.append(chunk_hidden)
         grad_rows.append(grad_out_rows)
@@ -921,11 +932,7 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     logits = _f32_dot(res.tokens, gate)  # as the forward computed them: cheaper than keeping [T, E] float32
     grad_logits = _route_bwd(logits, res.routing_map, res.aux_tokens_per_expert, jnp.concatenate(grad_probs),
                              grad_aux, config, axes)
-    grad_router_tokens, grad_gate = _router_grads(res.tokens, gate, grad_logits)
-    grad_x = jnp.concatenate(grad_tokens).astype(_F32) + grad_router_tokens
-    grad_gate = _sum_over(grad_gate, axes.token_axes)
-    grad_up, grad_down = _reduce_weight_grads(grad_up, grad_down, axes)
-    bias = None if params.expert_bias is None else jnp.zeros_like(params.expert_bias)
+    grad_x, grad_gate = _router_grads(res.tokens, gate, grad_logits)
     shared = {}
     if shared_grads is not None:
         grad_shared_x, *shared_weights = shared_grads
@@ -933,6 +940,13 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
         shared_weights = _sum_over(shared_weights, axes.token_axes)  # replicated: every token shard's share
         shared = {name: None if g is None else g.astype(getattr(params, name).dtype)
                   for name, g in zip(("shared_up", "shared_down", "shared_gate"), shared_weights)}
+    if local:
+        grad_x = permutation.combine_fwd(local_rows, res.chunks[0].row_id_map, addend=grad_x)
+    else:
+        grad_x = jnp.concatenate(grad_tokens).astype(_F32) + grad_x
+    grad_gate = _sum_over(grad_gate, axes.token_axes)
+    grad_up, grad_down = _reduce_weight_grads(grad_up, grad_down, axes)
+    bias = None if params.expert_bias is None else jnp.zeros_like(params.expert_bias)
     grads = MoEParams(grad_gate.astype(params.gate.dtype), grad_up.astype(params.up.dtype),
                       grad_down.astype(params.down.dtype), bias, **shared)
     # The quantized weights, if given, are not differentiated (quantize_expert_weights).
