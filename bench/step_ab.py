@@ -21,8 +21,8 @@ Prints one line per measurement and a last ``JSON {...}`` line with the label, t
 and every time in ms. Needs a GPU.
 """
 
+import argparse
 import json
-import sys
 import time
 import zlib
 
@@ -77,9 +77,13 @@ def main(label: str, with_dense: bool, names: tuple[str, ...] = LAYERS) -> None:
 
 
 if __name__ == "__main__":
-    flags = sys.argv[2:]
-    only = flags[flags.index("--only") + 1].split(",") if "--only" in flags else LAYERS
-    unknown = set(only) - set(LAYERS)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("label", help="names this run's lines (e.g. before_1)")
+    parser.add_argument("--only", type=lambda names: tuple(names.split(",")), default=LAYERS,
+                        help="comma-separated layer names (of LAYERS)")
+    parser.add_argument("--dense", action="store_true", help="also each layer's dense ceiling")
+    args = parser.parse_args()
+    unknown = set(args.only) - set(LAYERS)
     if unknown:
-        sys.exit(f"--only: no layer {sorted(unknown)}; the layers are {LAYERS}")
-    main(sys.argv[1], "--dense" in flags, tuple(only))
+        parser.error(f"--only: no layer {sorted(unknown)}; the layers are {LAYERS}")
+    main(args.label, args.dense, args.only)
