@@ -78,7 +78,7 @@ class Layout(enum.Enum):
     """How an operand or result of a primitive relates to the token rows."""
 
     ROWS = "rows"
-    """``[tokens, experts]``: one row per token; split along tokens."""
+    """``[tokens, ...]`` (e.g. ``[T, E]`` or ``[T, H]``): one row per token; split along tokens."""
     WHOLE = "whole"
     """Not per token (``[experts]`` or a scalar): the same on every token shard."""
     SUM_OVER_ROWS = "sum_over_rows"
@@ -94,8 +94,8 @@ class FfiPrimitive:
 
     Args:
       target: the handler's exported name, also the FFI target name.
-      operands: the layout of each operand (``ROWS`` or ``WHOLE``); trailing
-        ``WHOLE`` operands may be omitted by a call (optional arguments).
+      operands: the :class:`Layout` of each operand; trailing operands may be
+        omitted by a call (optional arguments).
       results: the layout of each result.
       result_specs: ``(*operand avals, **params) -> [ShapeDtypeStruct]``, the
         global shapes and dtypes of the results; a spec's sharding, if given, is
