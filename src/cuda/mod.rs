@@ -17,7 +17,7 @@ mod nvrtc;
 pub use driver::{arg, launch, Device, Kernel, LaunchConfig, Stream, TensorMap};
 pub use instance::Instance;
 pub use launch::{grid, int};
-pub use nvrtc::{assert_compiles, compile_check, Architecture};
+pub use nvrtc::{assert_compiles, assert_family_compiles, compile_check, Architecture};
 
 use crate::ffi::{DataType, Error, Result};
 use crate::invalid;

@@ -1,7 +1,8 @@
 //! Compiling kernels with NVRTC to cubins, cached in memory and on disk.
 
 use super::{Source, HEADERS};
-use crate::ffi::{Error, Result};
+use crate::ffi::{DataType, Error, Result};
+use crate::real::FLOAT_TYPES;
 use cudarc::nvrtc::sys;
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
@@ -169,11 +170,7 @@ pub fn compile_check(source: &Source, instances: &[&str], arch: &Architecture) -
 
 /// [`compile_check`] of each `(architecture, instances)` pair, a thread each;
 /// panics with the messages of the programs that failed. The kernel families'
-/// CI tests: no GPU, but NVRTC. They give Hopper (the GPU the kernels are
-/// tuned and tested on) every element type, and Ampere and Blackwell the bf16
-/// instances: what differs between architectures is the kernels' `__CUDA_ARCH__`
-/// paths, which bf16 takes as the other types do, at a third of the CPU time
-/// (CI has two cores).
+/// CI tests: no GPU, but NVRTC.
 pub fn assert_compiles(source: &Source, checks: &[(&str, &[String])]) {
     let failures: Vec<String> = std::thread::scope(|scope| {
         let runs: Vec<_> = checks
@@ -188,6 +185,17 @@ pub fn assert_compiles(source: &Source, checks: &[(&str, &[String])]) {
         runs.into_iter().filter_map(|run| run.join().unwrap().err()).map(|e| e.message().to_owned()).collect()
     });
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// [`assert_compiles`] of a kernel family whose instances `instances(dtypes)`
+/// builds for the given element types: every type for Hopper (the GPU the
+/// kernels are tuned and tested on), bf16 for Ampere and Blackwell. What
+/// differs between the architectures is the kernels' `__CUDA_ARCH__` paths,
+/// which bf16 takes as the other types do, at a third of the CPU time (CI has
+/// two cores).
+pub fn assert_family_compiles(source: &Source, instances: impl Fn(&[DataType]) -> Vec<String>) {
+    let (all, bf16) = (instances(&FLOAT_TYPES), instances(&[DataType::BF16]));
+    assert_compiles(source, &[("sm_80", &bf16), ("sm_90a", &all), ("sm_100", &bf16)]);
 }
 
 /// Where compiled kernels are kept between processes: `$OXMOE_CACHE_DIR`,

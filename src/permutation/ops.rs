@@ -133,13 +133,12 @@ impl<'a> CombineFwd<'a> {
         let dest_rows = call.arg(1, "dest_rows")?;
         let (tokens, experts) = token_expert_map(&dest_rows, "dest_rows")?;
         dest_rows.expect(&[DataType::S32], &[tokens, experts])?;
-        let merging_probs = match weighted {
-            true => {
-                let probs = call.arg(2, "merging_probs")?;
-                probs.expect(&[DataType::F32], &[tokens, experts])?;
-                Some(probs)
-            }
-            false => None,
+        let merging_probs = if weighted {
+            let probs = call.arg(2, "merging_probs")?;
+            probs.expect(&[DataType::F32], &[tokens, experts])?;
+            Some(probs)
+        } else {
+            None
         };
         let addend = call.optional_arg(first_optional, "addend")?;
         if let Some(addend) = &addend {

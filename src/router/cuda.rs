@@ -171,8 +171,7 @@ pub fn aux_loss_bwd(stream: Stream, a: &AuxLossBwd) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::real::FLOAT_TYPES;
-    use crate::cuda::assert_compiles;
+    use crate::cuda::assert_family_compiles;
 
     fn config(num_experts: usize, topk: usize, score_function: ScoreFunction, use_pre_softmax: bool, groups: (usize, usize)) -> TopkConfig {
         TopkConfig { num_experts, topk, score_function, use_pre_softmax, num_groups: groups.0, group_topk: groups.1, scaling_factor: 1.0 }
@@ -219,11 +218,10 @@ mod tests {
 
     /// CI has no GPU but has NVRTC (the pip wheel, on LD_LIBRARY_PATH): a
     /// kernel that does not compile for any supported architecture fails here
-    /// (every element type for Hopper, bf16 for the others: see `assert_compiles`).
+    /// (`assert_family_compiles`).
     #[test]
     fn router_kernels_compile_for_ampere_hopper_and_blackwell() {
-        let (all, bf16) = (instances(&FLOAT_TYPES), instances(&[DataType::BF16]));
-        assert_compiles(&ROUTER, &[("sm_80", &bf16), ("sm_90a", &all), ("sm_100", &bf16)]);
+        assert_family_compiles(&ROUTER, instances);
     }
 
     #[test]
