@@ -2,7 +2,7 @@
 where each GPU's time goes: busy and idle time, NCCL kernels, how much of them ran under
 compute kernels (the overlap), the longest idle gaps with the kernels around them, and the
 kernels that take the most time. Nsight Systems' summary, from the trace JAX writes (under
---out, with each step's optimized HLO).
+--out, with each step's optimized HLO and every kernel's time a step in kernels.json).
 
     PYTHONPATH=jax_bindings python3 bench/trace_step.py [--case "deepseek_v3 ep=2"]
         [--exchange all_to_all] [--token-chunks 2] [--steps 5] [--out trace-out] [--smoke]
@@ -86,9 +86,12 @@ def gpu_kernels(trace: dict) -> dict[str, list[dict]]:
     return {name: sorted(evs, key=lambda e: e["ts"]) for name, evs in sorted(events.items())}
 
 
-def summarise(label: str, trace: dict, steps: int) -> None:
+def summarise(label: str, trace: dict, steps: int, out: pathlib.Path) -> None:
+    """Prints the summary, and writes every kernel's time and count a step, per GPU, to
+    ``out/kernels.json`` (to compare two traces kernel by kernel)."""
     print(f"\n== {label}: per step (mean of {steps}), us ==")
     kernels = gpu_kernels(trace)
+    per_kernel = {}
     if not kernels:
         print("no GPU events; the trace's processes:", sorted({e["args"]["name"] for e in trace["traceEvents"]
                                                               if e.get("name") == "process_name"}))
@@ -116,9 +119,11 @@ def summarise(label: str, trace: dict, steps: int) -> None:
         for e in events:
             totals[e["name"]] += e["dur"]
             counts[e["name"]] += 1
+        per_kernel[gpu] = {name: (total / steps, counts[name] / steps) for name, total in totals.most_common()}
         print("  kernels by time:")
         for name, total in totals.most_common(25):
             print(f"    {total / steps:9.0f}  x{counts[name] / steps:<5g} {name[:110]}")
+    (out / "kernels.json").write_text(json.dumps({"label": label, "us_and_count_per_step": per_kernel}))
 
 
 def traced(fn, args, steps: int, out: pathlib.Path) -> dict:
@@ -192,7 +197,7 @@ def main() -> None:
         print(f"{label}: step {timing_.median_s * 1e6:.0f} us (median, untraced, steps back to back)")
         if clocks.result:
             print(f"  while timed: {clocks.describe()}")
-        summarise(label, traced(fn, fn_args, args.steps, args.out / str(n)), args.steps)
+        summarise(label, traced(fn, fn_args, args.steps, args.out / str(n)), args.steps, args.out / str(n))
 
 
 if __name__ == "__main__":
