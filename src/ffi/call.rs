@@ -147,6 +147,14 @@ impl<'a> Call<'a> {
 
     /// The attribute `name`, decoded as `T`.
     pub fn attr<T: Attr<'a>>(&self, name: &str) -> Result<T> {
+        match self.optional_attr(name)? {
+            Some(value) => Ok(value),
+            None => invalid!("attribute `{name}` ({}) is missing", T::EXPECTED),
+        }
+    }
+
+    /// The attribute `name`, decoded as `T`, if the call has it.
+    pub fn optional_attr<T: Attr<'a>>(&self, name: &str) -> Result<Option<T>> {
         let attrs = &self.frame.attrs;
         for i in 0..attrs.size.max(0) as usize {
             // SAFETY: XLA passes `size` attribute names, types and values.
@@ -156,10 +164,10 @@ impl<'a> Call<'a> {
             if key == name.as_bytes() {
                 self.attrs_read.set(self.attrs_read.get() | 1u64 << i.min(MAX_RETS_OR_ATTRS - 1));
                 // SAFETY: `value` is the attribute that `kind` describes.
-                return unsafe { T::decode(name, kind, value.cast_const()) };
+                return unsafe { T::decode(name, kind, value.cast_const()) }.map(Some);
             }
         }
-        invalid!("attribute `{name}` ({}) is missing", T::EXPECTED)
+        Ok(None)
     }
 
     /// Checks, once a handler has decoded its call, that the call holds
