@@ -256,7 +256,8 @@ static void run(int tokens, int topk) {
   std::vector<std::pair<const char*, std::function<void()>>> scatters = {
       {"registers", [&] {
          scatter_rows<bf16, H, E, false, false, ROW_BLOCK, TOKENS_PER_BLOCK, ZERO_ROWS><<<token_blocks, ROW_BLOCK>>>(
-             tokens_in, dest_rows_d, nullptr, nullptr, nullptr, nullptr, reinterpret_cast<bf16*>(r), tokens, rows);
+             tokens_in, dest_rows_d, nullptr, nullptr, nullptr, nullptr, reinterpret_cast<bf16*>(r), tokens, rows,
+             /*zero_unused=*/1);
        }},
       {"bulk", [&] {
          scatter_bulk<SCATTER_STAGES><<<sms * scatter_per_sm, 32, scatter_shared>>>(x, dest_d, topk, tokens, ROW_BYTES, r);
@@ -267,7 +268,8 @@ static void run(int tokens, int topk) {
   std::vector<std::pair<const char*, std::function<void()>>> checked = {
       {"registers", [&] {
          scatter_rows<bf16, H, E, false, true, ROW_BLOCK, TOKENS_PER_BLOCK, ZERO_ROWS><<<checked_blocks, ROW_BLOCK>>>(
-             tokens_in, dest_rows_d, source_d, nullptr, nullptr, nullptr, reinterpret_cast<bf16*>(r), tokens, rows);
+             tokens_in, dest_rows_d, source_d, nullptr, nullptr, nullptr, reinterpret_cast<bf16*>(r), tokens, rows,
+             /*zero_unused=*/1);
        }},
   };
   std::vector<std::pair<const char*, std::function<void()>>> gathers = {

@@ -3,7 +3,9 @@
 //   and the pre-activation [rows, 2F] ([gate, up], gated ACTIVATION) or
 //   [rows, F] in T, the rows' weights [rows] float32 -> the pre-activation's
 //   gradient (its shape), the weighted hidden activation [rows, F] in T, and
-//   each weight's gradient [rows] float32;
+//   each weight's gradient [rows] float32; given group_sizes [groups] int32
+//   (else null), only of the rows the groups cover (covered_rows), the
+//   results' other rows left unwritten;
 // - activation_fwd: the pre-activation -> the hidden activation [rows, F], for
 //   oxmoe.grouped_gemm.ragged_dot_activation where its product cannot apply
 //   the activation in the Hopper kernel's epilogue.
@@ -22,16 +24,30 @@
 
 constexpr int ACTIVATION_THREADS = 256;
 
+// The rows the groups cover, from the first (src/activation/cpu.rs's
+// covered_rows): negative sizes count as zero, the total stops at rows. Each
+// warp sums the sizes itself (a few hundred ints, in cache after the first
+// warp), so the sizes stay on the device and need no launch of their own.
+__device__ int covered_rows(const int* __restrict__ group_sizes, int groups, int rows, int lane) {
+  long long covered = 0;
+  for (int g = lane; g < groups; g += 32) covered += max(group_sizes[g], 0);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) covered += __shfl_xor_sync(0xffffffffu, covered, offset);
+  return static_cast<int>(min(covered, static_cast<long long>(rows)));
+}
+
 template <typename T, int ACTIVATION, int VECTOR_BYTES, int THREADS>
 __global__ void __launch_bounds__(THREADS) activation_bwd(
     const T* __restrict__ grad_hidden, const T* __restrict__ pre_activation, const float* __restrict__ row_probs,
-    int rows, int features, T* __restrict__ grad_pre_activation, T* __restrict__ weighted_hidden,
-    float* __restrict__ grad_row_probs) {
+    const int* __restrict__ group_sizes, int groups, int rows, int features, T* __restrict__ grad_pre_activation,
+    T* __restrict__ weighted_hidden, float* __restrict__ grad_row_probs) {
   static_assert(THREADS == ACTIVATION_THREADS, "the launch's threads are the layout's (src/activation/cuda.rs)");
   constexpr bool GATED = is_gated(ACTIVATION);
   constexpr int PER = VECTOR_BYTES > 0 ? VECTOR_BYTES / static_cast<int>(sizeof(T)) : 1;
   const int row = blockIdx.x * (THREADS / 32) + threadIdx.x / 32, lane = threadIdx.x % 32;
   if (row >= rows) return;
+  // A warp's lanes share the row, so the whole warp returns or sums together.
+  if (group_sizes != nullptr && row >= covered_rows(group_sizes, groups, rows, lane)) return;
   const float p = row_probs[row];
   const size_t width = GATED ? 2 * static_cast<size_t>(features) : features;
   const T* grad = grad_hidden + row * static_cast<size_t>(features);

@@ -146,18 +146,19 @@ __device__ __forceinline__ void simt_tile_product(const float (&as)[SIMT_DEPTH][
 }
 
 // out[r] = lhs[r] · w_i for the rows r of local group i (w_i = rhs[i], or
-// rhs[i]ᵀ when RHS_TRANSPOSED); zero for rows outside the window. A block
-// owns a 64 x 64 tile of out and runs once per group its rows meet.
+// rhs[i]ᵀ when RHS_TRANSPOSED); rows outside the window zero when
+// zero_unused_rows, else left unwritten. A block owns a 64 x 64 tile of out
+// and runs once per group its rows meet.
 template <typename T, typename O, bool RHS_TRANSPOSED, int THREADS, int TILE>
 __global__ void __launch_bounds__(THREADS) ragged_dot_simt(
     const T* __restrict__ lhs, const T* __restrict__ rhs, const int* __restrict__ bounds, int local_groups, int m,
-    int k, int n, O* __restrict__ out) {
+    int k, int n, O* __restrict__ out, bool zero_unused_rows) {
   check_simt_launch<THREADS, TILE>();
   __shared__ float as[SIMT_DEPTH][SIMT_TILE + 1];
   __shared__ float bs[SIMT_DEPTH][SIMT_TILE];
   const int tiles_n = (n + SIMT_TILE - 1) / SIMT_TILE;
   const int row0 = blockIdx.x / tiles_n * SIMT_TILE, col0 = blockIdx.x % tiles_n * SIMT_TILE;
-  zero_rows_outside_window(out, bounds, local_groups, m, n, row0, col0);
+  if (zero_unused_rows) zero_rows_outside_window(out, bounds, local_groups, m, n, row0, col0);
   for (int g = first_group_ending_after(bounds, local_groups, row0); g < local_groups && bounds[g] < row0 + SIMT_TILE; ++g) {
     const int begin = max(bounds[g], row0), end = min(bounds[g + 1], row0 + SIMT_TILE);
     if (begin >= end) continue;  // block-uniform
@@ -720,8 +721,9 @@ __device__ __forceinline__ void zero_tile(O* out, int row0, int row_end, int col
 }
 
 // The tile order of ragged_dot: the tiles of local group 0 (row blocks of 128,
-// each across the columns), then group 1's, ..., then tiles of zeros over
-// the rows before and after the window.
+// each across the columns), then group 1's, ..., then, when zero_unused_rows,
+// tiles of zeros over the rows before and after the window (without them the
+// walk ends with the groups' tiles, and those rows are left unwritten).
 template <int BN>
 struct RaggedTiles {
   const int* bounds;
@@ -730,12 +732,13 @@ struct RaggedTiles {
   int column_tiles, group_tiles, head_tiles, total;
   int cursor = 0;  // the group of the last tile asked for (tiles are asked in order)
 
-  __device__ RaggedTiles(const int* bounds, const int* tiles, int local_groups, int m, int n)
+  __device__ RaggedTiles(const int* bounds, const int* tiles, int local_groups, int m, int n, bool zero_unused_rows)
       : bounds(bounds), tiles(tiles), local_groups(local_groups), m(m), n(n) {
     column_tiles = (n + BN - 1) / BN;
     group_tiles = tiles[local_groups];
     head_tiles = (bounds[0] + BLOCK_M - 1) / BLOCK_M * column_tiles;
-    total = group_tiles + head_tiles + (m - bounds[local_groups] + BLOCK_M - 1) / BLOCK_M * column_tiles;
+    const int tail_tiles = (m - bounds[local_groups] + BLOCK_M - 1) / BLOCK_M * column_tiles;
+    total = group_tiles + (zero_unused_rows ? head_tiles + tail_tiles : 0);
   }
 
   struct Tile {
@@ -862,13 +865,16 @@ __device__ __forceinline__ void load_a_tile(unsigned char* a, const TensorMap* m
 // so that a thread holds both sums of its columns; out_map sees out as [m,
 // 2, F] when gated. The producer warpgroup's warps 1-3 store each tile (see
 // store_staged_activation).
+//
+// The rows outside the window are zero in out (and hidden) when
+// zero_unused_rows, else left unwritten (see RaggedTiles).
 template <typename T, typename O, bool RHS_K_MAJOR, int CLUSTER, int ACTIVATION, int BN, int STAGES,
           int MAX_LOCAL_GROUPS, int THREADS, int SHARED_BYTES>
 __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ragged_dot_hopper(
     const __grid_constant__ TensorMap lhs_map, const __grid_constant__ TensorMap rhs_map,
     const int* __restrict__ group_sizes, int groups, const int* __restrict__ group_offset, int local_groups, int m,
     int k, int n, O* __restrict__ out, const __grid_constant__ TensorMap out_map, O* __restrict__ hidden,
-    const __grid_constant__ TensorMap hidden_map) {
+    const __grid_constant__ TensorMap hidden_map, bool zero_unused_rows) {
   using Config = HopperConfig<BN, STAGES, MAX_LOCAL_GROUPS, CLUSTER>;
   constexpr bool ACTIVATED = ACTIVATION != NO_ACTIVATION, GATED = is_gated(ACTIVATION);
   static_assert(!ACTIVATED || (!RHS_K_MAJOR && sizeof(O) == 2), "activations take rhs [groups, k, n], 16-bit out");
@@ -879,7 +885,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) ra
   extern __shared__ unsigned char raw[];
   const Shared<Config> s =
       start_ragged_dot<Config, W * CLUSTER>(raw, group_sizes, groups, group_offset, local_groups, m, features);
-  RaggedTiles<W * CLUSTER> walk(s.bounds, s.tiles, local_groups, m, features);
+  RaggedTiles<W * CLUSTER> walk(s.bounds, s.tiles, local_groups, m, features, zero_unused_rows);
   const int k_blocks = (k + BLOCK_K - 1) / BLOCK_K;
   const auto [rank, first, clusters] = cluster_tiles<CLUSTER>();
   Ring ring;
@@ -1173,7 +1179,7 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(THREADS, 1) fp
   check_hopper_launch<Config, THREADS, SHARED_BYTES>();
   extern __shared__ unsigned char raw[];
   const Shared<Config> s = start_ragged_dot<Config>(raw, group_sizes, groups, group_offset, local_groups, m, n);
-  RaggedTiles<Config::CLUSTER_BN> walk(s.bounds, s.tiles, local_groups, m, n);
+  RaggedTiles<Config::CLUSTER_BN> walk(s.bounds, s.tiles, local_groups, m, n, /*zero_unused_rows=*/true);
   const int k_blocks = k / FP8_BLOCK, n_blocks = n / FP8_BLOCK;
   const auto [rank, first, clusters] = cluster_tiles<CLUSTER>();
   Ring ring;

@@ -7,7 +7,8 @@
 // move in one pass: a block takes a few tokens, reads each token's row once
 // and writes each of its copies (scatter_rows). Combine is the mirror image:
 // a block reads each of its tokens' copies and writes one row (gather_rows).
-// Rows no copy refers to are zeroed by extra blocks of the same launch.
+// Rows no copy refers to are zeroed by extra blocks of the same launch, or
+// left unwritten where the caller reads only the groups' rows.
 //
 // The launch (src/permutation/cuda.rs) decides each kernel's threads (BLOCK)
 // and what its grid counts on: tokens a row block moves (TOKENS), rows a
@@ -270,14 +271,17 @@ __device__ __forceinline__ void fill_rows(T* __restrict__ out, long long first, 
 // Writes the rows of [first, first + ZERO_ROWS) that no token writes: zero
 // where source_tokens is negative. With CHECK_MAP (maps from the caller), zero
 // where it is -1 and NaN where the maps do not agree: a token out of range,
-// or one whose dest_rows row does not list the row.
+// or one whose dest_rows row does not list the row. Without zero_unused, the
+// rows of no token are left unwritten (the NaN marking stays: it guards the
+// caller's maps).
 template <typename T, int H, int E, bool CHECK_MAP, int ZERO_ROWS>
 __device__ __forceinline__ void fill_unwritten_rows(T* __restrict__ out, const int* __restrict__ source_tokens,
                                                     const int* __restrict__ dest_rows, int tokens, int rows,
-                                                    long long first) {
+                                                    long long first, bool zero_unused) {
   static_assert(ZERO_ROWS >= 1 && ZERO_ROWS <= 32, "a 32-bit mask of rows, a warp's lane each");
   __shared__ unsigned zero_mask, nan_mask;
   if constexpr (!CHECK_MAP) {
+    if (!zero_unused) return;  // (the launch has no such blocks then)
     if (threadIdx.x < 32) {
       const long long r = first + threadIdx.x;
       const bool empty = threadIdx.x < ZERO_ROWS && r < rows && source_tokens[r] < 0;
@@ -334,7 +338,7 @@ __device__ __forceinline__ void fill_unwritten_rows(T* __restrict__ out, const i
     if (threadIdx.x == 0) {
       zero_mask = nan_mask = 0;
       for (int i = 0; i < ZERO_ROWS && first + i < rows; ++i) {
-        if (source[i] == -1) zero_mask |= 1u << i;
+        if (source[i] == -1) zero_mask |= static_cast<unsigned>(zero_unused) << i;
         else if (!((agrees | found) >> i & 1u)) nan_mask |= 1u << i;
       }
     }
@@ -376,12 +380,14 @@ __device__ __forceinline__ void check_block_routes(CheckedRoutes<E> (&routes)[TO
 // when WEIGHTED, and then, when WEIGHTED, the weights' gradient
 // grad_weights[t, e] = <src[t], expert_tokens[row]>. Unweighted, a row of one
 // copy is the token's row bit for bit (any 32-bit words move as they are).
-// The blocks after them write the rows no token writes (fill_unwritten_rows).
+// The blocks after them, if the launch has them, write the rows no token
+// writes (fill_unwritten_rows; zero_unused: whether they zero the rows of no
+// token, as opposed to only marking CHECK_MAP's NaN rows).
 template <typename T, int H, int E, bool WEIGHTED, bool CHECK_MAP, int BLOCK, int TOKENS, int ZERO_ROWS>
 __global__ void __launch_bounds__(BLOCK)
 scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const int* __restrict__ source_tokens,
              const float* __restrict__ weights, const T* __restrict__ expert_tokens,
-             float* __restrict__ grad_weights, T* __restrict__ out, int tokens, int rows) {
+             float* __restrict__ grad_weights, T* __restrict__ out, int tokens, int rows, int zero_unused) {
   static_assert(BLOCK == ROW_BLOCK, "row kernels run ROW_BLOCK threads a block");
   static_assert(CHECK_MAP || !WEIGHTED, "weighted rows are combine's backward, whose maps are checked");
   using Shape = RowShape<T, H>;
@@ -389,7 +395,8 @@ scatter_rows(const T* __restrict__ src, const int* __restrict__ dest_rows, const
   const int token_blocks = (tokens + TOKENS - 1) / TOKENS;
   if (static_cast<int>(blockIdx.x) >= token_blocks) {
     fill_unwritten_rows<T, H, E, CHECK_MAP, ZERO_ROWS>(out, source_tokens, dest_rows, tokens, rows,
-                                                       static_cast<long long>(blockIdx.x - token_blocks) * ZERO_ROWS);
+                                                       static_cast<long long>(blockIdx.x - token_blocks) * ZERO_ROWS,
+                                                       zero_unused != 0);
     return;
   }
   __shared__ BlockRoutes block_routes[TOKENS];

@@ -106,6 +106,15 @@ impl E4m3 {
     }
 }
 
+/// What the CPU writes on the rows a call may leave unwritten (a buffer's rows
+/// past its groups): zero where the call zeroes them (`zero_unused_rows`),
+/// else NaN. Their values are then unspecified on both backends, and a caller
+/// that read one would carry the NaN into its results, so the callers' CPU
+/// tests show it (the GPU leaves them as the buffer held them).
+pub fn unused_row_value<T: Real>(zero_unused_rows: bool) -> T {
+    T::from_f32(if zero_unused_rows { 0.0 } else { f32::NAN })
+}
+
 /// The float types activations and router logits may have.
 pub const FLOAT_TYPES: [crate::ffi::DataType; 3] =
     [crate::ffi::DataType::F32, crate::ffi::DataType::BF16, crate::ffi::DataType::F16];

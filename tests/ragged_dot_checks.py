@@ -1,6 +1,7 @@
 """The ragged_dot tests' random inputs, drawn directly in the kernel's dtype, random group
-sizes, and the comparison of a result with the float64 reference (ragged_dot_reference.py)
-under an error bound (`assert_gemm_close`), NumPy only.
+sizes, the comparison of a result with the float64 reference (ragged_dot_reference.py)
+under an error bound (`assert_gemm_close`) and with another result bit for bit
+(`assert_same_bits`), NumPy only.
 
 The error bound. A float32 dot product of n terms (the kernels accumulate in float32, in
 some order, perhaps in several partial sums) differs from the exact value by at most
@@ -180,3 +181,14 @@ def assert_gemm_close(actual, expected: Expected, dtype, *, what: str, context: 
         raise AssertionError(
             f"{what}: {bad_count} of {actual.size} elements off by more than the accumulation bound "
             f"(worst {worst[0]:.3g}x the bound at {index(*worst[1])}):\n  " + "\n  ".join(lines) + f"\n({context})")
+
+
+def assert_same_bits(actual, desired, *, what: str, context: str) -> None:
+    """`actual` is `desired` bit for bit (same dtype and shape; NaNs of the same bits equal)."""
+    actual, desired = np.asarray(actual), np.asarray(desired)
+    assert actual.dtype == desired.dtype and actual.shape == desired.shape, (
+        f"{what}: {actual.dtype}{list(actual.shape)}, expected {desired.dtype}{list(desired.shape)} ({context})")
+    bits = np.dtype(f"u{actual.dtype.itemsize}")
+    differ = actual.view(bits) != desired.view(bits)
+    assert not differ.any(), (f"{what}: {int(differ.sum())} of {differ.size} elements differ, first at "
+                              f"{_where(differ, 1)[0]}: {actual[differ][0]!r} against {desired[differ][0]!r} ({context})")

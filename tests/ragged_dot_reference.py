@@ -71,6 +71,10 @@ class Expected:
     acc_len: np.ndarray | int
     zero: np.ndarray  # bool, broadcastable to value: elements that must be exactly 0
 
+    def rows(self, mask: np.ndarray) -> Expected:
+        """The reference of a ragged_dot result's rows that the [M] bool ``mask`` selects."""
+        return Expected(self.value[mask], self.scale[mask], self.acc_len, self.zero[mask])
+
 
 def _weights(rhs_i: np.ndarray, rhs_transposed: bool) -> np.ndarray:
     """rhs[i] as the [K, N] matrix it multiplies, in float64."""

@@ -3,7 +3,9 @@ CUDA kernel on a GPU) against a NumPy float64 reference that rounds where the se
 and against the plain-JAX formula the MoE layer used before (oxmoe.reference.activation), on
 the expert widths of real models (Mixtral, Qwen3-30B-A3B, DeepSeek-V3) and odd ones, every
 activation, in float32, bfloat16 and float16, on fresh random data; vmap, jit and sharding;
-and its errors (its rows or features 0: test_empty_dimensions.py)."""
+with group_sizes, the groups' rows; and its errors (its rows or features 0:
+test_empty_dimensions.py). With a GPU as the default device (scripts/gpu-check) the same tests
+check the CUDA kernel; test_groups_rows_at_full_size_on_gpu adds a full-size dispatch."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import devices
+import ragged_dot_checks as checks
 from oxmoe import activation as act
 from oxmoe import model_shapes
 from oxmoe.reference import activation as reference_activation
@@ -203,3 +206,88 @@ def test_vmap_and_sharding_give_the_whole_result(rng, seed):
 def test_bad_input_is_named(args, kwargs, error, message):
     with pytest.raises(error, match=message):
         act.activation_bwd(*args, **kwargs)
+
+
+# -- group_sizes: only the groups' rows ----------------------------------------------------
+
+# Qwen3-30B-A3B's layer on one of two expert-parallel ranks, its rows scaled down: 64 local
+# experts, a worst-case buffer of twice the rows routed there.
+GROUPS_LAYER = model_shapes.QWEN3_30B_A3B_LAYER
+LOCAL_GROUPS = GROUPS_LAYER.num_experts // 2
+
+
+def assert_covered_rows_equal(got, want, covered: int, what: str):
+    """Each result's first ``covered`` rows, bit for bit (the others are unspecified)."""
+    for name, a, b in zip(want._fields, got, want):
+        a, b = np.asarray(a[:covered]), np.asarray(b[:covered])
+        differ = int((a.view(np.uint8) != b.view(np.uint8)).sum())
+        assert differ == 0, f"{name}, {what}: {differ} bytes of the {covered} covered rows differ"
+
+
+@pytest.mark.parametrize("covered", ["half", "all"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_group_sizes_compute_the_groups_rows_as_without_them(activation, covered, rng, seed):
+    rows = 512
+    grad, pre, probs = draw(rng, rows, GROUPS_LAYER.ffn, activation, jnp.bfloat16)
+    total = rows // 2 + 7 if covered == "half" else rows
+    sizes = jnp.asarray(checks.sizes_with_empty_groups(rng, LOCAL_GROUPS, total))
+    got = act.activation_bwd(grad, pre, probs, activation, group_sizes=sizes)
+    want = act.activation_bwd(grad, pre, probs, activation)
+    assert_covered_rows_equal(got, want, total, f"{activation}, {total} of {rows} rows, seed={seed}")
+
+
+def test_under_jit_negative_sizes_count_as_zero_and_the_total_stops_at_the_rows(rng, seed):
+    """Traced sizes are not checked: as the grouped products count them, a negative size covers
+    no rows, and groups past the rows end there."""
+    rows = 256
+    grad, pre, probs = draw(rng, rows, GROUPS_LAYER.ffn, "swiglu", jnp.bfloat16)
+    of_groups = jax.jit(lambda sizes: act.activation_bwd(grad, pre, probs, group_sizes=sizes))
+    want = act.activation_bwd(grad, pre, probs)
+    for sizes, covered in [([100, -50, 30], 130), ([200, 0, 300], rows)]:
+        got = of_groups(jnp.asarray(sizes, jnp.int32))
+        assert_covered_rows_equal(got, want, covered, f"group_sizes {sizes}, seed={seed}")
+
+
+@pytest.mark.parametrize("sizes, error, message", [
+    (np.array([3, -2, 1], np.int32), ValueError, r"group_sizes must be >= 0, got -2 at group 1"),
+    (np.array([3, 1], np.int64), TypeError, r"group_sizes must be int32, got int64"),
+    (np.zeros((0,), np.int32), ValueError, r"group_sizes must have shape \[num_groups\] with at least one group, "
+                                           r"got \(0,\)"),
+    (np.zeros((2, 2), np.int32), ValueError, r"group_sizes must have shape \[num_groups\] .* got \(2, 2\)"),
+    ([3, 1], TypeError, r"group_sizes must be a JAX or NumPy array"),
+], ids=["negative", "int64", "no_groups", "rank", "not_an_array"])
+def test_bad_group_sizes_are_named(sizes, error, message):
+    with pytest.raises(error, match=message):
+        act.activation_bwd(jnp.zeros((4, 8)), jnp.zeros((4, 16)), jnp.ones(4), group_sizes=sizes)
+
+
+GPUS = devices.gpu_devices()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPUS, reason=devices.NO_GPU_REASON)
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_groups_rows_at_full_size_on_gpu(activation, cpu, rng, seed):
+    """Qwen3-30B-A3B's rows on one of two expert-parallel ranks, bfloat16, half of a worst-case
+    buffer routed: on the GPU the covered rows are bit for bit those of the call without group
+    sizes, and within the float64 reference's bound of the CPU's (both float32 evaluations of
+    it; exp and tanh differ between the two in the last bits)."""
+    gpu = GPUS[0]
+    shape = GROUPS_LAYER.up_gemm(2)
+    rows, features = 2 * shape.m, shape.n
+    if gpu.platform == "cpu":  # the stand-in: a fraction of the size
+        rows //= 64
+    grad, pre, probs = draw(rng, rows, features, activation, jnp.bfloat16)
+    sizes = checks.sizes_with_empty_groups(rng, shape.groups, rows // 2)
+    total = int(sizes.sum())
+    on_gpu = [jax.device_put(x, gpu) for x in (grad, pre, probs, jnp.asarray(sizes))]
+    run = jax.jit(act.activation_bwd, static_argnums=3)
+    got = run(*on_gpu[:3], activation, group_sizes=on_gpu[3])
+    what = f"{activation} [{rows}, {features}], {total} rows in {shape.groups} groups, seed={seed}"
+    assert_covered_rows_equal(got, run(*on_gpu[:3], activation), total, what)
+    on_cpu = run(*(jax.device_put(x, cpu) for x in (grad, pre, probs)), activation)
+    sample = np.sort(rng.choice(total, min(512, total), replace=False))
+    bounds = reference(grad[sample], pre[sample], probs[sample], activation)
+    for name, result, want, (_, bound) in zip(got._fields, got, on_cpu, bounds):
+        assert_close(np.asarray(result)[sample], (np.asarray(want[sample].astype(jnp.float32), np.float64), 2 * bound),
+                     f"{name}, {what}")

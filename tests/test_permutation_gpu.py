@@ -283,6 +283,82 @@ def test_combine_and_its_vjp_on_gpu_match_the_cpu_and_the_reference(model, num_t
                              what="GPU d expert_tokens on padding and unused rows", context=context)
 
 
+# -- rows outside the groups left unwritten (zero_unused_rows=False) ---------------------
+
+
+def assert_same_covered_rows(gpu_rows, cpu_rows, covered, *, what: str, context: str, row_chunk: int = 16384) -> None:
+    """The rows some copy covers (``covered``, a bool per row): the GPU's equal the CPU's bit for
+    bit. The other rows hold whatever their buffer held, on either device."""
+    for start in range(0, len(covered), row_chunk):
+        mask = covered[start : start + row_chunk]
+        checks.assert_bitwise_equal(gpu_rows[start : start + row_chunk][mask], cpu_rows[start : start + row_chunk][mask],
+                                    what=f"GPU vs CPU {what} (covered rows from {start})", context=context)
+
+
+def test_dispatch_fwd_leaving_unused_rows_unwritten_on_gpu_writes_the_groups_rows_as_the_cpu(gpu, cpu, seed, rng):
+    # No zeroing blocks: padding (align_size 128) and tail (a ragged map) rows are left as they are.
+    model, align_size, dtype = MIXTRAL_LAYER, 128, jnp.bfloat16
+    routing_map = checks.routing_map_variant(rng, BIG_TOKENS, model.num_experts, model.topk, "ragged")
+    x = grid_tokens(rng, (BIG_TOKENS, model.hidden), dtype)
+    probs = grid_weights(rng, routing_map.shape, dtype)
+    num_out_tokens = BIG_TOKENS * model.topk
+    num_rows = permutation.dispatched_rows(num_out_tokens, model.num_experts, align_size)
+    context = f"{model.name}, T={BIG_TOKENS}, align_size={align_size}, seed={seed}"
+
+    def fn(x, routing_map, probs):
+        d = permutation.dispatch_fwd(x, routing_map, probs, num_rows=num_rows, align_size=align_size,
+                                     zero_unused_rows=False)
+        return d.tokens, (d.probs, d.row_id_map, d.group_sizes, d.tokens_per_expert, d.pad_offsets)
+
+    gpu_rows, gpu_others = run_on(gpu, fn, x, routing_map, probs)
+    cpu_rows, cpu_others = run_on(cpu, fn, x, routing_map, probs)
+    layout = ref.dispatch_layout(routing_map, num_out_tokens=num_out_tokens, align_size=align_size)
+    covered = layout.source_tokens >= 0
+    assert not covered.all(), f"the test meant to leave padding and tail rows ({context})"
+    assert_same_bits(gpu_others, cpu_others, what="dispatch_fwd's other results", context=context)
+    assert_same_covered_rows(gpu_rows, cpu_rows, covered, what="tokens", context=context)
+    for start in range(0, num_rows, 16384):
+        sources = layout.source_tokens[start : start + 16384]
+        checks.assert_bitwise_equal(gpu_rows[start : start + 16384][sources >= 0], x[sources[sources >= 0]],
+                                    what=f"GPU tokens (covered rows from {start})", context=context)
+
+
+@pytest.mark.parametrize("with_probs", [True, False], ids=["merging_probs", "no_merging_probs"])
+def test_combine_bwd_leaving_unused_rows_unwritten_on_gpu_writes_the_groups_rows_and_marks_bad_maps_as_the_cpu(
+        with_probs, gpu, cpu, seed, rng):
+    # Qwen3-MoE's 128 experts, align_size 16: the zeroing blocks still run, to mark the rows whose
+    # maps disagree with NaN; they zero nothing. Two padding / tail rows name a token that does not
+    # list them and a group's row names a token out of range: NaN on both devices.
+    model, align_size, dtype = QWEN3_30B_A3B_LAYER, 16, jnp.bfloat16
+    routing_map = checks.routing_map_variant(rng, BIG_TOKENS, model.num_experts, model.topk, "ragged")
+    layout = ref.dispatch_layout(routing_map, num_out_tokens=BIG_TOKENS * model.topk, align_size=align_size)
+    covered = layout.source_tokens >= 0
+    assert not covered.all(), "the test meant to leave padding and tail rows"
+    source_tokens = layout.source_tokens.copy()
+    bad_rows = np.concatenate([rng.choice(np.flatnonzero(~covered), 2, replace=False),
+                               rng.choice(np.flatnonzero(covered), 1)])
+    source_tokens[bad_rows] = [*rng.integers(BIG_TOKENS, size=2), BIG_TOKENS + 3]
+    row_id_map = permutation.RowIdMap(jnp.asarray(layout.dest_rows, jnp.int32), jnp.asarray(source_tokens, jnp.int32))
+    merging_probs = grid_weights(rng, routing_map.shape, dtype) if with_probs else None
+    hidden = model.hidden
+    context = f"{model.name}, T={BIG_TOKENS}, bad rows {bad_rows.tolist()}, merging_probs={with_probs}, seed={seed}"
+
+    def fn(row_id_map, merging_probs):
+        rows = device_grid(layout.num_rows, hidden, SALT_ROWS, dtype)
+        g = device_grid(BIG_TOKENS, hidden, SALT_OUT, dtype)
+        return permutation.combine_bwd(g, rows, row_id_map, merging_probs, zero_unused_rows=False)
+
+    gpu_rows, gpu_probs = run_on(gpu, fn, row_id_map, merging_probs)
+    cpu_rows, cpu_probs = run_on(cpu, fn, row_id_map, merging_probs)
+    for device, rows in (("GPU", gpu_rows), ("CPU", cpu_rows)):
+        assert np.isnan(rows[bad_rows].astype(np.float32)).all(axis=1).all(), (
+            f"{device}: rows of disagreeing maps are not NaN ({context})")
+    covered[bad_rows] = False
+    assert_same_covered_rows(gpu_rows, cpu_rows, covered, what="d expert_tokens", context=context)
+    if with_probs:
+        assert_same_bits(gpu_probs, cpu_probs, what="d merging_probs", context=context)
+
+
 # -- sort_chunks / unsort_chunks ------------------------------------------------------
 
 

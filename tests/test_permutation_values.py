@@ -352,6 +352,95 @@ def test_dispatch_then_combine_is_the_weighted_sum_of_each_token(model, align_si
                                  context=f"{model.name}, {variant}, align_size={align_size}, seed={seed}")
 
 
+# ------------------------------------- rows outside the groups left unwritten (zero_unused_rows=False)
+
+# A dispatch's layout with padding (align_size) and a tail (a ragged map routes fewer than T * k copies).
+UNUSED_ROWS_CASES = pytest.mark.parametrize("model, align_size", [
+    pytest.param(MIXTRAL_LAYER, 128, id="mixtral-align128"),
+    pytest.param(QWEN3_30B_A3B_LAYER, 16, id="qwen3_30b_a3b-align16")])
+
+
+def reference_row_id_map(layout: ref.DispatchLayout) -> permutation.RowIdMap:
+    return permutation.RowIdMap(jnp.asarray(layout.dest_rows, jnp.int32), jnp.asarray(layout.source_tokens, jnp.int32))
+
+
+@UNUSED_ROWS_CASES
+def test_dispatch_fwd_leaving_unused_rows_unwritten_writes_the_groups_rows_as_the_default_does(model, align_size,
+                                                                                               seed, rng):
+    # The rows outside the groups hold anything (whatever the buffer held): only the rows some copy
+    # holds are compared, bit for bit; every other result is the default call's in full.
+    x, routing_map = model_inputs(model, rng, jnp.bfloat16, "ragged")
+    probs = draw_probs(rng, routing_map, jnp.float32)
+    num_out_tokens = x.shape[0] * model.topk
+    num_rows = permutation.dispatched_rows(num_out_tokens, model.num_experts, align_size)
+    context = f"{model.name}, align_size={align_size}, seed={seed}"
+    zeroed = permutation.dispatch_fwd(x, routing_map, probs, num_rows=num_rows, align_size=align_size)
+    unwritten = permutation.dispatch_fwd(x, routing_map, probs, num_rows=num_rows, align_size=align_size,
+                                         zero_unused_rows=False)
+    # The default against the reference: the groups' rows are the tokens' rows, the others +0.0.
+    layout = checks.check_dispatch(zeroed, x, routing_map, probs, num_out_tokens=num_out_tokens,
+                                   align_size=align_size, context=context)
+    covered = layout.source_tokens >= 0
+    assert not covered.all(), f"the test meant to leave padding and tail rows ({context})"
+    checks.assert_bitwise_equal(np.asarray(unwritten.tokens)[covered], np.asarray(zeroed.tokens)[covered],
+                                what="the rows some copy holds", context=context)
+    others = lambda d: (d.probs, d.row_id_map, d.group_sizes, d.tokens_per_expert, d.pad_offsets)  # noqa: E731
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(others(unwritten)), jax.tree.leaves(others(zeroed))):
+        checks.assert_bitwise_equal(a, b, what=f"zero_unused_rows=False vs default {jax.tree_util.keystr(path)}",
+                                    context=context)
+
+
+@UNUSED_ROWS_CASES
+@pytest.mark.parametrize("with_probs", [True, False], ids=["merging_probs", "no_merging_probs"])
+def test_combine_bwd_leaving_unused_rows_unwritten_writes_the_groups_rows_and_still_marks_bad_maps(
+        model, align_size, with_probs, seed, rng):
+    routing_map = checks.routing_map_variant(rng, NUM_TOKENS[model.name], model.num_experts, model.topk, "ragged")
+    layout = ref.dispatch_layout(routing_map, num_out_tokens=routing_map.shape[0] * model.topk, align_size=align_size)
+    g_out = draw(rng, (routing_map.shape[0], model.hidden), jnp.bfloat16)
+    expert_tokens = expert_rows_for(layout, rng, model.hidden, jnp.bfloat16)
+    merging_probs = draw_probs(rng, routing_map, jnp.float32) if with_probs else None
+    context = f"{model.name}, align_size={align_size}, merging_probs={with_probs}, seed={seed}"
+    row_id_map = reference_row_id_map(layout)
+    zeroed = permutation.combine_bwd(g_out, expert_tokens, row_id_map, merging_probs)
+    unwritten = permutation.combine_bwd(g_out, expert_tokens, row_id_map, merging_probs, zero_unused_rows=False)
+    covered = layout.source_tokens >= 0
+    assert not covered.all(), f"the test meant to leave padding and tail rows ({context})"
+    checks.assert_rows_zero(zeroed[0], ~covered, what="default d expert_tokens outside the groups", context=context)
+    # Each row of a group is its copy's w[t, e] * g[t] (g[t] bit for bit without weights).
+    rows, compact_dest = ref.compact_rows(expert_tokens, layout.dest_rows)
+    expected, _ = ref.combine_backward(g_out, rows, compact_dest, merging_probs)
+    checks.assert_rounded_sum_close(np.asarray(unwritten[0])[covered], expected, np.abs(expected), jnp.bfloat16,
+                                    num_terms=1, what="d expert_tokens in the groups", context=context)
+    checks.assert_bitwise_equal(np.asarray(unwritten[0])[covered], np.asarray(zeroed[0])[covered],
+                                what="d expert_tokens in the groups, against the default's", context=context)
+    if with_probs:
+        checks.assert_bitwise_equal(unwritten[1], zeroed[1], what="d merging_probs", context=context)
+
+    # Maps from the caller that disagree: a padding or tail row naming a token that does not list it,
+    # and a group's row naming a token out of range, are NaN whatever zero_unused_rows says.
+    bad_rows = [rng.choice(np.flatnonzero(~covered)), rng.choice(np.flatnonzero(covered))]
+    source_tokens = layout.source_tokens.copy()
+    source_tokens[bad_rows] = [rng.integers(len(routing_map)), len(routing_map) + 3]
+    bad_map = permutation.RowIdMap(row_id_map.dest_rows, jnp.asarray(source_tokens, jnp.int32))
+    grad_rows, _ = permutation.combine_bwd(g_out, expert_tokens, bad_map, merging_probs, zero_unused_rows=False)
+    grad_rows = np.asarray(grad_rows).astype(np.float32)
+    assert np.isnan(grad_rows[bad_rows]).all(), f"rows {bad_rows} of disagreeing maps are not NaN ({context})"
+    still_covered = covered.copy()
+    still_covered[bad_rows] = False
+    checks.assert_bitwise_equal(grad_rows[still_covered], np.asarray(zeroed[0])[still_covered].astype(np.float32),
+                                what="d expert_tokens in the groups, the maps' other rows", context=context)
+
+
+@pytest.mark.parametrize("value", [1, None, "False", np.array([False])], ids=["int", "None", "str", "array"])
+def test_zero_unused_rows_must_be_a_bool(value):
+    x, routing_map = np.ones((4, 8), np.float32), np.eye(4, 2, dtype=bool)
+    layout = ref.dispatch_layout(routing_map, num_out_tokens=4)
+    with pytest.raises(ValueError, match="zero_unused_rows must be a bool"):
+        permutation.dispatch_fwd(x, routing_map, None, num_rows=4, align_size=None, zero_unused_rows=value)
+    with pytest.raises(ValueError, match="zero_unused_rows must be a bool"):
+        permutation.combine_bwd(x, None, reference_row_id_map(layout), zero_unused_rows=value)
+
+
 # ---------------------------------------------------------------------- sort_chunks
 
 

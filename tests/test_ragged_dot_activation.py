@@ -6,7 +6,9 @@ against the activation in float64 of the product as returned, rounded where the 
 round (test_activation.py's hidden_reference). On the expert widths of real models and odd
 ones (F not a multiple of the kernel's 128-column tiles, F not a multiple of 8, K not a
 multiple of 8), every activation, three dtypes, groups across tiles, windows of groups and
-rows past every group; its VJP against plain JAX in float32; its errors.
+rows past every group; with the rows outside the window left unwritten (zero_unused_rows=False),
+the window's rows and the gradients bit for bit the default call's; its VJP against plain JAX
+in float32; its errors.
 
 With a GPU as the default device (scripts/gpu-check) the same tests check the CUDA paths;
 test_full_size_up_projections_on_gpu adds the benchmark's up projections at full size."""
@@ -89,6 +91,41 @@ def test_a_window_of_groups(g0, rng, seed):
     what = f"window g0={g0} of sizes {sizes.tolist()}, seed={seed}"
     check_ragged_dot(pre, lhs, rhs, sizes, group_offset=offset, what="pre_activation", context=what)
     check_hidden(hidden, pre, "swiglu", ~ref.rows_in_window(m, sizes, local, offset), what)
+
+
+# (M, K, F, G, g0, local groups): a window of groups 3..5 of 8 at test_a_window_of_groups'
+# size, with rows of other groups before and after it; every group at Qwen3-30B-A3B's expert
+# width. Either way draw's sizes leave a tenth of the rows in no group.
+UNUSED_ROWS_CASES = {"window": (640, 128, 200, 8, 3, 3),
+                     "rows_past_the_total": (256, 256, model_shapes.QWEN3_30B_A3B_LAYER.ffn, 8, None, 8)}
+
+
+@pytest.mark.parametrize("case", UNUSED_ROWS_CASES)
+def test_rows_left_unwritten_change_neither_the_window_s_rows_nor_the_gradients(case, rng, seed):
+    """With zero_unused_rows=False both results' window rows are the default call's bit for bit,
+    and so are the gradients (for cotangents on every row of both results); the rows outside the
+    window are unspecified, and not compared."""
+    m, k, features, groups, g0, local = UNUSED_ROWS_CASES[case]
+    lhs, rhs, sizes = draw(rng, m, k, features, groups, "swiglu", jnp.bfloat16)
+    rhs, offset = rhs[:local], None if g0 is None else np.array([g0], np.int32)
+    cotangents = (checks.draw(rng, (m, 2 * features), jnp.bfloat16), checks.draw(rng, (m, features), jnp.bfloat16))
+
+    def results_and_gradients(zero_unused_rows):
+        results, vjp = jax.vjp(lambda a, b: tuple(grouped_gemm.ragged_dot_activation(
+            a, b, sizes, "swiglu", group_offset=offset, zero_unused_rows=zero_unused_rows)), lhs, rhs)
+        return [np.asarray(x) for x in (*results, *vjp(cotangents))]
+
+    default, unwritten = results_and_gradients(True), results_and_gradients(False)
+    covered = ref.rows_in_window(m, sizes, local, offset)
+    assert covered.any() and not covered[-1] and (g0 is None or not covered[0])
+    what = f"{case}: g0={g0} of sizes {sizes.tolist()}, seed={seed}"
+    check_ragged_dot(default[0], lhs, rhs, sizes, group_offset=offset, what="default pre_activation", context=what)
+    check_hidden(default[1], default[0], "swiglu", ~covered, what)
+    for name, got, want in zip(("pre_activation", "hidden"), unwritten, default):
+        checks.assert_same_bits(got[covered], want[covered], what=f"{name}'s window rows (zero_unused_rows=False)",
+                                context=what)
+    for name, got, want in zip(("d lhs", "d rhs"), unwritten[2:], default[2:]):
+        checks.assert_same_bits(got, want, what=f"{name} through zero_unused_rows=False", context=what)
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])

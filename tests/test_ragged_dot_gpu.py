@@ -16,7 +16,9 @@ with JAX_PLATFORMS=cuda,cpu.) This file adds:
   holds, empty dimensions (M, K, N or the local groups 0), the transposed product over
   chunks of rows (up to the most, one empty), against the float64 reference;
 - ragged_dot under jit called with new group sizes: no recompilation, right values;
-- rows (and groups) outside every group are exactly zero even in memory that held NaN.
+- rows (and groups) outside every group are exactly zero even in memory that held NaN;
+- with the rows outside the window left unwritten (zero_unused_rows=False), ragged_dot's and
+  ragged_dot_activation's rows of the window bit for bit the default call's, at full size.
 
 References at full size. Every element of every result is checked on the GPU against plain
 JAX, group by group in float32 with precision HIGHEST (each group's rows sliced with the sizes
@@ -44,8 +46,9 @@ import devices
 import ragged_dot_checks as checks
 import ragged_dot_reference as ref
 from oxmoe import grouped_gemm
-from oxmoe.model_shapes import EXPERT_GEMMS, GemmShape
+from oxmoe.model_shapes import EXPERT_GEMMS, QWEN3_30B_A3B_LAYER, GemmShape
 from test_permutation_gpu import run_poisoned
+from test_ragged_dot_activation import check_hidden
 from test_ragged_dot_values import (EDGE_CASES, EMPTY_DIMENSION_CASES, SMALL_SHAPES, WINDOW_OFFSETS, describe,
                                     edge_sizes, offset_array)
 
@@ -543,3 +546,96 @@ def test_rows_and_groups_outside_the_window_are_zero_in_poisoned_memory(gpu, see
                           what="ragged_dot on poisoned memory", context=context)
     checks.assert_gemm_close(t, ref.transposed_ragged_dot(lhs, dout, sizes, num_groups=4, group_offset=[g0 + 4]),
                           jnp.bfloat16, what="transposed_ragged_dot on poisoned memory", context=context)
+
+
+# -- rows outside the window left unwritten (zero_unused_rows=False) ----------------------
+
+
+def expert_parallel_window(rng, shape: GemmShape):
+    """An expert-parallel rank's call at `shape` (scaled): its G local groups the middle ones of
+    2G (other ranks' groups before and after them, a tenth of all empty), over all but an eighth
+    of the rows (a tail in no group). Returns (M, K, N, G, group_sizes, group_offset, [M] bool:
+    the window's rows)."""
+    m, k, n, local = scaled(shape, shape.m)
+    sizes = checks.sizes_with_empty_groups(rng, 2 * local, m - m // 8)
+    offset = offset_array(local // 2)
+    covered = ref.rows_in_window(m, sizes, local, offset)
+    rows = np.flatnonzero(covered)
+    assert rows.size and rows[0] > 0 and rows[-1] < m - 1, f"{describe(sizes)}: no rows before or after the window"
+    return m, k, n, local, sizes, offset, covered
+
+
+def window_differences(got, default, covered):
+    """On the device: the elements of the window's rows (`covered`, [M] bool) whose bits differ
+    between `got` and `default`, and those outside the window that are not zero in `default`."""
+    bits = lambda x: jax.lax.bitcast_convert_type(x, jnp.uint16)  # noqa: E731 (16-bit results)
+    inside = covered[:, None]
+    return jnp.sum(inside & (bits(got) != bits(default))), jnp.sum(~inside & (default != 0))
+
+
+def assert_window_as_default(found, *, what: str, context: str) -> None:
+    differ, nonzero = (int(x) for x in jax.device_get(found))
+    assert differ == 0, f"{what}: {differ} elements of the window's rows differ from the default call's ({context})"
+    assert nonzero == 0, f"{what}: {nonzero} elements outside the window are not zero in the default call ({context})"
+
+
+def sample_window_rows(rng, sizes, g0: int, local: int, per_group: int = 32):
+    """Up to `per_group` rows of each of two non-empty groups of the window, in order: (rows, the
+    two local groups, their rows' counts)."""
+    starts = starts_of(sizes)
+    groups = np.sort(rng.choice([i for i in range(local) if sizes[g0 + i] > 0], 2, replace=False))
+    picks = [starts[g0 + i] + np.sort(rng.choice(sizes[g0 + i], min(per_group, sizes[g0 + i]), replace=False))
+             for i in groups]
+    return np.concatenate(picks), groups, np.array([len(p) for p in picks], np.int32)
+
+
+@LAYOUTS
+def test_rows_left_unwritten_change_no_row_of_the_window_on_gpu(rhs_transposed, gpu, seed, rng):
+    """DeepSeek-V3's down projection on one expert-parallel rank of 8, at full size, its groups a
+    window: with zero_unused_rows=False (where the tensor-core kernel's walk ends with the
+    groups' tiles) the window's rows are the default call's bit for bit, and 64 of them within
+    the float64 reference's bound; the default call's other rows are zero."""
+    shape = EXPERT_GEMMS[3]
+    m, k, n, local, sizes, offset, covered = expert_parallel_window(rng, shape)
+    rhs_shape = (local, n, k) if rhs_transposed else (local, k, n)
+    context = f"{shape.name}, M={m}, K={k}, N={n}, rhs {rhs_shape}, g0={offset[0]}, {describe(sizes)}, seed={seed}"
+
+    @jax.jit
+    def run(key, sizes, offset, covered):
+        lhs, rhs = device_draws(key, shapes=((m, k), rhs_shape), dtype=jnp.bfloat16)
+        product = functools.partial(grouped_gemm.ragged_dot, lhs, rhs, sizes, group_offset=offset,
+                                    rhs_transposed=rhs_transposed)
+        out = product(zero_unused_rows=False)
+        return window_differences(out, product(), covered), lhs, rhs, out
+
+    found, lhs, rhs, out = run(*jax.device_put((jax.random.key(seed), sizes, offset, covered), gpu))
+    assert_window_as_default(found, what="ragged_dot", context=context)
+    rows, groups, counts = sample_window_rows(rng, sizes, int(offset[0]), local)
+    expected = ref.ragged_dot(np.asarray(lhs[rows]), np.asarray(rhs[groups]), counts, rhs_transposed=rhs_transposed)
+    checks.assert_gemm_close(np.asarray(out[rows]), expected, jnp.bfloat16,
+                             what=f"ragged_dot(zero_unused_rows=False), rows of local groups {groups.tolist()}",
+                             context=context)
+
+
+def test_ragged_dot_activation_rows_left_unwritten_change_no_row_of_the_window_on_gpu(gpu, seed, rng):
+    """Qwen3-30B-A3B's up projection and SwiGLU on one expert-parallel rank of 2, at full size,
+    its groups a window: with zero_unused_rows=False both results' window rows are the default
+    call's bit for bit, and the hidden activation of 512 of them within the float64 reference's
+    bound; the default call's other rows are zero in both."""
+    shape = QWEN3_30B_A3B_LAYER.up_gemm(2)
+    m, k, features, local, sizes, offset, covered = expert_parallel_window(rng, shape)
+    context = f"{shape.name}, M={m}, K={k}, F={features}, g0={offset[0]}, {describe(sizes)}, seed={seed}"
+
+    @jax.jit
+    def run(key, sizes, offset, covered):
+        lhs, rhs = device_draws(key, shapes=((m, k), (local, k, 2 * features)), dtype=jnp.bfloat16)
+        rhs = (rhs.astype(F32) * (3.0 / math.sqrt(k))).astype(jnp.bfloat16)  # products across SiLU's bend
+        call = functools.partial(grouped_gemm.ragged_dot_activation, lhs, rhs, sizes, "swiglu", group_offset=offset)
+        unwritten = call(zero_unused_rows=False)
+        return [window_differences(u, d, covered) for u, d in zip(unwritten, call())], unwritten
+
+    found, (pre, hidden) = run(*jax.device_put((jax.random.key(seed), sizes, offset, covered), gpu))
+    for name, result in zip(("pre_activation", "hidden"), found):
+        assert_window_as_default(result, what=f"ragged_dot_activation's {name}", context=context)
+    rows = np.sort(rng.choice(np.flatnonzero(covered), min(512, int(covered.sum())), replace=False))
+    check_hidden(np.asarray(hidden[rows]), np.asarray(pre[rows]), "swiglu", np.zeros(rows.size, bool), context)

@@ -62,8 +62,9 @@ def test_the_parameters_are_lax_s_in_lax_s_order():
     ours = inspect.signature(grouped_gemm.ragged_dot).parameters
     assert list(ours)[:len(lax_params)] == lax_params
     assert all(ours[name].default is None for name in lax_params[3:])
-    assert [name for name in ours if name not in lax_params] == ["rhs_transposed"]
-    assert ours["rhs_transposed"].kind is inspect.Parameter.KEYWORD_ONLY
+    extra = [name for name in ours if name not in lax_params]
+    assert extra == ["rhs_transposed", "zero_unused_rows"]
+    assert all(ours[name].kind is inspect.Parameter.KEYWORD_ONLY for name in extra)
 
 
 # name: (lhs dtype, rhs dtype, positional arguments after group_sizes, keyword arguments)

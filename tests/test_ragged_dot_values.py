@@ -8,6 +8,8 @@ against the float64 reference (ragged_dot_reference.py), on fresh random data:
 - the group structure: empty groups, one group holding every row, no rows at all, rows past
   the groups' total, windows of groups (group_offset) inside, at the end of and past G;
   empty dimensions (M, K, N or the local groups 0);
+- zero_unused_rows=False (the rows outside the window left unwritten): the window's rows
+  and the gradients bit for bit the default call's;
 - under jit with group sizes and group offset traced (clamped there: negative sizes,
   totals past M, offsets outside [0, G]) and without recompiling for new sizes; under vmap;
   inside shard_map with the experts split over eight devices.
@@ -15,8 +17,10 @@ against the float64 reference (ragged_dot_reference.py), on fresh random data:
 Every result must lie within the float32-accumulation error bound of the reference
 (checks.assert_gemm_close: |got - ref| <= eps_out |ref| + 4 eps32 sqrt(n) (|lhs| @ |rhs|)), and
 every row (ragged_dot) or group (transposed_ragged_dot) outside the groups of the window must
-be exactly zero.
+be exactly zero (unless the call leaves such rows unwritten).
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -380,6 +384,67 @@ def test_a_full_window_at_offset_zero_equals_no_offset(seed, rng):
     plain = np.asarray(grouped_gemm.ragged_dot(lhs, rhs, sizes))
     windowed = np.asarray(grouped_gemm.ragged_dot(lhs, rhs, sizes, group_offset=offset_array(0)))
     np.testing.assert_array_equal(windowed.view(np.uint16), plain.view(np.uint16), err_msg=f"seed={seed}")
+
+
+# ------------------------------------- rows outside the window left unwritten (zero_unused_rows)
+
+# 91 of 97 rows in 8 groups; (g0, local groups, dtype, preferred_element_type): a window of
+# groups 2..4 (rows 23..55), with rows of other groups before and after it, and every group,
+# which leaves rows 91..97 in none.
+UNUSED_ROWS_SIZES = np.array([9, 14, 0, 21, 11, 17, 0, 19], np.int32)
+UNUSED_ROWS_CASES = {"window": (2, G_LOCAL, jnp.bfloat16, None),
+                     "rows_past_the_total": (None, G_WIN, jnp.float16, jnp.float32)}
+
+
+@pytest.mark.parametrize("case", UNUSED_ROWS_CASES)
+@LAYOUTS
+def test_rows_left_unwritten_change_neither_the_window_s_rows_nor_the_gradients(case, rhs_transposed, seed, rng):
+    """With zero_unused_rows=False the window's rows are the default call's bit for bit (and
+    within the reference's bound), and so are d lhs (zero outside the window) and d rhs; the
+    rows outside the window are unspecified, and not compared."""
+    m, k, n, sizes = 97, 40, 33, UNUSED_ROWS_SIZES
+    g0, local, dtype, pref = UNUSED_ROWS_CASES[case]
+    offset = offset_array(g0)
+    lhs, rhs = checks.draw(rng, (m, k), dtype), draw_rhs(rng, local, k, n, dtype, rhs_transposed)
+    dout = checks.draw(rng, (m, n), out_dtype_of(dtype, pref))
+
+    def forward_and_vjp(zero_unused_rows):
+        out, vjp = jax.vjp(lambda a, b: grouped_gemm.ragged_dot(
+            a, b, sizes, group_offset=offset, rhs_transposed=rhs_transposed, preferred_element_type=pref,
+            zero_unused_rows=zero_unused_rows), lhs, rhs)
+        return (np.asarray(out), *map(np.asarray, vjp(dout)))
+
+    (default, *default_grads), (out, *grads) = forward_and_vjp(True), forward_and_vjp(False)
+    covered = ref.rows_in_window(m, sizes, local, offset)
+    assert covered.any() and not covered.all()
+    context = f"{case}, {describe(sizes)}, g0={g0}, seed={seed}"
+    expected = check_ragged_dot(default, lhs, rhs, sizes, group_offset=offset, rhs_transposed=rhs_transposed,
+                                out_dtype=out_dtype_of(dtype, pref), what="default ragged_dot", context=context)
+    what = "ragged_dot(zero_unused_rows=False)'s window rows"
+    checks.assert_gemm_close(out[covered], expected.rows(covered), out_dtype_of(dtype, pref), what=what,
+                             context=context)
+    checks.assert_same_bits(out[covered], default[covered], what=what, context=context)
+    e_lhs, e_rhs = ref.ragged_dot_backward(lhs, rhs, sizes, dout.astype(lhs.dtype), group_offset=offset,
+                                           rhs_transposed=rhs_transposed)
+    for name, got, want, expected in zip(("d lhs", "d rhs"), grads, default_grads, (e_lhs, e_rhs)):
+        checks.assert_gemm_close(got, expected, dtype, what=f"{name} through zero_unused_rows=False", context=context)
+        checks.assert_same_bits(got, want, what=f"{name} through zero_unused_rows=False", context=context)
+
+
+@pytest.mark.parametrize("zero_unused_rows", [False, True])
+def test_zero_unused_rows_reaches_the_handlers_as_an_attribute(zero_unused_rows):
+    lhs, rhs, sizes = jnp.zeros((4, 8)), jnp.zeros((2, 8, 6)), jnp.array([2, 2], jnp.int32)
+    for fn in (grouped_gemm.ragged_dot, grouped_gemm.ragged_dot_activation):
+        text = jax.jit(functools.partial(fn, zero_unused_rows=zero_unused_rows)).lower(lhs, rhs, sizes).as_text()
+        assert f"zero_unused_rows = {str(zero_unused_rows).lower()}" in text, f"{fn.__name__}: {text}"
+
+
+def test_zero_unused_rows_must_be_a_bool():
+    lhs, rhs = jnp.zeros((4, 8)), jnp.zeros((2, 8, 6))
+    with pytest.raises(ValueError, match=r"zero_unused_rows must be a bool, got 0"):
+        grouped_gemm.ragged_dot(lhs, rhs, jnp.array([2, 2]), zero_unused_rows=0)
+    with pytest.raises(ValueError, match=r"zero_unused_rows must be a bool, got None"):
+        grouped_gemm.ragged_dot_activation(lhs, rhs, jnp.array([2, 2]), zero_unused_rows=None)
 
 
 # ---------------------------------------------------------------------------- jit

@@ -18,8 +18,8 @@ import typing
 import jax
 import numpy as np
 
-from oxmoe._checks import check_array, check_float_dtype
-from oxmoe._primitive import FfiPrimitive, Layout
+from oxmoe._checks import called_eagerly, check_array, check_float_dtype
+from oxmoe._primitive import FfiPrimitive, Layout, vary_alike
 
 __all__ = ["ACTIVATIONS", "ActivationGrads", "activation_bwd", "gated"]
 
@@ -27,7 +27,7 @@ ACTIVATIONS = ("swiglu", "geglu", "gelu", "silu")
 """The expert MLP's activations: ``"swiglu"`` (``silu(gate) * up``), ``"geglu"``
 (``gelu(gate) * up``), ``"gelu"`` and ``"silu"``; GELU is the tanh approximation."""
 
-ROWS = Layout.ROWS
+ROWS, DISPATCHED, WHOLE = Layout.ROWS, Layout.DISPATCHED, Layout.WHOLE
 
 
 def gated(activation: str) -> bool:
@@ -63,15 +63,23 @@ class ActivationGrads(typing.NamedTuple):
     grad_row_probs: jax.Array
 
 
+def _result_specs(grad_hidden, pre_activation, row_probs, *_, **__):
+    return [jax.ShapeDtypeStruct(pre_activation.shape, pre_activation.dtype),
+            jax.ShapeDtypeStruct(grad_hidden.shape, grad_hidden.dtype),
+            jax.ShapeDtypeStruct(row_probs.shape, np.float32)]
+
+
 _activation_bwd_p = FfiPrimitive(
-    "oxmoe_activation_bwd", operands=(ROWS, ROWS, ROWS), results=(ROWS, ROWS, ROWS),
-    result_specs=lambda grad_hidden, pre_activation, row_probs, **_: [
-        jax.ShapeDtypeStruct(pre_activation.shape, pre_activation.dtype),
-        jax.ShapeDtypeStruct(grad_hidden.shape, grad_hidden.dtype),
-        jax.ShapeDtypeStruct(row_probs.shape, np.float32)])
+    "oxmoe_activation_bwd", operands=(ROWS, ROWS, ROWS), results=(ROWS, ROWS, ROWS), result_specs=_result_specs)
+# With group_sizes, which rows are computed depends on the rows before them (the groups' first
+# rows): the rows are a dispatch's, seen whole, no longer independent rows of tokens.
+_activation_bwd_of_groups_p = FfiPrimitive(
+    "oxmoe_activation_bwd", operands=(DISPATCHED, DISPATCHED, DISPATCHED, WHOLE),
+    results=(DISPATCHED, DISPATCHED, DISPATCHED), result_specs=_result_specs)
 
 
-def activation_bwd(grad_hidden, pre_activation, row_probs, activation: str = "swiglu") -> ActivationGrads:
+def activation_bwd(grad_hidden, pre_activation, row_probs, activation: str = "swiglu", *,
+                   group_sizes=None) -> ActivationGrads:
     """The activation's backward of each row, weighted by its routing weight.
 
     For row ``r`` with weight ``p = row_probs[r]``, in float32, ``round`` the
@@ -93,12 +101,41 @@ def activation_bwd(grad_hidden, pre_activation, row_probs, activation: str = "sw
         ``[R, F]``, ``grad_hidden``'s dtype.
       row_probs: ``[R]`` float32, each row's routing weight.
       activation: one of :data:`ACTIVATIONS`.
+      group_sizes: None, or ``[G]`` int32 (``G >= 1``, on the device): the row
+        groups of a dispatch, as the grouped products take them
+        (:func:`oxmoe.grouped_gemm.ragged_dot`'s). Then only the rows the groups
+        cover, the first ``min(R, sum(group_sizes))``, are computed; the
+        results' rows past them are left unwritten (their values are
+        unspecified): for callers that read only the groups' rows. Called
+        eagerly, a negative size raises; on the device negative sizes count
+        as zero.
 
     Returns:
       :class:`ActivationGrads`.
     """
     _check_inputs(grad_hidden, pre_activation, row_probs, activation)
-    return ActivationGrads(*_activation_bwd_p(grad_hidden, pre_activation, row_probs, activation=activation))
+    if group_sizes is None:
+        return ActivationGrads(*_activation_bwd_p(grad_hidden, pre_activation, row_probs, activation=activation))
+    _check_group_sizes(group_sizes)
+    operands = vary_alike(grad_hidden, pre_activation, row_probs, group_sizes)
+    return ActivationGrads(*_activation_bwd_of_groups_p(*operands, activation=activation))
+
+
+def _check_group_sizes(group_sizes) -> None:
+    """``group_sizes`` is ``int32[G]``, ``G >= 1``; called eagerly, no size is negative, as
+    :mod:`oxmoe.grouped_gemm` checks its sizes (whose checks cannot be imported here: that
+    module imports this one)."""
+    check_array("group_sizes", group_sizes)
+    if group_sizes.dtype != np.int32:
+        raise TypeError(f"group_sizes must be int32, got {group_sizes.dtype}")
+    if group_sizes.ndim != 1 or group_sizes.shape[0] < 1:
+        raise ValueError(f"group_sizes must have shape [num_groups] with at least one group, got "
+                         f"{tuple(group_sizes.shape)}")
+    if called_eagerly():
+        sizes = np.asarray(group_sizes)
+        if (sizes < 0).any():
+            group = int(np.argmax(sizes < 0))
+            raise ValueError(f"group_sizes must be >= 0, got {sizes[group]} at group {group}")
 
 
 def _check_inputs(grad_hidden, pre_activation, row_probs, activation: str) -> None:

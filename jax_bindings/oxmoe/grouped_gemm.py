@@ -174,12 +174,12 @@ def _check_concrete(group_sizes, group_offset, rows: tuple[int, ...], chunked: b
 
 
 def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=None, group_offset=None,
-               out_sharding=None, *, rhs_transposed=False):
+               out_sharding=None, *, rhs_transposed=False, zero_unused_rows=True):
     """Grouped product: the rows of group ``g`` of ``lhs`` times ``rhs[g]``.
 
     Takes :func:`jax.lax.ragged_dot`'s arguments, in its order, with its
-    meaning, plus ``rhs_transposed``. Group ``g`` holds rows
-    ``[start_g, start_g + group_sizes[g])`` of ``lhs``,
+    meaning, plus ``rhs_transposed`` and ``zero_unused_rows``. Group ``g``
+    holds rows ``[start_g, start_g + group_sizes[g])`` of ``lhs``,
     ``start_g = sum(group_sizes[:g])``. With ``group_offset = g0``, local group
     ``i`` of ``rhs`` multiplies global group ``g0 + i`` (the local experts of an
     expert-parallel shard).
@@ -204,17 +204,24 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
         of the window; ``G_local`` must equal ``G`` without it.
       out_sharding: None only (an output sharding is refused).
       rhs_transposed: ``rhs`` is ``[G_local, N, K]``.
+      zero_unused_rows: with False, the rows outside the groups of the window
+        (those of the groups before and after it, and the rows past the
+        groups' total) are left unwritten (their values are unspecified)
+        instead of zeroed: for callers that read only the window's rows. The
+        gradients are the same either way.
 
     Returns:
       ``[M, N]``: each row of a group in the window is its product, summed in
       float32; every other row (other groups, rows past the groups' total) is
-      zero. Differentiable in ``lhs`` and ``rhs``.
+      zero (unspecified with ``zero_unused_rows=False``). Differentiable in
+      ``lhs`` and ``rhs``.
     """
     _check_precision(precision)
     if out_sharding is not None:
         raise ValueError(f"out_sharding is not supported by oxmoe.ragged_dot (None only), got {out_sharding!r}; "
                          "shard the result with jax.lax.with_sharding_constraint or jax.sharding.reshard")
     rhs_transposed = check_bool("rhs_transposed", rhs_transposed)
+    zero_unused_rows = check_bool("zero_unused_rows", zero_unused_rows)
     m, _ = _check_operands(lhs, rhs, rhs_transposed)
     _, sizes, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", (m,))
     dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
@@ -222,7 +229,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
     # The kernels write the inputs' dtype or float32; any other output is rounded from float32.
     kernel_dtype = out_dtype if out_dtype in (dtype, jnp.dtype(jnp.float32)) else jnp.dtype(jnp.float32)
     operands = vary_alike(jnp.asarray(lhs, dtype), jnp.asarray(rhs, dtype), sizes, offset)
-    return _ragged_dot(*operands, (rhs_transposed, kernel_dtype)).astype(out_dtype)
+    return _ragged_dot(*operands, (rhs_transposed, kernel_dtype, zero_unused_rows)).astype(out_dtype)
 
 
 class ActivatedRows(typing.NamedTuple):
@@ -239,7 +246,8 @@ class ActivatedRows(typing.NamedTuple):
     hidden: jax.Array
 
 
-def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, group_offset=None) -> ActivatedRows:
+def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, group_offset=None,
+                          zero_unused_rows: bool = True) -> ActivatedRows:
     """The expert MLP's up projection and its activation: :func:`ragged_dot`'s
     product ``u`` and, row by row, the hidden activation of it.
 
@@ -263,13 +271,20 @@ def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, 
       activation: one of :data:`oxmoe.activation.ACTIVATIONS`.
       group_offset: optional integer scalar or ``[1]`` array, the first group
         of the window, as :func:`ragged_dot` takes it.
+      zero_unused_rows: with False, the rows outside the groups of the window
+        (those of the groups before and after it, and the rows past the
+        groups' total) are left unwritten in both results (their values are
+        unspecified) instead of zeroed: for callers that read only the
+        window's rows. The gradients are the same either way.
 
     Returns:
       :class:`ActivatedRows`, both in ``lhs``'s dtype; rows outside every
-      group in the window are zero in both. Differentiable in ``lhs`` and
-      ``rhs``, with cotangents for both results.
+      group in the window are zero in both (unspecified with
+      ``zero_unused_rows=False``). Differentiable in ``lhs`` and ``rhs``, with
+      cotangents for both results.
     """
     _check_activation(activation)
+    zero_unused_rows = check_bool("zero_unused_rows", zero_unused_rows)
     m, _ = _check_operands(lhs, rhs, rhs_transposed=False)
     if rhs.dtype != lhs.dtype:
         raise TypeError(f"rhs must have lhs's dtype {lhs.dtype}, got {rhs.dtype}")
@@ -278,20 +293,26 @@ def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, 
                          f"got {tuple(rhs.shape)}")
     _, sizes, offset = _check_groups(group_sizes, group_offset, rhs.shape[0], "rhs.shape[0] (its groups)", (m,))
     operands = vary_alike(jnp.asarray(lhs), jnp.asarray(rhs), sizes, offset)
-    return ActivatedRows(*_ragged_dot_activation(*operands, activation))
+    return ActivatedRows(*_ragged_dot_activation(*operands, activation, zero_unused_rows))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _ragged_dot_activation(lhs, rhs, group_sizes, group_offset, activation_name):
-    return tuple(_ragged_dot_activation_p(lhs, rhs, group_sizes, group_offset, activation=activation_name))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _ragged_dot_activation(lhs, rhs, group_sizes, group_offset, activation_name, zero_unused_rows):
+    return tuple(_ragged_dot_activation_p(lhs, rhs, group_sizes, group_offset, activation=activation_name,
+                                          zero_unused_rows=zero_unused_rows))
 
 
-def _ragged_dot_activation_vjp_fwd(lhs, rhs, group_sizes, group_offset, activation_name):
-    pre_activation, hidden = _ragged_dot_activation(lhs, rhs, group_sizes, group_offset, activation_name)
+def _ragged_dot_activation_vjp_fwd(lhs, rhs, group_sizes, group_offset, activation_name, zero_unused_rows):
+    pre_activation, hidden = _ragged_dot_activation(lhs, rhs, group_sizes, group_offset, activation_name,
+                                                    zero_unused_rows)
     return (pre_activation, hidden), (lhs, rhs, group_sizes, group_offset, pre_activation)
 
 
-def _ragged_dot_activation_vjp_bwd(activation_name, residuals, grads):
+def _ragged_dot_activation_vjp_bwd(activation_name, zero_unused_rows, residuals, grads):
+    # zero_unused_rows changes nothing here: the rows outside the window (of pre_activation, and
+    # so of grad_product below) may hold anything, but the product's backward reads only the
+    # window's rows of its cotangent.
+    del zero_unused_rows
     lhs, rhs, group_sizes, group_offset, pre_activation = residuals
     grad_pre_activation, grad_hidden = grads
     # The activation's backward with every row's weight 1 (its rounding of the gradient
@@ -299,7 +320,7 @@ def _ragged_dot_activation_vjp_bwd(activation_name, residuals, grads):
     ones = jnp.ones(pre_activation.shape[:1], jnp.float32)
     through_hidden = activation_bwd(grad_hidden.astype(lhs.dtype), pre_activation, ones, activation_name).grad_pre_activation
     grad_product = (grad_pre_activation.astype(jnp.float32) + through_hidden.astype(jnp.float32)).astype(lhs.dtype)
-    return _ragged_dot_vjp_bwd((False, lhs.dtype), (lhs, rhs, group_sizes, group_offset), grad_product)
+    return _ragged_dot_vjp_bwd((False, lhs.dtype, True), (lhs, rhs, group_sizes, group_offset), grad_product)
 
 
 _ragged_dot_activation.defvjp(_ragged_dot_activation_vjp_fwd, _ragged_dot_activation_vjp_bwd)
@@ -444,10 +465,11 @@ def _check_chunk(lhs, rhs, first_lhs, first_rhs, index: str) -> None:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _ragged_dot(lhs, rhs, group_sizes, group_offset, static):
-    rhs_transposed, out_dtype = static
+    """``static``: ``(rhs_transposed, out_dtype, zero_unused_rows)``."""
+    rhs_transposed, out_dtype, zero_unused_rows = static
     n = rhs.shape[1] if rhs_transposed else rhs.shape[2]
     (out,) = _ragged_dot_p(lhs, rhs, group_sizes, group_offset, rhs_transposed=np.bool_(rhs_transposed),
-                           n=n, out_dtype=out_dtype)
+                           zero_unused_rows=zero_unused_rows, n=n, out_dtype=out_dtype)
     return out
 
 
@@ -456,11 +478,12 @@ def _ragged_dot_vjp_fwd(lhs, rhs, group_sizes, group_offset, static):
 
 
 def _ragged_dot_vjp_bwd(static, residuals, grad_out):
-    rhs_transposed, _ = static
+    rhs_transposed, _, _ = static
     lhs, rhs, group_sizes, group_offset = residuals
     grad_out = grad_out.astype(lhs.dtype)
-    # d lhs = d out · rhs[g]ᵀ: the same product with rhs read the other way round.
-    grad_lhs = _ragged_dot(grad_out, rhs, group_sizes, group_offset, (not rhs_transposed, lhs.dtype))
+    # d lhs = d out · rhs[g]ᵀ: the same product with rhs read the other way round; its rows
+    # outside the window are zero whether or not the forward zeroed its own.
+    grad_lhs = _ragged_dot(grad_out, rhs, group_sizes, group_offset, (not rhs_transposed, lhs.dtype, True))
     # d rhs[g] = lhs_gᵀ · d out_g, or its transpose d out_gᵀ · lhs_g for [G, N, K].
     operands = (grad_out, lhs) if rhs_transposed else (lhs, grad_out)
     grad_rhs = _transposed((operands[0],), (operands[1],), group_sizes[None], group_offset, (rhs.shape[0], rhs.dtype))
@@ -487,9 +510,9 @@ def _transposed_vjp_bwd(static, residuals, grad_out):
     lhs, rhs, group_sizes, group_offset = residuals
     grad_out = grad_out.astype(lhs[0].dtype)  # [G, K, N]
     # out[g] = Σ_c lhs_cgᵀ rhs_cg: d lhs_cg = rhs_cg · d out[g]ᵀ, d rhs_cg = lhs_cg · d out[g].
-    grad_lhs = tuple(_ragged_dot(b, grad_out, sizes, group_offset, (True, a.dtype))
+    grad_lhs = tuple(_ragged_dot(b, grad_out, sizes, group_offset, (True, a.dtype, True))
                      for a, b, sizes in zip(lhs, rhs, group_sizes))
-    grad_rhs = tuple(_ragged_dot(a, grad_out, sizes, group_offset, (False, b.dtype))
+    grad_rhs = tuple(_ragged_dot(a, grad_out, sizes, group_offset, (False, b.dtype, True))
                      for a, b, sizes in zip(lhs, rhs, group_sizes))
     return grad_lhs, grad_rhs, None, None
 

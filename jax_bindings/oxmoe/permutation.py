@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from oxmoe import _library
-from oxmoe._checks import MAX_ROWS, called_eagerly, check_array, check_count, check_float_dtype
+from oxmoe._checks import MAX_ROWS, called_eagerly, check_array, check_bool, check_count, check_float_dtype
 from oxmoe._primitive import FfiPrimitive, Layout
 
 __all__ = ["Dispatched", "RowIdMap", "dispatch", "combine", "sort_chunks", "unsort_chunks", "dispatched_rows",
@@ -389,12 +389,23 @@ def padded_rows(num_out_tokens: int, num_experts: int, align_size: int | None) -
     return n if a is None else (n + min(num_experts, n) * (a - 1)) // a * a
 
 
-def dispatch_fwd(tokens, routing_map, probs, *, num_rows: int, align_size: int | None) -> Dispatched:
+def dispatch_fwd(tokens, routing_map, probs, *, num_rows: int, align_size: int | None,
+                 zero_unused_rows: bool = True) -> Dispatched:
     """:func:`dispatch` into ``num_rows`` rows (:func:`dispatched_rows`),
-    unchecked and not differentiable; ``probs`` may be None."""
+    unchecked (but for ``zero_unused_rows``) and not differentiable; ``probs``
+    may be None.
+
+    zero_unused_rows: with False, the rows of ``tokens`` outside the groups (the
+    rows no copy holds: alignment padding and the rows past the last group,
+    where ``source_tokens`` is -1) are left unwritten (their values are
+    unspecified) instead of zeroed: for callers that read only the groups'
+    rows. The other results, ``probs`` included, are the same either way.
+    """
+    zero_unused_rows = check_bool("zero_unused_rows", zero_unused_rows)
     weights = () if probs is None else (probs.astype(jnp.float32),)
     rows, dest_rows, source_tokens, group_sizes, routed, pads, *row_probs = _dispatch_fwd_p(
-        tokens, routing_map, *weights, num_rows=num_rows, align_size=np.int64(1 if align_size is None else align_size))
+        tokens, routing_map, *weights, num_rows=num_rows, align_size=np.int64(1 if align_size is None else align_size),
+        zero_unused_rows=zero_unused_rows)
     return Dispatched(tokens=rows, probs=None if probs is None else row_probs[0].astype(probs.dtype),
                       row_id_map=RowIdMap(dest_rows, source_tokens), group_sizes=group_sizes,
                       tokens_per_expert=routed, pad_offsets=None if align_size is None else pads)
@@ -438,18 +449,28 @@ def combine_fwd(rows, row_id_map: RowIdMap, merging_probs=None, addend=None) -> 
     return out
 
 
-def combine_bwd(grad_out, rows, row_id_map: RowIdMap, merging_probs=None) -> tuple[jax.Array, jax.Array | None]:
+def combine_bwd(grad_out, rows, row_id_map: RowIdMap, merging_probs=None, *,
+                zero_unused_rows: bool = True) -> tuple[jax.Array, jax.Array | None]:
     """The gradient of :func:`combine_fwd` (same arguments after ``grad_out``):
     ``(grad_rows, grad_probs)``, ``[R, H]`` in ``grad_out``'s dtype and
     ``[T, E]`` float32 (None without ``merging_probs``). ``rows`` are read only
     with ``merging_probs``, for the weights' gradient. Without ``merging_probs``
-    each row of a dispatch's map is its token's row of ``grad_out``, bit for bit."""
+    each row of a dispatch's map is its token's row of ``grad_out``, bit for bit.
+    A row whose maps disagree (its token out of range, or not listing it) is NaN.
+
+    zero_unused_rows: with False, the rows of ``grad_rows`` outside the groups
+    (the rows whose ``source_tokens`` entry is -1: alignment padding and the
+    rows past the last group) are left unwritten (their values are unspecified)
+    instead of zeroed: for callers that read only the groups' rows. Rows whose
+    maps disagree are NaN either way, and ``grad_probs`` is the same.
+    """
+    zero_unused_rows = check_bool("zero_unused_rows", zero_unused_rows)
     dest_rows, source_tokens = row_id_map.dest_rows, row_id_map.source_tokens
     if merging_probs is None:
-        (grad_rows,) = _combine_bwd_p(grad_out, dest_rows, source_tokens)
+        (grad_rows,) = _combine_bwd_p(grad_out, dest_rows, source_tokens, zero_unused_rows=zero_unused_rows)
         return grad_rows, None
     grad_rows, grad_probs = _combine_bwd_p(grad_out, dest_rows, source_tokens, merging_probs.astype(jnp.float32),
-                                           rows)
+                                           rows, zero_unused_rows=zero_unused_rows)
     return grad_rows, grad_probs
 
 

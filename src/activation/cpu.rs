@@ -23,7 +23,7 @@
 //! formulas for the value and the derivative.
 
 use super::Activation;
-use crate::real::Real;
+use crate::real::{unused_row_value, Real};
 use rayon::prelude::*;
 
 /// `sqrt(2 / pi)` and the cubic coefficient of GELU's tanh approximation.
@@ -72,25 +72,39 @@ pub fn activation_fwd<T: Real>(activation: Activation, features: usize, pre_acti
     );
 }
 
-/// The activation backward of `rows = row_probs.len()` rows (see the module's
-/// semantics): `grad_hidden [rows, features]`, `pre_activation [rows,
-/// activation.input_columns(features)]`, into `grad_pre_activation` (shaped as
-/// `pre_activation`), `weighted_hidden [rows, features]` and `grad_row_probs
-/// [rows]`.
+/// The rows of `rows` that groups of `group_sizes` cover, from the first:
+/// negative sizes count as zero (as the grouped products count them,
+/// `grouped_gemm::group_rows`) and the total stops at `rows`.
+pub fn covered_rows(group_sizes: &[i32], rows: usize) -> usize {
+    group_sizes.iter().fold(0, |covered, &size| (covered + size.max(0) as usize).min(rows))
+}
+
+/// The activation backward (see the module's semantics) of the rows of
+/// `grad_hidden [rows, features]`, `pre_activation [rows,
+/// activation.input_columns(features)]` and `row_probs [rows]`, into
+/// `grad_pre_activation` (shaped as `pre_activation`), `weighted_hidden [rows,
+/// features]` and `grad_row_probs [rows]`. With `group_sizes`, of the rows
+/// they cover ([`covered_rows`]) only: the results' other rows are
+/// unspecified ([`unused_row_value`]: NaN).
 #[allow(clippy::too_many_arguments)]
 pub fn activation_bwd<T: Real>(activation: Activation, features: usize, grad_hidden: &[T], pre_activation: &[T],
-                               row_probs: &[f32], grad_pre_activation: &mut [T], weighted_hidden: &mut [T],
-                               grad_row_probs: &mut [f32]) {
+                               row_probs: &[f32], group_sizes: Option<&[i32]>, grad_pre_activation: &mut [T],
+                               weighted_hidden: &mut [T], grad_row_probs: &mut [f32]) {
+    let rows = group_sizes.map_or(row_probs.len(), |sizes| covered_rows(sizes, row_probs.len()));
+    let width = activation.input_columns(features);
+    grad_pre_activation[rows * width..].fill(unused_row_value(false));
+    weighted_hidden[rows * features..].fill(unused_row_value(false));
+    grad_row_probs[rows..].fill(unused_row_value(false));
+    let grad_row_probs = &mut grad_row_probs[..rows];
     if features == 0 {
         grad_row_probs.fill(0.0);
         return;
     }
     let (gated, gelu) = (activation.gated(), activation.gelu());
-    let width = activation.input_columns(features);
     grad_row_probs
         .par_iter_mut()
-        .zip(grad_pre_activation.par_chunks_mut(width))
-        .zip(weighted_hidden.par_chunks_mut(features))
+        .zip(grad_pre_activation[..rows * width].par_chunks_mut(width))
+        .zip(weighted_hidden[..rows * features].par_chunks_mut(features))
         .zip(grad_hidden.par_chunks(features).zip(pre_activation.par_chunks(width)).zip(row_probs.par_iter()))
         .for_each(|(((grad_prob, grad_pre), weighted), ((grad, pre), &p))| {
             let mut sum = 0f32;
@@ -114,7 +128,8 @@ pub fn activation_bwd<T: Real>(activation: Activation, features: usize, grad_hid
 
 #[cfg(test)]
 mod tests {
-    use super::value_and_slope;
+    use super::{activation_bwd, covered_rows, value_and_slope};
+    use crate::activation::Activation;
 
     /// The derivative formulas against central differences of the values in
     /// float64 arithmetic.
@@ -128,6 +143,40 @@ mod tests {
                 let numeric = (f64::from(up) - f64::from(down)) / (2.0 * f64::from(h));
                 let (_, slope) = value_and_slope(gelu, x);
                 assert!((numeric - f64::from(slope)).abs() < 2e-3, "gelu {gelu}, x {x}: {numeric} vs {slope}");
+            }
+        }
+    }
+
+    /// With group sizes, the rows they cover are the call's without them, bit
+    /// for bit, and every other row of the results is NaN (unspecified, made visible).
+    #[test]
+    fn rows_past_the_groups_are_nan() {
+        const SENTINEL: f32 = -12345.5;
+        let (rows, features) = (7, 5);
+        for activation in Activation::ALL {
+            let width = activation.input_columns(features);
+            let grad: Vec<f32> = (0..rows * features).map(|i| (i * 37 % 11) as f32 * 0.3 - 1.5).collect();
+            let pre: Vec<f32> = (0..rows * width).map(|i| (i * 53 % 17) as f32 * 0.4 - 3.2).collect();
+            let probs: Vec<f32> = (0..rows).map(|r| 0.1 * (r + 1) as f32).collect();
+            let run = |group_sizes: Option<&[i32]>| {
+                let mut results = [vec![SENTINEL; rows * width], vec![SENTINEL; rows * features], vec![SENTINEL; rows]];
+                let [grad_pre, weighted, grad_probs] = &mut results;
+                activation_bwd::<f32>(activation, features, &grad, &pre, &probs, group_sizes, grad_pre, weighted,
+                                      grad_probs);
+                results
+            };
+            let every_row = run(None);
+            assert!(every_row.iter().flatten().all(|&v| v != SENTINEL), "{activation:?}: a row left unwritten");
+            // Negative sizes count as zero, and a total past the rows stops at them.
+            for (sizes, covered) in [(&[2, -3, 3][..], 5), (&[0, 0], 0), (&[4, 0, 9], rows)] {
+                assert_eq!(covered_rows(sizes, rows), covered, "{sizes:?}");
+                for ((got, want), columns) in run(Some(sizes)).iter().zip(&every_row).zip([width, features, 1]) {
+                    let (inside, past) = got.split_at(covered * columns);
+                    let same_bits = inside.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits());
+                    assert!(same_bits, "{activation:?}, {sizes:?}: a covered row differs");
+                    let nan = past.iter().all(|v| v.is_nan());
+                    assert!(nan, "{activation:?}, {sizes:?}: a row past the groups not NaN");
+                }
             }
         }
     }

@@ -52,10 +52,16 @@ pub fn activation_bwd(stream: Stream, op: &ActivationBwd) -> Result<()> {
     let instance = activation_bwd_instance(x.grad_hidden.dtype(), x.activation, x.features)?;
     let kernel = Kernel::get(stream, &ACTIVATION, &instance)?;
     let (rows, features) = (int(x.rows)?, int(x.features)?);
+    // Without group sizes the kernel takes a null pointer: every row. With them the grid still
+    // spans every row (only the device knows where the groups end); warps past them return.
+    let (group_sizes, groups) = match &op.group_sizes {
+        Some(sizes) => (sizes.device_ptr(), int(sizes.len())?),
+        None => (0, 0),
+    };
     launch(stream, kernel, LaunchConfig { grid: grid(x.rows.div_ceil(ROWS_PER_BLOCK))?, block: THREADS, shared_bytes: 0 }, &mut [
         arg(&x.grad_hidden.device_ptr()), arg(&x.pre_activation.device_ptr()), arg(&x.row_probs.device_ptr()),
-        arg(&rows), arg(&features), arg(&op.grad_pre_activation.device_ptr()), arg(&op.weighted_hidden.device_ptr()),
-        arg(&op.grad_row_probs.device_ptr()),
+        arg(&group_sizes), arg(&groups), arg(&rows), arg(&features), arg(&op.grad_pre_activation.device_ptr()),
+        arg(&op.weighted_hidden.device_ptr()), arg(&op.grad_row_probs.device_ptr()),
     ])
 }
 

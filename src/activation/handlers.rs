@@ -17,18 +17,20 @@ export_handler!(oxmoe_activation_bwd, ActivationBwd, |_, op| activation_bwd_cpu(
 export_cuda_handler!(oxmoe_activation_bwd_cuda, ActivationBwd, |stream, op| cuda::activation_bwd(stream, &op));
 
 fn activation_bwd_cpu(op: ActivationBwd) -> Result<()> {
+    let group_sizes = op.group_sizes.as_ref().map(|sizes| sizes.slice::<i32>()).transpose()?;
     with_real_type!(op.operands.grad_hidden.dtype(), T => {
-        run_cpu::<T>(&op.operands, op.grad_pre_activation.slice_mut()?, op.weighted_hidden.slice_mut()?,
+        run_cpu::<T>(&op.operands, group_sizes, op.grad_pre_activation.slice_mut()?, op.weighted_hidden.slice_mut()?,
                      op.grad_row_probs.slice_mut()?)?;
     });
     Ok(())
 }
 
-/// `cpu::activation_bwd` of the call's operands into the results given.
-fn run_cpu<T: Real>(x: &ActivationOperands, grad_pre_activation: &mut [T], weighted_hidden: &mut [T],
-                    grad_row_probs: &mut [f32]) -> Result<()> {
+/// `cpu::activation_bwd` of the call's operands (of the rows `group_sizes`
+/// cover, when given) into the results given.
+fn run_cpu<T: Real>(x: &ActivationOperands, group_sizes: Option<&[i32]>, grad_pre_activation: &mut [T],
+                    weighted_hidden: &mut [T], grad_row_probs: &mut [f32]) -> Result<()> {
     cpu::activation_bwd::<T>(x.activation, x.features, x.grad_hidden.slice()?, x.pre_activation.slice()?,
-                             x.row_probs.slice()?, grad_pre_activation, weighted_hidden, grad_row_probs);
+                             x.row_probs.slice()?, group_sizes, grad_pre_activation, weighted_hidden, grad_row_probs);
     Ok(())
 }
 
@@ -41,7 +43,7 @@ fn activation_bwd_fp8_cpu(op: ActivationBwdFp8) -> Result<()> {
     with_real_type!(x.grad_hidden.dtype(), T => {
         let mut grad_pre_activation = vec![T::default(); x.rows * x.width()];
         let mut weighted_hidden = vec![T::default(); x.rows * x.features];
-        run_cpu::<T>(x, &mut grad_pre_activation, &mut weighted_hidden, op.grad_row_probs.slice_mut()?)?;
+        run_cpu::<T>(x, None, &mut grad_pre_activation, &mut weighted_hidden, op.grad_row_probs.slice_mut()?)?;
         for (out, x) in [(op.grad_pre_activation, &grad_pre_activation),
                          (op.grad_pre_activation_transposed, &grad_pre_activation),
                          (op.weighted_hidden_transposed, &weighted_hidden)] {

@@ -9,7 +9,8 @@ use crate::real::{float_matrix, FLOAT_TYPES};
 
 /// The operands of both activation backward calls, and their attribute
 /// `activation`: grad_hidden [R, F], pre_activation [R, 2F] (gated
-/// activations) or [R, F] of the same float type, row_probs [R] float32.
+/// activations) or [R, F] of the same float type, row_probs [R] float32
+/// (arguments 0 to 2; each call checks its count of arguments).
 pub struct ActivationOperands<'a> {
     pub activation: Activation,
     pub rows: usize,
@@ -22,7 +23,6 @@ pub struct ActivationOperands<'a> {
 
 impl<'a> ActivationOperands<'a> {
     fn decode(call: &Call<'a>) -> Result<Self> {
-        call.expect_num_args(3, 3)?;
         let activation = Activation::parse(call.attr("activation")?)?;
         let grad_hidden = call.arg(0, "grad_hidden")?;
         let (rows, features) = float_matrix(&grad_hidden)?;
@@ -39,11 +39,15 @@ impl<'a> ActivationOperands<'a> {
     }
 }
 
-/// `oxmoe_activation_bwd`: [`ActivationOperands`] -> grad_pre_activation
+/// `oxmoe_activation_bwd`: [`ActivationOperands`], then optionally
+/// group_sizes [G] int32 (G >= 1, on the device) -> grad_pre_activation
 /// shaped and typed as pre_activation, weighted_hidden [R, F] of that type,
-/// grad_row_probs [R] float32.
+/// grad_row_probs [R] float32. With group_sizes only the rows the groups cover
+/// (`cpu::covered_rows`) are computed; the results' other rows are left as
+/// they are.
 pub struct ActivationBwd<'a> {
     pub operands: ActivationOperands<'a>,
+    pub group_sizes: Option<Arg<'a>>,
     pub grad_pre_activation: Ret<'a>,
     pub weighted_hidden: Ret<'a>,
     pub grad_row_probs: Ret<'a>,
@@ -51,7 +55,15 @@ pub struct ActivationBwd<'a> {
 
 impl<'a> ActivationBwd<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(3, 4)?;
         let operands = ActivationOperands::decode(call)?;
+        let group_sizes = call.optional_arg(3, "group_sizes")?;
+        if let Some(group_sizes) = &group_sizes {
+            group_sizes.expect_dtype(&[DataType::S32])?;
+            if !matches!(group_sizes.dims(), &[groups] if groups >= 1) {
+                invalid!("group_sizes has shape {:?}, expected [groups] with at least one group", group_sizes.dims())
+            }
+        }
         let (dtype, rows) = ([operands.grad_hidden.dtype()], operands.rows);
         let grad_pre_activation = call.ret(0, "grad_pre_activation")?;
         grad_pre_activation.expect(&dtype, &[rows, operands.width()])?;
@@ -59,7 +71,7 @@ impl<'a> ActivationBwd<'a> {
         weighted_hidden.expect(&dtype, &[rows, operands.features])?;
         let grad_row_probs = call.ret(2, "grad_row_probs")?;
         grad_row_probs.expect(&[DataType::F32], &[rows])?;
-        Ok(Self { operands, grad_pre_activation, weighted_hidden, grad_row_probs })
+        Ok(Self { operands, group_sizes, grad_pre_activation, weighted_hidden, grad_row_probs })
     }
 }
 
@@ -85,6 +97,7 @@ pub struct ActivationBwdFp8<'a> {
 
 impl<'a> ActivationBwdFp8<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
+        call.expect_num_args(3, 3)?;
         let operands = ActivationOperands::decode(call)?;
         let (rows, features, width) = (operands.rows, operands.features, operands.width());
         if !rows.is_multiple_of(128) || !features.is_multiple_of(128) {

@@ -1,11 +1,14 @@
 //! CPU implementations of the grouped products: the executable specification.
 //! Arithmetic is f32 (each product summed in increasing order of the
-//! contracted index); rows outside every group of the window are zero.
+//! contracted index); rows outside every group of the window are zero (or,
+//! where a call asks, left unwritten).
 
 use super::ops::FP8_BLOCK;
 use super::{group_rows, GroupedShape};
-use crate::real::{Real, E4m3};
+use crate::activation::{self, Activation};
+use crate::real::{unused_row_value, Real, E4m3};
 use rayon::prelude::*;
+use std::ops::Range;
 
 /// Rows of one tile: the output rows that one pass over the contracted index
 /// computes together, so each weight row loaded serves all of them.
@@ -69,9 +72,28 @@ fn panel_product(panel: &[[f32; TILE_ROWS]], b: &[f32], n: usize, out: &mut [f32
     panel_product_portable(panel, b, n, out)
 }
 
+/// The rows the local groups `groups` cover (each starts where the one
+/// before ends): `[bounds[0], bounds[local_groups])`, empty without groups.
+fn window_rows(groups: &[(usize, usize)]) -> Range<usize> {
+    match (groups.first(), groups.last()) {
+        (Some(&(start, _)), Some(&(_, end))) => start..end,
+        _ => 0..0,
+    }
+}
+
+/// Fills the rows of the row-major `matrix` (`columns` wide) outside `window`
+/// with zeros, or with `zero_unused_rows` false NaN ([`unused_row_value`]).
+fn fill_rows_outside<O: Real>(matrix: &mut [O], columns: usize, window: &Range<usize>, zero_unused_rows: bool) {
+    let (before, rest) = matrix.split_at_mut(window.start * columns);
+    before.fill(unused_row_value(zero_unused_rows));
+    rest[window.len() * columns..].fill(unused_row_value(zero_unused_rows));
+}
+
 /// `out[r] = lhs[r] · w_g` for each row `r` of local group `g`, where `w_g` is
 /// `rhs[g]` (`[K, N]`) or, with `rhs_transposed`, `rhs[g]ᵀ` (`rhs[g]` is
-/// `[N, K]`). Every other row of `out` is zero.
+/// `[N, K]`). Every other row of `out` is zero with `zero_unused_rows`, else
+/// unspecified ([`unused_row_value`]).
+#[allow(clippy::too_many_arguments)]
 pub fn ragged_dot<T: Real, O: Real>(
     shape: &GroupedShape,
     lhs: &[T],
@@ -79,14 +101,18 @@ pub fn ragged_dot<T: Real, O: Real>(
     rhs_transposed: bool,
     group_sizes: &[i32],
     group_offset: i32,
+    zero_unused_rows: bool,
     out: &mut [O],
 ) {
     let (k, n) = (shape.k, shape.n);
-    out.fill(O::from_f32(0.0));
+    let groups = group_rows(group_sizes, group_offset, shape.local_groups, shape.m);
+    let window = window_rows(&groups);
+    fill_rows_outside(out, n, &window, zero_unused_rows);
     if n == 0 || k == 0 {
-        return;  // rows stay zero
+        out[window.start * n..window.end * n].fill(O::from_f32(0.0));  // nothing to sum: zero products
+        return;
     }
-    for (g, (start, end)) in group_rows(group_sizes, group_offset, shape.local_groups, shape.m).into_iter().enumerate() {
+    for (g, (start, end)) in groups.into_iter().enumerate() {
         // The group's weights as f32 [K, N], converted (and transposed) once for all its rows.
         let group = &rhs[g * k * n..(g + 1) * k * n];
         let w: Vec<f32> = if rhs_transposed {
@@ -112,6 +138,30 @@ pub fn ragged_dot<T: Real, O: Real>(
             }
         });
     }
+}
+
+/// [`ragged_dot`]'s product (rhs `[Gl, K, N]`) into `pre_activation [M, N]`
+/// and its `activation`, row by row, into `hidden [M, F]`: over the window's
+/// rows; the other rows of both are zero with `zero_unused_rows`, else
+/// unspecified ([`unused_row_value`]).
+#[allow(clippy::too_many_arguments)]
+pub fn ragged_dot_activation<T: Real>(
+    shape: &GroupedShape,
+    lhs: &[T],
+    rhs: &[T],
+    activation: Activation,
+    group_sizes: &[i32],
+    group_offset: i32,
+    zero_unused_rows: bool,
+    pre_activation: &mut [T],
+    hidden: &mut [T],
+) {
+    ragged_dot::<T, T>(shape, lhs, rhs, false, group_sizes, group_offset, zero_unused_rows, pre_activation);
+    let (n, features) = (shape.n, activation.hidden_columns(shape.n));
+    let window = window_rows(&group_rows(group_sizes, group_offset, shape.local_groups, shape.m));
+    fill_rows_outside(hidden, features, &window, zero_unused_rows);
+    activation::cpu::activation_fwd::<T>(activation, features, &pre_activation[window.start * n..window.end * n],
+                                         &mut hidden[window.start * features..window.end * features]);
 }
 
 /// Each chunk's [`group_rows`] (chunk `c` has `rows[c]` rows and the sizes
@@ -330,7 +380,7 @@ mod tests {
         let lhs = [1f32, 2., 3., 4., 5., 6., 7., 8.];
         let rhs = [10f32, 1., 100., 1000.];
         let mut out = [9f32; 4];
-        ragged_dot(&shape, &lhs, &rhs, false, &[1, 2], 0, &mut out);
+        ragged_dot(&shape, &lhs, &rhs, false, &[1, 2], 0, true, &mut out);
         assert_eq!(out, [12., 4300., 6500., 0.]);
 
         let shape = GroupedShape { m: 4, k: 2, n: 1, groups: 2, local_groups: 2 };
@@ -338,6 +388,40 @@ mod tests {
         let chunk = ChunkRows { lhs: &lhs[..], rhs: &[1f32, 1., 2., 5.][..], rows: 4 };
         transposed_ragged_dot(&shape, &[chunk], &[1, 2], 0, &mut grad);
         assert_eq!(grad, [1., 2., 3. + 10., 4. + 12.]);
+    }
+
+    /// Groups [2, 1, 2, 3] over 10 rows, a window of groups 1 and 2 (rows
+    /// 2..5): the rows before and after it are zero in every result with
+    /// `zero_unused_rows`, and NaN without it (unspecified, made visible); the
+    /// window's rows are the same either way.
+    #[test]
+    fn rows_outside_the_window_are_zeroed_or_nan() {
+        const SENTINEL: f32 = -7.5;
+        let shape = GroupedShape { m: 10, k: 2, n: 2, groups: 4, local_groups: 2 };
+        let (sizes, window) = ([2, 1, 2, 3], 2..5);
+        let lhs: Vec<f32> = (0..20).map(|i| i as f32).collect();
+        let rhs = [1f32, 0., 0., 1., 2., 1., -1., 3.];
+        // The product, the pre-activation and the (SwiGLU) hidden activation, each with its columns.
+        let results = |zero_unused_rows| {
+            let (mut out, mut pre, mut hidden) = (vec![SENTINEL; 20], vec![SENTINEL; 20], vec![SENTINEL; 10]);
+            ragged_dot(&shape, &lhs, &rhs, false, &sizes, 1, zero_unused_rows, &mut out);
+            ragged_dot_activation(&shape, &lhs, &rhs, Activation::Swiglu, &sizes, 1, zero_unused_rows, &mut pre,
+                                  &mut hidden);
+            [(out, 2), (pre, 2), (hidden, 1)]
+        };
+        let (zeroed, unspecified) = (results(true), results(false));
+        // Row 2 (group 1) times the identity; rows 3 and 4 (group 2) times [[2, 1], [-1, 3]].
+        assert_eq!(zeroed[0].0[4..10], [4., 5., 6. * 2. - 7., 6. + 7. * 3., 8. * 2. - 9., 8. + 9. * 3.]);
+        assert_eq!(zeroed[1].0, zeroed[0].0);
+        for ((zeroed, columns), (unspecified, _)) in zeroed.iter().zip(&unspecified) {
+            for (row, (z, u)) in zeroed.chunks(*columns).zip(unspecified.chunks(*columns)).enumerate() {
+                if window.contains(&row) {
+                    assert!(z == u && z.iter().all(|&v| v != 0.0 && v != SENTINEL), "row {row}: {z:?}, {u:?}");
+                } else {
+                    assert!(z.iter().all(|&v| v == 0.0) && u.iter().all(|v| v.is_nan()), "row {row}: {z:?}, {u:?}");
+                }
+            }
+        }
     }
 
     /// Two chunks of rows: each group's rows are its rows in chunk 0, then in
@@ -415,8 +499,8 @@ mod tests {
         let lhs = [1f32, 2., 3., -1., 0., 1.];
         let (w, w_t) = ([1f32, 2., 3., 4., 5., 6.], [1f32, 3., 5., 2., 4., 6.]);
         let (mut a, mut b) = ([0f32; 4], [0f32; 4]);
-        ragged_dot(&shape, &lhs, &w, false, &[2], 0, &mut a);
-        ragged_dot(&shape, &lhs, &w_t, true, &[2], 0, &mut b);
+        ragged_dot(&shape, &lhs, &w, false, &[2], 0, true, &mut a);
+        ragged_dot(&shape, &lhs, &w_t, true, &[2], 0, true, &mut b);
         assert_eq!(a, [22., 28., 4., 4.]);
         assert_eq!(a, b);
     }

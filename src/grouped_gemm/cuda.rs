@@ -284,7 +284,9 @@ struct Epilogue {
 /// On Hopper, when the product takes the tensor cores and a gated
 /// activation's halves start at 16-byte multiples (F a multiple of 8), the
 /// activation in the product's epilogue; else the product, then
-/// `activation_fwd` over its rows.
+/// `activation_fwd` over its rows (all of them: without `zero_unused_rows`,
+/// those outside the window get the activation of whatever they held, as
+/// unspecified as that).
 pub fn ragged_dot_activation(stream: Stream, a: &RaggedDotActivation) -> Result<()> {
     let product = &a.product;
     let Some(g) = writes_something(product)? else { return Ok(()) };
@@ -334,7 +336,7 @@ fn ragged_dot_hopper(stream: Stream, device: &Device, a: &RaggedDot, g: &Groups,
     let instance = ragged_dot_hopper_instance(dtype, out_dtype, a.rhs_transposed, cluster, activation, bn)?;
     launch_hopper(stream, device, &instance, bn, cluster, &mut [
         arg(&lhs_map), arg(&rhs_map), arg(&g.sizes), arg(&g.groups), arg(&g.offset), arg(&g.local_groups),
-        arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map), arg(&hidden), arg(&hidden_map),
+        arg(&m), arg(&k), arg(&n), arg(&out), arg(&out_map), arg(&hidden), arg(&hidden_map), arg(&a.zero_unused_rows),
     ])
 }
 
@@ -348,6 +350,7 @@ fn ragged_dot_simt(stream: Stream, a: &RaggedDot, g: &Groups) -> Result<()> {
     let blocks = shape.m.div_ceil(SIMT_TILE) * shape.n.div_ceil(SIMT_TILE);
     launch(stream, kernel, LaunchConfig { grid: grid(blocks)?, block: SIMT_THREADS, shared_bytes: 0 }, &mut [
         arg(&lhs), arg(&rhs), arg(&rows.bounds), arg(&g.local_groups), arg(&m), arg(&k), arg(&n), arg(&out),
+        arg(&a.zero_unused_rows),
     ])
 }
 

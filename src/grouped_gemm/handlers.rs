@@ -5,7 +5,6 @@
 //! [`Stream`](crate::cuda::Stream).
 
 use super::ops::{Fp8RaggedDot, Fp8TransposedRaggedDot, RaggedDotActivation};
-use crate::activation;
 use super::{cpu, cuda, RaggedDot, TransposedRaggedDot};
 use crate::ffi::{DataType, Result};
 use crate::real::E4m3;
@@ -36,24 +35,25 @@ fn ragged_dot_cpu(op: RaggedDot) -> Result<()> {
     let (sizes, offset) = (op.group_sizes.slice::<i32>()?, op.group_offset.slice::<i32>()?[0]);
     with_real_type!(op.lhs.dtype(), T => {
         let (lhs, rhs) = (op.lhs.slice::<T>()?, op.rhs.slice::<T>()?);
+        let (rhs_transposed, zero_unused_rows) = (op.rhs_transposed, op.zero_unused_rows);
         if op.out.dtype() == DataType::F32 {
-            cpu::ragged_dot::<T, f32>(&op.shape, lhs, rhs, op.rhs_transposed, sizes, offset, op.out.slice_mut()?);
+            cpu::ragged_dot::<T, f32>(&op.shape, lhs, rhs, rhs_transposed, sizes, offset, zero_unused_rows,
+                                      op.out.slice_mut()?);
         } else {
-            cpu::ragged_dot::<T, T>(&op.shape, lhs, rhs, op.rhs_transposed, sizes, offset, op.out.slice_mut()?);
+            cpu::ragged_dot::<T, T>(&op.shape, lhs, rhs, rhs_transposed, sizes, offset, zero_unused_rows,
+                                    op.out.slice_mut()?);
         }
     });
     Ok(())
 }
 
 fn ragged_dot_activation_cpu(op: RaggedDotActivation) -> Result<()> {
-    let features = op.features();
     let RaggedDotActivation { product, activation, hidden } = op;
     let (sizes, offset) = (product.group_sizes.slice::<i32>()?, product.group_offset.slice::<i32>()?[0]);
     with_real_type!(product.lhs.dtype(), T => {
-        let pre_activation = product.out.slice_mut::<T>()?;
-        cpu::ragged_dot::<T, T>(&product.shape, product.lhs.slice()?, product.rhs.slice()?, false, sizes, offset,
-                                pre_activation);
-        activation::cpu::activation_fwd::<T>(activation, features, pre_activation, hidden.slice_mut()?);
+        cpu::ragged_dot_activation::<T>(&product.shape, product.lhs.slice()?, product.rhs.slice()?, activation, sizes,
+                                        offset, product.zero_unused_rows, product.out.slice_mut()?,
+                                        hidden.slice_mut()?);
     });
     Ok(())
 }

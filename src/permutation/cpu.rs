@@ -8,7 +8,7 @@
 //! row, which is zero).
 
 use super::{DispatchLayout, Entry};
-use crate::real::Real;
+use crate::real::{unused_row_value, Real};
 use rayon::prelude::*;
 
 /// Rows per parallel task: enough work to amortise scheduling.
@@ -84,15 +84,16 @@ pub fn dispatch_map(
     }
 }
 
-/// `out[r] = tokens[source_tokens[r]]`, or zeros where `source_tokens[r] < 0`.
-pub fn dispatch_rows<T: Real>(tokens: &[T], hidden: usize, source_tokens: &[i32], out: &mut [T]) {
+/// `out[r] = tokens[source_tokens[r]]`; where `source_tokens[r] < 0`, zeros
+/// with `zero_unused_rows`, else unspecified ([`unused_row_value`]: NaN).
+pub fn dispatch_rows<T: Real>(tokens: &[T], hidden: usize, source_tokens: &[i32], zero_unused_rows: bool, out: &mut [T]) {
     if hidden == 0 {
         return;
     }
     out.par_chunks_mut(hidden).zip(source_tokens.par_iter()).with_min_len(ROWS_PER_TASK).for_each(
         |(row, &t)| match usize::try_from(t) {
             Ok(t) => row.copy_from_slice(&tokens[t * hidden..(t + 1) * hidden]),
-            Err(_) => row.fill(T::from_f32(0.0)),
+            Err(_) => row.fill(unused_row_value(zero_unused_rows)),
         },
     );
 }
@@ -154,8 +155,9 @@ pub struct CombineGrads<'a, T> {
 /// The backward of [`combine`]. Row `r` of the expert rows' gradient comes
 /// from the token `t = source_tokens[r]` names: `s * grad_out[t]`, where `s`
 /// sums the weights `w[t, e]` (1 without weights) of the experts `e` whose
-/// `dest_rows[t, e]` is `r`, in increasing order; zero where `t` is -1, NaN
-/// where the maps disagree (`t` out of range, or no `dest_rows[t, e]` is `r`).
+/// `dest_rows[t, e]` is `r`, in increasing order; where `t` is -1, zero with
+/// `zero_unused_rows` and unspecified without ([`unused_row_value`]); NaN where the maps disagree
+/// (`t` out of range, or no `dest_rows[t, e]` is `r`), with or without.
 /// Without weights a row of one copy is `grad_out[t]` bit for bit (NaN
 /// payloads too), so that the gather moves any 32-bit words as they are.
 /// For the maps of a dispatch this is the transpose of the forward. With
@@ -168,6 +170,7 @@ pub fn combine_backward<T: Real>(
     dest_rows: &[i32],
     source_tokens: &[i32],
     experts: usize,
+    zero_unused_rows: bool,
     grads: CombineGrads<T>,
 ) {
     let (tokens, rows) = (dest_rows.len() / experts, source_tokens.len());
@@ -177,7 +180,7 @@ pub fn combine_backward<T: Real>(
         grad_expert_tokens.par_chunks_mut(hidden).zip(source_tokens.par_iter()).enumerate()
             .with_min_len(ROWS_PER_TASK).for_each(|(r, (out_row, &source))| {
                 let t = match Entry::of(source, tokens) {
-                    Entry::None => return out_row.fill(T::from_f32(0.0)),
+                    Entry::None => return out_row.fill(unused_row_value(zero_unused_rows)),
                     Entry::Invalid => return out_row.fill(T::from_f32(f32::NAN)),
                     Entry::At(t) => t,
                 };
@@ -339,7 +342,7 @@ mod tests {
         let (grad_out, weights, expert_tokens) = ([2.0f32, 3.0], [0.0f32, 0.5, 0.25, 0.0], [4.0f32, 1.0, 1.0, 1.0]);
         let (mut grad_rows, mut grad_weights) = ([f32::INFINITY; 4], [f32::INFINITY; 4]);
         let grads = CombineGrads { grad_expert_tokens: &mut grad_rows, weighted: Some((&weights, &expert_tokens, &mut grad_weights)) };
-        combine_backward(&grad_out, 1, &dest_rows, &source_tokens, 2, grads);
+        combine_backward(&grad_out, 1, &dest_rows, &source_tokens, 2, true, grads);
         assert_eq!(grad_rows[..2], [0.5 * 2.0, 0.0]);
         assert!(grad_rows[2].is_nan() && grad_rows[3].is_nan());
         assert_eq!(grad_weights[..2], [0.0, 2.0 * 4.0]);
@@ -348,14 +351,49 @@ mod tests {
         // Rows of no elements: the weights' gradient is still written (zeros).
         let mut grad_weights = [f32::NAN; 4];
         let grads = CombineGrads { grad_expert_tokens: &mut [], weighted: Some((&weights, &[], &mut grad_weights)) };
-        combine_backward::<f32>(&[], 0, &[-1, 0, 1, -1], &[0, 1], 2, grads);
+        combine_backward::<f32>(&[], 0, &[-1, 0, 1, -1], &[0, 1], 2, true, grads);
         assert_eq!(grad_weights, [0.0; 4]);
 
         // A token listing one row for two experts: their weights summed.
         let mut grad_rows = [f32::NAN; 1];
         let grads = CombineGrads { grad_expert_tokens: &mut grad_rows, weighted: None };
-        combine_backward(&[3.0f32], 1, &[0, 0], &[0], 2, grads);
+        combine_backward(&[3.0f32], 1, &[0, 0], &[0], 2, true, grads);
         assert_eq!(grad_rows, [6.0]);
+    }
+
+    /// What an output held before the call: every row is written over.
+    const SENTINEL: f32 = -123.25;
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    #[test]
+    fn dispatch_rows_zero_the_unused_rows_or_make_them_nan() {
+        // 3 rows of 2 elements: token 1's, padding, token 0's.
+        let (tokens, source_tokens) = ([1.0f32, 2.0, 3.0, 4.0], [1, -1, 0]);
+        for (zero_unused_rows, unused) in [(true, 0.0), (false, f32::NAN)] {
+            let mut out = [SENTINEL; 6];
+            dispatch_rows(&tokens, 2, &source_tokens, zero_unused_rows, &mut out);
+            assert_eq!(bits(&out), bits(&[3.0, 4.0, unused, unused, 1.0, 2.0]), "zero_unused_rows {zero_unused_rows}");
+        }
+    }
+
+    #[test]
+    fn combine_backward_zeroes_unused_rows_or_makes_them_nan_and_marks_bad_maps_either_way() {
+        // 2 tokens, 2 experts, 5 rows of 2 elements. Row 0: token 1's copy for
+        // expert 0; row 1: padding; row 2: token 0's copy for expert 1; row 3
+        // names token 0, which does not list it; row 4 names token 7 (out of range).
+        let (dest_rows, source_tokens) = ([-1, 2, 0, -1], [1, -1, 0, 0, 7]);
+        let grad_out = [1.0f32, 2.0, 3.0, 4.0];
+        for (zero_unused_rows, unused) in [(true, 0.0), (false, f32::NAN)] {
+            let mut grad_rows = [SENTINEL; 10];
+            let grads = CombineGrads { grad_expert_tokens: &mut grad_rows, weighted: None };
+            combine_backward(&grad_out, 2, &dest_rows, &source_tokens, 2, zero_unused_rows, grads);
+            let context = format!("zero_unused_rows {zero_unused_rows}: {grad_rows:?}");
+            assert_eq!(bits(&grad_rows[..6]), bits(&[3.0, 4.0, unused, unused, 1.0, 2.0]), "{context}");
+            assert!(grad_rows[6..].iter().all(|x| x.is_nan()), "{context}");
+        }
     }
 
     #[test]
@@ -366,7 +404,7 @@ mod tests {
         g[0] = (1u32 << 24) as f32;
         let mut grad_weights = [0.0f32];
         let grads = CombineGrads { grad_expert_tokens: &mut vec![0.0; hidden], weighted: Some((&[1.0], &vec![1.0f32; hidden], &mut grad_weights)) };
-        combine_backward(&g, hidden, &[0], &[0], 1, grads);
+        combine_backward(&g, hidden, &[0], &[0], 1, true, grads);
         assert_eq!(grad_weights[0], ((1u64 << 24) + hidden as u64 - 1) as f32);
     }
 

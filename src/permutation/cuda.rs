@@ -102,9 +102,10 @@ fn token_blocks(tokens: usize, experts: usize) -> usize {
     tokens.div_ceil(tokens_per_block(experts))
 }
 
-/// The blocks of the tokens, then one per `ZERO_ROWS` output rows.
-fn token_and_zero_blocks(tokens: usize, experts: usize, rows: usize) -> Result<LaunchConfig> {
-    let blocks = token_blocks(tokens, experts) + rows.div_ceil(ZERO_ROWS);
+/// The blocks of the tokens, then the zeroing blocks: one per `ZERO_ROWS` of
+/// the `checked_rows` output rows they check (all the rows, or none).
+fn token_and_zero_blocks(tokens: usize, experts: usize, checked_rows: usize) -> Result<LaunchConfig> {
+    let blocks = token_blocks(tokens, experts) + checked_rows.div_ceil(ZERO_ROWS);
     Ok(LaunchConfig { grid: grid(blocks)?, block: ROW_BLOCK, shared_bytes: 0 })
 }
 
@@ -175,9 +176,12 @@ pub fn dispatch_fwd(stream: Stream, a: &DispatchFwd) -> Result<()> {
     }
     let scatter = Kernel::get(stream, &PERMUTATION, &scatter_instance(a.tokens.dtype(), a.hidden, e, Scatter::Dispatch)?)?;
     let (src, out, null) = (a.tokens.device_ptr(), a.out_tokens.device_ptr(), 0u64);
-    launch(stream, scatter, token_and_zero_blocks(t, e, rows)?, &mut [
+    // A dispatch's zeroing blocks write only zeros: none when the caller leaves those rows unwritten.
+    let checked_rows = if a.zero_unused_rows { rows } else { 0 };
+    let zero_unused = i32::from(a.zero_unused_rows);
+    launch(stream, scatter, token_and_zero_blocks(t, e, checked_rows)?, &mut [
         arg(&src), arg(&dest_rows), arg(&source_tokens), arg(&null), arg(&null), arg(&null), arg(&out),
-        arg(&tokens_i), arg(&rows_i),
+        arg(&tokens_i), arg(&rows_i), arg(&zero_unused),
     ])
 }
 
@@ -203,10 +207,11 @@ pub fn combine_bwd(stream: Stream, a: &CombineBwd) -> Result<()> {
         Some((w, x, g)) => (w.device_ptr(), x.device_ptr(), g.device_ptr()),
         None => (0, 0, 0),
     };
-    let (tokens, rows) = (int(a.tokens)?, int(a.rows)?);
+    let (tokens, rows, zero_unused) = (int(a.tokens)?, int(a.rows)?, i32::from(a.zero_unused_rows));
+    // Every row is checked, zeroed or not: the zeroing blocks also mark the rows of maps that disagree.
     launch(stream, kernel, token_and_zero_blocks(a.tokens, a.experts, a.rows)?, &mut [
         arg(&grad), arg(&dest_rows), arg(&source_tokens), arg(&weights), arg(&expert_tokens), arg(&grad_weights),
-        arg(&out), arg(&tokens), arg(&rows),
+        arg(&out), arg(&tokens), arg(&rows), arg(&zero_unused),
     ])
 }
 

@@ -41,7 +41,8 @@ fn dispatch_fwd_cpu(op: DispatchFwd) -> Result<()> {
     let routing_map = op.routing_map.mask()?;
     cpu::dispatch_map(&op.layout, routing_map, probs, op.dest_rows.slice_mut()?, source_tokens, counts);
     with_real_type!(op.tokens.dtype(), T => {
-        cpu::dispatch_rows::<T>(op.tokens.slice()?, op.hidden, source_tokens, op.out_tokens.slice_mut()?);
+        let (tokens, out) = (op.tokens.slice()?, op.out_tokens.slice_mut()?);
+        cpu::dispatch_rows::<T>(tokens, op.hidden, source_tokens, op.zero_unused_rows, out);
     });
     Ok(())
 }
@@ -65,7 +66,8 @@ fn combine_bwd_cpu(op: CombineBwd) -> Result<()> {
             None => None,
         };
         let grads = CombineGrads { grad_expert_tokens: op.grad_expert_tokens.slice_mut()?, weighted };
-        cpu::combine_backward::<T>(op.grad_out.slice()?, op.hidden, dest_rows, source_tokens, op.experts, grads);
+        let grad_out = op.grad_out.slice()?;
+        cpu::combine_backward::<T>(grad_out, op.hidden, dest_rows, source_tokens, op.experts, op.zero_unused_rows, grads);
     });
     Ok(())
 }

@@ -16,6 +16,12 @@ fn check_index_range(what: &str, count: usize) -> Result<()> {
     Ok(())
 }
 
+/// The attribute `zero_unused_rows` of a row scatter; a call without it zeroes,
+/// as every call did before the attribute existed.
+fn zero_unused_rows(call: &Call) -> Result<bool> {
+    Ok(call.optional_attr::<bool>("zero_unused_rows")?.unwrap_or(true))
+}
+
 /// `(tokens, experts)` of a `[T, E]` map (`name`), with at least one expert.
 fn token_expert_map(map: &Arg, name: &str) -> Result<(usize, usize)> {
     let (tokens, experts) = map.matrix()?;
@@ -27,7 +33,8 @@ fn token_expert_map(map: &Arg, name: &str) -> Result<(usize, usize)> {
 }
 
 /// `oxmoe_dispatch_fwd`: tokens [T, H], routing_map [T, E] bool, optional
-/// probs [T, E] f32 (attribute `align_size`) -> tokens [R, H], dest_rows
+/// probs [T, E] f32 (attributes `align_size` and, optionally,
+/// `zero_unused_rows`) -> tokens [R, H], dest_rows
 /// [T, E] s32, source_tokens [R] s32, tokens_per_expert, real_tokens_per_expert,
 /// pad_offsets [E] s32, with probs, probs [R] f32, and last the workspace
 /// (see [`super::cuda::dispatch_workspace_bytes`]).
@@ -45,6 +52,8 @@ pub struct DispatchFwd<'a> {
     pub pad_offsets: Ret<'a>,
     pub out_probs: Option<Ret<'a>>,
     pub workspace: Ret<'a>,
+    /// Whether the rows of `out_tokens` no copy holds are zeroed (else left unwritten).
+    pub zero_unused_rows: bool,
 }
 
 impl<'a> DispatchFwd<'a> {
@@ -102,6 +111,7 @@ impl<'a> DispatchFwd<'a> {
             pad_offsets,
             out_probs,
             workspace,
+            zero_unused_rows: zero_unused_rows(call)?,
         })
     }
 }
@@ -152,7 +162,8 @@ impl<'a> CombineFwd<'a> {
 
 /// `oxmoe_combine_bwd`: grad_out [T, H], dest_rows [T, E] s32, source_tokens
 /// [R] s32, and optionally merging_probs [T, E] f32 with expert_tokens [R, H]
-/// -> grad_expert_tokens [R, H], and with merging_probs, grad_merging_probs [T, E] f32.
+/// (optional attribute `zero_unused_rows`) -> grad_expert_tokens [R, H], and
+/// with merging_probs, grad_merging_probs [T, E] f32.
 pub struct CombineBwd<'a> {
     pub tokens: usize,
     pub experts: usize,
@@ -164,6 +175,9 @@ pub struct CombineBwd<'a> {
     /// `(merging_probs, expert_tokens, grad_merging_probs)`.
     pub weighted: Option<(Arg<'a>, Arg<'a>, Ret<'a>)>,
     pub grad_expert_tokens: Ret<'a>,
+    /// Whether the rows of `grad_expert_tokens` whose `source_tokens` entry is
+    /// -1 are zeroed (else left unwritten; rows of maps that disagree are NaN either way).
+    pub zero_unused_rows: bool,
 }
 
 impl<'a> CombineBwd<'a> {
@@ -191,7 +205,18 @@ impl<'a> CombineBwd<'a> {
             }
             None => None,
         };
-        Ok(Self { tokens, experts, rows, hidden, grad_out, dest_rows, source_tokens, weighted, grad_expert_tokens })
+        Ok(Self {
+            tokens,
+            experts,
+            rows,
+            hidden,
+            grad_out,
+            dest_rows,
+            source_tokens,
+            weighted,
+            grad_expert_tokens,
+            zero_unused_rows: zero_unused_rows(call)?,
+        })
     }
 }
 
