@@ -196,14 +196,15 @@ def _from_bytes(x, like):
     return jax.lax.bitcast_convert_type(x, like.dtype) if x.dtype != like.dtype else x
 
 
-def rows_of(x, row_map: permutation.RowIdMap):
+def rows_of(x, row_map: permutation.RowIdMap, zero_unused_rows: bool = True):
     """``[T, X]`` → ``[R, X]``: each row's token's ``x`` (``row_map.source_tokens``),
-    zero on rows of no token: the permutation's gather (:func:`oxmoe.permutation.combine_bwd`
+    zero on rows of no token (unwritten without ``zero_unused_rows``, 16- and 32-bit
+    rows): the permutation's gather (:func:`oxmoe.permutation.combine_bwd`
     without weights), which copies each row bit for bit. Float8 values travel through it as
     float32 words, four bytes each (on an H200, two such gathers took the kernel 310 us at
     DeepSeek-V3's one-GPU shape against XLA's 446, and the same at Qwen3's: 229 against 236)."""
     if not _is_byte_float(x):
-        return permutation.combine_bwd(x, None, row_map)[0]
+        return permutation.combine_bwd(x, None, row_map, zero_unused_rows=zero_unused_rows)[0]
     tokens, width = x.shape
     assert width % 4 == 0, "float8 rows are whole 32-bit words (FP8 rows are multiples of 128)"
     words = jax.lax.bitcast_convert_type(_as_bytes(x).reshape(tokens, width // 4, 4), jnp.float32)

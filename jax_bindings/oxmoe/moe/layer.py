@@ -218,10 +218,12 @@ def dispatch(tokens, routing: Routing, config: MoEConfig, *, expert_axis=None, d
     return _dispatch(tokens.astype(config.dtype), *routing.dispatched(), config, axes, capacity)
 
 
-def _dispatch(tokens, routing_map, probs, config: MoEConfig, axes: Axes, capacity: int | None) -> ExpertInput:
+def _dispatch(tokens, routing_map, probs, config: MoEConfig, axes: Axes, capacity: int | None,
+              zero_unused_rows: bool = True) -> ExpertInput:
     """:func:`dispatch` of ``tokens`` (all of this shard's, or a chunk of them) with their
     ``routing_map`` and ``probs`` of the copies to compute; ``capacity``: the copies
-    one expert takes from every token of the expert axis (None: no bound)."""
+    one expert takes from every token of the expert axis (None: no bound);
+    ``zero_unused_rows``: see :func:`_zeroes_unused_rows`."""
     method, align = exchange_method(config, axes, *tokens.shape), config.align_size
     check_rows(config, axes, len(tokens), method, capacity)
     el = config.num_experts // axes.expert_shards
@@ -239,7 +241,7 @@ def _dispatch(tokens, routing_map, probs, config: MoEConfig, axes: Axes, capacit
         routing_map, probs = weights >= 0, jnp.maximum(weights, 0)
     # The last part (the rows, or the FP8 scales) is permuted by the dispatch, which makes the row map.
     local_rows = permutation.dispatch_fwd(parts[-1], routing_map, probs, num_rows=dispatch_rows(
-        config, len(parts[-1]), el, capacity), align_size=align)
+        config, len(parts[-1]), el, capacity), align_size=align, zero_unused_rows=zero_unused_rows)
     assert local_rows.probs is not None  # given the weights, dispatch_fwd permutes them
     rows: jax.Array | fp8.BlockQuantized = local_rows.tokens
     if config.fp8 is not None:  # the dispatch permuted the scales; the values follow its map
@@ -265,11 +267,23 @@ def _from_parts(parts: tuple):
     return fp8.BlockQuantized(values, scales, fp8.ACTIVATION_BLOCK)
 
 
-def _permuted(rows, row_map: permutation.RowIdMap):
-    """``[T, H]`` rows (or their FP8 values and scales) → ``[R, H]``: each row's token's."""
+def _permuted(rows, row_map: permutation.RowIdMap, zero_unused_rows: bool = True):
+    """``[T, H]`` rows (or their FP8 values and scales) → ``[R, H]``: each row's token's
+    (``zero_unused_rows``: see :func:`_zeroes_unused_rows`)."""
     if isinstance(rows, fp8.BlockQuantized):
         return fp8.BlockQuantized(rows_of(rows.values, row_map), rows_of(rows.scales, row_map), rows.block)
-    return rows_of(rows, row_map)
+    return rows_of(rows, row_map, zero_unused_rows=zero_unused_rows)
+
+
+def _zeroes_unused_rows(config: MoEConfig) -> bool:
+    """Whether the layer's kernels zero the rows of its expert-row buffers that hold no
+    routed copy (rows past the groups). A buffer holds the most rows a shard's experts can
+    take with no token dropped, which with an exchange is about twice what they take: on two
+    H200s, zeroing and reading those rows cost 1.2-2.5 ms of a 10-40 ms step (bench/NOTES.md).
+    Nothing in the layer reads them, so they are left unwritten, but with alignment padding
+    (rows inside the groups that the weight gradients sum, which must be zero) or FP8 (whose
+    quantization blocks of 128 rows span a group's end)."""
+    return config.fp8 is not None or config.align_size is not None
 
 
 # -- expert FFN --------------------------------------------------------------------------
@@ -410,24 +424,31 @@ def _expert_weights(params: MoEParams, config: MoEConfig, axes: Axes,
     return quantized.forward, quantized.backward
 
 
-def _expert_product(rows, weight, sizes, config: MoEConfig, *, rhs_transposed: bool = False):
+def _expert_product(rows, weight, sizes, config: MoEConfig, *, rhs_transposed: bool = False,
+                    zero_unused_rows: bool = True):
     """``rows`` of each group times its expert's ``weight`` (``weight[g]ᵀ`` with
     ``rhs_transposed``), in ``config.dtype``; with ``config.fp8`` the FP8 product of
-    the rows quantized per row in 1 x 128 blocks (or as they came, quantized)."""
+    the rows quantized per row in 1 x 128 blocks (or as they came, quantized).
+    ``zero_unused_rows``: see :func:`_zeroes_unused_rows`."""
     if config.fp8 is None:
-        return grouped_gemm.ragged_dot(rows, weight, sizes, rhs_transposed=rhs_transposed)
+        return grouped_gemm.ragged_dot(rows, weight, sizes, rhs_transposed=rhs_transposed,
+                                       zero_unused_rows=zero_unused_rows)
     if not isinstance(rows, fp8.BlockQuantized):
         rows = fp8.quantize(rows, fp8.ACTIVATION_BLOCK, power_of_two_scales=config.fp8.power_of_two_scales)
     return fp8.ragged_dot(rows, weight, sizes, rhs_transposed=rhs_transposed, preferred_element_type=config.dtype)
 
 
-def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> ExpertOutput:
-    """:func:`expert_ffn` with the forward's weights of :func:`_expert_weights`."""
+def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig,
+                zero_unused_rows: bool = True) -> ExpertOutput:
+    """:func:`expert_ffn` with the forward's weights of :func:`_expert_weights`
+    (``zero_unused_rows``: see :func:`_zeroes_unused_rows`)."""
     up_weight, down_weight = weights
     sizes = dispatched.group_sizes
     if config.fp8 is None:
-        up, hidden = grouped_gemm.ragged_dot_activation(dispatched.rows, up_weight, sizes, config.activation)
-        return ExpertOutput(_expert_product(hidden, down_weight, sizes, config), up)
+        up, hidden = grouped_gemm.ragged_dot_activation(dispatched.rows, up_weight, sizes, config.activation,
+                                                        zero_unused_rows=zero_unused_rows)
+        return ExpertOutput(_expert_product(hidden, down_weight, sizes, config, zero_unused_rows=zero_unused_rows),
+                            up)
     # FP8: the weights come transposed (both operands K-major); the activation is a pass of its
     # own, which quantizes its result for the down projection.
     up = _expert_product(dispatched.rows, up_weight, sizes, config, rhs_transposed=True)
@@ -435,7 +456,8 @@ def _expert_ffn(dispatched: ExpertInput, weights: tuple, config: MoEConfig) -> E
     return ExpertOutput(_expert_product(quantized_hidden, down_weight, sizes, config, rhs_transposed=True), up)
 
 
-def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config: MoEConfig):
+def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config: MoEConfig,
+                    zero_unused_rows: bool = True):
     """From each row's output gradient before its routing weight (``grad_out_rows``),
     ``(grad_in, weighted_hidden, grad_up_rows, grad_row_probs)``: the gradient of the
     dispatched rows, the activation's output times each row's weight and the up
@@ -449,27 +471,31 @@ def _expert_ffn_bwd(grad_out_rows, kept: ExpertResiduals, weights: tuple, config
     over the rows: :func:`oxmoe.activation.activation_bwd`, or with ``config.fp8``
     :func:`oxmoe.fp8.activation_bwd`, which quantizes them in the same pass (one
     pass where there were three: the activation's backward and two quantizations).
-    ``weights``: the backward's of :func:`_expert_weights`."""
+    ``weights``: the backward's of :func:`_expert_weights`; ``zero_unused_rows``: see
+    :func:`_zeroes_unused_rows`."""
     up_weight, down_weight = weights
-    grad_hidden = _expert_product(grad_out_rows, down_weight, kept.group_sizes, config, rhs_transposed=True)
+    grad_hidden = _expert_product(grad_out_rows, down_weight, kept.group_sizes, config, rhs_transposed=True,
+                                  zero_unused_rows=zero_unused_rows)
     lhs_rows: jax.Array | fp8.BlockQuantized
     weight_grad_rows: jax.Array | fp8.BlockQuantized
     weighted_hidden: jax.Array | fp8.BlockQuantized
     if config.fp8 is None:
         lhs_rows, weighted_hidden, grad_row_probs = activation.activation_bwd(
-            grad_hidden, kept.up_rows, kept.row_probs, config.activation)
+            grad_hidden, kept.up_rows, kept.row_probs, config.activation,
+            group_sizes=None if zero_unused_rows else kept.group_sizes)
         weight_grad_rows = lhs_rows
     else:
         # The d lhs product's operand and both weight gradients' rows, quantized in the same pass.
         lhs_rows, weight_grad_rows, weighted_hidden, grad_row_probs = fp8.activation_bwd(
             grad_hidden, kept.up_rows, kept.row_probs, config.activation,
             power_of_two_scales=config.fp8.power_of_two_scales, grad_transposed_block=config.fp8.gradient_block)
-    grad_in = _expert_product(lhs_rows, up_weight, kept.group_sizes, config, rhs_transposed=True)
+    grad_in = _expert_product(lhs_rows, up_weight, kept.group_sizes, config, rhs_transposed=True,
+                              zero_unused_rows=zero_unused_rows)
     return grad_in, weighted_hidden, weight_grad_rows, grad_row_probs
 
 
 def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: list, grad_out_rows: list,
-                         grad_up_rows: list, params: MoEParams, config: MoEConfig):
+                         grad_up_rows: list, params: MoEParams, config: MoEConfig, zero_unused_rows: bool = True):
     """``(grad_up, grad_down)`` of the local experts over every chunk's rows: one
     weight-gradient product per weight, its rows kept in their chunks' buffers
     (with ``config.fp8``, each quantized in 128 x 1 blocks, one scale per 128 rows
@@ -486,7 +512,8 @@ def _expert_weight_grads(kept: tuple[ExpertResiduals, ...], weighted_hidden: lis
     down_operands: tuple = (weighted_hidden, grad_out_rows)
     product: Callable = grouped_gemm.transposed_ragged_dot
     if config.fp8 is None:
-        up_operands: tuple = ([_permuted(chunk.tokens, chunk.row_id_map) for chunk in kept], grad_up_rows)
+        up_operands: tuple = ([_permuted(chunk.tokens, chunk.row_id_map, zero_unused_rows) for chunk in kept],
+                              grad_up_rows)
     else:
         # Rows that travelled quantized per row (the tokens, the output gradient) are quantized
         # again per 128 rows (DeepSeek-V3's way), read as their FP8 values and scales: no 16-bit
@@ -854,9 +881,10 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams, fp8_weights:
     # Each chunk's tokens travel, meet their experts and come back on their own, so that one
     # chunk's exchange may run while another's expert GEMMs do.
     dispatched, outputs, ys = [], [], []
+    zero_unused_rows = _zeroes_unused_rows(config)
     for rows in _token_chunks(len(flat), config, axes):
-        d = _dispatch(tokens[rows], routing_map[rows], probs[rows], config, axes, capacity)
-        out = _expert_ffn(d, forward_weights, config)
+        d = _dispatch(tokens[rows], routing_map[rows], probs[rows], config, axes, capacity, zero_unused_rows)
+        out = _expert_ffn(d, forward_weights, config, zero_unused_rows)
         dispatched.append(d)
         outputs.append(out)
         ys.append(_combine(out.rows, d, axes))
@@ -901,6 +929,7 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     local = (len(res.chunks) == 1 and res.chunks[0].exchange is None and not res.chunks[0].ring
              and res.shared is None and jnp.dtype(res.x_dtype) == jnp.dtype(config.dtype))
     local_rows = None
+    zero_unused_rows = _zeroes_unused_rows(config)
     grad_tokens, grad_probs, hidden, grad_rows, grad_up_rows = [], [], [], [], []
     for rows, d in zip(chunks, res.chunks):
         # The output's gradient travels as the tokens did (with FP8, quantized once before it leaves).
@@ -909,8 +938,9 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
             g = gather_over(axes.expert_axis, *g)
         if d.exchange is not None:
             g = d.exchange.scatter_tokens(*g)
-        grad_out_rows = _permuted(_from_parts(g), d.row_id_map)  # each row's token's, unweighted
-        grad_in, chunk_hidden, chunk_grad_up_rows, grad_row_probs = _expert_ffn_bwd(grad_out_rows, d, weights, config)
+        grad_out_rows = _permuted(_from_parts(g), d.row_id_map, zero_unused_rows)  # each row's token's, unweighted
+        grad_in, chunk_hidden, chunk_grad_up_rows, grad_row_probs = _expert_ffn_bwd(grad_out_rows, d, weights, config,
+                                                                                    zero_unused_rows)
         chunk_grad_probs = permutation.dispatch_probs_bwd(grad_row_probs, d.row_id_map)
         if local:
             local_rows = grad_in
@@ -927,7 +957,8 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
         hidden.append(chunk_hidden)
         grad_rows.append(grad_out_rows)
         grad_up_rows.append(chunk_grad_up_rows)
-    grad_up, grad_down = _expert_weight_grads(res.chunks, hidden, grad_rows, grad_up_rows, params, config)
+    grad_up, grad_down = _expert_weight_grads(res.chunks, hidden, grad_rows, grad_up_rows, params, config,
+                                              zero_unused_rows)
     gate = params.gate.astype(config.router_dtype)
     logits = _f32_dot(res.tokens, gate)  # as the forward computed them: cheaper than keeping [T, E] float32
     grad_logits = _route_bwd(logits, res.routing_map, res.aux_tokens_per_expert, jnp.concatenate(grad_probs),
