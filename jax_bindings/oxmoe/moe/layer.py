@@ -275,15 +275,16 @@ def _permuted(rows, row_map: permutation.RowIdMap, zero_unused_rows: bool = True
     return rows_of(rows, row_map, zero_unused_rows=zero_unused_rows)
 
 
-def _zeroes_unused_rows(config: MoEConfig) -> bool:
+def _zeroes_unused_rows(config: MoEConfig, axes: Axes) -> bool:
     """Whether the layer's kernels zero the rows of its expert-row buffers that hold no
-    routed copy (rows past the groups). A buffer holds the most rows a shard's experts can
-    take with no token dropped, which with an exchange is about twice what they take: on two
-    H200s, zeroing and reading those rows cost 1.2-2.5 ms of a 10-40 ms step (bench/NOTES.md).
-    Nothing in the layer reads them, so they are left unwritten, but with alignment padding
-    (rows inside the groups that the weight gradients sum, which must be zero) or FP8 (whose
-    quantization blocks of 128 rows span a group's end)."""
-    return config.fp8 is not None or config.align_size is not None
+    routed copy (rows past the groups). With expert shards a buffer holds the most rows a
+    shard's experts can take with no token dropped, about twice what they take: zeroing and
+    reading the rest cost 1.0-4.5 ms of a 10-140 ms step on an H200 (bench/NOTES.md). Nothing
+    in the layer reads them, so they are left unwritten, but with alignment padding (rows
+    inside the groups that the weight gradients sum, which must be zero) or FP8 (whose
+    quantization blocks of 128 rows span a group's end). On one shard a buffer holds the
+    routed copies and nothing else."""
+    return config.fp8 is not None or config.align_size is not None or axes.expert_shards == 1
 
 
 # -- expert FFN --------------------------------------------------------------------------
@@ -881,7 +882,7 @@ def _layer_fwd(config: MoEConfig, axes: Axes, x, params: MoEParams, fp8_weights:
     # Each chunk's tokens travel, meet their experts and come back on their own, so that one
     # chunk's exchange may run while another's expert GEMMs do.
     dispatched, outputs, ys = [], [], []
-    zero_unused_rows = _zeroes_unused_rows(config)
+    zero_unused_rows = _zeroes_unused_rows(config, axes)
     for rows in _token_chunks(len(flat), config, axes):
         d = _dispatch(tokens[rows], routing_map[rows], probs[rows], config, axes, capacity, zero_unused_rows)
         out = _expert_ffn(d, forward_weights, config, zero_unused_rows)
@@ -929,7 +930,7 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     local = (len(res.chunks) == 1 and res.chunks[0].exchange is None and not res.chunks[0].ring
              and res.shared is None and jnp.dtype(res.x_dtype) == jnp.dtype(config.dtype))
     local_rows = None
-    zero_unused_rows = _zeroes_unused_rows(config)
+    zero_unused_rows = _zeroes_unused_rows(config, axes)
     grad_tokens, grad_probs, hidden, grad_rows, grad_up_rows = [], [], [], [], []
     for rows, d in zip(chunks, res.chunks):
         # The output's gradient travels as the tokens did (with FP8, quantized once before it leaves).
