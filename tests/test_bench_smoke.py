@@ -401,23 +401,24 @@ MOE_LAYER_ERRORS = {"load_balancing_loss_rel_err", "z_loss_rel_err", "routing_mi
 #: The smoke EP layer: 64 tokens per device of H=64 on 4 devices, 64 experts each (two of
 #: DeepSeek-V3's 8 groups), top-8 in the best 4 groups: a token reaches
 #: 4 * (1 - C(6, 4) / C(8, 4)) = 3.14 devices, so a device sends round(64 * 3.14) = 201
-#: (token, shard) rows, at most 51 to one device; the layer's only slot size is T = 64, so
-#: an all_to_all moves 4 x 64 rows of 64 bf16 = 32768 bytes.
+#: (token, shard) rows, at most 51 to one device; the layer's only slot size is T = 64 (the
+#: ladder's next size rounds up to it), so an all_to_all moves 4 x 64 rows of 64 bf16 = 32768
+#: bytes, the rows the ring's gather moves: "auto" takes the ring.
 EP_LAYER = bench_moe.SMOKE_LAYERS[2]
 EP_EXCHANGE_ROWS, EP_SLOT, EP_WIRE_BYTES = 201, 64, 4 * 64 * 64 * 2
-#: The expert-parallel case's breakdown: the step with exchange "auto" (all_to_all: the cost
-#: model's fewer bytes) and with each exchange the platform runs, all_to_all's and the ring's
+#: The expert-parallel case's breakdown: the step with exchange "auto" (the ring: the
+#: all_to_all's one slot holds every token) and with each exchange the platform runs, all_to_all's and the ring's
 #: with the tokens in 2 and in 4 chunks, then the forward, the routing,
-#: one all_to_all exchange (four a step), off a CPU the ragged_all_to_all exchange beside it,
+#: one all_to_all exchange (none a step: "auto" takes the ring), off a CPU the ragged_all_to_all exchange beside it,
 #: the layer on one device, and that layer data-parallel over the 4 devices with its expert
 #: weights replicated and sharded, alone and two in sequence; each with how many a step has.
-_EP_STEPS = [("step (fwd+bwd), exchange 'auto' = 'all_to_all'", 1), ("step (fwd+bwd), exchange 'all_to_all'", None),
+_EP_STEPS = [("step (fwd+bwd), exchange 'auto' = 'ring'", 1), ("step (fwd+bwd), exchange 'all_to_all'", None),
              ("step (fwd+bwd), exchange 'ring'", None)]
 _EP_CHUNKED = [(f"step (fwd+bwd), exchange {method!r}, token_chunks={chunks}", None)
                for chunks in (2, 4) for method in ("all_to_all", "ring")]
 _EP_PIECES = [("forward", 1), ("routing forward (gate GEMM, oxmoe.router.topk)", 1),
               (f"all_to_all exchange: {EP_EXCHANGE_ROWS} x 64 bfloat16 (token, shard) rows in 4 x {EP_SLOT} slots, "
-               f"{EP_WIRE_BYTES} bytes", 4)]
+               f"{EP_WIRE_BYTES} bytes", None)]
 _EP_ONE_DEVICE = [("1 device, E=64: step (fwd+bwd)", None), ("1 device, E=64: forward", None),
                   ("data=4, E=64 on each device, expert weights replicated: step (fwd+bwd)", None),
                   ("data=4, E=64 on each device, expert weights sharded over 'data': step (fwd+bwd)", None),
@@ -447,21 +448,23 @@ def check_weight_sharding(parts: list[dict]) -> None:
 
 def check_ep_exchanges(parts: list[dict], platform: str) -> None:
     """Every exchange's step was timed, with the cost model's bytes of the two it models and a
-    peak memory that holds at least the step's arguments; "auto" is the cheaper by the model;
-    the all_to_all exchange moves the bytes of its slots."""
+    peak memory that holds at least the step's arguments; "auto" is the ring (the all_to_all's
+    one slot holds every token, though the model counts fewer bytes for it); the all_to_all
+    exchange moves the bytes of its slots."""
     costs = bench_moe.moe.exchange.cost_model(EP_LAYER.config, 4, EP_LAYER.tokens, EP_LAYER.hidden)
     assert costs["all_to_all"] < costs["ring"]
+    assert bench_moe.moe.exchange.sends_every_token(EP_LAYER.config, 4, EP_LAYER.tokens)
     steps = {p["exchange"]: p for p in parts if p["exchange"] is not None and "token_chunks" not in p["part"]}
     assert sorted(steps) == sorted(["auto", "all_to_all", "ring"] + (["ragged_all_to_all"] if platform == "gpu" else []))
     chunked = [p for p in parts if "token_chunks" in p["part"]]
     arguments = 2 * EP_LAYER.tokens * EP_LAYER.hidden * 2 + EP_LAYER.param_bytes()  # x, w and the parameters
     for method, part in [*steps.items(), *((p["exchange"], p) for p in chunked)]:
         assert 0 < part["min_us"] <= part["median_us"] <= part["max_us"], method
-        assert part["cost_model_bytes_per_step"] == costs.get("all_to_all" if method == "auto" else method), method
+        assert part["cost_model_bytes_per_step"] == costs.get("ring" if method == "auto" else method), method
         # XLA:CPU gives a memory analysis; a platform without one reports None.
         peak = part["peak_bytes_per_device"]
         assert (peak is None and platform != "cpu") or peak >= arguments, (method, peak, arguments)
-    assert steps["auto"]["peak_bytes_per_device"] == steps["all_to_all"]["peak_bytes_per_device"]
+    assert steps["auto"]["peak_bytes_per_device"] == steps["ring"]["peak_bytes_per_device"]
     wire = [p["wire_bytes"] for p in parts]
     assert wire == [EP_WIRE_BYTES if p["part"].startswith("all_to_all exchange") else None for p in parts]
     assert EP_EXCHANGE_ROWS == round(EP_LAYER.tokens * bench_moe.moe.exchange.shards_per_token(EP_LAYER.config, 4))
@@ -546,7 +549,7 @@ def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
             assert [p["part"] for p in parts] == expected_parts, name
             assert [p["per_step"] for p in parts] == [n for _, n in MOE_EP_PARTS[report["platform"]]], name
             assert parts[0]["median_us"] == ox["median_us"], name
-            assert case["auto_exchange"] == "all_to_all", name
+            assert case["auto_exchange"] == "ring", name
             # Every token's k copies, counted at the device of its expert.
             rows = case["device_rows"]
             assert len(rows) == EP_LAYER.devices and sum(rows) == EP_LAYER.devices * EP_LAYER.rows, (name, rows)
@@ -563,7 +566,7 @@ def check_moe_layer_cases(report: dict, block: str, names: list[str]) -> None:
 
 def test_moe_layer_expert_parallel_case_on_four_devices(tmp_path):
     """With 8 host devices the expert-parallel case runs (over the first 4, exchange "auto":
-    all_to_all on a CPU): checked against plain JAX on one device, timed with its breakdown."""
+    the ring): checked against plain JAX on one device, timed with its breakdown."""
     result = run_bench("--smoke", "--only", MOE_EP_CASE, "--out", str(tmp_path), host_devices=8)
     report = read_report(result, tmp_path)
     assert list(report["families"]) == ["moe_layer"]

@@ -168,17 +168,16 @@ def test_exchange_bytes_are_the_routed_rows(case, seed, rng):
 
 
 # (model shape, tokens per shard, expert shards, the exchange "auto" must choose). The EP = 2
-# choices against what the benchmark measured on two H200s (bench/RESULTS.md, issue 16,
-# 2026-11-23, steps back to back): at Qwen3 sizes the all_to_all was faster (9.91 against
-# 10.44 ms); at DeepSeek-V3 sizes the ring was (42.8 against 44.7 ms), within what the same
-# program varied between two timings of that run (1.2 ms). With one static slot of T rows
-# both move (n - 1) T token rows, and the all_to_all the weights of E / n experts a row, not E;
-# at Mixtral 8x7B's top-2 of 8 the all_to_all was faster (149.3 against 153.0 ms), as its fewer
-# bytes say. Past EP = 2 the ring moves every token to every shard, (n - 1) T rows, against
-# about shards_per_token(n) T of the (token, shard) pairs.
+# choices against what bench/ep_steps.py measured on two H200s (bench/RESULTS.md, 2026-11-29,
+# steps back to back): at DeepSeek-V3's and Qwen3's top-8 routing the all_to_all has one static
+# slot of every token, sends what the ring's gather sends and copies it into its slots and
+# back, and the ring was faster (38.8 against 40.8 ms, 9.65 against 9.82 ms); at Mixtral 8x7B's
+# top-2 of 8 the all_to_all was faster (136.0 against 139.6 ms), as its fewer bytes say. Past
+# EP = 2 the ring moves every token to every shard, (n - 1) T rows, against about
+# shards_per_token(n) T of the (token, shard) pairs.
 AUTO_CASES = {
-    "deepseek_v3_ep2": (model_shapes.DEEPSEEK_V3_LAYER, 8192, 2, "all_to_all"),
-    "qwen3_ep2": (model_shapes.QWEN3_30B_A3B_LAYER, 16384, 2, "all_to_all"),
+    "deepseek_v3_ep2": (model_shapes.DEEPSEEK_V3_LAYER, 8192, 2, "ring"),
+    "qwen3_ep2": (model_shapes.QWEN3_30B_A3B_LAYER, 16384, 2, "ring"),
     "mixtral_8x7b_ep2": (model_shapes.MIXTRAL_8X7B_LAYER, 32768, 2, "all_to_all"),
     "deepseek_v3_ep8": (model_shapes.DEEPSEEK_V3_LAYER, 8192, 8, "all_to_all"),
     "qwen3_ep8": (model_shapes.QWEN3_30B_A3B_LAYER, 16384, 8, "all_to_all"),
@@ -187,7 +186,7 @@ AUTO_CASES = {
 
 
 @pytest.mark.parametrize("case", AUTO_CASES)
-def test_auto_chooses_by_the_cost_model(case):
+def test_auto_chooses_the_exchange_measured_fastest(case):
     shape, tokens, shards, expected = AUTO_CASES[case]
     config = MoEConfig(**shape.router.moe_kwargs())
     mesh = jax.make_mesh((shards,), ("expert",), devices=devices.cpu_devices()[:shards],

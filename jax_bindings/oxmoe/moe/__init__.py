@@ -50,9 +50,11 @@ Token exchange between expert shards (``MoEConfig.exchange``;
 - ``"ring"``: no exchange of routed rows: every shard gathers all tokens of the
   expert axis, computes its own experts' share, and the partial outputs are
   summed and scattered back (a reduce-scatter);
-- ``"auto"`` (default): ``"ring"`` or ``"all_to_all"``, whichever
-  :func:`oxmoe.moe.exchange.cost_model` says sends fewer bytes at the call's
-  shards, top-k, experts and hidden size (the ring on a tie).
+- ``"auto"`` (default): ``"ring"`` where the all_to_all's one slot would
+  hold every token (EP 2 with top-8 routing: it would send what the ring
+  sends, and copy it besides; :func:`oxmoe.moe.exchange.sends_every_token`),
+  else whichever :func:`oxmoe.moe.exchange.cost_model` says sends fewer bytes
+  at the call's shards, top-k, experts and hidden size (the ring on a tie).
 
 With ``MoEConfig.token_chunks`` the shard's tokens make that trip in chunks,
 each exchanged, computed and brought back on its own (forward and backward),
@@ -62,6 +64,9 @@ the weight gradients take every chunk's rows in one product each.
 The receive buffers are sized for the worst case (every token of every shard
 routed to this shard's experts, plus alignment padding), so no token is ever
 dropped and the result does not depend on the exchange beyond that rounding.
+The expert-row buffers' rows past their groups (about half of each with an
+exchange) are left unwritten and never read (in bf16 without alignment
+padding; zeroed otherwise).
 """
 
 from oxmoe.moe.config import MoEAux, MoEConfig, MoEParams, init_params, update_expert_bias

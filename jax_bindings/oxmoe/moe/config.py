@@ -100,7 +100,10 @@ class MoEConfig:
     in a conditional, which nothing outside it overlaps: the overlap wants
     the ring or one static slot size. With ``capacity_factor`` each chunk's
     buffers are sized for the whole capacity. Without expert shards there
-    is no exchange to hide, and the tokens are not split.
+    is no exchange to hide, and the tokens are not split. On two NVLink H200s
+    chunks made every EP = 2 step slower (DeepSeek-V3 by 15% at 2 chunks: its
+    128 experts a GPU read their weights again per chunk): they pay only
+    where a GPU holds few experts or the exchange is slow (across nodes).
 
     ``capacity_factor`` (MaxText's meaning; default None: no token is ever
     dropped): each expert takes at most ``ceil(capacity_factor * T k / E)``
