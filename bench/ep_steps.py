@@ -36,15 +36,15 @@ VARIANTS = ("auto", "all_to_all", "ring", "all_to_all:2", "ring:2", "all_to_all:
 SAMPLE_S, SAMPLES = 0.1, 9
 
 
-def median_step_seconds(run, *args) -> float:
-    """The median over :data:`SAMPLES` samples of a step's seconds, each sample at least
-    :data:`SAMPLE_S` of steps dispatched back to back (after one warm-up call)."""
+def median_step_seconds(run, *args, sample_s: float = SAMPLE_S, samples: int = SAMPLES) -> float:
+    """The median over ``samples`` samples of a call's seconds, each sample at least
+    ``sample_s`` of calls dispatched back to back (after one warm-up call)."""
     jax.block_until_ready(run(*args))
     start = time.perf_counter()
     jax.block_until_ready(run(*args))
-    calls = max(1, math.ceil(SAMPLE_S / (time.perf_counter() - start)))
+    calls = max(1, math.ceil(sample_s / (time.perf_counter() - start)))
     times = []
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         start = time.perf_counter()
         for _ in range(calls):
             out = run(*args)

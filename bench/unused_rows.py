@@ -21,8 +21,6 @@ Prints each pass's time both ways and their sums, and a last ``JSON {...}`` line
 
 import argparse
 import json
-import math
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,28 +30,15 @@ import oxmoe
 from oxmoe import activation, grouped_gemm, permutation
 from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, MIXTRAL_8X7B_LAYER, QWEN3_30B_A3B_LAYER
 
+from ep_steps import median_step_seconds
+
 #: (layer, tokens per GPU) of the benchmark's EP = 2 cases.
 SHAPES = {"deepseek_v3": (DEEPSEEK_V3_LAYER, 8192), "qwen3_30b_a3b": (QWEN3_30B_A3B_LAYER, 16384),
           "mixtral_8x7b": (MIXTRAL_8X7B_LAYER, 32768)}
 SHARDS = 2
 PARTS = ("dispatch", "up", "down", "grad rows x2", "down d lhs", "activation bwd", "up d lhs")
-SAMPLE_S, SAMPLES = 0.05, 9
-
-
-def median_seconds(fn, *args) -> float:
-    """Median of :data:`SAMPLES` samples of at least :data:`SAMPLE_S` of calls back to back."""
-    jax.block_until_ready(fn(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    calls = max(1, math.ceil(SAMPLE_S / (time.perf_counter() - start)))
-    times = []
-    for _ in range(SAMPLES):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return float(np.median(times))
+#: Each pass's samples: at least this long, back to back (a pass is 0.2-26 ms).
+SAMPLE_S = 0.05
 
 
 def inputs(name: str):
@@ -120,7 +105,7 @@ def main(names) -> None:
             parts = passes(x, zero)
             assert tuple(parts) == PARTS
             for part, (fn, args) in parts.items():
-                t = median_seconds(jax.jit(fn), *args) * (2 if part.endswith("x2") else 1)
+                t = median_step_seconds(jax.jit(fn), *args, sample_s=SAMPLE_S) * (2 if part.endswith("x2") else 1)
                 us[f"{name} {part} {'zeroed' if zero else 'unwritten'}"] = t * 1e6
                 total += t
             totals[zero] = total
