@@ -19,7 +19,6 @@ Prints one line per step and a last ``JSON {...}`` line with every time in ms.
 import argparse
 import dataclasses
 import json
-import math
 import time
 import zlib
 
@@ -29,28 +28,12 @@ from jax.sharding import Mesh
 
 import oxmoe
 from oxmoe.bench import moe as bench_moe
-from oxmoe.bench import timing
+
+from step_ab import median_seconds
 
 CASES = ("deepseek_v3", "qwen3_30b_a3b", "mixtral_8x7b")
 VARIANTS = ("auto", "all_to_all", "ring", "all_to_all:2", "ring:2", "all_to_all:4")
 SAMPLE_S, SAMPLES = 0.1, 9
-
-
-def median_step_seconds(run, *args, sample_s: float = SAMPLE_S, samples: int = SAMPLES) -> float:
-    """The median over ``samples`` samples of a call's seconds, each sample at least
-    ``sample_s`` of calls dispatched back to back (after one warm-up call)."""
-    jax.block_until_ready(run(*args))
-    start = time.perf_counter()
-    jax.block_until_ready(run(*args))
-    calls = max(1, math.ceil(sample_s / (time.perf_counter() - start)))
-    times = []
-    for _ in range(samples):
-        start = time.perf_counter()
-        for _ in range(calls):
-            out = run(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / calls)
-    return float(np.median(times))
 
 
 def parse_variant(text: str) -> tuple[str, int]:
@@ -70,7 +53,7 @@ def main(names, variants, budget_s: float, smoke: bool) -> None:
             print(f"{key}: skipped (past the {budget_s:g} s budget)", flush=True)
             return
         start = time.perf_counter()
-        ms[key] = median_step_seconds(jax.jit(run), *args) * 1e3
+        ms[key] = median_seconds(jax.jit(run), *args, samples=SAMPLES, sample_s=SAMPLE_S) * 1e3
         print(f"{key}: {ms[key]:.3f} ms ({time.perf_counter() - start:.0f} s with compilation)", flush=True)
 
     for name in (n for n in names if n in layers):  # the smoke run has DeepSeek-V3's alone

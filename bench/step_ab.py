@@ -23,6 +23,7 @@ and every time in ms. Needs a GPU.
 
 import argparse
 import json
+import math
 import time
 import zlib
 
@@ -40,8 +41,15 @@ import fp8_gemm
 LAYERS = ("mixtral", "qwen3_30b_a3b", "deepseek_v3 1 device E=32", "deepseek_v3 shared")
 
 
-def median_seconds(step, *args, calls: int = 10, samples: int = 7) -> float:
+def median_seconds(step, *args, calls: int = 10, samples: int = 7, sample_s: float | None = None) -> float:
+    """The median over ``samples`` samples of a call's seconds, each sample ``calls`` calls
+    dispatched back to back (with ``sample_s``, as many as last at least that long), after a
+    warm-up call."""
     jax.block_until_ready(step(*args))
+    if sample_s is not None:
+        start = time.perf_counter()
+        jax.block_until_ready(step(*args))
+        calls = max(1, math.ceil(sample_s / (time.perf_counter() - start)))
     times = []
     for _ in range(samples):
         start = time.perf_counter()

@@ -30,7 +30,7 @@ import oxmoe
 from oxmoe import activation, grouped_gemm, permutation
 from oxmoe.model_shapes import DEEPSEEK_V3_LAYER, MIXTRAL_8X7B_LAYER, QWEN3_30B_A3B_LAYER
 
-from ep_steps import median_step_seconds
+from step_ab import median_seconds
 
 #: (layer, tokens per GPU) of the benchmark's EP = 2 cases.
 SHAPES = {"deepseek_v3": (DEEPSEEK_V3_LAYER, 8192), "qwen3_30b_a3b": (QWEN3_30B_A3B_LAYER, 16384),
@@ -105,7 +105,7 @@ def main(names) -> None:
             parts = passes(x, zero)
             assert tuple(parts) == PARTS
             for part, (fn, args) in parts.items():
-                t = median_step_seconds(jax.jit(fn), *args, sample_s=SAMPLE_S) * (2 if part.endswith("x2") else 1)
+                t = median_seconds(jax.jit(fn), *args, samples=9, sample_s=SAMPLE_S) * (2 if part.endswith("x2") else 1)
                 us[f"{name} {part} {'zeroed' if zero else 'unwritten'}"] = t * 1e6
                 total += t
             totals[zero] = total
