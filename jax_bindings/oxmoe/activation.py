@@ -106,7 +106,7 @@ def activation_bwd(grad_hidden, pre_activation, row_probs, activation: str = "sw
         (:func:`oxmoe.grouped_gemm.ragged_dot`'s). Then only the rows the groups
         cover, the first ``min(R, sum(group_sizes))``, are computed; the
         results' rows past them are left unwritten (their values are
-        unspecified): for callers that read only the groups' rows. Called
+        unspecified; NaN on the CPU): for callers that read only the groups' rows. Called
         eagerly, a negative size raises; on the device negative sizes count
         as zero.
 

@@ -206,7 +206,7 @@ def ragged_dot(lhs, rhs, group_sizes, precision=None, preferred_element_type=Non
       rhs_transposed: ``rhs`` is ``[G_local, N, K]``.
       zero_unused_rows: with False, the rows outside the groups of the window
         (those of the groups before and after it, and the rows past the
-        groups' total) are left unwritten (their values are unspecified)
+        groups' total) are left unwritten (their values are unspecified; NaN on the CPU)
         instead of zeroed: for callers that read only the window's rows. The
         gradients are the same either way.
 
@@ -274,7 +274,7 @@ def ragged_dot_activation(lhs, rhs, group_sizes, activation: str = "swiglu", *, 
       zero_unused_rows: with False, the rows outside the groups of the window
         (those of the groups before and after it, and the rows past the
         groups' total) are left unwritten in both results (their values are
-        unspecified) instead of zeroed: for callers that read only the
+        unspecified; NaN on the CPU) instead of zeroed: for callers that read only the
         window's rows. The gradients are the same either way.
 
     Returns:

@@ -398,7 +398,7 @@ def dispatch_fwd(tokens, routing_map, probs, *, num_rows: int, align_size: int |
     zero_unused_rows: with False, the rows of ``tokens`` outside the groups (the
     rows no copy holds: alignment padding and the rows past the last group,
     where ``source_tokens`` is -1) are left unwritten (their values are
-    unspecified) instead of zeroed: for callers that read only the groups'
+    unspecified; NaN on the CPU) instead of zeroed: for callers that read only the groups'
     rows. The other results, ``probs`` included, are the same either way.
     """
     zero_unused_rows = check_bool("zero_unused_rows", zero_unused_rows)
@@ -460,7 +460,7 @@ def combine_bwd(grad_out, rows, row_id_map: RowIdMap, merging_probs=None, *,
 
     zero_unused_rows: with False, the rows of ``grad_rows`` outside the groups
     (the rows whose ``source_tokens`` entry is -1: alignment padding and the
-    rows past the last group) are left unwritten (their values are unspecified)
+    rows past the last group) are left unwritten (their values are unspecified; NaN on the CPU)
     instead of zeroed: for callers that read only the groups' rows. Rows whose
     maps disagree are NaN either way, and ``grad_probs`` is the same.
     """
