@@ -43,8 +43,8 @@ impl<'a> ActivationOperands<'a> {
 /// group_sizes [G] int32 (G >= 1, on the device) -> grad_pre_activation
 /// shaped and typed as pre_activation, weighted_hidden [R, F] of that type,
 /// grad_row_probs [R] float32. With group_sizes only the rows the groups cover
-/// (`cpu::covered_rows`) are computed; the results' other rows are left as
-/// they are.
+/// (`cpu::covered_rows`) are computed; the results' other rows are left
+/// unwritten.
 pub struct ActivationBwd<'a> {
     pub operands: ActivationOperands<'a>,
     pub group_sizes: Option<Arg<'a>>,

@@ -153,6 +153,14 @@ impl<'a> Call<'a> {
         }
     }
 
+    /// The bool attribute `zero_unused_rows` of a call that writes rows in
+    /// groups: whether the rows outside them are zeroed or left unwritten
+    /// (for callers that read only the groups' rows). A call without it
+    /// zeroes, as every call did before the attribute existed.
+    pub fn zero_unused_rows(&self) -> Result<bool> {
+        Ok(self.optional_attr("zero_unused_rows")?.unwrap_or(true))
+    }
+
     /// The attribute `name`, decoded as `T`, if the call has it.
     pub fn optional_attr<T: Attr<'a>>(&self, name: &str) -> Result<Option<T>> {
         let attrs = &self.frame.attrs;

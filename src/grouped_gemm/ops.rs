@@ -74,19 +74,13 @@ fn decode_ragged_groups<'a>(call: &Call<'a>, first: usize, local_groups: usize) 
     Ok((group_sizes, group_offset, groups))
 }
 
-/// The optional attribute `zero_unused_rows`: whether the rows of the outputs
-/// outside the window's groups are zeroed (absent: they are) or left unwritten.
-fn decode_zero_unused_rows(call: &Call) -> Result<bool> {
-    Ok(call.optional_attr("zero_unused_rows")?.unwrap_or(true))
-}
-
 /// `oxmoe_ragged_dot`: lhs [M, K], rhs [Gl, K, N] (attribute
 /// `rhs_transposed`: [Gl, N, K]), group_sizes, group_offset -> out [M, N].
 pub struct RaggedDot<'a> {
     pub shape: GroupedShape,
     pub rhs_transposed: bool,
     /// Whether out's rows outside `[bounds[0], bounds[local_groups])` are zeroed,
-    /// or left as they are (for callers that read only the groups' rows).
+    /// or left unwritten (for callers that read only the groups' rows).
     pub zero_unused_rows: bool,
     pub lhs: Arg<'a>,
     pub rhs: Arg<'a>,
@@ -103,7 +97,7 @@ impl<'a> RaggedDot<'a> {
         let dtype = lhs.expect_dtype(&FLOAT_TYPES)?;
         let (m, k) = lhs.matrix()?;
         let (rhs, rhs_transposed, local_groups, n) = decode_weights(call, 1, k, dtype)?;
-        let zero_unused_rows = decode_zero_unused_rows(call)?;
+        let zero_unused_rows = call.zero_unused_rows()?;
         let (group_sizes, group_offset, groups) = decode_ragged_groups(call, 2, local_groups)?;
         let out = call.ret(0, "out")?;
         check_out(&out, dtype, &[m, n])?;
@@ -130,7 +124,7 @@ impl<'a> RaggedDotActivation<'a> {
     pub(super) fn decode(call: &Call<'a>) -> Result<Self> {
         call.expect_num_args(4, 4)?;
         let activation = Activation::parse(call.attr("activation")?)?;
-        let zero_unused_rows = decode_zero_unused_rows(call)?;
+        let zero_unused_rows = call.zero_unused_rows()?;
         let lhs = call.arg(0, "lhs")?;
         let dtype = lhs.expect_dtype(&FLOAT_TYPES)?;
         let (m, k) = lhs.matrix()?;

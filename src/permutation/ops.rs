@@ -16,12 +16,6 @@ fn check_index_range(what: &str, count: usize) -> Result<()> {
     Ok(())
 }
 
-/// The attribute `zero_unused_rows` of a row scatter; a call without it zeroes,
-/// as every call did before the attribute existed.
-fn zero_unused_rows(call: &Call) -> Result<bool> {
-    Ok(call.optional_attr::<bool>("zero_unused_rows")?.unwrap_or(true))
-}
-
 /// `(tokens, experts)` of a `[T, E]` map (`name`), with at least one expert.
 fn token_expert_map(map: &Arg, name: &str) -> Result<(usize, usize)> {
     let (tokens, experts) = map.matrix()?;
@@ -111,7 +105,7 @@ impl<'a> DispatchFwd<'a> {
             pad_offsets,
             out_probs,
             workspace,
-            zero_unused_rows: zero_unused_rows(call)?,
+            zero_unused_rows: call.zero_unused_rows()?,
         })
     }
 }
@@ -215,7 +209,7 @@ impl<'a> CombineBwd<'a> {
             source_tokens,
             weighted,
             grad_expert_tokens,
-            zero_unused_rows: zero_unused_rows(call)?,
+            zero_unused_rows: call.zero_unused_rows()?,
         })
     }
 }

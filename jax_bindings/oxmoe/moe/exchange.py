@@ -323,7 +323,10 @@ def cost_model(config: MoEConfig, shards: int, tokens: int, hidden: int) -> dict
       reduce-scatter (float32, ``E`` per row).
 
     The links' bandwidth is the same for both, so bytes decide; ``"auto"``
-    picks the fewer, and the ring on a tie (its collectives need no plan).
+    picks the fewer, and the ring on a tie (its collectives need no plan),
+    except where :func:`sends_every_token` (the bytes are then equal but for
+    the routing weights, and the all_to_all's copies, which bytes on the
+    links do not count, decide).
     """
     n, el = shards, config.num_experts // shards
     row = hidden * config.dtype.itemsize

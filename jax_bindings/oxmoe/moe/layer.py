@@ -922,13 +922,12 @@ def _layer_bwd(config: MoEConfig, axes: Axes, res: Residuals, cotangents):
     # Each chunk's output gradient travels to its experts and its tokens' gradient back on its
     # own, as in the forward; the weight gradients sum every chunk's rows in one product each.
     chunks = _token_chunks(len(grad_y), config, axes)
-    # The rows of one chunk of this shard's own tokens (nothing exchanged) are summed into the tokens'
+    # On one expert shard (one chunk, nothing exchanged) the rows are summed into the tokens'
     # gradient after the router's backward: the router's float32 gradient starts each token's sum,
     # rounded once to the layer's dtype, where a separate pass would add the two (-50 us a step at
     # DeepSeek-V3 on one GPU). Not with shared experts: their float32 gradient would be added to
     # the router's in a pass of its own, which costs more than it saves (bench/NOTES.md).
-    local = (len(res.chunks) == 1 and res.chunks[0].exchange is None and not res.chunks[0].ring
-             and res.shared is None and jnp.dtype(res.x_dtype) == jnp.dtype(config.dtype))
+    local = axes.expert_shards == 1 and res.shared is None and jnp.dtype(res.x_dtype) == jnp.dtype(config.dtype)
     local_rows = None
     zero_unused_rows = _zeroes_unused_rows(config, axes)
     grad_tokens, grad_probs, hidden, grad_rows, grad_up_rows = [], [], [], [], []
