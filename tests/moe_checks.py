@@ -4,10 +4,13 @@ result with the dense reference (moe_reference.py): relative error of the norm p
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+import moe_reference
 from moe_reference import F32, GLU_ACTIVATIONS, Params, router_dtype
 
 
@@ -120,6 +123,32 @@ def draw_inputs(rng: np.random.Generator, config, x_shape, ffn: int, *, make=Par
     x = draw_tokens(rng, x_shape, params.gate, config, params.expert_bias, x_dtype=x_dtype)
     y_weight = (rng.standard_normal(x_shape) * Y_WEIGHT_SCALE).astype(np.float32)
     return jnp.asarray(x).astype(x_dtype), params, jnp.asarray(y_weight)
+
+
+# ------------------------------------------------------------------ the reference's result
+
+_value_and_grads = jax.jit(moe_reference.value_and_grads, static_argnums=2)
+
+
+def reference(x, params, config, y_weight):
+    """((y, aux), (d x, d params)) of the dense reference (moe_reference.value_and_grads),
+    jitted. The tokens go in as [T, H] and the config without the fields the reference ignores
+    (how the layer pads, exchanges and chunks), so that the cases of one routing, dtype and
+    token count share one compilation."""
+    plain = dataclasses.replace(config, align_size=None, exchange="auto", token_chunks=1)
+    h = x.shape[-1]
+    (y, aux), (dx, dparams) = _value_and_grads(x.reshape(-1, h), params, plain, y_weight.reshape(-1, h))
+    return (y.reshape(x.shape), aux), (dx.reshape(x.shape), dparams)
+
+
+def describe(config) -> str:
+    """The config's fields that differ from their defaults (and the expert count and top-k),
+    for a failure's context."""
+    defaults = type(config)(num_experts=config.num_experts, topk=config.topk)
+    changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
+               if getattr(config, f.name) != getattr(defaults, f.name) or f.name in ("num_experts", "topk")}
+    changed["dtype"] = jnp.dtype(config.dtype).name
+    return ", ".join(f"{k}={v}" for k, v in changed.items())
 
 
 # ------------------------------------------------------------------ comparisons

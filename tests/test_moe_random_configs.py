@@ -61,12 +61,7 @@ class Case:
     x_dtype: object
 
     def describe(self) -> str:
-        defaults = MoEConfig(num_experts=self.config.num_experts, topk=self.config.topk)
-        fields = {f.name: getattr(self.config, f.name) for f in dataclasses.fields(MoEConfig)
-                  if getattr(self.config, f.name) != getattr(defaults, f.name) or f.name in ("num_experts", "topk")}
-        fields["dtype"] = jnp.dtype(self.config.dtype).name
-        options = ", ".join(f"{name}={value}" for name, value in fields.items())
-        return (f"{options}; data={self.data}, expert={self.experts}, weights split={self.split_weights}, "
+        return (f"{checks.describe(self.config)}; data={self.data}, expert={self.experts}, weights split={self.split_weights}, "
                 f"x {jnp.dtype(self.x_dtype).name}{list(self.x_shape)}, ffn={self.ffn}, "
                 f"weights {jnp.dtype(self.param_dtype).name}")
 
@@ -101,18 +96,6 @@ def draw_case(rng: np.random.Generator) -> Case:
                 x_dtype)
 
 
-_reference = jax.jit(ref.value_and_grads, static_argnums=2)
-
-
-def reference(x, params, config, y_weight):
-    """((y, aux), (d x, d params)) of the reference, which ignores how the layer pads, exchanges
-    and chunks."""
-    plain = dataclasses.replace(config, align_size=None, exchange="auto", token_chunks=1)
-    h = x.shape[-1]
-    (y, aux), (dx, dparams) = _reference(x.reshape(-1, h), params, plain, y_weight.reshape(-1, h))
-    return (y.reshape(x.shape), aux), (dx.reshape(x.shape), dparams)
-
-
 # Draws a run: each about 3 s of compilation on a CPU core.
 DRAWS = 6
 
@@ -140,4 +123,4 @@ def test_random_configuration_matches_the_dense_reference(draw, cpu, seed):
 
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
         jax.device_put(x, tokens), placed, jax.device_put(y_weight, tokens))
-    checks.compare(got, reference(x, params, config, y_weight), config, context=context)
+    checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)

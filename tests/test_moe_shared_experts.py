@@ -34,13 +34,6 @@ def make_config(*, dtype, shared_gate: bool, activation="swiglu", **kwargs) -> M
                      **kwargs)
 
 
-_reference = jax.jit(ref.value_and_grads, static_argnums=2)
-
-
-def reference(x, params, config, y_weight):
-    return _reference(x, params, dataclasses.replace(config, exchange="auto"), y_weight)
-
-
 def draw(rng, config, cpu, x_shape=(TOKENS, HIDDEN), param_dtype=np.float32):
     return jax.device_put(checks.draw_inputs(rng, config, x_shape, FFN, make=MoEParams, param_dtype=param_dtype), cpu)
 
@@ -81,7 +74,7 @@ def test_shared_experts_on_one_device_match_the_dense_reference(case, cpu, seed,
     x, params, y_weight = draw(rng, config, cpu, (8, TOKENS // 8, HIDDEN), param_dtype=dtype)
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
         x, params, y_weight)
-    expected = reference(x, params, config, y_weight)
+    expected = checks.reference(x, params, config, y_weight)
     errors = checks.compare(got, expected, config, context=f"{case}, seed={seed}")
     assert {"d shared_up", "d shared_down"} <= set(errors)
     assert ("d shared_gate" in errors) == gate
@@ -137,7 +130,7 @@ def test_shared_experts_inside_shard_map_match_the_dense_reference(case, cpu, se
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
         put(x, tokens), jax.tree.map(put, params, specs), put(y_weight, tokens))
-    checks.compare(got, reference(x, params, config, y_weight), config, context=f"{case}, seed={seed}")
+    checks.compare(got, checks.reference(x, params, config, y_weight), config, context=f"{case}, seed={seed}")
 
 
 def test_shard_map_moe_keeps_the_shared_weights_whole_under_weight_axes(cpu, seed, rng):
@@ -154,7 +147,7 @@ def test_shard_map_moe_keeps_the_shared_weights_whole_under_weight_axes(cpu, see
     tokens = NamedSharding(mesh, P(("data", "expert")))
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
         jax.device_put(x, tokens), placed, jax.device_put(y_weight, tokens))
-    checks.compare(got, reference(x, params, config, y_weight), config, context=f"seed={seed}")
+    checks.compare(got, checks.reference(x, params, config, y_weight), config, context=f"seed={seed}")
     grads = got[1][1]
     for name in SHARED:
         assert getattr(grads, name).sharding.is_fully_replicated, f"d {name}: {getattr(grads, name).sharding}"
@@ -258,7 +251,7 @@ def test_flax_modules_create_the_shared_weights_and_match_the_reference(front_en
     (y, aux), (dx, dweights) = got
     dweights = {k: jnp.asarray(dweights[k][...] if front_end == "nnx" else dweights[k]) for k in shapes}
     weights = {k: jnp.asarray(weights[k][...] if front_end == "nnx" else weights[k]) for k in shapes}
-    expected = reference(x, MoEParams(**weights), config, y_weight)
+    expected = checks.reference(x, MoEParams(**weights), config, y_weight)
     checks.compare(((y, aux), (dx, MoEParams(**dweights))), expected, config, context=f"{front_end}, seed={seed}")
 
 

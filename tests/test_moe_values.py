@@ -22,8 +22,6 @@ layer's result does not depend on the sharding, exchange or padding, so every ca
 same reference; tokens whose routing is a near-tie are redrawn (moe_checks.draw_tokens).
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,27 +61,6 @@ def make_config(routing: str, **kwargs) -> MoEConfig:
     fields = dict(ROUTINGS[routing], aux_loss_coeff=checks.AUX_LOSS_COEFF, z_loss_coeff=checks.Z_LOSS_COEFF)
     fields.update(kwargs)
     return MoEConfig(**fields)
-
-
-def describe(config: MoEConfig) -> str:
-    defaults = MoEConfig(num_experts=config.num_experts, topk=config.topk)
-    changed = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)
-               if getattr(config, f.name) != getattr(defaults, f.name) or f.name in ("num_experts", "topk")}
-    changed["dtype"] = jnp.dtype(config.dtype).name
-    return ", ".join(f"{k}={v}" for k, v in changed.items())
-
-
-_reference = jax.jit(ref.value_and_grads, static_argnums=2)
-
-
-def reference(x, params, config, y_weight):
-    """((y, aux), (d x, d params)) of the reference, jitted. The tokens go in as [T, H] and the
-    config without the fields the reference ignores, so that the cases of one routing, dtype
-    and token count share one compilation."""
-    plain = dataclasses.replace(config, align_size=None, exchange="auto", token_chunks=1)
-    h = x.shape[-1]
-    (y, aux), (dx, dparams) = _reference(x.reshape(-1, h), params, plain, y_weight.reshape(-1, h))
-    return (y.reshape(x.shape), aux), (dx.reshape(x.shape), dparams)
 
 
 # ------------------------------------------------------------------ the reference itself
@@ -217,11 +194,11 @@ def test_layer_inside_shard_map_matches_the_dense_reference(case, cpu, seed, rng
     config = make_config(routing, dtype=dtype, exchange=exchange, align_size=align)
     x_shape = (16, TOKENS // 16, HIDDEN) if bsh else (TOKENS, HIDDEN)
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, x_shape, FFN, make=MoEParams), cpu)
-    context = f"{describe(config)}, data={data}, expert={ep}, x {x_shape}, seed={seed}"
+    context = f"{checks.describe(config)}, data={data}, expert={ep}, x {x_shape}, seed={seed}"
     mesh = mesh_of(data, ep)
     layer = layer_in_shard_map(config, mesh, has_bias=params.expert_bias is not None)
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
-    checks.compare(got, reference(x, params, config, y_weight), config, context=context)
+    checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)
 
 
 # --------------------------------------------------------------- without shard_map
@@ -249,10 +226,10 @@ def test_layer_without_shard_map_matches_the_dense_reference(case, cpu, seed, rn
     config = MoEConfig(**routing, **coeffs, activation=activation, dtype=dtype, align_size=align)
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, x_shape, ffn, make=MoEParams,
                                                          param_dtype=param_dtype, x_dtype=x_dtype), cpu)
-    context = f"{describe(config)}, x {x.dtype}{list(x_shape)}, weights {jnp.dtype(param_dtype).name}, seed={seed}"
+    context = f"{checks.describe(config)}, x {x.dtype}{list(x_shape)}, weights {jnp.dtype(param_dtype).name}, seed={seed}"
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(lambda x, p: moe_lib.moe(x, p, config), x, p, w))(
         x, params, y_weight)
-    errors = checks.compare(got, reference(x, params, config, y_weight), config, context=context)
+    errors = checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)
     if not losses:
         assert "load_balancing_loss" not in errors and "z_loss" not in errors
 
@@ -297,14 +274,14 @@ def test_layer_with_float32_gate_logits_matches_the_dense_reference(case, cpu, s
     config = make_config("softmax_top2", dtype=BF16, exchange="all_to_all", float32_gate_logits=True)
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams,
                                                          param_dtype=param_dtype, x_dtype=x_dtype), cpu)
-    context = f"{case}, {describe(config)}, seed={seed}"
+    context = f"{case}, {checks.describe(config)}, seed={seed}"
     if data is None:
         layer, args = (lambda x, p: moe_lib.moe(x, p, config)), (x, params, y_weight)
     else:
         mesh = mesh_of(data, ep)
         layer, args = layer_in_shard_map(config, mesh, has_bias=False), put_on_mesh(mesh, x, params, y_weight)
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*args)
-    checks.compare(got, reference(x, params, config, y_weight), config, context=context)
+    checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)
 
 
 # ----------------------------------------------------------------- capacity_factor
@@ -325,7 +302,7 @@ def test_capacity_factor_drops_the_reference_copies(case, cpu, seed, rng):
     ep, exchange, align, routing, factor, dtype = CAPACITY_CASES[case]
     config = make_config(routing, dtype=dtype, exchange=exchange, align_size=align, capacity_factor=factor)
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
-    context = f"{case}, {describe(config)}, seed={seed}"
+    context = f"{case}, {checks.describe(config)}, seed={seed}"
     if ep is None:
         layer, args = (lambda x, p: moe_lib.moe(x, p, config)), (x, params, y_weight)
     else:
@@ -333,7 +310,7 @@ def test_capacity_factor_drops_the_reference_copies(case, cpu, seed, rng):
         layer = layer_in_shard_map(config, mesh, has_bias=params.expert_bias is not None)
         args = put_on_mesh(mesh, x, params, y_weight)
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*args)
-    expected = reference(x, params, config, y_weight)
+    expected = checks.reference(x, params, config, y_weight)
     checks.compare(got, expected, config, context=context)
     if factor <= 1:  # a random routing overfills some expert
         assert int(got[0][1].dropped_copies) > 0, f"nothing dropped ({context})"
@@ -362,11 +339,11 @@ def test_token_chunks_match_the_dense_reference(case, cpu, seed, rng):
     config = make_config(routing, dtype=dtype, exchange=exchange, align_size=align, token_chunks=chunks,
                          capacity_factor=factor)
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
-    context = f"{case}, {describe(config)}, seed={seed}"
+    context = f"{case}, {checks.describe(config)}, seed={seed}"
     mesh = mesh_of(data, ep)
     layer = layer_in_shard_map(config, mesh, has_bias=params.expert_bias is not None)
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
-    checks.compare(got, reference(x, params, config, y_weight), config, context=context)
+    checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)
     if factor is not None:
         assert int(got[0][1].dropped_copies) > 0, f"nothing dropped ({context})"
 
@@ -389,7 +366,7 @@ def test_expert_weights_sharded_over_the_data_axis_match_the_dense_reference(cas
     data, ep, exchange, align, routing, dtype = SHARDED_WEIGHT_CASES[case]
     config = make_config(routing, dtype=dtype, exchange=exchange, align_size=align)
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
-    context = f"{case}, {describe(config)}, seed={seed}"
+    context = f"{case}, {checks.describe(config)}, seed={seed}"
     mesh = mesh_of(data, ep)
     experts = P(("expert", "data"))
     split = MoEParams(gate=P(), up=experts, down=experts, expert_bias=None if params.expert_bias is None else P())
@@ -402,7 +379,7 @@ def test_expert_weights_sharded_over_the_data_axis_match_the_dense_reference(cas
 
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
         jax.device_put(x, tokens), placed, jax.device_put(y_weight, tokens))
-    checks.compare(got, reference(x, params, config, y_weight), config, context=context)
+    checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)
     (_, _), (_, grads) = got
     for name in ("up", "down"):
         sharding = getattr(grads, name).sharding
@@ -430,8 +407,8 @@ def test_shard_map_moe_matches_the_reference_and_keeps_the_shardings(case, cpu, 
         return moe_lib.shard_map_moe(x, params, config, mesh=mesh, expert_axis=expert_axis, data_axes=data_axes)
 
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(x_d, params_d, w_d)
-    context = f"{case}, {describe(config)}, seed={seed}"
-    checks.compare(got, reference(x, params, config, y_weight), config, context=context)
+    context = f"{case}, {checks.describe(config)}, seed={seed}"
+    checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)
     (y, aux), (dx, dparams) = got
     for name, value, like in (("y", y, x_d), ("d x", dx, x_d), ("d gate", dparams.gate, params_d.gate),
                               ("d up", dparams.up, params_d.up), ("d down", dparams.down, params_d.down),
