@@ -64,31 +64,40 @@ def inputs(name: str):
 
 
 def passes(x: dict, zero: bool) -> dict:
-    """Each pass as a jitted function of its operands, and its operands (from the passes before)."""
-    d = permutation.dispatch_fwd(x["tokens"], x["routing_map"], x["probs"], num_rows=x["rows"], align_size=None,
-                                 zero_unused_rows=zero)
-    sizes, row_map = d.group_sizes, d.row_id_map
-    pre, hidden = grouped_gemm.ragged_dot_activation(d.tokens, x["up"], sizes, "swiglu", zero_unused_rows=zero)
-    grad_rows = permutation.combine_bwd(x["grad_y"], None, row_map, zero_unused_rows=zero)[0]
-    grad_hidden = grouped_gemm.ragged_dot(grad_rows, x["down"], sizes, rhs_transposed=True, zero_unused_rows=zero)
-    lhs_rows = activation.activation_bwd(grad_hidden, pre, d.probs.astype(jnp.float32), "swiglu",
-                                         group_sizes=None if zero else sizes).grad_pre_activation
+    """Each pass as a function of its operands, and its operands (from the passes before)."""
+    def dispatch(tokens, routing_map, probs):
+        return permutation.dispatch_fwd(tokens, routing_map, probs, num_rows=x["rows"], align_size=None,
+                                        zero_unused_rows=zero)
+
+    def up(rows, weight, sizes):
+        return grouped_gemm.ragged_dot_activation(rows, weight, sizes, "swiglu", zero_unused_rows=zero)
+
+    def down(hidden, weight, sizes):
+        return grouped_gemm.ragged_dot(hidden, weight, sizes, zero_unused_rows=zero)
+
+    def grad_rows(grad_y, row_map):
+        return permutation.combine_bwd(grad_y, None, row_map, zero_unused_rows=zero)[0]
+
+    def d_lhs(grad, weight, sizes):
+        return grouped_gemm.ragged_dot(grad, weight, sizes, rhs_transposed=True, zero_unused_rows=zero)
+
+    def activation_bwd(grad_hidden, pre, probs, sizes):
+        return activation.activation_bwd(grad_hidden, pre, probs, "swiglu", group_sizes=None if zero else sizes)
+
+    d = dispatch(x["tokens"], x["routing_map"], x["probs"])
+    sizes, probs = d.group_sizes, d.probs.astype(jnp.float32)
+    pre, hidden = up(d.tokens, x["up"], sizes)
+    grad_out_rows = grad_rows(x["grad_y"], d.row_id_map)
+    grad_hidden = d_lhs(grad_out_rows, x["down"], sizes)
+    lhs_rows = activation_bwd(grad_hidden, pre, probs, sizes).grad_pre_activation
     return {
-        "dispatch": (lambda t, m, p: permutation.dispatch_fwd(t, m, p, num_rows=x["rows"], align_size=None,
-                                                              zero_unused_rows=zero).tokens,
-                     (x["tokens"], x["routing_map"], x["probs"])),
-        "up": (lambda r, w, s: grouped_gemm.ragged_dot_activation(r, w, s, "swiglu", zero_unused_rows=zero),
-               (d.tokens, x["up"], sizes)),
-        "down": (lambda h, w, s: grouped_gemm.ragged_dot(h, w, s, zero_unused_rows=zero), (hidden, x["down"], sizes)),
-        "grad rows x2": (lambda g, m: permutation.combine_bwd(g, None, m, zero_unused_rows=zero)[0],
-                         (x["grad_y"], row_map)),
-        "down d lhs": (lambda g, w, s: grouped_gemm.ragged_dot(g, w, s, rhs_transposed=True, zero_unused_rows=zero),
-                       (grad_rows, x["down"], sizes)),
-        "activation bwd": (lambda g, u, p, s: activation.activation_bwd(g, u, p, "swiglu",
-                                                                        group_sizes=None if zero else s),
-                           (grad_hidden, pre, d.probs.astype(jnp.float32), sizes)),
-        "up d lhs": (lambda r, w, s: grouped_gemm.ragged_dot(r, w, s, rhs_transposed=True, zero_unused_rows=zero),
-                     (lhs_rows, x["up"], sizes)),
+        "dispatch": (lambda *operands: dispatch(*operands).tokens, (x["tokens"], x["routing_map"], x["probs"])),
+        "up": (up, (d.tokens, x["up"], sizes)),
+        "down": (down, (hidden, x["down"], sizes)),
+        "grad rows x2": (grad_rows, (x["grad_y"], d.row_id_map)),
+        "down d lhs": (d_lhs, (grad_out_rows, x["down"], sizes)),
+        "activation bwd": (activation_bwd, (grad_hidden, pre, probs, sizes)),
+        "up d lhs": (d_lhs, (lhs_rows, x["up"], sizes)),
     }
 
 
