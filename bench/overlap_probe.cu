@@ -31,16 +31,8 @@
 #include <functional>
 #include <vector>
 
+#include "check.cuh"
 #include "../kernels/activation.cu"  // the library's activation_bwd (a template), as the layer runs it
-
-#define CHECK(call)                                                                      \
-  do {                                                                                   \
-    const auto status = (call);                                                          \
-    if (status != 0) {                                                                   \
-      std::fprintf(stderr, "%s failed (%d) at line %d\n", #call, int(status), __LINE__); \
-      std::exit(1);                                                                      \
-    }                                                                                    \
-  } while (0)
 
 // The SM clock (MHz) and board power (W) of device 0 now, from the driver's NVML (opened at
 // run time: no NVML header or library to build against); -1 where it is missing.

@@ -35,6 +35,7 @@
 #include <random>
 #include <vector>
 
+#include "check.cuh"
 #include "../kernels/common.cuh"
 #include "../kernels/hopper.cuh"
 #include "../kernels/permutation.cu"  // the library's row kernels (templates), timed beside these
@@ -150,15 +151,6 @@ __global__ void __launch_bounds__(ROW_BLOCK) gather_bulk(const unsigned char* ro
   }
 #endif
 }
-
-#define CHECK(call)                                                  \
-  do {                                                               \
-    const cudaError_t status = (call);                               \
-    if (status != cudaSuccess) {                                     \
-      printf("%s failed: %s (line %d)\n", #call, cudaGetErrorString(status), __LINE__); \
-      exit(1);                                                       \
-    }                                                                \
-  } while (0)
 
 template <typename Launch>
 static float milliseconds(Launch launch, int reps = 20) {

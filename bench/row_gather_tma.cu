@@ -29,6 +29,7 @@
 #include <random>
 #include <vector>
 
+#include "check.cuh"
 #include "../kernels/hopper.cuh"
 
 constexpr int STAGES = 4, ROWS = 128, COLS = 64, TILE_BYTES = ROWS * COLS * 2;
@@ -121,15 +122,6 @@ __global__ void __cluster_dims__(CLUSTER, 1, 1) __launch_bounds__(32 * WARPS + 3
   if constexpr (CLUSTER > 1) cluster_sync();  // no block leaves while its partner may still write to it
 #endif
 }
-
-#define CHECK(call)                                                  \
-  do {                                                               \
-    const int status = static_cast<int>(call);                       \
-    if (status != 0) {                                               \
-      printf("%s failed: %d (line %d)\n", #call, status, __LINE__);  \
-      exit(1);                                                       \
-    }                                                                \
-  } while (0)
 
 // A [rows, cols] bf16 matrix loaded in boxes of 64 columns by box_rows rows.
 static CUtensorMap make_map(void* address, unsigned long long cols, unsigned long long rows, unsigned box_rows) {
