@@ -407,11 +407,12 @@ MOE_LAYER_ERRORS = {"load_balancing_loss_rel_err", "z_loss_rel_err", "routing_mi
 EP_LAYER = bench_moe.SMOKE_LAYERS[2]
 EP_EXCHANGE_ROWS, EP_SLOT, EP_WIRE_BYTES = 201, 64, 4 * 64 * 64 * 2
 #: The expert-parallel case's breakdown: the step with exchange "auto" (the ring: the
-#: all_to_all's one slot holds every token) and with each exchange the platform runs, all_to_all's and the ring's
-#: with the tokens in 2 and in 4 chunks, then the forward, the routing,
-#: one all_to_all exchange (none a step: "auto" takes the ring), off a CPU the ragged_all_to_all exchange beside it,
-#: the layer on one device, and that layer data-parallel over the 4 devices with its expert
-#: weights replicated and sharded, alone and two in sequence; each with how many a step has.
+#: all_to_all's one slot holds every token) and with each exchange the platform runs,
+#: all_to_all's and the ring's with the tokens in 2 and in 4 chunks, then the forward, the
+#: routing, one all_to_all exchange (none a step: "auto" takes the ring), off a CPU the
+#: ragged_all_to_all exchange beside it, the layer on one device, and that layer data-parallel
+#: over the 4 devices with its expert weights replicated and sharded, alone and two in
+#: sequence; each with how many a step has.
 _EP_STEPS = [("step (fwd+bwd), exchange 'auto' = 'ring'", 1), ("step (fwd+bwd), exchange 'all_to_all'", None),
              ("step (fwd+bwd), exchange 'ring'", None)]
 _EP_CHUNKED = [(f"step (fwd+bwd), exchange {method!r}, token_chunks={chunks}", None)

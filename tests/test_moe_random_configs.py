@@ -61,8 +61,8 @@ class Case:
     x_dtype: object
 
     def describe(self) -> str:
-        return (f"{checks.describe(self.config)}; data={self.data}, expert={self.experts}, weights split={self.split_weights}, "
-                f"x {jnp.dtype(self.x_dtype).name}{list(self.x_shape)}, ffn={self.ffn}, "
+        return (f"{checks.describe(self.config)}; data={self.data}, expert={self.experts}, "
+                f"weights split={self.split_weights}, x {jnp.dtype(self.x_dtype).name}{list(self.x_shape)}, ffn={self.ffn}, "
                 f"weights {jnp.dtype(self.param_dtype).name}")
 
 
