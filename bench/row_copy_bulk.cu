@@ -266,8 +266,8 @@ static void run(int tokens, int topk) {
   };
   std::vector<std::pair<const char*, std::function<void()>>> gathers = {
       {"registers", [&] {
-         gather_rows<bf16, H, E, true, ROW_BLOCK, TOKENS_PER_BLOCK><<<token_blocks, ROW_BLOCK>>>(
-             rows_in, dest_rows_d, weights_te_d, reinterpret_cast<bf16*>(x), tokens, rows);
+         gather_rows<bf16, H, E, true, false, ROW_BLOCK, TOKENS_PER_BLOCK><<<token_blocks, ROW_BLOCK>>>(
+             rows_in, dest_rows_d, weights_te_d, /*addend=*/nullptr, reinterpret_cast<bf16*>(x), tokens, rows);
        }},
       {"bulk", [&] {
          gather_bulk<GATHER_STAGES, PIECE, MAX_K><<<sms * gather_per_sm, ROW_BLOCK, gather_shared>>>(
