@@ -9,6 +9,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import moe_reference
 from moe_reference import F32, GLU_ACTIVATIONS, Params, router_dtype
@@ -123,6 +125,27 @@ def draw_inputs(rng: np.random.Generator, config, x_shape, ffn: int, *, make=Par
     x = draw_tokens(rng, x_shape, params.gate, config, params.expert_bias, x_dtype=x_dtype)
     y_weight = (rng.standard_normal(x_shape) * Y_WEIGHT_SCALE).astype(np.float32)
     return jnp.asarray(x).astype(x_dtype), params, jnp.asarray(y_weight)
+
+
+# ------------------------------------------------------------------ the layer's inputs on a mesh
+
+
+def param_specs(params, *, expert_axis="expert", weight_axes=()):
+    """The partition specs of ``params`` (a MoEParams) in the layer's layout: up and down split
+    over ``expert_axis`` (each shard's experts over ``weight_axes`` too), every other weight the
+    params have whole."""
+    experts = P((expert_axis, *weight_axes))
+    return type(params)(**{f.name: None if getattr(params, f.name) is None else experts if f.name in ("up", "down")
+                           else P() for f in dataclasses.fields(params)})
+
+
+def put_on_mesh(mesh, x, params, y_weight, *, data_axes=("data",), expert_axis="expert", weight_axes=()):
+    """x and y_weight split over (*data_axes, expert_axis), as the layer takes its tokens, and
+    ``params`` placed by :func:`param_specs`."""
+    tokens = NamedSharding(mesh, P((*data_axes, expert_axis)))
+    specs = param_specs(params, expert_axis=expert_axis, weight_axes=weight_axes)
+    placed = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), params, specs)
+    return jax.device_put(x, tokens), placed, jax.device_put(y_weight, tokens)
 
 
 # ------------------------------------------------------------------ the reference's result

@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import devices
@@ -168,15 +167,6 @@ MULTI_GPU_CASES = [
 ]
 
 
-def put_on_mesh(mesh, x, params, y_weight):
-    tokens = NamedSharding(mesh, P(("data", "expert")))
-    whole, experts = NamedSharding(mesh, P()), NamedSharding(mesh, P("expert"))
-    placed = MoEParams(gate=jax.device_put(params.gate, whole), up=jax.device_put(params.up, experts),
-                       down=jax.device_put(params.down, experts),
-                       expert_bias=None if params.expert_bias is None else jax.device_put(params.expert_bias, whole))
-    return jax.device_put(x, tokens), placed, jax.device_put(y_weight, tokens)
-
-
 @pytest.mark.parametrize("case", MULTI_GPU_CASES, ids=[c[0] for c in MULTI_GPU_CASES])
 def test_expert_parallel_layer_over_gpus_matches_the_dense_reference(case, seed, rng):
     name, (data, ep), router, tokens, hidden, ffn, exchange, *chunks = case
@@ -189,11 +179,11 @@ def test_expert_parallel_layer_over_gpus_matches_the_dense_reference(case, seed,
     # Auto axes: the results' types carry no mesh sharding, so they can move onto one GPU.
     mesh = jax.make_mesh((data, ep), ("data", "expert"), devices=GPUS[:data * ep],
                          axis_types=(jax.sharding.AxisType.Auto,) * 2)
-    specs = MoEParams(gate=P(), up=P("expert"), down=P("expert"),
-                      expert_bias=None if params.expert_bias is None else P())
     layer = jax.shard_map(lambda x, p: moe_lib.moe(x, p, config, expert_axis="expert", data_axes=("data",)),
-                          mesh=mesh, in_specs=(P(("data", "expert")), specs), out_specs=(P(("data", "expert")), P()))
-    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
+                          mesh=mesh, in_specs=(P(("data", "expert")), checks.param_specs(params)),
+                          out_specs=(P(("data", "expert")), P()))
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
+        *checks.put_on_mesh(mesh, x, params, y_weight))
     got = jax.device_put(got, first)
     expected = reference(x, params, config, y_weight)
     checks.compare(got, expected, config,

@@ -21,8 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 import devices
 import moe_checks as checks
@@ -111,16 +109,12 @@ def test_random_configuration_matches_the_dense_reference(draw, cpu, seed):
                            x_dtype=case.x_dtype), cpu)
     mesh = jax.make_mesh((case.data, case.experts), ("data", "expert"),
                          devices=devices.choose_mesh_devices([], devices.cpu_devices(), case.data * case.experts))
-    expert_split = P(("expert", "data")) if case.split_weights else P("expert")
-    specs = MoEParams(**{f.name: None if getattr(params, f.name) is None else
-                         expert_split if f.name in ("up", "down") else P() for f in dataclasses.fields(MoEParams)})
-    placed = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), params, specs)
-    tokens = NamedSharding(mesh, P(("data", "expert")))
+    weight_axes = ("data",) if case.split_weights else ()
 
     def layer(x, params):
         return moe_lib.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert", data_axes=("data",),
-                                     weight_axes=("data",) if case.split_weights else ())
+                                     weight_axes=weight_axes)
 
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
-        jax.device_put(x, tokens), placed, jax.device_put(y_weight, tokens))
+        *checks.put_on_mesh(mesh, x, params, y_weight, weight_axes=weight_axes))
     checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)

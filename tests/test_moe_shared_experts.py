@@ -14,7 +14,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import devices
@@ -109,27 +108,19 @@ def mesh_of(data: int, ep: int):
     return jax.make_mesh((data, ep), ("data", "expert"), devices=devices.cpu_devices()[:data * ep])
 
 
-def param_specs(params: MoEParams, *, weight_axes=()) -> MoEParams:
-    """Experts split over "expert" (and each shard's over `weight_axes`), the rest whole."""
-    whole = {name: None if getattr(params, name) is None else P() for name in ("expert_bias", *SHARED)}
-    experts = P(("expert", *weight_axes))
-    return MoEParams(gate=P(), up=experts, down=experts, **whole)
-
-
 @pytest.mark.parametrize("case", SHARDED_CASES)
 def test_shared_experts_inside_shard_map_match_the_dense_reference(case, cpu, seed, rng):
     data, ep, exchange, dtype, gate = SHARDED_CASES[case]
     config = make_config(dtype=dtype, shared_gate=gate, exchange=exchange)
     x, params, y_weight = draw(rng, config, cpu)
-    mesh, specs, tokens = mesh_of(data, ep), param_specs(params), P(("data", "expert"))
+    mesh, specs, tokens = mesh_of(data, ep), checks.param_specs(params), P(("data", "expert"))
 
     def per_shard(x, params):
         return moe_lib.moe(x, params, config, expert_axis="expert", data_axes=("data",))
 
     layer = jax.shard_map(per_shard, mesh=mesh, in_specs=(tokens, specs), out_specs=(tokens, P()))
-    put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
-        put(x, tokens), jax.tree.map(put, params, specs), put(y_weight, tokens))
+        *checks.put_on_mesh(mesh, x, params, y_weight))
     checks.compare(got, checks.reference(x, params, config, y_weight), config, context=f"{case}, seed={seed}")
 
 
@@ -142,11 +133,8 @@ def test_shard_map_moe_keeps_the_shared_weights_whole_under_weight_axes(cpu, see
         return moe_lib.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert", data_axes=("data",),
                                      weight_axes=("data",))
 
-    specs = param_specs(params, weight_axes=("data",))
-    placed = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), params, specs)
-    tokens = NamedSharding(mesh, P(("data", "expert")))
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
-        jax.device_put(x, tokens), placed, jax.device_put(y_weight, tokens))
+        *checks.put_on_mesh(mesh, x, params, y_weight, weight_axes=("data",)))
     checks.compare(got, checks.reference(x, params, config, y_weight), config, context=f"seed={seed}")
     grads = got[1][1]
     for name in SHARED:
@@ -306,7 +294,7 @@ def test_the_shared_mlp_depends_on_no_exchange_of_routed_tokens():
     params = moe_lib.init_params(jax.random.key(0), config, HIDDEN, FFN)
     mesh = jax.make_mesh((1, 2), ("data", "expert"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
                          devices=devices.cpu_devices()[:2])
-    specs, tokens = param_specs(params), P(("data", "expert"))
+    specs, tokens = checks.param_specs(params), P(("data", "expert"))
     layer = jax.shard_map(lambda x, p: moe_lib.moe(x, p, config, expert_axis="expert", data_axes=("data",)),
                           mesh=mesh, in_specs=(tokens, specs), out_specs=(tokens, P()))
     jaxpr = jax.make_jaxpr(layer)(jnp.zeros((TOKENS, HIDDEN)), params).jaxpr

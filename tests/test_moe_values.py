@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import devices
@@ -167,25 +166,15 @@ def mesh_of(data: int, ep: int):
     return jax.make_mesh((data, ep), ("data", "expert"), devices=host_devices(data * ep))
 
 
-def layer_in_shard_map(config, mesh, *, has_bias: bool, data_axes=("data",), expert_axis="expert"):
-    """layer(x, params) -> (y, aux): moe inside jax.shard_map, the tokens split over (*data_axes,
-    expert_axis), gate and expert_bias replicated, up and down split over expert_axis."""
-    tokens, experts = P((*data_axes, expert_axis)), P(expert_axis)
-    specs = MoEParams(gate=P(), up=experts, down=experts, expert_bias=P() if has_bias else None)
+def layer_in_shard_map(config, mesh, params, *, data_axes=("data",), expert_axis="expert"):
+    """layer(x, params) -> (y, aux) for weights like ``params``: moe inside jax.shard_map, the
+    tokens split over (*data_axes, expert_axis), the weights as moe_checks.param_specs lays them."""
+    tokens, specs = P((*data_axes, expert_axis)), checks.param_specs(params, expert_axis=expert_axis)
 
     def per_shard(x, params):
         return moe_lib.moe(x, params, config, expert_axis=expert_axis, data_axes=data_axes)
 
     return jax.shard_map(per_shard, mesh=mesh, in_specs=(tokens, specs), out_specs=(tokens, P()))
-
-
-def put_on_mesh(mesh, x, params, y_weight, *, data_axes=("data",), expert_axis="expert"):
-    tokens = NamedSharding(mesh, P((*data_axes, expert_axis)))
-    whole, experts = NamedSharding(mesh, P()), NamedSharding(mesh, P(expert_axis))
-    params = MoEParams(gate=jax.device_put(params.gate, whole), up=jax.device_put(params.up, experts),
-                       down=jax.device_put(params.down, experts),
-                       expert_bias=None if params.expert_bias is None else jax.device_put(params.expert_bias, whole))
-    return jax.device_put(x, tokens), params, jax.device_put(y_weight, tokens)
 
 
 @pytest.mark.parametrize("case", SHARDED_CASES, ids=[sharded_case_id(c) for c in SHARDED_CASES])
@@ -196,8 +185,9 @@ def test_layer_inside_shard_map_matches_the_dense_reference(case, cpu, seed, rng
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, x_shape, FFN, make=MoEParams), cpu)
     context = f"{checks.describe(config)}, data={data}, expert={ep}, x {x_shape}, seed={seed}"
     mesh = mesh_of(data, ep)
-    layer = layer_in_shard_map(config, mesh, has_bias=params.expert_bias is not None)
-    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
+    layer = layer_in_shard_map(config, mesh, params)
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
+        *checks.put_on_mesh(mesh, x, params, y_weight))
     checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)
 
 
@@ -279,7 +269,7 @@ def test_layer_with_float32_gate_logits_matches_the_dense_reference(case, cpu, s
         layer, args = (lambda x, p: moe_lib.moe(x, p, config)), (x, params, y_weight)
     else:
         mesh = mesh_of(data, ep)
-        layer, args = layer_in_shard_map(config, mesh, has_bias=False), put_on_mesh(mesh, x, params, y_weight)
+        layer, args = layer_in_shard_map(config, mesh, params), checks.put_on_mesh(mesh, x, params, y_weight)
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*args)
     checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)
 
@@ -307,8 +297,8 @@ def test_capacity_factor_drops_the_reference_copies(case, cpu, seed, rng):
         layer, args = (lambda x, p: moe_lib.moe(x, p, config)), (x, params, y_weight)
     else:
         mesh = mesh_of(1, ep)
-        layer = layer_in_shard_map(config, mesh, has_bias=params.expert_bias is not None)
-        args = put_on_mesh(mesh, x, params, y_weight)
+        layer = layer_in_shard_map(config, mesh, params)
+        args = checks.put_on_mesh(mesh, x, params, y_weight)
     got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*args)
     expected = checks.reference(x, params, config, y_weight)
     checks.compare(got, expected, config, context=context)
@@ -341,8 +331,9 @@ def test_token_chunks_match_the_dense_reference(case, cpu, seed, rng):
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
     context = f"{case}, {checks.describe(config)}, seed={seed}"
     mesh = mesh_of(data, ep)
-    layer = layer_in_shard_map(config, mesh, has_bias=params.expert_bias is not None)
-    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(*put_on_mesh(mesh, x, params, y_weight))
+    layer = layer_in_shard_map(config, mesh, params)
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
+        *checks.put_on_mesh(mesh, x, params, y_weight))
     checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)
     if factor is not None:
         assert int(got[0][1].dropped_copies) > 0, f"nothing dropped ({context})"
@@ -368,17 +359,13 @@ def test_expert_weights_sharded_over_the_data_axis_match_the_dense_reference(cas
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, (TOKENS, HIDDEN), FFN, make=MoEParams), cpu)
     context = f"{case}, {checks.describe(config)}, seed={seed}"
     mesh = mesh_of(data, ep)
-    experts = P(("expert", "data"))
-    split = MoEParams(gate=P(), up=experts, down=experts, expert_bias=None if params.expert_bias is None else P())
-    placed = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), params, split)
-    tokens = NamedSharding(mesh, P(("data", "expert")))
 
     def layer(x, params):
         return moe_lib.shard_map_moe(x, params, config, mesh=mesh, expert_axis="expert", data_axes=("data",),
                                      weight_axes=("data",))
 
-    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(
-        jax.device_put(x, tokens), placed, jax.device_put(y_weight, tokens))
+    x_d, placed, w_d = checks.put_on_mesh(mesh, x, params, y_weight, weight_axes=("data",))
+    got = jax.jit(lambda x, p, w: ref.layer_value_and_grads(layer, x, p, w))(x_d, placed, w_d)
     checks.compare(got, checks.reference(x, params, config, y_weight), config, context=context)
     (_, _), (_, grads) = got
     for name in ("up", "down"):
@@ -401,7 +388,7 @@ def test_shard_map_moe_matches_the_reference_and_keeps_the_shardings(case, cpu, 
     config = make_config("sigmoid_groups", dtype=F32, exchange="all_to_all", align_size=128)
     x, params, y_weight = jax.device_put(checks.draw_inputs(rng, config, x_shape, 32, make=MoEParams), cpu)
     mesh = jax.make_mesh(shape, names, devices=host_devices(int(np.prod(shape))))
-    x_d, params_d, w_d = put_on_mesh(mesh, x, params, y_weight, data_axes=data_axes, expert_axis=expert_axis)
+    x_d, params_d, w_d = checks.put_on_mesh(mesh, x, params, y_weight, data_axes=data_axes, expert_axis=expert_axis)
 
     def layer(x, params):
         return moe_lib.shard_map_moe(x, params, config, mesh=mesh, expert_axis=expert_axis, data_axes=data_axes)
