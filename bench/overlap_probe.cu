@@ -108,7 +108,8 @@ int main(int argc, char** argv) {
   cublasHandle_t handle;
   CHECK(cublasCreate(&handle));
   CHECK(cublasSetStream(handle, product_stream));
-  std::vector<cudaEvent_t> chunk_done(8);
+  const std::vector<int> chunk_counts = {1, 2, 4, 8};
+  std::vector<cudaEvent_t> chunk_done(chunk_counts.back());
   for (auto& e : chunk_done) CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   cudaEvent_t start, stop, joined;
   CHECK(cudaEventCreate(&start));
@@ -128,9 +129,12 @@ int main(int argc, char** argv) {
         grad_pre + size_t(row0) * 2 * n, weighted + size_t(row0) * n, grad_probs + row0);
   };
   // The median of `work`'s timings (after 3 untimed), in us, repeated for at least 0.5 s, with the
-  // clock and power at the end (" at MHz, W").
+  // SM clock and board power at the end.
+  struct Timing {
+    float us;
+    int mhz, watts;
+  };
   const Nvml nvml;
-  char state[64];
   auto time = [&](const std::function<void()>& work) {
     std::vector<float> us;
     float total_ms = 0.f;
@@ -143,9 +147,11 @@ int main(int argc, char** argv) {
       CHECK(cudaEventElapsedTime(&ms, start, stop));
       if (i >= 3) us.push_back(ms * 1000.f), total_ms += ms;
     }
-    std::snprintf(state, sizeof state, " (%d MHz, %d W)", nvml.sm_mhz(), nvml.watts());
     std::nth_element(us.begin(), us.begin() + us.size() / 2, us.end());
-    return us[us.size() / 2];
+    return Timing{us[us.size() / 2], nvml.sm_mhz(), nvml.watts()};
+  };
+  auto print = [](const char* what, const Timing& t) {
+    std::printf("%s %.0f (%d MHz, %d W)", what, t.us, t.mhz, t.watts);
   };
   auto sequential = [&](int chunks) {
     return time([&] {
@@ -174,25 +180,26 @@ int main(int argc, char** argv) {
   std::printf("M %d, K %d, N %d (bf16; SwiGLU's backward over [M, %d]), %d SMs; us, medians over 0.5 s\n", m, k, n,
               2 * n, sms);
   CHECK(cublasSetSmCountTarget(handle, 0));
-  const float gemm = time([&] { product(0, m); });
-  std::printf("GEMM alone %.0f%s", gemm, state);
-  const float act = time([&] { activation(0, m, product_stream); });
+  const Timing gemm = time([&] { product(0, m); });
+  print("GEMM alone", gemm);
+  const Timing act = time([&] { activation(0, m, product_stream); });
   const double flops = 2.0 * m * k * n, bytes = 6.0 * m * n * 2 + 8.0 * m;
-  std::printf("; activation_bwd alone %.0f%s; sum %.0f (%.0f TFLOP/s, %.0f GB/s)\n", act, state, gemm + act,
-              flops / gemm / 1e6, bytes / act / 1e3);
+  print("; activation_bwd alone", act);
+  std::printf("; sum %.0f (%.0f TFLOP/s, %.0f GB/s)\n", gemm.us + act.us, flops / gemm.us / 1e6, bytes / act.us / 1e3);
   for (int target : {sms - 16, sms - 32, sms - 48}) {
     CHECK(cublasSetSmCountTarget(handle, target));
-    const float us = time([&] { product(0, m); });
-    std::printf("GEMM alone on %d SMs: %.0f%s\n", target, us, state);
+    std::printf("GEMM alone on %d SMs:", target);
+    print("", time([&] { product(0, m); }));
+    std::printf("\n");
   }
-  for (int chunks : {1, 2, 4, 8}) {
+  for (int chunks : chunk_counts) {
     CHECK(cublasSetSmCountTarget(handle, 0));
-    const float one_stream = sequential(chunks);
-    std::printf("chunks %d: one stream %.0f%s;", chunks, one_stream, state);
+    std::printf("chunks %d:", chunks);
+    print(" one stream", sequential(chunks));
     for (int target : {0, sms - 16, sms - 32, sms - 48}) {
       CHECK(cublasSetSmCountTarget(handle, target));
-      const float us = overlapped(chunks);
-      std::printf(" two streams, GEMM on %d SMs %.0f%s;", target == 0 ? sms : target, us, state);
+      std::printf("; two streams, GEMM on %d SMs", target == 0 ? sms : target);
+      print("", overlapped(chunks));
     }
     std::printf("\n");
   }
